@@ -1,0 +1,41 @@
+# Set-up is incremental: the venv is rebuilt only when the pins change, and the
+# extension only when its sources change.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+DEPS   := $(VENV)/.deps-stamp
+EXT    := $(VENV)/.ext-stamp
+CSRC   := $(shell find csrc -type f 2>/dev/null)
+NPROC  ?= 2
+PYTEST_ARGS ?=
+
+.PHONY: install test demo bench nvcc-check clean
+
+install: $(EXT)
+
+$(DEPS): requirements.txt scripts/install.sh
+	bash scripts/install.sh $(VENV)
+	@touch $@
+
+$(EXT): $(DEPS) setup.py $(CSRC)
+	MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+# Compile-check the CUDA sources (they include no torch header) wherever nvcc exists.
+nvcc-check:
+	@if command -v nvcc >/dev/null 2>&1; then \
+	  for f in csrc/cuda/*.cu; do \
+	    echo "nvcc -c $$f"; nvcc -std=c++17 -O2 -c $$f -o /tmp/cnr-nvcc-check.o || exit 1; \
+	  done; \
+	else echo "nvcc not found: CUDA compile-check skipped"; fi
+
+test: install nvcc-check
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m cnr_torchrec.examples.track_demo
+
+bench: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py
+
+clean:
+	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT)

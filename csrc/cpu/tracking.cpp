@@ -1,0 +1,224 @@
+// CPU kernels of the dirty-row tracking ops: one bit per flat TBE row, packed
+// into int64 words. Threads that hit the same word meet in a relaxed atomic OR;
+// a plain load first skips the atomic for rows that are already dirty, which is
+// the common case under Zipf-skewed ids.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <climits>
+
+namespace cnr {
+namespace {
+
+constexpr int64_t kGrain = 1 << 14;
+
+inline uint64_t* words_of(const at::Tensor& bitmap) {
+  return reinterpret_cast<uint64_t*>(bitmap.data_ptr<int64_t>());
+}
+
+void check_bitmap(const at::Tensor& bitmap, const char* op) {
+  TORCH_CHECK(bitmap.dtype() == at::kLong && bitmap.dim() == 1 && bitmap.is_contiguous(), "cnr::", op,
+              ": bitmap must be a contiguous 1-D int64 tensor of packed words, got ", bitmap.dtype(), " ",
+              bitmap.sizes());
+}
+
+void check_range(const at::Tensor& bitmap, int64_t start, int64_t end, const char* op) {
+  TORCH_CHECK(0 <= start && start <= end && end <= bitmap.numel() * 64, "cnr::", op, ": row range [", start, ", ",
+              end, ") is outside the bitmap's ", bitmap.numel() * 64, " rows");
+}
+
+// Popcount of rows [start, end) in words.
+int64_t count_bits(const uint64_t* words, int64_t start, int64_t end) {
+  if (start >= end) return 0;
+  const int64_t w0 = start >> 6, w1 = (end - 1) >> 6;
+  const uint64_t head = ~0ull << (start & 63);
+  const uint64_t tail = ~0ull >> (63 - ((end - 1) & 63));
+  if (w0 == w1) return __builtin_popcountll(words[w0] & head & tail);
+  int64_t n = __builtin_popcountll(words[w0] & head) + __builtin_popcountll(words[w1] & tail);
+  for (int64_t w = w0 + 1; w < w1; ++w) n += __builtin_popcountll(words[w]);
+  return n;
+}
+
+inline void bump_saturating(int32_t* counter) {
+  int32_t cur = __atomic_load_n(counter, __ATOMIC_RELAXED);
+  while (cur != INT32_MAX &&
+         !__atomic_compare_exchange_n(counter, &cur, cur + 1, /*weak=*/true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+}
+
+template <typename index_t, typename offset_t>
+void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
+                      const int64_t* hsc, uint64_t* words, int32_t* counts, int64_t* first_bad) {
+  const int64_t T = static_cast<int64_t>(feature_bags.size()) - 1;
+  // Index positions where each feature starts; T is small, so this is cheap.
+  std::vector<int64_t> begin(T + 1);
+  for (int64_t f = 0; f <= T; ++f) begin[f] = static_cast<int64_t>(offsets[feature_bags[f]]);
+  const int64_t n = begin[T] - begin[0];
+  std::atomic<int64_t> bad{INT64_MAX};
+
+  at::parallel_for(begin[0], begin[0] + n, kGrain, [&](int64_t lo, int64_t hi) {
+    int64_t f = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
+    int64_t local_bad = INT64_MAX;
+    for (int64_t i = lo; i < hi; ++i) {
+      while (i >= begin[f + 1]) ++f;
+      const int64_t id = static_cast<int64_t>(indices[i]);
+      const int64_t base = hsc[f];
+      if (id < 0 || id >= hsc[f + 1] - base) {
+        local_bad = std::min(local_bad, i);
+        continue;
+      }
+      const int64_t row = base + id;
+      const uint64_t mask = 1ull << (row & 63);
+      uint64_t* word = words + (row >> 6);
+      if (!(__atomic_load_n(word, __ATOMIC_RELAXED) & mask)) __atomic_fetch_or(word, mask, __ATOMIC_RELAXED);
+      if (counts) bump_saturating(counts + row);
+    }
+    if (local_bad != INT64_MAX) {
+      int64_t seen = bad.load();
+      while (local_bad < seen && !bad.compare_exchange_weak(seen, local_bad)) {
+      }
+    }
+  });
+  *first_bad = bad.load();
+}
+
+void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& hash_size_cumsum,
+                   const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
+                   const std::optional<at::Tensor>& B_offsets) {
+  check_bitmap(bitmap, "mark_rows");
+  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "cnr::mark_rows: indices and offsets must be 1-D");
+  TORCH_CHECK(hash_size_cumsum.dtype() == at::kLong && hash_size_cumsum.dim() == 1 && hash_size_cumsum.numel() >= 2,
+              "cnr::mark_rows: hash_size_cumsum must be a 1-D int64 tensor with one entry per feature plus one");
+  const auto hsc_t = hash_size_cumsum.contiguous();
+  const int64_t* hsc = hsc_t.data_ptr<int64_t>();
+  const int64_t T = hsc_t.numel() - 1;
+  const int64_t total_rows = hsc[T];
+  TORCH_CHECK(bitmap.numel() * 64 >= total_rows, "cnr::mark_rows: bitmap holds ", bitmap.numel() * 64,
+              " rows but the tables have ", total_rows);
+  if (counts) {
+    TORCH_CHECK(counts->dtype() == at::kInt && counts->is_contiguous() && counts->numel() >= total_rows,
+                "cnr::mark_rows: counts must be a contiguous int32 tensor with one entry per row (", total_rows, ")");
+  }
+
+  const int64_t num_bags = offsets.numel() - 1;
+  std::vector<int64_t> feature_bags(T + 1);
+  if (B_offsets) {
+    TORCH_CHECK(B_offsets->numel() == T + 1, "cnr::mark_rows: B_offsets needs ", T + 1, " entries, got ",
+                B_offsets->numel());
+    const auto b = B_offsets->to(at::kLong).contiguous();
+    std::copy_n(b.data_ptr<int64_t>(), T + 1, feature_bags.begin());
+    TORCH_CHECK(feature_bags[T] == num_bags, "cnr::mark_rows: B_offsets ends at ", feature_bags[T], " but offsets has ",
+                num_bags, " bags");
+  } else {
+    if (num_bags <= 0) return;  // empty batch
+    TORCH_CHECK(num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
+                " features; pass B_offsets for variable batch sizes");
+    for (int64_t f = 0; f <= T; ++f) feature_bags[f] = f * (num_bags / T);
+  }
+  if (num_bags <= 0) return;
+
+  const auto idx = indices.contiguous();
+  const auto off = offsets.contiguous();
+  int64_t first_bad = INT64_MAX;
+  int32_t* counts_ptr = counts ? counts->data_ptr<int32_t>() : nullptr;
+  AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "cnr::mark_rows", [&] {
+    using id_t = index_t;
+    AT_DISPATCH_INDEX_TYPES(off.scalar_type(), "cnr::mark_rows", [&] {
+      TORCH_CHECK(off.data_ptr<index_t>()[num_bags] <= idx.numel(), "cnr::mark_rows: offsets end at ",
+                  off.data_ptr<index_t>()[num_bags], " but there are only ", idx.numel(), " indices");
+      mark_rows_kernel<id_t, index_t>(idx.data_ptr<id_t>(), off.data_ptr<index_t>(), feature_bags, hsc,
+                                      words_of(bitmap), counts_ptr, &first_bad);
+    });
+  });
+  if (first_bad != INT64_MAX) {
+    const int64_t f = [&] {
+      // Recover the feature of the first bad position for the message.
+      const auto o = off.to(at::kLong);
+      const int64_t* op = o.data_ptr<int64_t>();
+      int64_t g = 0;
+      while (g + 1 < T && op[feature_bags[g + 1]] <= first_bad) ++g;
+      return g;
+    }();
+    TORCH_CHECK_INDEX(false, "cnr::mark_rows: id ", idx.to(at::kLong)[first_bad].item<int64_t>(),
+                      " looked up in feature ", f, " is outside its ", hsc[f + 1] - hsc[f],
+                      " local rows; check the input ids against the table's num_embeddings");
+  }
+}
+
+at::Tensor bitmap_to_rows_cpu(const at::Tensor& bitmap, int64_t start, int64_t end) {
+  check_bitmap(bitmap, "bitmap_to_rows");
+  check_range(bitmap, start, end, "bitmap_to_rows");
+  const uint64_t* words = words_of(bitmap);
+  // Two passes over fixed chunks of words: count, then write at the scanned offsets.
+  constexpr int64_t kChunkRows = 1 << 16;
+  const int64_t chunks = (end - start + kChunkRows - 1) / kChunkRows;
+  std::vector<int64_t> offs(chunks + 1, 0);
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      offs[c + 1] = count_bits(words, start + c * kChunkRows, std::min(end, start + (c + 1) * kChunkRows));
+  });
+  for (int64_t c = 0; c < chunks; ++c) offs[c + 1] += offs[c];
+  auto out = at::empty({offs[chunks]}, bitmap.options().dtype(at::kLong));
+  int64_t* dst = out.data_ptr<int64_t>();
+  at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t lo = start + c * kChunkRows, hi = std::min(end, lo + kChunkRows);
+      int64_t* p = dst + offs[c];
+      for (int64_t w = lo >> 6; w <= (hi - 1) >> 6; ++w) {
+        uint64_t bits = words[w];
+        if (w == (lo >> 6)) bits &= ~0ull << (lo & 63);
+        if (w == ((hi - 1) >> 6)) bits &= ~0ull >> (63 - ((hi - 1) & 63));
+        while (bits) {
+          *p++ = (w << 6) + __builtin_ctzll(bits);
+          bits &= bits - 1;
+        }
+      }
+    }
+  });
+  return out;
+}
+
+at::Tensor bitmap_count_cpu(const at::Tensor& bitmap, const at::Tensor& boundaries) {
+  check_bitmap(bitmap, "bitmap_count");
+  const auto b = boundaries.to(at::kLong).contiguous();
+  const int64_t* bp = b.data_ptr<int64_t>();
+  const int64_t R = std::max<int64_t>(b.numel() - 1, 0);
+  for (int64_t r = 0; r < R; ++r) check_range(bitmap, bp[r], bp[r + 1], "bitmap_count");
+  auto out = at::empty({R}, bitmap.options().dtype(at::kLong));
+  int64_t* op = out.data_ptr<int64_t>();
+  const uint64_t* words = words_of(bitmap);
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) op[r] = count_bits(words, bp[r], bp[r + 1]);
+  });
+  return out;
+}
+
+void bitmap_clear_cpu(const at::Tensor& bitmap, int64_t start, int64_t end) {
+  check_bitmap(bitmap, "bitmap_clear_");
+  check_range(bitmap, start, end, "bitmap_clear_");
+  if (start >= end) return;
+  uint64_t* words = words_of(bitmap);
+  const int64_t w0 = start >> 6, w1 = (end - 1) >> 6;
+  const uint64_t head = ~0ull << (start & 63);
+  const uint64_t tail = ~0ull >> (63 - ((end - 1) & 63));
+  if (w0 == w1) {
+    words[w0] &= ~(head & tail);
+    return;
+  }
+  words[w0] &= ~head;
+  words[w1] &= ~tail;
+  if (w1 > w0 + 1) std::fill(words + w0 + 1, words + w1, 0ull);
+}
+
+}  // namespace
+}  // namespace cnr
+
+TORCH_LIBRARY_IMPL(cnr, CPU, m) {
+  m.impl("mark_rows", &cnr::mark_rows_cpu);
+  m.impl("bitmap_to_rows", &cnr::bitmap_to_rows_cpu);
+  m.impl("bitmap_count", &cnr::bitmap_count_cpu);
+  m.impl("bitmap_clear_", &cnr::bitmap_clear_cpu);
+}

@@ -1,0 +1,92 @@
+// Binds the CUDA dirty-row launchers (tracking.cu) to the `cnr` ops. Compiled
+// only when torch is a CUDA build (setup.py adds csrc/cuda/*_bind.cpp then).
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "tracking.cuh"
+
+namespace cnr {
+namespace {
+
+unsigned long long* words_of(const at::Tensor& bitmap) {
+  TORCH_CHECK(bitmap.dtype() == at::kLong && bitmap.dim() == 1 && bitmap.is_contiguous(),
+              "cnr: bitmap must be a contiguous 1-D int64 tensor of packed words");
+  return reinterpret_cast<unsigned long long*>(bitmap.data_ptr<int64_t>());
+}
+
+void mark_rows_cuda(const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& hash_size_cumsum,
+                    const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
+                    const std::optional<at::Tensor>& B_offsets) {
+  const c10::cuda::CUDAGuard guard(bitmap.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  const auto idx = indices.contiguous();
+  const auto off = offsets.contiguous();
+  const auto hsc = hash_size_cumsum.to(bitmap.device(), at::kLong).contiguous();
+  const int64_t T = hsc.numel() - 1;
+  const int64_t num_bags = off.numel() - 1;
+  std::optional<at::Tensor> b;
+  if (B_offsets) b = B_offsets->to(bitmap.device(), at::kLong).contiguous();
+  if (num_bags <= 0 || idx.numel() == 0) return;
+  TORCH_CHECK(b || num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
+              " features; pass B_offsets for variable batch sizes");
+  if (counts) TORCH_CHECK(counts->dtype() == at::kInt && counts->is_contiguous(), "cnr::mark_rows: counts must be int32");
+  auto invalid = at::tensor({0LL, static_cast<long long>(INT64_MAX)}, bitmap.options());
+  cuda::mark_rows(idx.data_ptr(), idx.scalar_type() == at::kLong, off.data_ptr(), off.scalar_type() == at::kLong,
+                  num_bags, b ? b->data_ptr<int64_t>() : nullptr, T, hsc.data_ptr<int64_t>(), words_of(bitmap),
+                  counts ? counts->data_ptr<int32_t>() : nullptr,
+                  reinterpret_cast<unsigned long long*>(invalid.data_ptr<int64_t>()), idx.numel(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // One small device-to-host copy per lookup keeps out-of-range ids a hard error.
+  const auto host = invalid.cpu();
+  if (host[0].item<int64_t>() != 0) {
+    TORCH_CHECK_INDEX(false, "cnr::mark_rows: ", host[0].item<int64_t>(), " looked-up ids are outside their tables",
+                      " (first at position ", host[1].item<int64_t>(), "); check the input ids against num_embeddings");
+  }
+}
+
+at::Tensor bitmap_to_rows_cuda(const at::Tensor& bitmap, int64_t start, int64_t end) {
+  const c10::cuda::CUDAGuard guard(bitmap.device());
+  const auto stream = c10::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(0 <= start && start <= end && end <= bitmap.numel() * 64, "cnr::bitmap_to_rows: bad row range");
+  if (start == end) return at::empty({0}, bitmap.options());
+  const int64_t nw = ((end - 1) >> 6) - (start >> 6) + 1;
+  auto per_word = at::empty({nw}, bitmap.options());
+  cuda::popcount_words(words_of(bitmap), start, end, per_word.data_ptr<int64_t>(), stream);
+  auto inclusive = per_word.cumsum(0);
+  const int64_t total = inclusive[-1].item<int64_t>();
+  auto exclusive = inclusive - per_word;
+  auto rows = at::empty({total}, bitmap.options());
+  cuda::bits_to_rows(words_of(bitmap), start, end, exclusive.data_ptr<int64_t>(), rows.data_ptr<int64_t>(), stream);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return rows;
+}
+
+at::Tensor bitmap_count_cuda(const at::Tensor& bitmap, const at::Tensor& boundaries) {
+  const c10::cuda::CUDAGuard guard(bitmap.device());
+  const auto b = boundaries.to(bitmap.device(), at::kLong).contiguous();
+  const int64_t R = std::max<int64_t>(b.numel() - 1, 0);
+  auto out = at::empty({R}, bitmap.options());
+  cuda::count_ranges(words_of(bitmap), b.data_ptr<int64_t>(), R, out.data_ptr<int64_t>(),
+                     c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return out;
+}
+
+void bitmap_clear_cuda(const at::Tensor& bitmap, int64_t start, int64_t end) {
+  const c10::cuda::CUDAGuard guard(bitmap.device());
+  TORCH_CHECK(0 <= start && start <= end && end <= bitmap.numel() * 64, "cnr::bitmap_clear_: bad row range");
+  cuda::clear_range(words_of(bitmap), start, end, c10::cuda::getCurrentCUDAStream());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace
+}  // namespace cnr
+
+TORCH_LIBRARY_IMPL(cnr, CUDA, m) {
+  m.impl("mark_rows", &cnr::mark_rows_cuda);
+  m.impl("bitmap_to_rows", &cnr::bitmap_to_rows_cuda);
+  m.impl("bitmap_count", &cnr::bitmap_count_cuda);
+  m.impl("bitmap_clear_", &cnr::bitmap_clear_cuda);
+}
