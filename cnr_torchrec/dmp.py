@@ -1,0 +1,60 @@
+"""``CheckNRunDMP``: DistributedModelParallel with dirty-row tracking built in."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+
+from cnr_torchrec.track import DirtyRowTracker
+
+__all__ = ["CheckNRunDMP"]
+
+
+class CheckNRunDMP(DistributedModelParallel):
+    """A drop-in :class:`~torchrec.distributed.DistributedModelParallel` that tracks dirty rows.
+
+    It takes the same arguments as DistributedModelParallel, plus two keyword-only
+    tracking options, and owns a :class:`~cnr_torchrec.track.DirtyRowTracker` as
+    ``model.dirty_tracker``. Tracking happens inside the TBE lookups, so it also works
+    when the model is driven by ``TrainPipelineSparseDist``.
+
+    Args:
+        module, env, device, plan, sharders, init_data_parallel, init_parameters,
+        data_parallel_wrapper, model_tracker_configs: as for DistributedModelParallel.
+        count_updates: keep an int32 lookup counter per row (for MFU prioritisation).
+        baseline_view: also keep the "dirty since the last baseline" view.
+
+    Raises:
+        UnsupportedShardingError: a table whose kernel is not an FBGEMM TBE, or whose
+            compute kernel is not a fused one (data_parallel tables excepted).
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        env: ShardingEnv | None = None,
+        device: torch.device | None = None,
+        plan: ShardingPlan | None = None,
+        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        init_data_parallel: bool = True,
+        init_parameters: bool = True,
+        data_parallel_wrapper=None,
+        model_tracker_configs=None,
+        *,
+        count_updates: bool = False,
+        baseline_view: bool = False,
+    ) -> None:
+        super().__init__(
+            module,
+            env=env,
+            device=device,
+            plan=plan,
+            sharders=sharders,
+            init_data_parallel=init_data_parallel,
+            init_parameters=init_parameters,
+            data_parallel_wrapper=data_parallel_wrapper,
+            model_tracker_configs=model_tracker_configs,
+        )
+        self.dirty_tracker = DirtyRowTracker(self, count_updates=count_updates, baseline_view=baseline_view)

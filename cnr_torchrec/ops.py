@@ -1,0 +1,122 @@
+"""Typed wrappers of the ``torch.ops.cnr`` dirty-row ops, and pure-torch references.
+
+The references are deliberately simple and independent of the kernels: the tests
+compare each op against them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cnr_torchrec._ext import ops as _ops
+
+__all__ = [
+    "bitmap_words",
+    "mark_rows",
+    "bitmap_to_rows",
+    "bitmap_count",
+    "bitmap_clear_",
+    "reference_mark_rows",
+    "reference_bitmap_to_rows",
+]
+
+
+def bitmap_words(num_rows: int) -> int:
+    """Number of int64 words that hold ``num_rows`` bits."""
+    return (num_rows + 63) // 64
+
+
+def mark_rows(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    hash_size_cumsum: torch.Tensor,
+    bitmap: torch.Tensor,
+    counts: torch.Tensor | None = None,
+    B_offsets: torch.Tensor | None = None,
+) -> None:
+    """Sets the bit of every row a TBE lookup touches, in place.
+
+    Args:
+        indices: int32 or int64 ids, local to each feature's table, feature-major.
+        offsets: T·B+1 bag offsets into ``indices`` (or ``B_offsets[-1]``+1 with VBE).
+        hash_size_cumsum: int64 [T+1]; flat row of id ``i`` of feature ``f`` is
+            ``hash_size_cumsum[f] + i``.
+        bitmap: int64 words, one bit per flat row; updated in place.
+        counts: optional int32 per-row lookup counters, incremented and saturating.
+        B_offsets: optional int64 [T+1], the first bag of each feature (variable batch).
+
+    Raises:
+        IndexError: an id is negative or not below its table's row count.
+    """
+    _ops.mark_rows(indices, offsets, hash_size_cumsum, bitmap, counts, B_offsets)
+
+
+def bitmap_to_rows(bitmap: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Sorted int64 ids of the set bits in rows ``[start, end)``."""
+    return _ops.bitmap_to_rows(bitmap, start, end)
+
+
+def bitmap_count(bitmap: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor:
+    """Set bits in each range ``[boundaries[r], boundaries[r+1])``, as int64 [R]."""
+    return _ops.bitmap_count(bitmap, boundaries)
+
+
+def bitmap_clear_(bitmap: torch.Tensor, start: int, end: int) -> None:
+    """Clears the bits of rows ``[start, end)`` in place."""
+    _ops.bitmap_clear_(bitmap, start, end)
+
+
+@torch.library.register_fake("cnr::bitmap_to_rows")
+def _bitmap_to_rows_fake(bitmap: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    n = torch.library.get_ctx().new_dynamic_size()
+    return bitmap.new_empty((n,), dtype=torch.int64)
+
+
+# ---------------------------------------------------------------- references
+
+
+def _feature_of_positions(offsets: torch.Tensor, bag_starts: torch.Tensor, n: int) -> torch.Tensor:
+    starts = offsets.long()[bag_starts]  # index position where each feature starts, [T+1]
+    pos = torch.arange(n, dtype=torch.int64)
+    return torch.bucketize(pos, starts[1:], right=True)
+
+
+def reference_mark_rows(
+    indices: torch.Tensor,
+    offsets: torch.Tensor,
+    hash_size_cumsum: torch.Tensor,
+    num_rows: int,
+    B_offsets: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure-torch reference of :func:`mark_rows` on an empty bitmap.
+
+    Returns:
+        (bool mask of dirty rows [num_rows], int64 lookup count per row [num_rows]).
+
+    Raises:
+        IndexError: an id is outside its feature's table.
+    """
+    T = hash_size_cumsum.numel() - 1
+    num_bags = offsets.numel() - 1
+    if B_offsets is None:
+        if num_bags <= 0:
+            return torch.zeros(num_rows, dtype=torch.bool), torch.zeros(num_rows, dtype=torch.int64)
+        B_offsets = torch.arange(T + 1, dtype=torch.int64) * (num_bags // T)
+    end = int(offsets[-1])
+    feature = _feature_of_positions(offsets, B_offsets.long(), end)
+    ids = indices[:end].long()
+    hsc = hash_size_cumsum.long()
+    sizes = hsc[1:] - hsc[:-1]
+    bad = (ids < 0) | (ids >= sizes[feature])
+    if bool(bad.any()):
+        raise IndexError(f"id out of range in feature {int(feature[bad][0])}")
+    rows = hsc[feature] + ids
+    counts = torch.bincount(rows, minlength=num_rows)
+    return counts > 0, counts
+
+
+def reference_bitmap_to_rows(bitmap: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Pure-torch reference of :func:`bitmap_to_rows`."""
+    bits = (bitmap.view(-1, 1) >> torch.arange(64, dtype=torch.int64)) & 1
+    rows = torch.nonzero(bits.flatten()).flatten()
+    return rows[(rows >= start) & (rows < end)]

@@ -1,0 +1,38 @@
+"""Runs a function on several gloo ranks in spawned processes, with a hard timeout."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
+    try:
+        fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, args: tuple = ()) -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fails on error or timeout."""
+    with tempfile.TemporaryDirectory() as d:
+        ctx = mp.start_processes(
+            _entry, args=(fn, world_size, os.path.join(d, "rdzv"), args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        while not ctx.join(timeout=5):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise TimeoutError(f"{fn.__name__} did not finish on {world_size} ranks within {timeout:.0f}s")
