@@ -18,7 +18,8 @@ void mark_rows_meta(
     const std::optional<at::Tensor>& /*B_offsets*/) {}
 
 at::Tensor bitmap_count_meta(const at::Tensor& bitmap, const at::Tensor& boundaries) {
-  return at::empty({std::max<int64_t>(boundaries.numel() - 1, 0)}, bitmap.options().dtype(at::kLong));
+  // Symbolic sizes, so that the op traces under dynamic shapes.
+  return at::empty_symint({boundaries.sym_numel() - 1}, bitmap.options().dtype(at::kLong));
 }
 
 void bitmap_clear_meta(const at::Tensor& /*bitmap*/, int64_t /*start*/, int64_t /*end*/) {}
