@@ -82,18 +82,24 @@ class ToyModel(nn.Module):
                                         feature_names=[s.feature]) for s in groups[attr]],
                 device=torch.device(device),
             ) if groups[attr] else None)
+        self._groups = {k: [s.feature for s in v] for k, v in groups.items() if v}
         width = sum(s.dim for s in groups["ebc"]) + sum(s.dim for s in groups["ec"] + groups["ec_dp"])
         self.dense = nn.Linear(width, 1)
         self.register_buffer("_unused", torch.zeros(1), persistent=False)
 
     def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        # Each collection gets only its own features.
+        jts = kjt.to_dict() if len(self._groups) > 1 else None
         parts = []
-        if self.ebc is not None:
-            parts.append(self.ebc(kjt).values())
-        for ec in (self.ec, self.ec_dp):
-            if ec is None:
+        for attr in ("ebc", "ec", "ec_dp"):
+            module = getattr(self, attr)
+            if module is None:
                 continue
-            for jt in ec(kjt).values():
+            sub = kjt if jts is None else KeyedJaggedTensor.from_jt_dict({k: jts[k] for k in self._groups[attr]})
+            if attr == "ebc":
+                parts.append(module(sub).values())
+                continue
+            for jt in module(sub).values():
                 # Sum each sequence into one vector per sample.
                 lengths = jt.lengths()
                 seg = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
