@@ -214,3 +214,63 @@ def test_counts_baseline_view_and_out_of_range_id():
 @pytest.mark.timeout(200)
 def test_unsupported_compute_kernel_is_named():
     run_ranks(_unsupported_kernel_worker, world_size=2, timeout=150)
+
+
+def _pipeline_worker(rank, world_size):
+    from torch import nn
+    from torchrec.datasets.utils import Batch
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    from torchrec.distributed.types import ShardingEnv
+
+    from cnr_torchrec import CheckNRunDMP
+    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+    class PipelineModel(nn.Module):
+        def __init__(self, toy):
+            super().__init__()
+            self.toy = toy
+
+        def forward(self, batch):
+            loss = self.toy(batch.sparse_features)
+            return loss, loss.detach()
+
+    specs = [TableSpec(f"p_{st}", ROWS, DIM, st) for st in ("table_wise", "row_wise", "column_wise")]
+    torch.manual_seed(0)
+    toy = ToyModel(specs)
+    sharders = sharders_for()
+    plan = build_plan(toy, sharders, world_size)
+    from torchrec.distributed.types import ShardingPlan
+
+    plan = ShardingPlan({f"toy.{k}": v for k, v in plan.plan.items()})
+    dmp = CheckNRunDMP(PipelineModel(toy), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                       device=torch.device("cpu"), plan=plan, sharders=sharders)
+    tracker = dmp.dirty_tracker
+    gen = torch.Generator().manual_seed(11 + rank)
+    batches = [
+        Batch(dense_features=torch.zeros(4, 1), sparse_features=zipf_batch(specs, 4, 3, gen),
+              labels=torch.zeros(4))
+        for _ in range(4)
+    ]
+    before = {t: _snapshot(tracker, t) for t in tracker.tables()}
+    pipeline = TrainPipelineSparseDist(dmp, torch.optim.SGD(dmp.module.toy.dense.parameters(), lr=0.1),
+                                       torch.device("cpu"))
+    it = iter(batches)
+    steps = 0
+    while True:
+        try:
+            pipeline.progress(it)
+            steps += 1
+        except StopIteration:
+            break
+    assert steps == len(batches)
+    dirty = 0
+    for t in tracker.tables():
+        changed, _ = _changed_rows(before[t], _snapshot(tracker, t))
+        assert torch.equal(tracker.dirty_rows(t), changed), t
+        dirty += changed.numel()
+    assert dirty > 0
+
+
+@pytest.mark.timeout(200)
+def test_tracking_under_train_pipeline_sparse_dist():
+    run_ranks(_pipeline_worker, world_size=2, timeout=150)
