@@ -124,9 +124,13 @@ class DirtyRowTracker:
         """Names of every embedding table of the model, as in its table configs."""
         return list(self._plan_tables)
 
+    def sharding_type(self, table: str) -> str:
+        """The sharding type of ``table`` in the plan (``"row_wise"``, ``"data_parallel"``, ...)."""
+        return str(self._entry(table)["sharding_type"])
+
     def is_data_parallel(self, table: str) -> bool:
         """Whether ``table`` is replicated (data_parallel) rather than sharded."""
-        return self._entry(table)["sharding_type"] == "data_parallel"
+        return self.sharding_type(table) == "data_parallel"
 
     def shard_ranges(self, table: str) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """This rank's ``((row_start, row_end), (col_start, col_end))`` for each shard of ``table``."""

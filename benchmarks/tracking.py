@@ -1,0 +1,146 @@
+"""Tracking overhead: no tracking vs CheckNRunDMP vs torchrec's ModelDeltaTracker (ID_ONLY).
+
+Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py [--json PATH]
+
+Workload (issue 2): 8 tables x 200k rows x 32 dim, half row_wise and half table_wise,
+batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD. The three
+configurations are separate models in the same processes, measured in interleaved
+rounds so that machine noise hits them alike; each figure is the median over rounds of
+the slowest rank's mean step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
+from torchrec.distributed.types import ShardingEnv
+
+from cnr_torchrec import CheckNRunDMP
+from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+
+def build(kind: str, specs, world: int):
+    torch.manual_seed(0)
+    model = ToyModel(specs)
+    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.01)
+    plan = build_plan(model, sharders, world)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    cls = CheckNRunDMP if kind == "cnr" else DistributedModelParallel
+    dmp = cls(model, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    mdt = dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY)) if kind == "mdt" \
+        else None
+    opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n], lr=0.01)
+    return dmp, mdt, opt
+
+
+def step(dmp, opt, batch) -> None:
+    loss = dmp(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def extract(kind: str, dmp, mdt) -> None:
+    if kind == "cnr":
+        tracker = dmp.dirty_tracker
+        for t in tracker.tables():
+            tracker.dirty_rows(t)
+        tracker.reset()
+    elif kind == "mdt":
+        mdt.get_unique_ids()
+
+
+def slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--pooling", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
+             for i in range(args.tables)]
+    gen = torch.Generator().manual_seed(rank)
+    batches = [zipf_batch(specs, args.batch_size, args.pooling, gen) for _ in range(args.steps)]
+    kinds = ["none", "cnr", "mdt"]
+    models = {k: build(k, specs, world) for k in kinds}
+    for k in kinds:  # warm-up
+        dmp, mdt, opt = models[k]
+        for b in batches[:2]:
+            step(dmp, opt, b)
+        extract(k, dmp, mdt)
+
+    step_ms = {k: [] for k in kinds}
+    extract_ms = {k: [] for k in kinds if k != "none"}
+    for r in range(args.rounds):
+        order = kinds[r % 3:] + kinds[: r % 3]  # rotate who goes first
+        for k in order:
+            dmp, mdt, opt = models[k]
+            dist.barrier()
+            t0 = time.perf_counter()
+            for b in batches:
+                step(dmp, opt, b)
+            step_ms[k].append(slowest((time.perf_counter() - t0) * 1e3 / len(batches)))
+            if k != "none":
+                dist.barrier()
+                t0 = time.perf_counter()
+                extract(k, dmp, mdt)
+                extract_ms[k].append(slowest((time.perf_counter() - t0) * 1e3))
+
+    med = {k: statistics.median(v) for k, v in step_ms.items()}
+    res = {
+        "step_ms_none": med["none"],
+        "step_ms_cnr": med["cnr"],
+        "step_ms_mdt": med["mdt"],
+        "overhead_cnr": med["cnr"] / med["none"] - 1,
+        "overhead_mdt": med["mdt"] / med["none"] - 1,
+        "bits_per_row_cnr": models["cnr"][0].dirty_tracker.bits_per_row,
+        "extract_ms_cnr": statistics.median(extract_ms["cnr"]),
+        "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
+    }
+    # Per-round ratio spread, to show how much of the overhead is noise.
+    ratios = [c / n - 1 for c, n in zip(step_ms["cnr"], step_ms["none"])]
+    if rank == 0:
+        print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
+              f"pooling {args.pooling}, {args.rounds} rounds x {args.steps} steps")
+        print(f"{'config':<28s}{'step ms':>10s}{'overhead':>10s}{'extract ms':>12s}")
+        print(f"{'no tracking':<28s}{med['none']:>10.2f}{'':>10s}{'':>12s}")
+        print(f"{'CheckNRunDMP (cnr)':<28s}{med['cnr']:>10.2f}{res['overhead_cnr']:>10.2%}"
+              f"{res['extract_ms_cnr']:>12.2f}")
+        print(f"{'ModelDeltaTracker ID_ONLY':<28s}{med['mdt']:>10.2f}{res['overhead_mdt']:>10.2%}"
+              f"{res['extract_ms_mdt']:>12.2f}")
+        print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}; per-round cnr overhead: "
+              f"min {min(ratios):.2%}, max {max(ratios):.2%}")
+        print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=2)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
