@@ -49,6 +49,39 @@ inline void bump_saturating(int32_t* counter) {
   }
 }
 
+// Marks positions [lo, hi) of the feature-major index array. Each feature's run is
+// handled with its base and size in registers. With kAtomic, concurrent chunks
+// share words: a plain load skips the atomic OR for rows already marked.
+template <bool kAtomic, typename index_t>
+int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, const int64_t* hsc, uint64_t* words,
+                  int32_t* counts, int64_t lo, int64_t hi) {
+  int64_t bad = INT64_MAX;
+  int64_t f = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
+  for (int64_t i = lo; i < hi; ++f) {
+    const int64_t stop = std::min(hi, begin[f + 1]);
+    const int64_t base = hsc[f];
+    const uint64_t size = static_cast<uint64_t>(hsc[f + 1] - base);
+    for (; i < stop; ++i) {
+      const int64_t id = static_cast<int64_t>(indices[i]);
+      if (static_cast<uint64_t>(id) >= size) {  // also catches negative ids
+        bad = std::min(bad, i);
+        continue;
+      }
+      const int64_t row = base + id;
+      const uint64_t mask = 1ull << (row & 63);
+      uint64_t* word = words + (row >> 6);
+      if constexpr (kAtomic) {
+        if (!(__atomic_load_n(word, __ATOMIC_RELAXED) & mask)) __atomic_fetch_or(word, mask, __ATOMIC_RELAXED);
+        if (counts) bump_saturating(counts + row);
+      } else {
+        *word |= mask;
+        if (counts && counts[row] != INT32_MAX) ++counts[row];
+      }
+    }
+  }
+  return bad;
+}
+
 template <typename index_t, typename offset_t>
 void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
                       const int64_t* hsc, uint64_t* words, int32_t* counts, int64_t* first_bad) {
@@ -56,30 +89,17 @@ void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std
   // Index positions where each feature starts; T is small, so this is cheap.
   std::vector<int64_t> begin(T + 1);
   for (int64_t f = 0; f <= T; ++f) begin[f] = static_cast<int64_t>(offsets[feature_bags[f]]);
-  const int64_t n = begin[T] - begin[0];
+  const int64_t lo = begin[0], hi = begin[T];
+  if (hi - lo <= kGrain || at::get_num_threads() == 1) {
+    // One chunk: no other thread touches the words, so plain ORs suffice.
+    *first_bad = mark_span<false>(indices, begin, hsc, words, counts, lo, hi);
+    return;
+  }
   std::atomic<int64_t> bad{INT64_MAX};
-
-  at::parallel_for(begin[0], begin[0] + n, kGrain, [&](int64_t lo, int64_t hi) {
-    int64_t f = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
-    int64_t local_bad = INT64_MAX;
-    for (int64_t i = lo; i < hi; ++i) {
-      while (i >= begin[f + 1]) ++f;
-      const int64_t id = static_cast<int64_t>(indices[i]);
-      const int64_t base = hsc[f];
-      if (id < 0 || id >= hsc[f + 1] - base) {
-        local_bad = std::min(local_bad, i);
-        continue;
-      }
-      const int64_t row = base + id;
-      const uint64_t mask = 1ull << (row & 63);
-      uint64_t* word = words + (row >> 6);
-      if (!(__atomic_load_n(word, __ATOMIC_RELAXED) & mask)) __atomic_fetch_or(word, mask, __ATOMIC_RELAXED);
-      if (counts) bump_saturating(counts + row);
-    }
-    if (local_bad != INT64_MAX) {
-      int64_t seen = bad.load();
-      while (local_bad < seen && !bad.compare_exchange_weak(seen, local_bad)) {
-      }
+  at::parallel_for(lo, hi, kGrain, [&](int64_t c0, int64_t c1) {
+    const int64_t local_bad = mark_span<true>(indices, begin, hsc, words, counts, c0, c1);
+    int64_t seen = bad.load();
+    while (local_bad < seen && !bad.compare_exchange_weak(seen, local_bad)) {
     }
   });
   *first_bad = bad.load();
