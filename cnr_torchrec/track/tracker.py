@@ -62,10 +62,8 @@ class DirtyRowTracker:
         self._num_embeddings: dict[str, int] = {}
         self._handles = []
         for info in find_kernels(dmp):
-            device = info.tbe.weights.device if hasattr(info.tbe, "weights") else torch.device("cpu")
-            if hasattr(info.tbe, "hash_size_cumsum"):
-                device = info.tbe.hash_size_cumsum.device
-            state = _KernelState(info, device, count_updates)
+            # Bitmaps live where the TBE keeps its row offsets, so the hook never copies.
+            state = _KernelState(info, info.tbe.hash_size_cumsum.device, count_updates)
             if baseline_view:
                 state.baseline = torch.zeros_like(state.bitmap)
             self._kernels.append(state)
