@@ -6,6 +6,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "codecs_meta.h"
+
 namespace cnr {
 namespace {
 
@@ -49,6 +51,46 @@ TORCH_LIBRARY(cnr, m) {
 
   // ---- row codecs (cpu/codecs.cpp, cuda/codecs.cu) --------------------------
   // CODEC-SCHEMAS-BEGIN
+  // Rows are float32 [N, D]. Codes of `bits` in {2, 3, 4, 8} are packed per row
+  // as an LSB-first bit stream padded to a byte: ceil(D * bits / 8) bytes (eight
+  // codes make `bits` bytes; FBGEMM's layout for 2, 4 and 8 bits). Encoders
+  // return a uint8 `status` per row: 1 = the row holds a NaN or an Inf, 2 = a
+  // parameter or value does not fit its storage dtype; such rows are zeroed.
+  m.def("pack_bits(Tensor codes, int bits) -> Tensor", tags);
+  m.def("unpack_bits(Tensor packed, int bits, int dim) -> Tensor", tags);
+  // none / fp16 / bf16: the rows' bytes in `dtype`, and the status.
+  m.def("cast_rows(Tensor rows, ScalarType dtype) -> (Tensor payload, Tensor status)", tags);
+  // Uniform quantization, x ~ bias + scale * q. Symmetric: x ~ scale * (q - qmax),
+  // qmax = 2**(bits-1) - 1, and `bias` is empty. Asymmetric grids default to
+  // [min, max]; grid_bias / grid_scale (float32 [N], from a search) replace them.
+  m.def(
+      "quantize_uniform(Tensor rows, int bits, bool symmetric, ScalarType scale_dtype, ScalarType bias_dtype, "
+      "Tensor? grid_bias=None, Tensor? grid_scale=None) -> (Tensor payload, Tensor scale, Tensor bias, "
+      "Tensor status)",
+      tags);
+  // A missing bias means symmetric codes.
+  m.def("dequantize_uniform(Tensor payload, Tensor scale, Tensor? bias, int bits, int dim) -> Tensor", tags);
+  // Greedy clipping-range search of Check-N-Run plus least-squares refits: the
+  // asymmetric grid (bias, scale) of each row, float32 [N]; NaN for bad rows.
+  m.def(
+      "adaptive_search(Tensor rows, int bits, int num_bins, float ratio, int refit_iters) -> (Tensor bias, "
+      "Tensor scale)",
+      tags);
+  // adaptive_search then quantize_uniform on its grid, fused: the same bytes.
+  m.def(
+      "adaptive_quantize(Tensor rows, int bits, int num_bins, float ratio, int refit_iters, ScalarType scale_dtype, "
+      "ScalarType bias_dtype) -> (Tensor payload, Tensor scale, Tensor bias, Tensor status)",
+      tags);
+  // Best range on a grid of `grid` steps over [min, max] (for measurements).
+  m.def("exhaustive_search(Tensor rows, int bits, int grid) -> (Tensor bias, Tensor scale)", tags);
+  // Per-row k-means with K = min(2**bits, D) centroids: bias (float32 [N], the
+  // smallest centroid) and codebook ([N, K - 1] offsets from it). Lloyd starts
+  // from the asymmetric grid grid_bias + grid_scale * k if given, else [min, max].
+  m.def(
+      "kmeans_quantize(Tensor rows, int bits, int iters, ScalarType codebook_dtype, Tensor? grid_bias=None, "
+      "Tensor? grid_scale=None) -> (Tensor payload, Tensor bias, Tensor codebook, Tensor status)",
+      tags);
+  m.def("dequantize_codebook(Tensor payload, Tensor bias, Tensor codebook, int bits, int dim) -> Tensor", tags);
   // CODEC-SCHEMAS-END
 }
 
@@ -57,6 +99,16 @@ TORCH_LIBRARY_IMPL(cnr, Meta, m) {
   m.impl("bitmap_count", &cnr::bitmap_count_meta);
   m.impl("bitmap_clear_", &cnr::bitmap_clear_meta);
   // CODEC-META-BEGIN
+  m.impl("pack_bits", &cnr::codecs_meta::pack_bits);
+  m.impl("unpack_bits", &cnr::codecs_meta::unpack_bits);
+  m.impl("cast_rows", &cnr::codecs_meta::cast_rows);
+  m.impl("quantize_uniform", &cnr::codecs_meta::quantize_uniform);
+  m.impl("dequantize_uniform", &cnr::codecs_meta::dequantize_uniform);
+  m.impl("adaptive_search", &cnr::codecs_meta::adaptive_search);
+  m.impl("adaptive_quantize", &cnr::codecs_meta::adaptive_quantize);
+  m.impl("exhaustive_search", &cnr::codecs_meta::exhaustive_search);
+  m.impl("kmeans_quantize", &cnr::codecs_meta::kmeans_quantize);
+  m.impl("dequantize_codebook", &cnr::codecs_meta::dequantize_codebook);
   // CODEC-META-END
 }
 

@@ -1,0 +1,400 @@
+// CPU kernels of the row codecs that stream each row once: bit packing, the
+// float casts (none / fp16 / bf16) and uniform (a)symmetric quantization and
+// their decoders. The searches live in codecs_search.cpp, k-means in
+// codecs_kmeans.cpp. Every kernel handles one row at a time, so rows split over
+// threads freely and the bytes never depend on the thread count.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <vector>
+
+#include "codecs_common.h"
+
+namespace cnr::codecs {
+namespace {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed layout assumes a little-endian host");
+
+struct RowRange {
+  float mn, mx;
+  bool bad;  // a NaN or an Inf
+};
+
+template <typename V>
+CNR_INLINE RowRange row_range(const float* x, int64_t dim) {
+  constexpr int W = width_of<V>;
+  V mn = splat<V>(std::numeric_limits<float>::infinity()), mx = -mn;
+  IntVec<V> bad{};
+  int64_t j = 0;
+  for (; j + W <= dim; j += W) {
+    const V v = vload<V>(x + j);
+    mn = vmin(mn, v);
+    mx = vmax(mx, v);
+    bad |= nonfinite_v(v);
+  }
+  if (j < dim) {
+    const V v = vload_part<V>(x + j, dim - j, x[0]);
+    mn = vmin(mn, v);
+    mx = vmax(mx, v);
+    bad |= nonfinite_v(v);
+  }
+  RowRange r{mn[0], mx[0], false};
+  for (int l = 0; l < W; ++l) {
+    r.mn = std::min(r.mn, mn[l]);
+    r.mx = std::max(r.mx, mx[l]);
+    r.bad |= bad[l] != 0;
+  }
+  return r;
+}
+
+// True when every |x| is 0 or `amax`: then step = amax reproduces the row exactly.
+template <typename V>
+CNR_INLINE bool two_magnitudes(const float* x, int64_t dim, float amax) {
+  constexpr int W = width_of<V>;
+  IntVec<V> other{};
+  int64_t j = 0;
+  for (; j + W <= dim; j += W) {
+    const V a = vmax(vload<V>(x + j), -vload<V>(x + j));
+    other |= (a != 0.0f) & (a != amax);
+  }
+  if (j < dim) {
+    const V v = vload_part<V>(x + j, dim - j, 0.0f);
+    const V a = vmax(v, -v);
+    other |= (a != 0.0f) & (a != amax);
+  }
+  for (int l = 0; l < W; ++l) {
+    if (other[l]) return false;
+  }
+  return true;
+}
+
+// Smallest stored step (in `dtype`) whose grid reaches `span` = qmax * step.
+inline float covering_scale(float span, int qmax, at::ScalarType dtype) {
+  float s = round_param(span / static_cast<float>(qmax), dtype, +1);
+  while (std::isfinite(s) && s * static_cast<float>(qmax) < span) {
+    s = dtype == at::kFloat ? std::nextafter(s, std::numeric_limits<float>::infinity())
+                            : half_to_float(half_step(c10::Half(s).x, +1));
+  }
+  return s;
+}
+
+// Codes of one row on the grid lo + step * q, q in [qmin, qmax] (stored as q - qmin).
+template <typename V>
+CNR_INLINE void quantize_row(const float* x, int64_t dim, float lo, float step, float qmin, float qmax,
+                             uint8_t* codes) {
+  constexpr int W = width_of<V>;
+  const V inv = safe_inverse(splat<V>(step));
+  const V vlo = splat<V>(lo), vqmin = splat<V>(qmin), vqmax = splat<V>(qmax);
+  int64_t j = 0;
+  for (; j + W <= dim; j += W) {
+    const V q = vround(vclamp((vload<V>(x + j) - vlo) * inv, vqmin, vqmax));
+    store_codes(codes + j, q - vqmin, W);
+  }
+  if (j < dim) {
+    const V q = vround(vclamp((vload_part<V>(x + j, dim - j, lo) - vlo) * inv, vqmin, vqmax));
+    store_codes(codes + j, q - vqmin, dim - j);
+  }
+}
+
+at::Tensor pack_bits_cpu(const at::Tensor& codes, int64_t bits) {
+  check_bits(bits, "pack_bits");
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte, "cnr::pack_bits: codes must be a 2-D uint8 tensor");
+  const auto c = codes.contiguous();
+  const int64_t n = c.size(0), dim = c.size(1), nb = packed_bytes(dim, bits);
+  if (c.numel() > 0) {
+    TORCH_CHECK_VALUE(c.max().item<uint8_t>() < (1 << bits), "cnr::pack_bits: codes must be below 2**bits = ",
+                      1 << bits);
+  }
+  auto out = at::empty({n, nb}, c.options());
+  const uint8_t* src = c.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, row_grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) pack_row(src + r * dim, dim, bits, dst + r * nb);
+  });
+  return out;
+}
+
+at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t dim) {
+  check_bits(bits, "unpack_bits");
+  TORCH_CHECK_VALUE(packed.dim() == 2 && packed.scalar_type() == at::kByte,
+                    "cnr::unpack_bits: packed must be a 2-D uint8 tensor");
+  const int64_t n = packed.size(0), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(dim >= 0 && packed.size(1) == nb, "cnr::unpack_bits: ", dim, " codes of ", bits,
+                    " bits need rows of ", nb, " bytes, got ", packed.size(1));
+  const auto p = packed.contiguous();
+  auto out = at::empty({n, dim}, p.options());
+  const uint8_t* src = p.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, n, row_grain(dim), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) unpack_row(src + r * nb, dim, bits, dst + r * dim);
+  });
+  return out;
+}
+
+// none / fp16 / bf16: the row's bytes in the target dtype, plus the status of
+// each row (a non-finite value, or a finite value that the dtype cannot hold).
+struct CastArgs {
+  const float* rows;
+  int64_t dim;
+  at::ScalarType dtype;
+  uint8_t* payload;
+  uint8_t* status;
+};
+
+template <int W>
+void cast_rows_range(const CastArgs& a, int64_t r0, int64_t r1) {
+  using V = typename Lanes<W>::f;
+  const int64_t dim = a.dim;
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = a.rows + r * dim;
+    uint8_t flags = row_range<V>(xr, dim).bad ? kNonFinite : 0;
+    if (a.dtype == at::kFloat) {
+      std::memcpy(a.payload + r * dim * 4, xr, dim * 4);
+    } else {
+      auto* out = reinterpret_cast<uint16_t*>(a.payload + r * dim * 2);
+      const bool half = a.dtype == at::kHalf;
+      const uint16_t exp_mask = half ? 0x7c00 : 0x7f80;
+      bool inf = false;
+      for (int64_t j = 0; j < dim; ++j) {
+        out[j] = half ? c10::Half(xr[j]).x : c10::BFloat16(xr[j]).x;
+        inf |= (out[j] & exp_mask) == exp_mask;
+      }
+      if (inf && !flags) flags = kOverflow;
+    }
+    a.status[r] = flags;
+  }
+}
+CNR_LANE_VARIANTS(cast_rows_range, (const CastArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
+
+std::tuple<at::Tensor, at::Tensor> cast_rows_cpu(const at::Tensor& rows, at::ScalarType dtype) {
+  const auto x = checked_rows(rows, "cast_rows");
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+                    "cnr::cast_rows: dtype must be float32, float16 or bfloat16, got ", dtype);
+  const int64_t n = x.size(0), dim = x.size(1), width = static_cast<int64_t>(c10::elementSize(dtype));
+  auto payload = at::empty({n, dim * width}, x.options().dtype(at::kByte));
+  auto status = at::empty({n}, x.options().dtype(at::kByte));
+  const CastArgs a{x.data_ptr<float>(), dim, dtype, payload.data_ptr<uint8_t>(), status.data_ptr<uint8_t>()};
+  at::parallel_for(0, n, row_grain(dim),
+                   [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(cast_rows_range, (a, r0, r1)); });
+  return {payload, status};
+}
+
+struct UniformArgs {
+  const float* rows;
+  int64_t dim, bits, nb;
+  int qmax;
+  bool symmetric;
+  at::ScalarType scale_dtype, bias_dtype;
+  const float* grid_bias;  // null: the grid is [min, max]
+  const float* grid_scale;
+  uint8_t* payload;
+  void* scale;
+  void* bias;
+  uint8_t* status;
+};
+
+template <int W>
+void quantize_rows(const UniformArgs& a, int64_t r0, int64_t r1) {
+  using V = typename Lanes<W>::f;
+  const int64_t dim = a.dim, nb = a.nb;
+  std::vector<uint8_t> codes(dim);
+  for (int64_t r = r0; r < r1; ++r) {
+    const float* xr = a.rows + r * dim;
+    const RowRange rr = row_range<V>(xr, dim);
+    float lo = 0.0f, step = 0.0f;
+    uint8_t flags = 0;
+    if (rr.bad || (a.grid_bias && !(finite(a.grid_bias[r]) && finite(a.grid_scale[r]) && a.grid_scale[r] >= 0.0f))) {
+      flags = kNonFinite;
+    } else if (a.symmetric) {
+      const float amax = std::max(-rr.mn, rr.mx);
+      step = two_magnitudes<V>(xr, dim, amax) ? round_param(amax, a.scale_dtype, +1)
+                                              : covering_scale(amax, a.qmax, a.scale_dtype);
+    } else if (a.grid_bias) {
+      lo = round_param(a.grid_bias[r], a.bias_dtype, -1);
+      step = round_param(a.grid_scale[r], a.scale_dtype, +1);
+    } else {
+      lo = round_param(rr.mn, a.bias_dtype, -1);
+      step = covering_scale(rr.mx - lo, a.qmax, a.scale_dtype);
+    }
+    if (!flags && !(finite(lo) && finite(step))) flags = kOverflow;
+    a.status[r] = flags;
+    if (flags) {  // the caller raises; keep the output deterministic anyway
+      std::memset(a.payload + r * nb, 0, nb);
+      lo = step = 0.0f;
+    } else {
+      const float qmin = a.symmetric ? static_cast<float>(-a.qmax) : 0.0f;
+      quantize_row<V>(xr, dim, lo, step, qmin, static_cast<float>(a.qmax), codes.data());
+      pack_row(codes.data(), dim, a.bits, a.payload + r * nb);
+    }
+    store_param(a.scale, r, step, a.scale_dtype);
+    if (!a.symmetric) store_param(a.bias, r, lo, a.bias_dtype);
+  }
+}
+CNR_LANE_VARIANTS(quantize_rows, (const UniformArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
+    const at::Tensor& rows, int64_t bits, bool symmetric, at::ScalarType scale_dtype, at::ScalarType bias_dtype,
+    const std::optional<at::Tensor>& grid_bias, const std::optional<at::Tensor>& grid_scale) {
+  const auto x = checked_rows(rows, "quantize_uniform");
+  check_bits(bits, "quantize_uniform");
+  check_param_dtype(scale_dtype, "scale_dtype", "quantize_uniform");
+  check_param_dtype(bias_dtype, "bias_dtype", "quantize_uniform");
+  const int64_t n = x.size(0), dim = x.size(1), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
+                    "cnr::quantize_uniform: pass both grid_bias and grid_scale, or neither");
+  at::Tensor gb, gs;
+  if (grid_bias) {
+    TORCH_CHECK_VALUE(!symmetric, "cnr::quantize_uniform: a grid applies to asymmetric quantization only");
+    gb = grid_bias->to(at::kFloat).contiguous();
+    gs = grid_scale->to(at::kFloat).contiguous();
+    TORCH_CHECK_VALUE(gb.dim() == 1 && gb.size(0) == n && gs.dim() == 1 && gs.size(0) == n,
+                      "cnr::quantize_uniform: grid_bias and grid_scale need one entry per row (", n, ")");
+  }
+  auto payload = at::empty({n, nb}, x.options().dtype(at::kByte));
+  auto scale = at::empty({n}, x.options().dtype(scale_dtype));
+  auto bias = at::empty({symmetric ? 0 : n}, x.options().dtype(bias_dtype));
+  auto status = at::empty({n}, x.options().dtype(at::kByte));
+  UniformArgs a{};
+  a.rows = x.data_ptr<float>();
+  a.dim = dim;
+  a.bits = bits;
+  a.nb = nb;
+  a.qmax = symmetric ? (1 << (bits - 1)) - 1 : (1 << bits) - 1;
+  a.symmetric = symmetric;
+  a.scale_dtype = scale_dtype;
+  a.bias_dtype = bias_dtype;
+  a.grid_bias = grid_bias ? gb.data_ptr<float>() : nullptr;
+  a.grid_scale = grid_bias ? gs.data_ptr<float>() : nullptr;
+  a.payload = payload.data_ptr<uint8_t>();
+  a.scale = scale.data_ptr();
+  a.bias = bias.data_ptr();
+  a.status = status.data_ptr<uint8_t>();
+  at::parallel_for(0, n, row_grain(dim),
+                   [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(quantize_rows, (a, r0, r1)); });
+  return {payload, scale, bias, status};
+}
+
+void check_params(const at::Tensor& t, int64_t n, const char* what, const char* op) {
+  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
+                    "cnr::", op, ": ", what, " must be a float32 or float16 vector with one entry per row (", n,
+                    "), got ", t.scalar_type(), " ", t.sizes());
+}
+
+struct DequantArgs {
+  const uint8_t* payload;
+  int64_t dim, bits, nb;
+  const void* scale;
+  const void* bias;  // null: symmetric codes, stored shifted by qmax
+  at::ScalarType scale_dtype, bias_dtype;
+  float* out;
+};
+
+template <int W>
+void dequantize_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
+  using V = typename Lanes<W>::f;
+  const int64_t dim = a.dim;
+  const float shift = a.bias ? 0.0f : static_cast<float>((1 << (a.bits - 1)) - 1);
+  std::vector<uint8_t> codes(dim);
+  for (int64_t r = r0; r < r1; ++r) {
+    unpack_row(a.payload + r * a.nb, dim, a.bits, codes.data());
+    const V step = splat<V>(load_param(a.scale, r, a.scale_dtype));
+    const V lo = splat<V>(a.bias ? load_param(a.bias, r, a.bias_dtype) : 0.0f);
+    float* out_r = a.out + r * dim;
+    int64_t j = 0;
+    for (; j + W <= dim; j += W) vstore(out_r + j, lo + step * (load_codes<V>(codes.data() + j, W) - shift));
+    if (j < dim) {
+      float t[W];
+      vstore(t, lo + step * (load_codes<V>(codes.data() + j, dim - j) - shift));
+      std::memcpy(out_r + j, t, (dim - j) * sizeof(float));
+    }
+  }
+}
+CNR_LANE_VARIANTS(dequantize_rows, (const DequantArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
+
+at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& scale,
+                                  const std::optional<at::Tensor>& bias, int64_t bits, int64_t dim) {
+  check_bits(bits, "dequantize_uniform");
+  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
+                    "cnr::dequantize_uniform: payload must be a 2-D uint8 tensor");
+  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_uniform: ", dim, " codes of ", bits,
+                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
+  check_params(scale, n, "scale", "dequantize_uniform");
+  if (bias) check_params(*bias, n, "bias", "dequantize_uniform");
+  const auto p = payload.contiguous();
+  const auto s = scale.contiguous();
+  const auto b = bias ? bias->contiguous() : at::Tensor();
+  auto out = at::empty({n, dim}, payload.options().dtype(at::kFloat));
+  const DequantArgs a{p.data_ptr<uint8_t>(),
+                      dim,
+                      bits,
+                      nb,
+                      s.data_ptr(),
+                      bias ? b.data_ptr() : nullptr,
+                      s.scalar_type(),
+                      bias ? b.scalar_type() : at::kFloat,
+                      out.data_ptr<float>()};
+  at::parallel_for(0, n, row_grain(dim),
+                   [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_rows, (a, r0, r1)); });
+  return out;
+}
+
+at::Tensor dequantize_codebook_cpu(const at::Tensor& payload, const at::Tensor& bias, const at::Tensor& codebook,
+                                   int64_t bits, int64_t dim) {
+  check_bits(bits, "dequantize_codebook");
+  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
+                    "cnr::dequantize_codebook: payload must be a 2-D uint8 tensor");
+  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_codebook: ", dim, " codes of ", bits,
+                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
+  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == at::kFloat,
+                    "cnr::dequantize_codebook: bias must be float32 with one entry per row (", n, ")");
+  TORCH_CHECK_VALUE(codebook.dim() == 2 && codebook.size(0) == n && codebook.size(1) < (1 << bits) &&
+                        (codebook.scalar_type() == at::kFloat || codebook.scalar_type() == at::kHalf),
+                    "cnr::dequantize_codebook: codebook must be float32/float16 [N, K - 1] with K <= 2**bits, got ",
+                    codebook.scalar_type(), " ", codebook.sizes());
+  const int64_t k1 = codebook.size(1);
+  const auto p = payload.contiguous();
+  const auto b = bias.contiguous();
+  const auto cb = codebook.contiguous();
+  auto out = at::empty({n, dim}, payload.options().dtype(at::kFloat));
+  const uint8_t* src = p.data_ptr<uint8_t>();
+  const float* bp = b.data_ptr<float>();
+  const void* cbp = cb.data_ptr();
+  const auto cdt = cb.scalar_type();
+  float* dst = out.data_ptr<float>();
+  std::atomic<bool> bad_code{false};
+  at::parallel_for(0, n, row_grain(dim), [&](int64_t r0, int64_t r1) {
+    std::vector<uint8_t> codes(dim);
+    float lut[256];
+    for (int64_t r = r0; r < r1; ++r) {
+      lut[0] = bp[r];
+      for (int64_t k = 1; k <= k1; ++k) lut[k] = bp[r] + load_param(cbp, r * k1 + k - 1, cdt);
+      unpack_row(src + r * nb, dim, bits, codes.data());
+      uint8_t top = 0;
+      float* out_r = dst + r * dim;
+      for (int64_t j = 0; j < dim; ++j) {
+        top = std::max(top, codes[j]);
+        out_r[j] = lut[std::min<int64_t>(codes[j], k1)];  // clamped: a corrupt code must not read past the table
+      }
+      if (top > k1) bad_code = true;
+    }
+  });
+  TORCH_CHECK_VALUE(!bad_code, "cnr::dequantize_codebook: the payload holds codes beyond the ", k1 + 1,
+                    "-entry codebook; the encoded rows are corrupt");
+  return out;
+}
+
+}  // namespace
+}  // namespace cnr::codecs
+
+TORCH_LIBRARY_IMPL(cnr, CPU, m) {
+  m.impl("pack_bits", &cnr::codecs::pack_bits_cpu);
+  m.impl("unpack_bits", &cnr::codecs::unpack_bits_cpu);
+  m.impl("cast_rows", &cnr::codecs::cast_rows_cpu);
+  m.impl("quantize_uniform", &cnr::codecs::quantize_uniform_cpu);
+  m.impl("dequantize_uniform", &cnr::codecs::dequantize_uniform_cpu);
+  m.impl("dequantize_codebook", &cnr::codecs::dequantize_codebook_cpu);
+}

@@ -1,0 +1,287 @@
+// Helpers shared by the CPU row-codec kernels (codecs.cpp, codecs_search.cpp,
+// codecs_kmeans.cpp): argument checks, rounding of per-row parameters to their
+// storage dtype, bit packing, and a 16-lane float vector type.
+//
+// Determinism: every kernel treats each row on its own, and every sum over a row
+// runs in one fixed order, so the bytes depend neither on the thread count nor
+// on the vector width.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+
+namespace cnr::codecs {
+
+// Per-row status bits written by the encoders.
+constexpr uint8_t kNonFinite = 1;  // the row holds a NaN or an Inf
+constexpr uint8_t kOverflow = 2;   // a parameter (or value) does not fit its storage dtype
+
+inline bool valid_bits(int64_t bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
+
+inline void check_bits(int64_t bits, const char* op) {
+  TORCH_CHECK_VALUE(valid_bits(bits), "cnr::", op, ": bits must be 2, 3, 4 or 8, got ", bits);
+}
+
+// Bytes of one packed row: the codes form an LSB-first bit stream padded to a byte.
+inline int64_t packed_bytes(int64_t dim, int64_t bits) { return (dim * bits + 7) / 8; }
+
+inline at::Tensor checked_rows(const at::Tensor& rows, const char* op) {
+  TORCH_CHECK_VALUE(rows.dim() == 2, "cnr::", op, ": rows must be 2-D [N, D], got ", rows.dim(), "-D");
+  TORCH_CHECK_VALUE(rows.scalar_type() == at::kFloat, "cnr::", op, ": rows must be float32, got ",
+                    rows.scalar_type());
+  TORCH_CHECK_VALUE(rows.size(1) > 0, "cnr::", op, ": rows must have at least one column");
+  return rows.contiguous();
+}
+
+inline void check_param_dtype(at::ScalarType dtype, const char* what, const char* op) {
+  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf, "cnr::", op, ": ", what,
+                    " must be float32 or float16, got ", dtype);
+}
+
+// Rows per parallel task: about 16 KiB of input each, so small tables stay serial.
+inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(dim, 1)); }
+
+// ---- per-row parameters --------------------------------------------------------
+
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// The float16 neighbour of `h` toward +inf (dir > 0) or -inf (dir < 0).
+inline uint16_t half_step(uint16_t h, int dir) {
+  const bool neg = h & 0x8000;
+  if ((h & 0x7fff) == 0) return dir > 0 ? 0x0001 : 0x8001;  // +-0 -> smallest subnormal
+  return (neg == (dir < 0)) ? static_cast<uint16_t>(h + 1) : static_cast<uint16_t>(h - 1);
+}
+
+// Rounds `v` to a value of `dtype` (float32 or float16): to nearest (dir 0), up
+// (dir > 0) or down (dir < 0). Rounding the scale up and the bias down keeps the
+// requested range inside the stored grid, so values there stay within scale / 2.
+// Returns the rounded value as float; inf marks an overflow.
+inline float round_param(float v, at::ScalarType dtype, int dir, uint16_t* half_bits = nullptr) {
+  if (dtype == at::kFloat) return v;
+  uint16_t h = c10::Half(v).x;
+  const float hv = half_to_float(h);
+  if ((dir > 0 && hv < v) || (dir < 0 && hv > v)) h = half_step(h, dir);
+  if (half_bits) *half_bits = h;
+  return half_to_float(h);
+}
+
+// Writes the already rounded value `v` at `out[i]` of a float32 or float16 tensor.
+inline void store_param(void* out, int64_t i, float v, at::ScalarType dtype) {
+  if (dtype == at::kFloat) {
+    static_cast<float*>(out)[i] = v;
+  } else {
+    static_cast<uint16_t*>(out)[i] = c10::Half(v).x;  // exact: v is a float16 value
+  }
+}
+
+inline float load_param(const void* in, int64_t i, at::ScalarType dtype) {
+  return dtype == at::kFloat ? static_cast<const float*>(in)[i] : half_to_float(static_cast<const uint16_t*>(in)[i]);
+}
+
+inline bool finite(float v) { return std::abs(v) <= std::numeric_limits<float>::max(); }
+
+// ---- bit packing -------------------------------------------------------------
+// Eight b-bit codes make exactly b bytes, so a row packs group by group; the
+// last group writes only the bytes the row needs. Matches FBGEMM's layout for
+// 2, 4 and 8 bits (first code in the low bits of the first byte).
+
+template <int B>
+inline void pack_row(const uint8_t* codes, int64_t dim, uint8_t* out) {
+  const int64_t full = dim / 8;
+  for (int64_t g = 0; g < full; ++g) {
+    uint64_t w = 0;
+    for (int k = 0; k < 8; ++k) w |= static_cast<uint64_t>(codes[g * 8 + k]) << (B * k);
+    std::memcpy(out + g * B, &w, B);  // little-endian hosts only (checked in codecs.cpp)
+  }
+  const int64_t rest = dim - full * 8;
+  if (rest) {
+    uint64_t w = 0;
+    for (int k = 0; k < rest; ++k) w |= static_cast<uint64_t>(codes[full * 8 + k]) << (B * k);
+    std::memcpy(out + full * B, &w, (rest * B + 7) / 8);
+  }
+}
+
+template <int B>
+inline void unpack_row(const uint8_t* in, int64_t dim, uint8_t* codes) {
+  constexpr uint64_t mask = (1u << B) - 1;
+  const int64_t full = dim / 8;
+  for (int64_t g = 0; g < full; ++g) {
+    uint64_t w = 0;
+    std::memcpy(&w, in + g * B, B);
+    for (int k = 0; k < 8; ++k) codes[g * 8 + k] = static_cast<uint8_t>((w >> (B * k)) & mask);
+  }
+  const int64_t rest = dim - full * 8;
+  if (rest) {
+    uint64_t w = 0;
+    std::memcpy(&w, in + full * B, (rest * B + 7) / 8);
+    for (int k = 0; k < rest; ++k) codes[full * 8 + k] = static_cast<uint8_t>((w >> (B * k)) & mask);
+  }
+}
+
+inline void pack_row(const uint8_t* codes, int64_t dim, int64_t bits, uint8_t* out) {
+  switch (bits) {
+    case 2: return pack_row<2>(codes, dim, out);
+    case 3: return pack_row<3>(codes, dim, out);
+    case 4: return pack_row<4>(codes, dim, out);
+    default: return pack_row<8>(codes, dim, out);
+  }
+}
+
+inline void unpack_row(const uint8_t* in, int64_t dim, int64_t bits, uint8_t* codes) {
+  switch (bits) {
+    case 2: return unpack_row<2>(in, dim, codes);
+    case 3: return unpack_row<3>(in, dim, codes);
+    case 4: return unpack_row<4>(in, dim, codes);
+    default: return unpack_row<8>(in, dim, codes);
+  }
+}
+
+// ---- lane vectors ---------------------------------------------------------------
+// GCC/Clang vector extensions. Arithmetic on them is lane-wise IEEE float, and
+// no kernel contracts a * b + c into an FMA (see CNR_LANE_VARIANTS), so results
+// do not depend on the vector width or the ISA that runs them.
+
+#define CNR_INLINE inline __attribute__((always_inline))
+// Wide vectors only ever cross function boundaries inside one always-inlined,
+// flattened kernel, so GCC's note that their calling convention differs by ISA
+// does not apply.
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+template <int W>
+struct Lanes {
+  typedef float f __attribute__((vector_size(W * sizeof(float))));
+  typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));
+  typedef uint8_t u8 __attribute__((vector_size(W)));
+};
+template <typename V>
+constexpr int width_of = static_cast<int>(sizeof(V) / sizeof(float));
+template <typename V>
+using IntVec = decltype(V{} < V{});
+template <typename V>
+using ByteVec = typename Lanes<width_of<V>>::u8;
+
+template <typename V>
+CNR_INLINE V vload(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <typename V>
+CNR_INLINE void vstore(float* p, V v) {
+  std::memcpy(p, &v, sizeof v);
+}
+template <typename V>
+CNR_INLINE V splat(float s) {
+  return V{} + s;
+}
+// Loads the n < width floats at p and pads the other lanes with `pad`.
+template <typename V>
+CNR_INLINE V vload_part(const float* p, int64_t n, float pad) {
+  float t[width_of<V>];
+  for (int l = 0; l < width_of<V>; ++l) t[l] = l < n ? p[l] : pad;
+  return vload<V>(t);
+}
+template <typename V>
+CNR_INLINE V vmin(V a, V b) {
+  return a < b ? a : b;
+}
+template <typename V>
+CNR_INLINE V vmax(V a, V b) {
+  return a > b ? a : b;
+}
+template <typename V>
+CNR_INLINE V vclamp(V v, V lo, V hi) {
+  return vmin(vmax(v, lo), hi);
+}
+// Round half to even for |v| < 2^22 (codes are far below), like torch.round;
+// two adds vectorise everywhere, nearbyint does not.
+template <typename V>
+CNR_INLINE V vround(V v) {
+  const V magic = splat<V>(12582912.0f);  // 1.5 * 2^23
+  return (v + magic) - magic;
+}
+// 1 / s, or 0 where s == 0 (a constant row: every value maps to code 0).
+template <typename V>
+CNR_INLINE V safe_inverse(V s) {
+  return s > 0.0f ? 1.0f / s : splat<V>(0.0f);
+}
+template <typename V>
+CNR_INLINE IntVec<V> nonfinite_v(V v) {
+  const V a = v < 0.0f ? -v : v;
+  return ~(a <= std::numeric_limits<float>::max());
+}
+// Stores the first n lanes of integral, in-range codes as bytes.
+template <typename V>
+CNR_INLINE void store_codes(uint8_t* dst, V q, int64_t n) {
+  const auto c = __builtin_convertvector(__builtin_convertvector(q, IntVec<V>), ByteVec<V>);
+  std::memcpy(dst, &c, n);
+}
+template <typename V>
+CNR_INLINE V load_codes(const uint8_t* src, int64_t n) {
+  ByteVec<V> c{};
+  std::memcpy(&c, src, n);
+  return __builtin_convertvector(c, V);
+}
+
+// Copies rows [r0, r0 + n) of a [N, dim] matrix into a column-major block
+// xt[j * W + l], so that one vector holds column j of W rows. Lanes past n
+// repeat the last row; their results are discarded.
+template <int W>
+CNR_INLINE void transpose_block(const float* rows, int64_t r0, int64_t n, int64_t dim, float* xt) {
+  for (int l = 0; l < W; ++l) {
+    const float* src = rows + (r0 + std::min<int64_t>(l, n - 1)) * dim;
+    for (int64_t j = 0; j < dim; ++j) xt[j * W + l] = src[j];
+  }
+}
+
+// The width the per-row kernels use: the build target's native vectors (GCC
+// scalarises generic vectors wider than the target's registers).
+#if defined(__AVX512F__)
+constexpr int kBaseLanes = 16;
+#elif defined(__AVX__)
+constexpr int kBaseLanes = 8;
+#else
+constexpr int kBaseLanes = 4;
+#endif
+using vf = Lanes<kBaseLanes>::f;
+using vi = Lanes<kBaseLanes>::i;
+
+// The blocked kernels (one row per lane) are compiled for several ISAs and
+// picked at run time: the widest this CPU runs, capped by the environment
+// variable CNR_CODEC_LANES (4, 8 or 16) so that tests can compare widths.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CNR_MULTI_ISA 1
+inline int lane_width() {
+  static const int width = [] {
+    __builtin_cpu_init();
+    int w = __builtin_cpu_supports("avx512f") ? 16 : __builtin_cpu_supports("avx2") ? 8 : 4;
+    if (const char* cap = std::getenv("CNR_CODEC_LANES")) w = std::min(w, std::max(4, std::atoi(cap)));
+    return w >= 16 ? 16 : w >= 8 ? 8 : 4;
+  }();
+  return width;
+}
+// Defines name##_16 / name##_8 / name##_4 running name<W>(args), each inlined
+// whole (flatten) into code for its ISA, with FMA contraction off so that every
+// width rounds identically.
+#define CNR_LANE_VARIANTS(name, params, args)                                                                       \
+  __attribute__((target("avx512f"), optimize("fp-contract=off"), flatten)) void name##_16 params { name<16> args; } \
+  __attribute__((target("avx2"), optimize("fp-contract=off"), flatten)) void name##_8 params { name<8> args; }      \
+  __attribute__((optimize("fp-contract=off"), flatten)) void name##_4 params { name<4> args; }
+#define CNR_LANE_DISPATCH(name, args) \
+  (lane_width() == 16 ? name##_16 args : lane_width() == 8 ? name##_8 args : name##_4 args)
+#else
+inline int lane_width() { return kBaseLanes; }
+#define CNR_LANE_VARIANTS(name, params, args) \
+  void name##_base params { name<kBaseLanes> args; }
+#define CNR_LANE_DISPATCH(name, args) name##_base args
+#endif
+
+}  // namespace cnr::codecs
