@@ -98,7 +98,9 @@ def test_pack_bits_rejects_codes_that_do_not_fit():
 
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("symmetric", [False, True])
-@pytest.mark.parametrize("dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float32), (torch.float16, torch.float16)])
+@pytest.mark.parametrize(
+    "dtypes", [(torch.float16, torch.float32), (torch.float32, torch.float32), (torch.float16, torch.float16)]
+)
 def test_quantize_uniform_is_bit_exact_with_reference(bits, symmetric, dtypes):
     rows = random_rows(300, 33, seed=bits)
     payload, scale, bias, status = ops.quantize_uniform(
@@ -175,7 +177,13 @@ def test_fused_adaptive_quantize_gives_the_same_bytes_as_search_then_quantize(tr
             fused = ops.adaptive_quantize(trained_rows, bits, 25, 0.6, 4, scale_dtype=dtypes[0], bias_dtype=dtypes[1])
             lo, scale = ops.adaptive_search(trained_rows, bits, 25, 0.6, 4)
             two = ops.quantize_uniform(
-                trained_rows, bits, symmetric=False, scale_dtype=dtypes[0], bias_dtype=dtypes[1], grid_bias=lo, grid_scale=scale
+                trained_rows,
+                bits,
+                symmetric=False,
+                scale_dtype=dtypes[0],
+                bias_dtype=dtypes[1],
+                grid_bias=lo,
+                grid_scale=scale,
             )
             for a, b in zip(fused, two):
                 assert torch.equal(a, b)
@@ -319,7 +327,9 @@ def test_same_bytes_whatever_the_vector_width():
         assert out.returncode == 0, out.stderr
         return out.stdout.strip()
 
-    assert digest("4") == digest(None)
+    widest = digest(None)
+    assert digest("4") == widest
+    assert digest("8") == widest
 
 
 # ---- bad input ---------------------------------------------------------------------
@@ -396,7 +406,8 @@ def test_non_float32_and_wrong_rank_inputs_are_rejected_clearly():
     with pytest.raises(InvalidRowsError, match="D >= 1"):
         codec.encode(torch.zeros(3, 0))
     with pytest.raises(ValueError, match="float32"):
-        ops.quantize_uniform(torch.zeros(2, 2, dtype=torch.half), 4, symmetric=False, scale_dtype=torch.half, bias_dtype=torch.float)
+        half_rows = torch.zeros(2, 2, dtype=torch.half)
+        ops.quantize_uniform(half_rows, 4, symmetric=False, scale_dtype=torch.half, bias_dtype=torch.float)
 
 
 def test_fp16_overflow_raises_and_wide_rows_promote_parameters():
@@ -430,11 +441,12 @@ def test_non_contiguous_and_grad_inputs_are_fine():
 @pytest.mark.parametrize("bits", [2, 4, 8])
 def test_fbgemm_layout_matches_ours(bits):
     rows = random_rows(50, 64)
-    fb = get_codec("uniform_asym", bits, scale_dtype="float16", bias_dtype="float16")
-    ours = get_codec("uniform_asym", bits, scale_dtype="float16", bias_dtype="float16", backend="cnr")
+    fb = get_codec("uniform_asym", bits, scale_dtype="float16", bias_dtype="float16", backend="fbgemm")
+    ours = get_codec("uniform_asym", bits, scale_dtype="float16", bias_dtype="float16")
     enc = fb.encode(rows)
     fused = torch.ops.fbgemm.FloatToFusedNBitRowwiseQuantizedSBHalf(rows, bits)
-    assert torch.equal(torch.cat([enc.payload, enc.scale.view(torch.uint8).view(50, 2), enc.bias.view(torch.uint8).view(50, 2)], 1), fused)
+    params = [enc.scale.view(torch.uint8).view(50, 2), enc.bias.view(torch.uint8).view(50, 2)]
+    assert torch.equal(torch.cat([enc.payload, *params], 1), fused)
     # One layout, one decoder: FBGEMM's inverse op and ours agree bit for bit.
     assert torch.equal(decode(enc), torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(fused, bits))
     assert rel_mse(rows, decode(ours.encode(rows))) <= rel_mse(rows, decode(enc)) * 1.05
@@ -454,7 +466,9 @@ def test_fbgemm_8bit_float32_layout():
 def _op_samples():
     rows = random_rows(37, 13)
     codes = torch.randint(0, 8, (5, 11), dtype=torch.uint8)
-    payload, scale, bias, _ = ops.quantize_uniform(rows, 3, symmetric=False, scale_dtype=torch.half, bias_dtype=torch.float)
+    payload, scale, bias, _ = ops.quantize_uniform(
+        rows, 3, symmetric=False, scale_dtype=torch.half, bias_dtype=torch.float
+    )
     km = ops.kmeans_quantize(rows, 2, 3, torch.half)
     lo, s = ops.adaptive_search(rows, 3, 10, 0.5, 1)
     lo2, s2 = ops.adaptive_search(rows, 2, 10, 0.5, 1)

@@ -40,7 +40,17 @@ def _dtype_param(default: str) -> _Param:
 
 
 def _int_param(default: int, lo: int, hi: int) -> _Param:
-    return _Param(default, lambda v: isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, f"an int in [{lo}, {hi}]")
+    def valid(v: Any) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+    return _Param(default, valid, f"an int in [{lo}, {hi}]")
+
+
+def _fraction_param(default: float) -> _Param:
+    def valid(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+
+    return _Param(default, valid, "a number in (0, 1]")
 
 
 class Codec(abc.ABC):
@@ -197,7 +207,9 @@ class _FloatCodec(Codec):
     def _encode(self, rows: torch.Tensor) -> EncodedRows:
         payload, status = ops.cast_rows(rows, self.dtype)
         if _check_status(status):
-            raise RowOverflowError(*_overflow_rows(status), hint=f"{self.method} holds at most ±{torch.finfo(self.dtype).max:g}; use 'bf16' or 'none'")
+            limit = torch.finfo(self.dtype).max
+            hint = f"{self.method} holds at most ±{limit:g}; use bf16 or none"
+            raise RowOverflowError(*_overflow_rows(status), hint=hint)
         return self._encoded(self._params, rows.shape[1], payload=payload)
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
@@ -256,7 +268,8 @@ class _UniformCodec(Codec):
         for attempt in range(2):
             payload, scale, bias, status = self._quantize(rows, params)
             if not _check_status(status):
-                return self._encoded(params, rows.shape[1], payload=payload, scale=scale, bias=None if self.symmetric else bias)
+                bias = None if self.symmetric else bias
+                return self._encoded(params, rows.shape[1], payload=payload, scale=scale, bias=bias)
             # A row's range does not fit the float16 parameters: this batch keeps float32 ones.
             if attempt == 0 and not self._all_float32(params):
                 params = {**params, "scale_dtype": "float32", **({} if self.symmetric else {"bias_dtype": "float32"})}
@@ -296,11 +309,15 @@ class UniformSymCodec(_UniformCodec):
 class UniformAsymCodec(_UniformCodec):
     """Uniform asymmetric on [min, max]: ``x ~ bias + scale * q``, q in [0, 2**bits - 1].
 
-    Where FBGEMM's rowwise ops produce exactly the chosen layout (``backend`` 'auto' or
-    'fbgemm'), they encode: float16 scale and bias at 2, 4 and 8 bits when the packed row
-    has an even number of bytes (``FloatToFusedNBitRowwiseQuantizedSBHalf``), float32
-    scale and bias at 8 bits (``FloatToFused8BitRowwiseQuantized``). The default layout
-    (float16 scale, float32 bias) is ours: a float32 bias decodes constant rows exactly.
+    The default layout (float16 scale, float32 bias) is ours: a float32 bias decodes
+    constant rows exactly. ``backend='fbgemm'`` encodes with FBGEMM's rowwise ops where
+    they produce the chosen layout: float16 scale and bias at 2, 4 and 8 bits when the
+    packed row has an even number of bytes (``FloatToFusedNBitRowwiseQuantizedSBHalf``),
+    float32 scale and bias at 8 bits (``FloatToFused8BitRowwiseQuantized``). The bytes
+    differ slightly (FBGEMM rounds the parameters to nearest, we round the scale up and
+    the bias down) but the layout is the same, and one decoder reads both. The default
+    backend is ours: FBGEMM's ops do not check for NaN, and checking costs them a pass
+    that leaves them slower than our one-pass kernels (see CODECS_NOTES.md).
     """
 
     method = "uniform_asym"
@@ -308,13 +325,13 @@ class UniformAsymCodec(_UniformCodec):
     param_specs = {
         "scale_dtype": _dtype_param("float16"),
         "bias_dtype": _dtype_param("float32"),
-        "backend": _Param("auto", lambda v: v in ("auto", "cnr", "fbgemm"), "'auto', 'cnr' or 'fbgemm'"),
+        "backend": _Param("cnr", lambda v: v in ("cnr", "fbgemm"), "'cnr' or 'fbgemm'"),
     }
 
     def _fbgemm_kind(self, dim: int | None) -> str | None:
         """The FBGEMM op that produces this layout for rows of ``dim`` values (None: any D), or None."""
         p = self._params
-        if p["backend"] == "cnr" or not _fbgemm_available():
+        if p["backend"] != "fbgemm" or not _fbgemm_available():
             return None
         if p["scale_dtype"] == p["bias_dtype"] == "float16" and self.bits in (2, 4, 8):
             # FBGEMM's NBit op wants the packed row to hold whole float16 words.
@@ -335,13 +352,13 @@ class UniformAsymCodec(_UniformCodec):
         if kind is None and self._params["backend"] == "fbgemm":
             raise UnknownCodecError(
                 f"backend='fbgemm': FBGEMM's {self.bits}-bit op needs D * bits to be a multiple of 16, got D = "
-                f"{rows.shape[1]}; use backend='auto'"
+                f"{rows.shape[1]}; use backend='cnr'"
             )
         if kind is not None and rows.shape[0] > 0:
             encoded = self._encode_fbgemm(rows, kind)
             if encoded is not None:
                 return encoded
-        return super()._encode(rows)
+        return super()._encode(rows)  # also FBGEMM's fallback: it promotes parameters that overflow
 
     def _encode_fbgemm(self, rows: torch.Tensor, kind: str) -> EncodedRows | None:
         # FBGEMM does not check its input (a NaN silently becomes a code), so check it:
@@ -384,8 +401,8 @@ class AdaptiveCodec(_UniformCodec):
     bit_choices = QUANT_BITS
     param_specs = {
         "num_bins": _int_param(25, 1, 1 << 16),
-        "ratio": _Param(0.6, lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1, "a number in (0, 1]"),
-        "refit_iters": _int_param(4, 0, 64),
+        "ratio": _fraction_param(0.6),
+        "refit_iters": _int_param(3, 0, 64),
         "scale_dtype": _dtype_param("float16"),
         "bias_dtype": _dtype_param("float32"),
     }

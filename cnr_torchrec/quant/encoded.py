@@ -134,7 +134,9 @@ class EncodedRows:
             **{name: tensors[name] for name in tensors},
         )
         if encoded.num_rows != metadata["num_rows"]:
-            raise EncodingFormatError(f"metadata says {metadata['num_rows']} rows, the payload holds {encoded.num_rows}")
+            raise EncodingFormatError(
+                f"metadata says {metadata['num_rows']} rows, the payload holds {encoded.num_rows}"
+            )
         from cnr_torchrec.quant.codecs import codec_for  # the codecs module imports this one
 
         codec_for(encoded).check(encoded)

@@ -15,8 +15,6 @@
 namespace cnr::codecs {
 namespace {
 
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed layout assumes a little-endian host");
-
 struct RowRange {
   float mn, mx;
   bool bad;  // a NaN or an Inf
@@ -50,32 +48,43 @@ CNR_INLINE RowRange row_range(const float* x, int64_t dim) {
 }
 
 // True when every |x| is 0 or `amax`: then step = amax reproduces the row exactly.
+// As 0 <= |x| <= amax, another magnitude shows as min(|x|, amax - |x|) > 0; the
+// test stays in float lanes because GCC lowers combined compare masks of wide
+// vectors lane by lane.
 template <typename V>
 CNR_INLINE bool two_magnitudes(const float* x, int64_t dim, float amax) {
   constexpr int W = width_of<V>;
-  IntVec<V> other{};
+  V other{};
   int64_t j = 0;
   for (; j + W <= dim; j += W) {
     const V a = vmax(vload<V>(x + j), -vload<V>(x + j));
-    other |= (a != 0.0f) & (a != amax);
+    other = vmax(other, vmin(a, amax - a));
   }
   if (j < dim) {
     const V v = vload_part<V>(x + j, dim - j, 0.0f);
     const V a = vmax(v, -v);
-    other |= (a != 0.0f) & (a != amax);
+    other = vmax(other, vmin(a, amax - a));
   }
   for (int l = 0; l < W; ++l) {
-    if (other[l]) return false;
+    if (other[l] > 0.0f) return false;
   }
   return true;
 }
 
 // Smallest stored step (in `dtype`) whose grid reaches `span` = qmax * step.
-inline float covering_scale(float span, int qmax, at::ScalarType dtype) {
-  float s = round_param(span / static_cast<float>(qmax), dtype, +1);
+template <int W>
+CNR_INLINE float covering_scale(float span, int qmax, at::ScalarType dtype) {
+  float s = round_param_w<W>(span / static_cast<float>(qmax), dtype, +1);
   while (std::isfinite(s) && s * static_cast<float>(qmax) < span) {
-    s = dtype == at::kFloat ? std::nextafter(s, std::numeric_limits<float>::infinity())
-                            : half_to_float(half_step(c10::Half(s).x, +1));
+    // s >= 0, so the next value up is one unit in the last place more.
+    if (dtype == at::kFloat) {
+      uint32_t bits;
+      std::memcpy(&bits, &s, sizeof s);
+      ++bits;
+      std::memcpy(&s, &bits, sizeof s);
+    } else {
+      s = half_to_float(static_cast<uint16_t>(half_bits_w<W>(s) + 1));
+    }
   }
   return s;
 }
@@ -100,7 +109,8 @@ CNR_INLINE void quantize_row(const float* x, int64_t dim, float lo, float step, 
 
 at::Tensor pack_bits_cpu(const at::Tensor& codes, int64_t bits) {
   check_bits(bits, "pack_bits");
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte, "cnr::pack_bits: codes must be a 2-D uint8 tensor");
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte,
+                    "cnr::pack_bits: codes must be a 2-D uint8 tensor");
   const auto c = codes.contiguous();
   const int64_t n = c.size(0), dim = c.size(1), nb = packed_bytes(dim, bits);
   if (c.numel() > 0) {
@@ -158,7 +168,7 @@ void cast_rows_range(const CastArgs& a, int64_t r0, int64_t r1) {
       const uint16_t exp_mask = half ? 0x7c00 : 0x7f80;
       bool inf = false;
       for (int64_t j = 0; j < dim; ++j) {
-        out[j] = half ? c10::Half(xr[j]).x : c10::BFloat16(xr[j]).x;
+        out[j] = half ? half_bits_w<W>(xr[j]) : c10::BFloat16(xr[j]).x;
         inf |= (out[j] & exp_mask) == exp_mask;
       }
       if (inf && !flags) flags = kOverflow;
@@ -209,14 +219,14 @@ void quantize_rows(const UniformArgs& a, int64_t r0, int64_t r1) {
       flags = kNonFinite;
     } else if (a.symmetric) {
       const float amax = std::max(-rr.mn, rr.mx);
-      step = two_magnitudes<V>(xr, dim, amax) ? round_param(amax, a.scale_dtype, +1)
-                                              : covering_scale(amax, a.qmax, a.scale_dtype);
+      step = two_magnitudes<V>(xr, dim, amax) ? round_param_w<W>(amax, a.scale_dtype, +1)
+                                              : covering_scale<W>(amax, a.qmax, a.scale_dtype);
     } else if (a.grid_bias) {
-      lo = round_param(a.grid_bias[r], a.bias_dtype, -1);
-      step = round_param(a.grid_scale[r], a.scale_dtype, +1);
+      lo = round_param_w<W>(a.grid_bias[r], a.bias_dtype, -1);
+      step = round_param_w<W>(a.grid_scale[r], a.scale_dtype, +1);
     } else {
-      lo = round_param(rr.mn, a.bias_dtype, -1);
-      step = covering_scale(rr.mx - lo, a.qmax, a.scale_dtype);
+      lo = round_param_w<W>(rr.mn, a.bias_dtype, -1);
+      step = covering_scale<W>(rr.mx - lo, a.qmax, a.scale_dtype);
     }
     if (!flags && !(finite(lo) && finite(step))) flags = kOverflow;
     a.status[r] = flags;
@@ -228,8 +238,8 @@ void quantize_rows(const UniformArgs& a, int64_t r0, int64_t r1) {
       quantize_row<V>(xr, dim, lo, step, qmin, static_cast<float>(a.qmax), codes.data());
       pack_row(codes.data(), dim, a.bits, a.payload + r * nb);
     }
-    store_param(a.scale, r, step, a.scale_dtype);
-    if (!a.symmetric) store_param(a.bias, r, lo, a.bias_dtype);
+    store_param_w<W>(a.scale, r, step, a.scale_dtype);
+    if (!a.symmetric) store_param_w<W>(a.bias, r, lo, a.bias_dtype);
   }
 }
 CNR_LANE_VARIANTS(quantize_rows, (const UniformArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
@@ -299,8 +309,8 @@ void dequantize_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
   std::vector<uint8_t> codes(dim);
   for (int64_t r = r0; r < r1; ++r) {
     unpack_row(a.payload + r * a.nb, dim, a.bits, codes.data());
-    const V step = splat<V>(load_param(a.scale, r, a.scale_dtype));
-    const V lo = splat<V>(a.bias ? load_param(a.bias, r, a.bias_dtype) : 0.0f);
+    const V step = splat<V>(load_param_w<W>(a.scale, r, a.scale_dtype));
+    const V lo = splat<V>(a.bias ? load_param_w<W>(a.bias, r, a.bias_dtype) : 0.0f);
     float* out_r = a.out + r * dim;
     int64_t j = 0;
     for (; j + W <= dim; j += W) vstore(out_r + j, lo + step * (load_codes<V>(codes.data() + j, W) - shift));
@@ -341,6 +351,38 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& s
   return out;
 }
 
+struct CodebookArgs {
+  const uint8_t* payload;
+  int64_t dim, bits, nb;
+  const float* bias;
+  const void* codebook;
+  at::ScalarType codebook_dtype;
+  int64_t k1;  // codebook entries per row (K - 1)
+  float* out;
+  std::atomic<bool>* bad_code;
+};
+
+template <int W>
+void dequantize_codebook_rows(const CodebookArgs& a, int64_t r0, int64_t r1) {
+  std::vector<uint8_t> codes(a.dim);
+  float lut[256];
+  for (int64_t r = r0; r < r1; ++r) {
+    lut[0] = a.bias[r];
+    for (int64_t k = 1; k <= a.k1; ++k) {
+      lut[k] = a.bias[r] + load_param_w<W>(a.codebook, r * a.k1 + k - 1, a.codebook_dtype);
+    }
+    unpack_row(a.payload + r * a.nb, a.dim, a.bits, codes.data());
+    uint8_t top = 0;
+    float* out_r = a.out + r * a.dim;
+    for (int64_t j = 0; j < a.dim; ++j) {
+      top = std::max(top, codes[j]);
+      out_r[j] = lut[std::min<int64_t>(codes[j], a.k1)];  // clamped: a corrupt code must not read past the table
+    }
+    if (top > a.k1) *a.bad_code = true;
+  }
+}
+CNR_LANE_VARIANTS(dequantize_codebook_rows, (const CodebookArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
+
 at::Tensor dequantize_codebook_cpu(const at::Tensor& payload, const at::Tensor& bias, const at::Tensor& codebook,
                                    int64_t bits, int64_t dim) {
   check_bits(bits, "dequantize_codebook");
@@ -355,33 +397,16 @@ at::Tensor dequantize_codebook_cpu(const at::Tensor& payload, const at::Tensor& 
                         (codebook.scalar_type() == at::kFloat || codebook.scalar_type() == at::kHalf),
                     "cnr::dequantize_codebook: codebook must be float32/float16 [N, K - 1] with K <= 2**bits, got ",
                     codebook.scalar_type(), " ", codebook.sizes());
-  const int64_t k1 = codebook.size(1);
   const auto p = payload.contiguous();
   const auto b = bias.contiguous();
   const auto cb = codebook.contiguous();
   auto out = at::empty({n, dim}, payload.options().dtype(at::kFloat));
-  const uint8_t* src = p.data_ptr<uint8_t>();
-  const float* bp = b.data_ptr<float>();
-  const void* cbp = cb.data_ptr();
-  const auto cdt = cb.scalar_type();
-  float* dst = out.data_ptr<float>();
   std::atomic<bool> bad_code{false};
-  at::parallel_for(0, n, row_grain(dim), [&](int64_t r0, int64_t r1) {
-    std::vector<uint8_t> codes(dim);
-    float lut[256];
-    for (int64_t r = r0; r < r1; ++r) {
-      lut[0] = bp[r];
-      for (int64_t k = 1; k <= k1; ++k) lut[k] = bp[r] + load_param(cbp, r * k1 + k - 1, cdt);
-      unpack_row(src + r * nb, dim, bits, codes.data());
-      uint8_t top = 0;
-      float* out_r = dst + r * dim;
-      for (int64_t j = 0; j < dim; ++j) {
-        top = std::max(top, codes[j]);
-        out_r[j] = lut[std::min<int64_t>(codes[j], k1)];  // clamped: a corrupt code must not read past the table
-      }
-      if (top > k1) bad_code = true;
-    }
-  });
+  const CodebookArgs a{p.data_ptr<uint8_t>(), dim,          bits, nb, b.data_ptr<float>(), cb.data_ptr(),
+                       cb.scalar_type(),      cb.size(1), out.data_ptr<float>(), &bad_code};
+  at::parallel_for(0, n, row_grain(dim),
+                   [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_codebook_rows, (a, r0, r1)); });
+  const int64_t k1 = a.k1;
   TORCH_CHECK_VALUE(!bad_code, "cnr::dequantize_codebook: the payload holds codes beyond the ", k1 + 1,
                     "-entry codebook; the encoded rows are corrupt");
   return out;

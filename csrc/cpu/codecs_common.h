@@ -1,6 +1,7 @@
 // Helpers shared by the CPU row-codec kernels (codecs.cpp, codecs_search.cpp,
 // codecs_kmeans.cpp): argument checks, rounding of per-row parameters to their
-// storage dtype, bit packing, and a 16-lane float vector type.
+// storage dtype, bit packing, lane vector types, and the per-ISA variants of
+// the kernels (SSE4.2 / AVX2 / AVX-512, picked at run time).
 //
 // Determinism: every kernel treats each row on its own, and every sum over a row
 // runs in one fixed order, so the bytes depend neither on the thread count nor
@@ -93,36 +94,62 @@ inline bool finite(float v) { return std::abs(v) <= std::numeric_limits<float>::
 // last group writes only the bytes the row needs. Matches FBGEMM's layout for
 // 2, 4 and 8 bits (first code in the low bits of the first byte).
 
+// Eight codes, one per byte of `x` (little-endian), squeezed into the low 8 * B
+// bits, and back: three shift-or-mask steps that merge (or split) neighbouring
+// fields, pairs, then quads, with no per-code loop.
+constexpr uint64_t lane_mask(int lane_bits, int keep) {
+  uint64_t m = 0;
+  for (int i = 0; i < 64; i += lane_bits) m |= ((uint64_t{1} << keep) - 1) << i;
+  return m;
+}
+template <int B>
+inline uint64_t squeeze8(uint64_t x) {
+  if constexpr (B == 8) return x;
+  x = (x | (x >> (8 - B))) & lane_mask(16, 2 * B);
+  x = (x | (x >> (16 - 2 * B))) & lane_mask(32, 4 * B);
+  return (x | (x >> (32 - 4 * B))) & ((uint64_t{1} << (8 * B)) - 1);
+}
+template <int B>
+inline uint64_t spread8(uint64_t x) {
+  if constexpr (B == 8) return x;
+  x = (x | (x << (32 - 4 * B))) & lane_mask(32, 4 * B);
+  x = (x | (x << (16 - 2 * B))) & lane_mask(16, 2 * B);
+  return (x | (x << (8 - B))) & lane_mask(8, B);
+}
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed layout assumes a little-endian host");
+
 template <int B>
 inline void pack_row(const uint8_t* codes, int64_t dim, uint8_t* out) {
   const int64_t full = dim / 8;
   for (int64_t g = 0; g < full; ++g) {
-    uint64_t w = 0;
-    for (int k = 0; k < 8; ++k) w |= static_cast<uint64_t>(codes[g * 8 + k]) << (B * k);
-    std::memcpy(out + g * B, &w, B);  // little-endian hosts only (checked in codecs.cpp)
+    uint64_t x;
+    std::memcpy(&x, codes + g * 8, 8);
+    const uint64_t w = squeeze8<B>(x);
+    std::memcpy(out + g * B, &w, B);
   }
-  const int64_t rest = dim - full * 8;
-  if (rest) {
-    uint64_t w = 0;
-    for (int k = 0; k < rest; ++k) w |= static_cast<uint64_t>(codes[full * 8 + k]) << (B * k);
+  if (const int64_t rest = dim - full * 8) {
+    uint64_t x = 0;
+    std::memcpy(&x, codes + full * 8, rest);
+    const uint64_t w = squeeze8<B>(x);
     std::memcpy(out + full * B, &w, (rest * B + 7) / 8);
   }
 }
 
 template <int B>
 inline void unpack_row(const uint8_t* in, int64_t dim, uint8_t* codes) {
-  constexpr uint64_t mask = (1u << B) - 1;
   const int64_t full = dim / 8;
   for (int64_t g = 0; g < full; ++g) {
     uint64_t w = 0;
     std::memcpy(&w, in + g * B, B);
-    for (int k = 0; k < 8; ++k) codes[g * 8 + k] = static_cast<uint8_t>((w >> (B * k)) & mask);
+    const uint64_t x = spread8<B>(w);
+    std::memcpy(codes + g * 8, &x, 8);
   }
-  const int64_t rest = dim - full * 8;
-  if (rest) {
+  if (const int64_t rest = dim - full * 8) {
     uint64_t w = 0;
     std::memcpy(&w, in + full * B, (rest * B + 7) / 8);
-    for (int k = 0; k < rest; ++k) codes[full * 8 + k] = static_cast<uint8_t>((w >> (B * k)) & mask);
+    const uint64_t x = spread8<B>(w);
+    std::memcpy(codes + full * 8, &x, rest);
   }
 }
 
@@ -160,6 +187,7 @@ struct Lanes {
   typedef float f __attribute__((vector_size(W * sizeof(float))));
   typedef int32_t i __attribute__((vector_size(W * sizeof(int32_t))));
   typedef uint8_t u8 __attribute__((vector_size(W)));
+  typedef uint32_t u32 __attribute__((vector_size(W * sizeof(uint32_t))));
 };
 template <typename V>
 constexpr int width_of = static_cast<int>(sizeof(V) / sizeof(float));
@@ -231,14 +259,88 @@ CNR_INLINE V load_codes(const uint8_t* src, int64_t n) {
   return __builtin_convertvector(c, V);
 }
 
+// Shuffle masks of one butterfly stage of a W x W transpose: within each block
+// of 2S lanes, the low output takes the low S lanes of both inputs, the high
+// output their high S lanes.
+template <int W, int S, bool High>
+constexpr typename Lanes<W>::i butterfly_mask() {
+  typename Lanes<W>::i m{};
+  for (int p = 0; p < W; ++p) {
+    const int block = p / (2 * S) * (2 * S), t = p % (2 * S);
+    m[p] = t < S ? block + t + (High ? S : 0) : W + block + t - S + (High ? S : 0);
+  }
+  return m;
+}
+template <int W, int S>
+CNR_INLINE void butterfly(typename Lanes<W>::f* r) {
+  if constexpr (S >= 1) {
+    for (int i = 0; i < W; ++i) {
+      if (i & S) continue;
+      const auto a = r[i], b = r[i + S];
+      r[i] = __builtin_shuffle(a, b, butterfly_mask<W, S, false>());
+      r[i + S] = __builtin_shuffle(a, b, butterfly_mask<W, S, true>());
+    }
+    butterfly<W, S / 2>(r);
+  }
+}
+
 // Copies rows [r0, r0 + n) of a [N, dim] matrix into a column-major block
 // xt[j * W + l], so that one vector holds column j of W rows. Lanes past n
-// repeat the last row; their results are discarded.
+// repeat the last row; their results are discarded. W x W tiles transpose in
+// log2(W) shuffle stages where the ISA has two-source shuffles (W >= 8).
 template <int W>
 CNR_INLINE void transpose_block(const float* rows, int64_t r0, int64_t n, int64_t dim, float* xt) {
-  for (int l = 0; l < W; ++l) {
-    const float* src = rows + (r0 + std::min<int64_t>(l, n - 1)) * dim;
-    for (int64_t j = 0; j < dim; ++j) xt[j * W + l] = src[j];
+  const float* src[W];
+  for (int l = 0; l < W; ++l) src[l] = rows + (r0 + std::min<int64_t>(l, n - 1)) * dim;
+  int64_t j = 0;
+  if constexpr (W >= 8) {
+    for (; j + W <= dim; j += W) {
+      typename Lanes<W>::f t[W];
+      for (int l = 0; l < W; ++l) std::memcpy(&t[l], src[l] + j, sizeof t[l]);
+      butterfly<W, W / 2>(t);
+      std::memcpy(xt + j * W, t, sizeof t);
+    }
+  }
+  for (; j < dim; ++j) {
+    for (int l = 0; l < W; ++l) xt[j * W + l] = src[l][j];
+  }
+}
+
+// Packs the codes of a block held column-wise (column j of lanes 0..W-1 from
+// code_of(j), a float vector of integral codes) into the rows out[l], l < cnt:
+// per group of eight columns, shift-or the codes of all lanes at once, then
+// store each lane's B bytes (a constant size, so no memcpy call).
+template <typename V, int B, typename CodeOf>
+CNR_INLINE void pack_lanes(int64_t dim, int64_t cnt, uint8_t* const* out, CodeOf& code_of) {
+  using U = typename Lanes<width_of<V>>::u32;
+  for (int64_t g = 0; g * 8 < dim; ++g) {
+    const int64_t n = std::min<int64_t>(8, dim - g * 8);
+    U lo{}, hi{};  // codes 0-3 and 4-7 of the group: 32 bits each even at 8 bits
+    for (int64_t k = 0; k < n; ++k) {
+      const U q = reinterpret_cast<U>(__builtin_convertvector(code_of(g * 8 + k), IntVec<V>));
+      if (k < 4) {
+        lo |= q << static_cast<uint32_t>(B * k);
+      } else {
+        hi |= q << static_cast<uint32_t>(B * (k - 4));
+      }
+    }
+    for (int64_t l = 0; l < cnt; ++l) {
+      const uint64_t w = lo[l] | (static_cast<uint64_t>(hi[l]) << (4 * B));
+      if (n == 8) {
+        std::memcpy(out[l] + g * B, &w, B);
+      } else {
+        std::memcpy(out[l] + g * B, &w, static_cast<size_t>((n * B + 7) / 8));
+      }
+    }
+  }
+}
+template <typename V, typename CodeOf>
+CNR_INLINE void pack_lanes(int64_t dim, int bits, int64_t cnt, uint8_t* const* out, CodeOf&& code_of) {
+  switch (bits) {
+    case 2: return pack_lanes<V, 2>(dim, cnt, out, code_of);
+    case 3: return pack_lanes<V, 3>(dim, cnt, out, code_of);
+    case 4: return pack_lanes<V, 4>(dim, cnt, out, code_of);
+    default: return pack_lanes<V, 8>(dim, cnt, out, code_of);
   }
 }
 
@@ -262,7 +364,8 @@ using vi = Lanes<kBaseLanes>::i;
 inline int lane_width() {
   static const int width = [] {
     __builtin_cpu_init();
-    int w = __builtin_cpu_supports("avx512f") ? 16 : __builtin_cpu_supports("avx2") ? 8 : 4;
+    const bool f16c = __builtin_cpu_supports("f16c");
+    int w = f16c && __builtin_cpu_supports("avx512f") ? 16 : f16c && __builtin_cpu_supports("avx2") ? 8 : 4;
     if (const char* cap = std::getenv("CNR_CODEC_LANES")) w = std::min(w, std::max(4, std::atoi(cap)));
     return w >= 16 ? 16 : w >= 8 ? 8 : 4;
   }();
@@ -272,16 +375,64 @@ inline int lane_width() {
 // whole (flatten) into code for its ISA, with FMA contraction off so that every
 // width rounds identically.
 #define CNR_LANE_VARIANTS(name, params, args)                                                                       \
-  __attribute__((target("avx512f"), optimize("fp-contract=off"), flatten)) void name##_16 params { name<16> args; } \
-  __attribute__((target("avx2"), optimize("fp-contract=off"), flatten)) void name##_8 params { name<8> args; }      \
+  __attribute__((target("avx512f,f16c"), optimize("fp-contract=off"), flatten)) void name##_16 params {       \
+    name<16> args;                                                                                              \
+  }                                                                                                             \
+  __attribute__((target("avx2,f16c"), optimize("fp-contract=off"), flatten)) void name##_8 params { name<8> args; } \
   __attribute__((optimize("fp-contract=off"), flatten)) void name##_4 params { name<4> args; }
 #define CNR_LANE_DISPATCH(name, args) \
   (lane_width() == 16 ? name##_16 args : lane_width() == 8 ? name##_8 args : name##_4 args)
+#include <immintrin.h>
+// F16C conversions for the AVX2 / AVX-512 variants, whose targets include f16c
+// (flatten inlines them there). IEEE rounding, like the software path.
+__attribute__((target("f16c"))) inline float f16c_round(float v, int dir) {
+  const uint16_t h = dir > 0   ? _cvtss_sh(v, _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC)
+                     : dir < 0 ? _cvtss_sh(v, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC)
+                               : _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return _cvtsh_ss(h);
+}
+__attribute__((target("f16c"))) inline uint16_t f16c_bits(float v) {
+  return _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+__attribute__((target("f16c"))) inline float f16c_value(uint16_t h) { return _cvtsh_ss(h); }
 #else
 inline int lane_width() { return kBaseLanes; }
 #define CNR_LANE_VARIANTS(name, params, args) \
   void name##_base params { name<kBaseLanes> args; }
 #define CNR_LANE_DISPATCH(name, args) name##_base args
 #endif
+
+// round_param / store_param for kernels of lane width W: hardware float16
+// conversion where the variant has it, the same values either way.
+template <int W>
+CNR_INLINE float round_param_w(float v, at::ScalarType dtype, int dir) {
+#if CNR_MULTI_ISA
+  if constexpr (W >= 8) return dtype == at::kFloat ? v : f16c_round(v, dir);
+#endif
+  return round_param(v, dtype, dir);
+}
+template <int W>
+CNR_INLINE float load_param_w(const void* in, int64_t i, at::ScalarType dtype) {
+  if (dtype == at::kFloat) return static_cast<const float*>(in)[i];
+#if CNR_MULTI_ISA
+  if constexpr (W >= 8) return f16c_value(static_cast<const uint16_t*>(in)[i]);
+#endif
+  return half_to_float(static_cast<const uint16_t*>(in)[i]);
+}
+template <int W>
+CNR_INLINE uint16_t half_bits_w(float v) {
+#if CNR_MULTI_ISA
+  if constexpr (W >= 8) return f16c_bits(v);
+#endif
+  return c10::Half(v).x;
+}
+template <int W>
+CNR_INLINE void store_param_w(void* out, int64_t i, float v, at::ScalarType dtype) {
+  if (dtype == at::kHalf) {
+    static_cast<uint16_t*>(out)[i] = half_bits_w<W>(v);  // exact: v is a float16 value
+  } else {
+    static_cast<float*>(out)[i] = v;
+  }
+}
 
 }  // namespace cnr::codecs

@@ -88,7 +88,6 @@ void kmeans_blocks(const KMeansArgs& a, int64_t b0, int64_t b1) {
   const int K = a.K;
   const int64_t dim = a.dim;
   std::vector<float> xt(dim * W), sorted(dim), c(K * W), mids(K * W), above_sum(K * W), above_cnt(K * W);
-  std::vector<uint8_t> codes_t(dim * W), codes(dim);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t r0 = b * W, cnt = std::min<int64_t>(W, a.n - r0);
     transpose_block<W>(a.rows, r0, cnt, dim, xt.data());
@@ -128,9 +127,9 @@ void kmeans_blocks(const KMeansArgs& a, int64_t b0, int64_t b1) {
       a.bias[r] = bad[l] ? 0.0f : base;
       uint8_t flags = bad[l] ? kNonFinite : 0;
       for (int k = 0; k < K; ++k) {
-        const float off = k == 0 ? 0.0f : round_param(c[k * W + l] - c0, a.codebook_dtype, 0);
+        const float off = k == 0 ? 0.0f : round_param_w<W>(c[k * W + l] - c0, a.codebook_dtype, 0);
         if (!finite(off) && !flags) flags = kOverflow;
-        if (k > 0) store_param(a.codebook, r * (K - 1) + k - 1, flags ? 0.0f : off, a.codebook_dtype);
+        if (k > 0) store_param_w<W>(a.codebook, r * (K - 1) + k - 1, flags ? 0.0f : off, a.codebook_dtype);
         c[k * W + l] = base + off;  // the decoded centroid, as dequantize_codebook computes it
       }
       a.status[r] = flags;
@@ -138,16 +137,17 @@ void kmeans_blocks(const KMeansArgs& a, int64_t b0, int64_t b1) {
     for (int k = 0; k + 1 < K; ++k) {
       vstore(mids.data() + k * W, (vload<V>(c.data() + k * W) + vload<V>(c.data() + (k + 1) * W)) * 0.5f);
     }
-    for (int64_t j = 0; j < dim; ++j) {
+    uint8_t* out[W];
+    for (int l = 0; l < cnt; ++l) out[l] = a.payload + (r0 + l) * a.nb;
+    const V zero = splat<V>(0.0f), one = splat<V>(1.0f);
+    pack_lanes<V>(dim, static_cast<int>(a.bits), cnt, out, [&](int64_t j) {
       const V v = vload<V>(xt.data() + j * W);
-      IntVec<V> code{};
-      for (int k = 0; k + 1 < K; ++k) code -= v > vload<V>(mids.data() + k * W);  // a true lane compares as -1
-      const auto c8 = __builtin_convertvector(code, ByteVec<V>);
-      std::memcpy(codes_t.data() + j * W, &c8, W);
-    }
+      V code{};  // the number of midpoints below v; float lanes vectorise where mask arithmetic does not
+      for (int k = 0; k + 1 < K; ++k) code += v > vload<V>(mids.data() + k * W) ? one : zero;
+      return code;
+    });
     for (int l = 0; l < cnt; ++l) {
-      for (int64_t j = 0; j < dim; ++j) codes[j] = a.status[r0 + l] ? 0 : codes_t[j * W + l];
-      pack_row(codes.data(), dim, a.bits, a.payload + (r0 + l) * a.nb);
+      if (a.status[r0 + l]) std::memset(out[l], 0, a.nb);  // keep rejected rows deterministic
     }
   }
 }

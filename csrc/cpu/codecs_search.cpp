@@ -10,12 +10,13 @@
 // exhaustive_search: every range on a grid of `grid` steps, for measurements.
 //
 // Each candidate's error is exact: the row is re-quantized. That is cheap here
-// because 16 rows run side by side, one per vector lane (a transposed block), so
-// a candidate costs one vector op per column and per instruction of the
-// quantizer, with no horizontal sums and no branches. Sorting each row and
-// evaluating candidates from prefix sums was measured 5-20x slower for
-// D = 64..1024 (the sort dominates), and the cheap uniform-noise estimate of
-// the in-range error steered the search to ranges 7-21% worse; see CODECS_NOTES.md.
+// because W rows (4, 8 or 16 by ISA) run side by side, one per vector lane of a
+// transposed block, so a candidate costs about nine vector ops per column, with
+// no horizontal sums and no branches, and every lane takes its own decisions by
+// blending. Sorting each row and evaluating candidates exactly from prefix sums
+// per quantization bin measured far slower for D = 64..1024 (the sort and the
+// bin searches dominate), and the cheap uniform-noise estimate of the in-range
+// error steered the search to ranges 8-20% worse; see CODECS_NOTES.md.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -69,12 +70,23 @@ CNR_INLINE BlockRange<V> block_range(float* xt, int64_t dim) {
   constexpr int W = width_of<V>;
   BlockRange<V> r{splat<V>(std::numeric_limits<float>::infinity()), splat<V>(-std::numeric_limits<float>::infinity()),
                   IntVec<V>{}};
-  for (int64_t j = 0; j < dim; ++j) r.bad |= nonfinite_v(vload<V>(xt + j * W));
   for (int64_t j = 0; j < dim; ++j) {
-    const V x = r.bad ? splat<V>(0.0f) : vload<V>(xt + j * W);
-    vstore(xt + j * W, x);
+    const V x = vload<V>(xt + j * W);
+    r.bad |= nonfinite_v(x);
     r.mn = vmin(r.mn, x);
     r.mx = vmax(r.mx, x);
+  }
+  bool any_bad = false;
+  for (int l = 0; l < W; ++l) any_bad |= r.bad[l] != 0;
+  if (any_bad) {  // rare: redo the lanes' range without the bad rows
+    r.mn = splat<V>(std::numeric_limits<float>::infinity());
+    r.mx = -r.mn;
+    for (int64_t j = 0; j < dim; ++j) {
+      const V x = r.bad ? splat<V>(0.0f) : vload<V>(xt + j * W);
+      vstore(xt + j * W, x);
+      r.mn = vmin(r.mn, x);
+      r.mx = vmax(r.mx, x);
+    }
   }
   return r;
 }
@@ -95,15 +107,12 @@ CNR_INLINE void refit(const float* xt, int64_t dim, V mn, V qmax, V* lo, V* s) {
     sq += q;
     sqq += q * q;
   }
-  const double nd = static_cast<double>(dim);
-  for (int l = 0; l < W; ++l) {
-    const double var_q = static_cast<double>(sqq[l]) - static_cast<double>(sq[l]) * sq[l] / nd;
-    const double cov = static_cast<double>(suq[l]) - static_cast<double>(su[l]) * sq[l] / nd;
-    if (!(var_q > 0.0 && cov > 0.0)) continue;  // one code only: nothing to fit
-    const double step = cov / var_q;
-    (*s)[l] = static_cast<float>(step);
-    (*lo)[l] = static_cast<float>((static_cast<double>(su[l]) - step * sq[l]) / nd + mn[l]);
-  }
+  const V n = splat<V>(static_cast<float>(dim));
+  const V var_q = sqq - sq * sq / n, cov = suq - su * sq / n;
+  const auto fit = (var_q > 0.0f) & (cov > 0.0f);  // else one code only: nothing to fit
+  const V step = cov / (fit ? var_q : splat<V>(1.0f));
+  *s = fit ? step : *s;
+  *lo = fit ? (su - step * sq) / n + mn : *lo;
 }
 
 struct SearchArgs {
@@ -193,30 +202,29 @@ CNR_INLINE void exhaustive_block(float* xt, const SearchArgs& a, V* out_lo, V* o
 // Quantizes the block on the lanes' grids, exactly as quantize_uniform does with
 // grid_bias / grid_scale: stored bias rounded down, scale up, codes against them.
 template <typename V>
-CNR_INLINE void quantize_block(const float* xt, const SearchArgs& a, int64_t r0, int64_t cnt, V lo, V s,
-                               uint8_t* codes_t, uint8_t* codes) {
+CNR_INLINE void quantize_block(const float* xt, const SearchArgs& a, int64_t r0, int64_t cnt, V lo, V s) {
   constexpr int W = width_of<V>;
   V lo_st{}, s_st{};
+  uint8_t* out[W];
   for (int64_t l = 0; l < cnt; ++l) {
     const int64_t r = r0 + l;
     uint8_t flags = finite(lo[l]) && finite(s[l]) ? 0 : kNonFinite;  // NaN marks a row with NaN / Inf
-    float b = flags ? 0.0f : round_param(lo[l], a.bias_dtype, -1);
-    float st = flags ? 0.0f : round_param(s[l], a.scale_dtype, +1);
+    float b = flags ? 0.0f : round_param_w<W>(lo[l], a.bias_dtype, -1);
+    float st = flags ? 0.0f : round_param_w<W>(s[l], a.scale_dtype, +1);
     if (!flags && !(finite(b) && finite(st))) flags = kOverflow;
     if (flags) b = st = 0.0f;
     a.status[r] = flags;
-    store_param(a.scale, r, st, a.scale_dtype);
-    store_param(a.bias, r, b, a.bias_dtype);
+    store_param_w<W>(a.scale, r, st, a.scale_dtype);
+    store_param_w<W>(a.bias, r, b, a.bias_dtype);
     lo_st[l] = b;
     s_st[l] = st;
+    out[l] = a.payload + r * a.nb;
   }
   const V inv = safe_inverse(s_st), zero = splat<V>(0.0f), qmax = splat<V>(static_cast<float>(a.qmax));
-  for (int64_t j = 0; j < a.dim; ++j) {
-    store_codes(codes_t + j * W, vround(vclamp((vload<V>(xt + j * W) - lo_st) * inv, zero, qmax)), W);
-  }
+  pack_lanes<V>(a.dim, static_cast<int>(a.bits), cnt, out,
+                [&](int64_t j) { return vround(vclamp((vload<V>(xt + j * W) - lo_st) * inv, zero, qmax)); });
   for (int64_t l = 0; l < cnt; ++l) {
-    for (int64_t j = 0; j < a.dim; ++j) codes[j] = a.status[r0 + l] ? 0 : codes_t[j * W + l];
-    pack_row(codes, a.dim, a.bits, a.payload + (r0 + l) * a.nb);
+    if (a.status[r0 + l]) std::memset(out[l], 0, a.nb);  // keep rejected rows deterministic
   }
 }
 
@@ -225,7 +233,6 @@ template <int W>
 void search_blocks(const SearchArgs& a, int64_t b0, int64_t b1) {
   using V = typename Lanes<W>::f;
   std::vector<float> xt(a.dim * W);
-  std::vector<uint8_t> codes_t(a.payload ? a.dim * W : 0), codes(a.payload ? a.dim : 0);
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t r0 = b * W, cnt = std::min<int64_t>(W, a.n - r0);
     transpose_block<W>(a.rows, r0, cnt, a.dim, xt.data());
@@ -236,7 +243,7 @@ void search_blocks(const SearchArgs& a, int64_t b0, int64_t b1) {
       adaptive_block<V>(xt.data(), a, &lo, &s);
     }
     if (a.payload) {
-      quantize_block<V>(xt.data(), a, r0, cnt, lo, s, codes_t.data(), codes.data());
+      quantize_block<V>(xt.data(), a, r0, cnt, lo, s);
       continue;
     }
     for (int64_t i = 0; i < cnt; ++i) {

@@ -111,7 +111,9 @@ __global__ void unpack_kernel(const uint8_t* __restrict__ packed, int64_t n, int
        t += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t r = t / groups, g = t % groups;
     const uint64_t w = load_group(packed + r * nb, g, dim, bits);
-    for (int k = 0; k < 8 && g * 8 + k < dim; ++k) codes[r * dim + g * 8 + k] = static_cast<uint8_t>((w >> (bits * k)) & mask);
+    for (int k = 0; k < 8 && g * 8 + k < dim; ++k) {
+      codes[r * dim + g * 8 + k] = static_cast<uint8_t>((w >> (bits * k)) & mask);
+    }
   }
 }
 
@@ -165,7 +167,8 @@ __global__ void quantize_kernel(const float* __restrict__ rows, int64_t n, int64
     }
     mn = warp_min(mn);
     mx = warp_max(mx);
-    bad = __any_sync(kFull, bad) || (grid_bias && !(finite(grid_bias[r]) && finite(grid_scale[r]) && grid_scale[r] >= 0.0f));
+    const bool bad_grid = grid_bias && !(finite(grid_bias[r]) && finite(grid_scale[r]) && grid_scale[r] >= 0.0f);
+    bad = __any_sync(kFull, bad) || bad_grid;
     float lo = 0.0f, step = 0.0f;
     uint8_t flags = bad ? kNonFinite : 0;
     if (!bad && symmetric) {
@@ -187,7 +190,8 @@ __global__ void quantize_kernel(const float* __restrict__ rows, int64_t n, int64
     for (int64_t g = lane; g < groups; g += 32) {
       uint64_t w = 0;
       for (int k = 0; k < 8 && g * 8 + k < dim; ++k) {
-        if (!flags) w |= static_cast<uint64_t>(code_of(x[g * 8 + k], lo, inv, qmin, static_cast<float>(qmax))) << (bits * k);
+        if (flags) continue;
+        w |= static_cast<uint64_t>(code_of(x[g * 8 + k], lo, inv, qmin, static_cast<float>(qmax))) << (bits * k);
       }
       store_group(out, g, dim, bits, w);
     }
@@ -256,7 +260,8 @@ __global__ void adaptive_kernel(const float* __restrict__ rows, int64_t n, int64
     for (int64_t k = 0; k < rounds; ++k) {
       const float lo_up = __fadd_rn(mn, __fmul_rn(ups + 1.0f, step)), hi_keep = __fsub_rn(mx, __fmul_rn(downs, step));
       const float lo_keep = __fadd_rn(mn, __fmul_rn(ups, step)), hi_down = __fsub_rn(mx, __fmul_rn(downs + 1.0f, step));
-      const float s_up = __fdiv_rn(__fsub_rn(hi_keep, lo_up), qmax), s_down = __fdiv_rn(__fsub_rn(hi_down, lo_keep), qmax);
+      const float s_up = __fdiv_rn(__fsub_rn(hi_keep, lo_up), qmax);
+      const float s_down = __fdiv_rn(__fsub_rn(hi_down, lo_keep), qmax);
       const float e_up = grid_error(x, dim, lo_up, s_up, qmax), e_down = grid_error(x, dim, lo_keep, s_down, qmax);
       const bool up = e_up < e_down;  // a tie moves max down
       ups += up ? 1.0f : 0.0f;
@@ -426,7 +431,8 @@ __global__ void dequantize_codebook_kernel(const uint8_t* __restrict__ payload, 
         atomicOr(bad_code, 1);
         q = k1;
       }
-      out[r * dim + g * 8 + k] = q == 0 ? bias[r] : __fadd_rn(bias[r], load_param(codebook, r * k1 + q - 1, codebook_half));
+      out[r * dim + g * 8 + k] =
+          q == 0 ? bias[r] : __fadd_rn(bias[r], load_param(codebook, r * k1 + q - 1, codebook_half));
     }
   }
 }

@@ -52,7 +52,8 @@ at::Tensor checked_params(const at::Tensor& t, int64_t n, const at::Tensor& like
 
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits) {
   check_bits(bits, "pack_bits");
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte, "cnr::pack_bits: codes must be a 2-D uint8 tensor");
+  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte,
+                    "cnr::pack_bits: codes must be a 2-D uint8 tensor");
   const c10::cuda::CUDAGuard guard(codes.device());
   const auto c = codes.contiguous();
   if (c.numel() > 0) {
