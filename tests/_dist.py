@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 import torch.distributed as dist
@@ -19,8 +21,20 @@ def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple) -> 
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Print before anything else: tearing down a gloo group with work still queued on
+        # the peer can abort the process, and the traceback would then be lost.
+        sys.stderr.write(f"[rank {rank}] failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        raise
+    # Both ranks finish their collectives before the group goes away, and the process then
+    # leaves without running C++ static destructors: gloo and DDP keep helper threads whose
+    # destruction at interpreter exit has aborted a finished, passing rank on CI before.
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, args: tuple = ()) -> None:

@@ -317,7 +317,7 @@ class UniformAsymCodec(_UniformCodec):
     differ slightly (FBGEMM rounds the parameters to nearest, we round the scale up and
     the bias down) but the layout is the same, and one decoder reads both. The default
     backend is ours: FBGEMM's ops do not check for NaN, and checking costs them a pass
-    that leaves them slower than our one-pass kernels (see CODECS_NOTES.md).
+    that leaves them slower than our one-pass kernels (see docs/codecs.md).
     """
 
     method = "uniform_asym"
