@@ -1,9 +1,24 @@
 """cnr_torchrec: Check-N-Run / CPR differential, quantized checkpoints for TorchRec."""
 
 from cnr_torchrec import ops  # noqa: F401  (registers torch.ops.cnr)
+from cnr_torchrec.ckpt import (
+    Checkpointer,
+    CheckpointConfig,
+    CheckpointInfo,
+    QuantizationConfig,
+    SaveHandle,
+    load_config,
+)
 from cnr_torchrec.dmp import CheckNRunDMP
 from cnr_torchrec.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
     CnrError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    SaveFailedError,
+    UnsafeCheckpointError,
     RowIdOutOfRangeError,
     TrackingNotEnabledError,
     UnknownTableError,
@@ -13,6 +28,19 @@ from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = [
     "CheckNRunDMP",
+    "Checkpointer",
+    "CheckpointConfig",
+    "CheckpointInfo",
+    "QuantizationConfig",
+    "SaveHandle",
+    "load_config",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "SaveFailedError",
+    "UnsafeCheckpointError",
     "DirtyRowTracker",
     "CnrError",
     "RowIdOutOfRangeError",

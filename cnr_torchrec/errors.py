@@ -6,6 +6,13 @@ __all__ = [
     "RowIdOutOfRangeError",
     "UnknownTableError",
     "TrackingNotEnabledError",
+    "ConfigError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "CorruptCheckpointError",
+    "IncompatibleCheckpointError",
+    "SaveFailedError",
+    "UnsafeCheckpointError",
 ]
 
 
@@ -30,3 +37,39 @@ class UnknownTableError(CnrError, KeyError):
 
 class TrackingNotEnabledError(CnrError, RuntimeError):
     """A tracker view (baseline bitmap, lookup counters) that was not enabled at construction."""
+
+
+class ConfigError(CnrError, ValueError):
+    """A checkpoint config with an unknown key, a wrong type or an inconsistent value."""
+
+
+class CheckpointError(CnrError):
+    """Base class of the errors raised while saving or restoring checkpoints."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No committed checkpoint matches the request."""
+
+
+class CorruptCheckpointError(CheckpointError, ValueError):
+    """A checkpoint file is missing, truncated, or does not match its checksum.
+
+    Attributes:
+        path: the file, relative to the checkpoint root.
+    """
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path
+
+
+class IncompatibleCheckpointError(CheckpointError, ValueError):
+    """A checkpoint of another model: a table is missing, extra, or has another shape."""
+
+
+class SaveFailedError(CheckpointError, RuntimeError):
+    """A save did not commit. The previous checkpoint is untouched."""
+
+
+class UnsafeCheckpointError(CheckpointError, ValueError):
+    """A checkpoint names a file outside its root, or asks for something we never load (pickle)."""

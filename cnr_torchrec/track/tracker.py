@@ -60,6 +60,7 @@ class DirtyRowTracker:
         self._kernels: list[_KernelState] = []
         self._shards: dict[str, list[tuple[_KernelState, ShardSlice]]] = {t: [] for t in self._plan_tables}
         self._num_embeddings: dict[str, int] = {}
+        self._dims: dict[str, int] = {}
         self._handles = []
         for info in find_kernels(dmp):
             # Bitmaps live where the TBE keeps its row offsets, so the hook never copies.
@@ -70,6 +71,7 @@ class DirtyRowTracker:
             for cfg, shard in zip(info.kernel.config.embedding_tables, info.shards):
                 self._shards[shard.table].append((state, shard))
                 self._num_embeddings[shard.table] = int(cfg.num_embeddings)
+                self._dims[shard.table] = int(cfg.embedding_dim)
             if not info.data_parallel:
                 self._handles.append(info.tbe.register_forward_pre_hook(self._make_hook(state), with_kwargs=True))
 
@@ -122,6 +124,14 @@ class DirtyRowTracker:
         """Names of every embedding table of the model, as in its table configs."""
         return list(self._plan_tables)
 
+    def tbes(self) -> list[nn.Module]:
+        """Every TBE this rank runs (sharded and data_parallel)."""
+        return [k.info.tbe for k in self._kernels]
+
+    def module_fqns(self) -> list[str]:
+        """Fully qualified names of the sharded embedding modules, as in the plan."""
+        return sorted({str(e["module"]) for e in self._plan_tables.values()})
+
     def sharding_type(self, table: str) -> str:
         """The sharding type of ``table`` in the plan (``"row_wise"``, ``"data_parallel"``, ...)."""
         return str(self._entry(table)["sharding_type"])
@@ -139,6 +149,22 @@ class DirtyRowTracker:
         """This rank's shards of ``table``, with the TBE that holds each."""
         self._entry(table)
         return [(state.info, s) for state, s in self._shards[table]]
+
+    def table_shape(self, table: str) -> tuple[int, int] | None:
+        """``(num_embeddings, embedding_dim)`` of the whole table, or None if this rank holds none of it."""
+        self._entry(table)
+        if table not in self._num_embeddings:
+            return None
+        return self._num_embeddings[table], self._dims[table]
+
+    def shard_dirty_rows(
+        self, table: str, *, since_baseline: bool = False
+    ) -> list[tuple[TrackedKernel, ShardSlice, torch.Tensor]]:
+        """Per shard of ``table`` on this rank: the dirty rows as offsets into the shard (int64, CPU)."""
+        self._entry(table)
+        return [
+            (state.info, s, self._shard_rows(state, s, since_baseline) - s.rows[0]) for state, s in self._shards[table]
+        ]
 
     def dirty_rows(self, table: str, *, since_baseline: bool = False) -> torch.Tensor:
         """Sorted, unique global ids of this rank's rows of ``table`` looked up in training.
@@ -217,6 +243,20 @@ class DirtyRowTracker:
             k.bitmap.zero_()
             if k.counts is not None:
                 k.counts.zero_()
+
+    def enable_baseline_view(self) -> None:
+        """Starts keeping the "since baseline" view, if it is not kept already.
+
+        A new view starts empty: rows looked up before this call are not in it, so
+        take a baseline (``reset(baseline=True)``) before relying on it.
+        """
+        for k in self._kernels:
+            if k.baseline is None:
+                k.baseline = torch.zeros_like(k.bitmap)
+
+    @property
+    def has_baseline_view(self) -> bool:
+        return all(k.baseline is not None for k in self._kernels)
 
     def remove(self) -> None:
         """Detaches the hooks."""
