@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -253,7 +254,9 @@ class Checkpointer:
                 self._settle(self._inflight)
         finally:
             self._executor.shutdown(wait=True)
-            self._storage.close()
+            if self._bg_storage is not None:
+                self._bg_storage.close()
+                self._bg_storage = None
 
     # ------------------------------------------------------------------ internals
 
@@ -301,9 +304,10 @@ class Checkpointer:
         if not self._dist:
             return None, 0
         store = dist.distributed_c10d._get_default_store()
-        token = torch.randint(0, 2**62, (1,), dtype=torch.int64) if self.rank == 0 else torch.zeros(1, dtype=torch.int64)
-        token = self._broadcast(token)
-        return dist.PrefixStore(f"cnr/{int(token.item())}", store), int(token.item())
+        # Keys are namespaced per Checkpointer: a stale report of an earlier one must never be read.
+        # os.urandom, not torch's RNG, which belongs to the training job.
+        token = self._agree(int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0)
+        return dist.PrefixStore(f"cnr/{token}", store), token
 
     def _collective_device(self) -> torch.device:
         if self._dist and dist.get_backend() == "nccl":

@@ -1,0 +1,396 @@
+"""Checkpoint size, stall and restore time: each Checkpointer policy vs torchsnapshot and DCP.
+
+Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint.py [--json PATH]
+Quick run:       ... benchmarks/checkpoint.py --rows 20000 --steps-per-interval 2 --reps 2
+
+Workload (issue 2): 8 tables x 200k rows x 32 dim, half row_wise and half table_wise,
+batch 2048 per rank, pooling 20, Zipf(1.05) ids, EXACT_ROWWISE_ADAGRAD (lr 0.01), gloo
+on CPU. Every policy gets a freshly built model (same seed) and the same batches, so
+each one checkpoints exactly the same sequence of model states: ``--steps-per-interval``
+training steps, a save (the baseline), then ``--intervals`` times more steps and a save.
+Saves are not waited for: training goes on while the background thread writes.
+
+Policies: full, one_shot, consecutive and intermittent at 4-bit adaptive, and
+consecutive without quantization (fp32 rows). Per checkpoint: id, kind, bytes written by
+all ranks, blocking (stall) ms and background (encode + write) ms, both the slowest
+rank's, and the dirty fraction (rows written / rows of all tables).
+
+Peers, on the model state of the last consecutive 4-bit checkpoint: torchsnapshot
+``Snapshot.take(path, {"model": dmp})`` and ``torch.distributed.checkpoint.save`` of
+``{"model": dmp.state_dict()}`` (time: median of ``--reps`` of the slowest rank; bytes:
+every file of the snapshot, via os.walk), and ``dcp.load`` into ``dmp.state_dict()``
+against ``Checkpointer.restore()`` of the baseline + deltas chain, in alternating rounds.
+Note the peers save what DMP's state_dict holds (embedding weights, dense parameters),
+while our checkpoints also hold the fused optimizer's state and the dense optimizer.
+
+Figures per policy (``--json`` writes them, with the raw bytes and ms):
+  bytes_ratio_vs_torchsnapshot: snapshot bytes / our bytes per checkpoint (median over
+      the deltas; over every checkpoint for ``full``, which writes only baselines);
+  capacity_ratio_chain: 10 snapshots' bytes / everything the policy wrote for its
+      baseline and ``--intervals`` checkpoints (what keeping that history costs on disk);
+  stall_ratio_vs_torchsnapshot: our median stall over all checkpoints / snapshot take time;
+  restore_ratio_vs_dcp: time to restore the policy's latest checkpoint / DCP load time.
+Targets (consecutive, 4-bit adaptive): bytes_ratio >= 20, stall_ratio <= 0.05, restore_ratio <= 1.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from torchrec.distributed.types import ShardingEnv
+
+from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
+from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+# (label, policy, method, bits); the reference is the one the targets are for.
+POLICIES = [
+    ("full", "full", "adaptive", 4),
+    ("one_shot", "one_shot", "adaptive", 4),
+    ("consecutive", "consecutive", "adaptive", 4),
+    ("intermittent", "intermittent", "adaptive", 4),
+    ("consecutive_fp32", "consecutive", "none", None),
+]
+REFERENCE = "consecutive"
+TARGETS = {"bytes_ratio_vs_torchsnapshot": (">=", 20.0), "stall_ratio_vs_torchsnapshot": ("<=", 0.05),
+           "restore_ratio_vs_dcp": ("<=", 1.5)}
+
+
+def build(specs, world: int):
+    torch.manual_seed(0)
+    model = ToyModel(specs)
+    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.01)
+    plan = build_plan(model, sharders, world)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    dmp = CheckNRunDMP(model, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n], lr=0.01)
+    return dmp, opt
+
+
+def step(dmp, opt, batch) -> None:
+    loss = dmp(batch)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def slowest(value: float) -> float:
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def total(value: int) -> int:
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t)
+    return int(t)
+
+
+def timed(fn) -> float:
+    """Wall time of ``fn()`` on the slowest rank, in ms; all ranks start together."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    return slowest((time.perf_counter() - t0) * 1e3)
+
+
+def dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def local_weights(dmp) -> list[torch.Tensor]:
+    """Copies of this rank's embedding shards and dense parameters, to check what a restore brought back."""
+    tracker = dmp.dirty_tracker
+    out = []
+    for t in tracker.tables():
+        for kernel, shard in tracker.shards(t):
+            out.append(kernel.tbe.split_embedding_weights()[shard.local_index].detach().clone())
+    out += [p.detach().clone() for n, p in dmp.named_parameters() if "dense" in n]
+    return out
+
+
+def max_error(dmp, ref: list[torch.Tensor]) -> float:
+    err = max((float((a - b).abs().max()) for a, b in zip(local_weights(dmp), ref) if a.numel()), default=0.0)
+    return slowest(err)
+
+
+def fresh_dir(path: str, rank: int) -> str:
+    """Rank 0 (re)creates ``path``; every rank returns once it exists."""
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    return path
+
+
+def new_checkpointer(dmp, opt, config) -> Checkpointer:
+    """A Checkpointer whose c10d-store prefix differs from the previous ones'.
+
+    Workaround: the Checkpointer draws its store prefix from the global torch RNG on rank 0,
+    and build() has just seeded it, so every policy would get the same prefix and a save
+    would read the previous policy's reports and results from the store. Seed from the
+    clock for the draw, then put the RNG state back.
+    """
+    state = torch.get_rng_state()
+    torch.manual_seed(time.time_ns() % 2**62)
+    try:
+        return Checkpointer(dmp, config, dense_optimizer=opt)
+    finally:
+        torch.set_rng_state(state)
+
+
+def run_policy(label, policy, method, bits, specs, args, rank, world, root):
+    """Trains a fresh model and checkpoints it with one policy. Returns (dmp, opt, config, per-checkpoint rows)."""
+    dmp, opt = build(specs, world)
+    quant = {"method": method, "bits": bits}  # bits must be given as None for "none": it defaults to 4
+    config = load_config({"root": root, "policy": policy, "quantization": quant})
+    ck = new_checkpointer(dmp, opt, config)
+    gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
+    handles, dirty = [], []
+    n_step = 0
+    for _ in range(args.intervals + 1):
+        for _ in range(args.steps_per_interval):
+            step(dmp, opt, zipf_batch(specs, args.batch_size, args.pooling, gen))
+            n_step += 1
+        counts = dmp.dirty_tracker.dirty_counts()  # since the previous save, before this one resets it
+        dirty.append(total(sum(counts.values())))
+        handles.append(ck.save(n_step))
+    ck.wait()
+    ck.close()
+    total_rows = len(specs) * args.rows
+    rows = []
+    for h, d in zip(handles, dirty):
+        info = h.wait()
+        rows.append({
+            "id": info.id, "step": info.step, "kind": info.kind, "nbytes": info.nbytes,
+            "stall_ms": info.stall_ms, "write_ms": info.write_ms, "rows_written": info.rows_written,
+            "dirty_fraction": info.rows_written / total_rows, "dirty_since_previous_fraction": d / total_rows,
+        })
+    return dmp, opt, config, rows
+
+
+def restore_ms(dmp, opt, config) -> float:
+    """Time of ``Checkpointer.restore()`` of the latest checkpoint under ``config.root``, by a new Checkpointer."""
+    ck = new_checkpointer(dmp, opt, config)
+    try:
+        return timed(ck.restore)
+    finally:
+        ck.close()
+
+
+def peers(dmp, opt, config, args, rank, out_dir):
+    """torchsnapshot and DCP on the current model state, and restore of ours vs DCP load."""
+    import torch.distributed.checkpoint as dcp
+
+    res: dict = {}
+    ref = local_weights(dmp)
+
+    # torchsnapshot
+    try:
+        from torchsnapshot import Snapshot
+
+        times, nbytes = [], None
+        for r in range(args.reps):
+            path = os.path.join(out_dir, f"torchsnapshot_{r}")
+            times.append(timed(lambda: Snapshot.take(path, {"model": dmp})))
+            dist.barrier()
+            if nbytes is None:
+                nbytes = dir_bytes(path) if rank == 0 else 0
+                nbytes = total(nbytes)  # rank 0 saw the whole (local) directory
+            if rank == 0:
+                shutil.rmtree(path, ignore_errors=True)
+        res["torchsnapshot"] = {"app_state": '{"model": dmp}', "take_ms": statistics.median(times),
+                                "take_ms_all": times, "nbytes": nbytes}
+    except Exception as e:  # report and fall back to the model's state dict
+        if rank == 0:
+            print(f"torchsnapshot Snapshot.take(path, {{'model': dmp}}) failed: {type(e).__name__}: {e}")
+        res["torchsnapshot"] = {"error": f"{type(e).__name__}: {e}"}
+
+    # DCP save; the last one is kept for the load rounds.
+    dcp_path = os.path.join(out_dir, "dcp")
+    times = []
+    for r in range(args.reps):
+        fresh_dir(dcp_path, rank)
+        times.append(timed(lambda: dcp.save({"model": dmp.state_dict()}, checkpoint_id=dcp_path)))
+    dist.barrier()
+    res["dcp"] = {"save_ms": statistics.median(times), "save_ms_all": times,
+                  "nbytes": total(dir_bytes(dcp_path) if rank == 0 else 0)}
+
+    # Restore rounds: ours (whole chain, new Checkpointer) then DCP load (back to exact fp32), alternating.
+    ours, theirs = [], []
+    for _ in range(args.reps):
+        ours.append(restore_ms(dmp, opt, config))
+        ours_err = max_error(dmp, ref)
+
+        def load():
+            sd = dmp.state_dict()
+            dcp.load({"model": sd}, checkpoint_id=dcp_path)
+
+        theirs.append(timed(load))
+        dcp_err = max_error(dmp, ref)
+    res["dcp"].update(load_ms=statistics.median(theirs), load_ms_all=theirs, load_max_abs_error=dcp_err)
+    res["ours_restore"] = {"restore_ms": statistics.median(ours), "restore_ms_all": ours,
+                           "max_abs_error": ours_err}
+    if rank == 0:
+        shutil.rmtree(dcp_path, ignore_errors=True)
+    return res
+
+
+def figures(rows, snap_bytes, snap_ms, dcp_load_ms, restore, intervals):
+    deltas = [r["nbytes"] for r in rows if r["kind"] == "delta"] or [r["nbytes"] for r in rows]
+    per_ckpt = statistics.median(deltas)
+    written = sum(r["nbytes"] for r in rows)
+    stall = statistics.median(r["stall_ms"] for r in rows)
+    return {
+        "median_bytes_per_checkpoint": per_ckpt,
+        "total_bytes_written": written,
+        "median_stall_ms": stall,
+        "median_write_ms": statistics.median(r["write_ms"] for r in rows),
+        "restore_ms": restore,
+        "bytes_ratio_vs_torchsnapshot": snap_bytes / per_ckpt if snap_bytes else None,
+        # Capacity: what keeping this history costs on disk, i.e. everything written (for
+        # one_shot a restore reads only the baseline and the latest delta, but all of them were written).
+        "capacity_ratio_chain": intervals * snap_bytes / written if snap_bytes else None,
+        "stall_ratio_vs_torchsnapshot": stall / snap_ms if snap_ms else None,
+        "restore_ratio_vs_dcp": restore / dcp_load_ms if dcp_load_ms else None,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=200_000)
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--dim", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--pooling", type=int, default=20)
+    parser.add_argument("--steps-per-interval", type=int, default=4, help="training steps between saves")
+    parser.add_argument("--intervals", type=int, default=10, help="checkpoints after the baseline")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions of each peer measurement and restore")
+    parser.add_argument("--policies", type=str, default=",".join(p[0] for p in POLICIES))
+    parser.add_argument("--out-dir", type=str, default="/tmp/cnr_bench_checkpoint",
+                        help="scratch directory (wiped at start and end); one subdirectory per policy")
+    parser.add_argument("--keep", action="store_true", help="leave the checkpoints in --out-dir")
+    parser.add_argument("--log-level", type=str, default="WARNING", help="level of cnr_torchrec's log")
+    parser.add_argument("--json", type=str, default=None)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("cnr_torchrec").setLevel(args.log_level.upper())
+    logging.getLogger("torchrec").setLevel(logging.ERROR)
+    logging.getLogger("torchsnapshot").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+
+    t_start = time.perf_counter()
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
+             for i in range(args.tables)]
+    chosen = [p for p in POLICIES if p[0] in args.policies.split(",")]
+    if REFERENCE not in [p[0] for p in chosen]:
+        raise SystemExit(f"--policies must include {REFERENCE!r}: the peers are measured on its model state")
+    fresh_dir(args.out_dir, rank)
+
+    runs, peer, restores = {}, None, {}
+    for label, policy, method, bits in chosen:
+        root = fresh_dir(os.path.join(args.out_dir, label), rank)
+        dmp, opt, config, rows = run_policy(label, policy, method, bits, specs, args, rank, world, root)
+        runs[label] = rows
+        if rank == 0:
+            print(f"\npolicy {label} ({policy}, {method}{'' if bits is None else f' {bits}-bit'})")
+            print(f"{'policy':<18s}{'id':>4s}{'step':>6s}  {'kind':<9s}{'bytes':>13s}{'stall ms':>10s}"
+                  f"{'write ms':>10s}{'dirty':>8s}")
+            for r in rows:
+                print(f"{label:<18s}{r['id']:>4d}{r['step']:>6d}  {r['kind']:<9s}{r['nbytes']:>13,d}"
+                      f"{r['stall_ms']:>10.1f}{r['write_ms']:>10.1f}{r['dirty_fraction']:>8.2%}", flush=True)
+        if label == REFERENCE:
+            peer = peers(dmp, opt, config, args, rank, args.out_dir)
+            restores[label] = peer["ours_restore"]["restore_ms"]
+        else:
+            restores[label] = statistics.median(restore_ms(dmp, opt, config) for _ in range(args.reps))
+        del dmp, opt
+
+    snap = peer["torchsnapshot"]
+    snap_bytes, snap_ms = snap.get("nbytes"), snap.get("take_ms")
+    dcp_load = peer["dcp"]["load_ms"]
+    figs = {label: figures(rows, snap_bytes, snap_ms, dcp_load, restores[label], args.intervals)
+            for label, rows in runs.items()}
+    elapsed = slowest(time.perf_counter() - t_start)
+
+    if rank == 0:
+        print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
+              f"pooling {args.pooling}; baseline + {args.intervals} checkpoints, {args.steps_per_interval} steps "
+              f"apart; medians of {args.reps} reps")
+        if "error" in snap:
+            print(f"torchsnapshot failed: {snap['error']}")
+        else:
+            print(f"torchsnapshot take {{'model': dmp}}: {snap_bytes:,d} bytes, {snap_ms:.0f} ms")
+        d = peer["dcp"]
+        print(f"DCP save {{'model': dmp.state_dict()}}: {d['nbytes']:,d} bytes, {d['save_ms']:.0f} ms; "
+              f"load {d['load_ms']:.0f} ms (max |error| after load {d['load_max_abs_error']:.2g})")
+        o = peer["ours_restore"]
+        print(f"Checkpointer.restore() of the {REFERENCE} chain (baseline + {args.intervals} deltas): "
+              f"{o['restore_ms']:.0f} ms (max |error| {o['max_abs_error']:.2g}: quantization)")
+        print(f"\n{'policy':<18s}{'bytes/ckpt':>13s}{'total bytes':>14s}{'stall ms':>10s}{'write ms':>10s}"
+              f"{'restore ms':>12s}{'bytes x':>9s}{'capacity x':>12s}{'stall x':>9s}{'restore x':>11s}")
+        for label, f in figs.items():
+            def fmt(v, spec):
+                return format(v, spec) if v is not None else "n/a".rjust(int(spec.split(".")[0]))
+            print(f"{label:<18s}{f['median_bytes_per_checkpoint']:>13,.0f}{f['total_bytes_written']:>14,d}"
+                  f"{f['median_stall_ms']:>10.1f}{f['median_write_ms']:>10.1f}{f['restore_ms']:>12.0f}"
+                  f"{fmt(f['bytes_ratio_vs_torchsnapshot'], '9.1f')}{fmt(f['capacity_ratio_chain'], '12.2f')}"
+                  f"{fmt(f['stall_ratio_vs_torchsnapshot'], '9.3f')}{fmt(f['restore_ratio_vs_dcp'], '11.2f')}")
+        if snap_bytes:
+            print(f"{'torchsnapshot':<18s}{snap_bytes:>13,d}{args.intervals * snap_bytes:>14,d}{snap_ms:>10.1f}")
+        print(f"{'DCP':<18s}{d['nbytes']:>13,d}{args.intervals * d['nbytes']:>14,d}{d['save_ms']:>10.1f}"
+              f"{'':>10s}{d['load_ms']:>12.0f}")
+        print("bytes x = snapshot bytes / our median bytes per checkpoint (deltas); capacity x = "
+              f"{args.intervals} snapshots / all we wrote for baseline + {args.intervals}; stall x = our median "
+              "stall / snapshot take; restore x = our restore of the latest checkpoint / DCP load")
+        print(f"\ntargets for {REFERENCE} (4-bit adaptive):")
+        met = {}
+        for key, (op, bound) in TARGETS.items():
+            v = figs[REFERENCE][key]
+            ok = v is not None and (v >= bound if op == ">=" else v <= bound)
+            met[key] = ok
+            shown = "n/a" if v is None else f"{v:.3f}"
+            print(f"  {key:<30s} {shown:>8s}  target {op} {bound:<5g} {'met' if ok else 'NOT met'}")
+        print(f"dirty fraction per interval ({REFERENCE}): "
+              + ", ".join(f"{r['dirty_fraction']:.1%}" for r in runs[REFERENCE][1:]))
+        print(f"run time {elapsed:.0f} s")
+        if args.json:
+            out = {
+                "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
+                | {"world_size": world},
+                "peers": peer,
+                "policies": {label: {"figures": figs[label], "checkpoints": runs[label],
+                                     "dirty_fraction_per_interval": [r["dirty_fraction"] for r in runs[label]]}
+                             for label in runs},
+                "targets": {REFERENCE: {k: {"value": figs[REFERENCE][k], "bound": f"{op} {b}", "met": met[k]}
+                                        for k, (op, b) in TARGETS.items()}},
+                "run_time_s": elapsed,
+            }
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=2)
+    dist.barrier()
+    if rank == 0 and not args.keep:
+        shutil.rmtree(args.out_dir, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    # Leave without C++ static destructors: gloo's helper threads have aborted finished ranks at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
