@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench nvcc-check clean
+.PHONY: install test demo bench bench-checkpoint nvcc-check clean
 
 install: $(EXT)
 
@@ -36,6 +36,9 @@ demo: install
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py
+
+bench-checkpoint: install
+	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint.py --json checkpoint_bench.json
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT)

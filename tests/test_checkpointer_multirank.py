@@ -287,3 +287,60 @@ def _reader_worker(rank, world_size, root, phase):
 def test_reader_state_round_trip(tmp_path):
     run_ranks(_reader_worker, world_size=2, timeout=120, args=(str(tmp_path), "train"))
     run_ranks(_reader_worker, world_size=2, timeout=120, args=(str(tmp_path), "resume"))
+
+
+def _errors_worker(rank, world_size, root):
+    from cnr_torchrec import (
+        Checkpointer,
+        CheckpointNotFoundError,
+        ConfigError,
+        CorruptCheckpointError,
+        IncompatibleCheckpointError,
+    )
+    from cnr_torchrec.toy import TableSpec
+
+    dmp, specs, opt = _build(world_size)
+    with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
+        Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt).restore()
+    with pytest.raises(ConfigError, match="CheckNRunDMP"):
+        Checkpointer(dmp.module, _config(root, "consecutive", "none", None))
+    ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt)
+    _train(dmp, specs, opt, 2, torch.Generator().manual_seed(0))
+    ckpt.save(1).wait()
+    _train(dmp, specs, opt, 2, torch.Generator().manual_seed(1))
+    info = ckpt.save(2).wait()
+    ckpt.close()
+    with pytest.raises(CheckpointNotFoundError, match="step 7"):
+        Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt).restore(step=7)
+
+    # Another model: one more table, and a table of another width.
+    from cnr_torchrec import CheckNRunDMP
+    from cnr_torchrec.toy import ToyModel, build_plan, sharders_for
+    from torchrec.distributed.types import ShardingEnv
+
+    for extra in ([TableSpec("t5", ROWS, DIM, "row_wise")], []):
+        other_specs = [TableSpec(s.name, s.rows, 16 if (not extra and s.name == "t1") else s.dim, s.sharding)
+                       for s in specs] + extra
+        model = ToyModel(other_specs)
+        sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
+        other = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD),
+                             device=torch.device("cpu"), plan=build_plan(model, sharders, world_size),
+                             sharders=sharders)
+        with pytest.raises(IncompatibleCheckpointError, match="t5" if extra else "'t1' is 400 x 16"):
+            Checkpointer(other, _config(root, "consecutive", "none", None)).restore()
+
+    # A flipped byte in the latest payload: restore names the file.
+    victim = os.path.join(root, f"ckpt-{info.id:08d}", "rank-00000.bin")
+    with open(victim, "r+b") as f:
+        f.seek(3)
+        b = f.read(1)
+        f.seek(3)
+        f.write(bytes([b[0] ^ 0x01]))
+    with pytest.raises(CorruptCheckpointError, match=f"ckpt-{info.id:08d}/rank-00000.bin") as e:
+        Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt).restore()
+    assert e.value.path == f"ckpt-{info.id:08d}/rank-00000.bin"
+
+
+@pytest.mark.timeout(120)
+def test_named_errors(tmp_path):
+    run_ranks(_errors_worker, world_size=1, timeout=100, args=(str(tmp_path),))
