@@ -133,28 +133,12 @@ def fresh_dir(path: str, rank: int) -> str:
     return path
 
 
-def new_checkpointer(dmp, opt, config) -> Checkpointer:
-    """A Checkpointer whose c10d-store prefix differs from the previous ones'.
-
-    Workaround: the Checkpointer draws its store prefix from the global torch RNG on rank 0,
-    and build() has just seeded it, so every policy would get the same prefix and a save
-    would read the previous policy's reports and results from the store. Seed from the
-    clock for the draw, then put the RNG state back.
-    """
-    state = torch.get_rng_state()
-    torch.manual_seed(time.time_ns() % 2**62)
-    try:
-        return Checkpointer(dmp, config, dense_optimizer=opt)
-    finally:
-        torch.set_rng_state(state)
-
-
 def run_policy(label, policy, method, bits, specs, args, rank, world, root):
     """Trains a fresh model and checkpoints it with one policy. Returns (dmp, opt, config, per-checkpoint rows)."""
     dmp, opt = build(specs, world)
-    quant = {"method": method, "bits": bits}  # bits must be given as None for "none": it defaults to 4
+    quant = {"method": method, "bits": bits}
     config = load_config({"root": root, "policy": policy, "quantization": quant})
-    ck = new_checkpointer(dmp, opt, config)
+    ck = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
     handles, dirty = [], []
     n_step = 0
@@ -179,52 +163,119 @@ def run_policy(label, policy, method, bits, specs, args, rank, world, root):
     return dmp, opt, config, rows
 
 
+def bytes_breakdown(root: str) -> dict[str, int]:
+    """What the latest checkpoint under ``root`` is made of, in bytes, from its manifest's blob index."""
+    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest, manifest_path
+    from cnr_torchrec.ckpt.storage import Storage
+
+    storage = Storage(root)
+    try:
+        cid = committed_ids(storage)[-1]
+        m = load_manifest(storage, cid)
+    finally:
+        storage.close()
+    out = {"id": cid, "ids": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0, "optimizer_state": 0,
+           "replicated_tables": 0, "dense": 0, "dense_optimizer": 0, "rng_and_extra": 0}
+    for r in m["ranks"]:
+        for name, blob in r["blobs"].items():
+            head, _, rest = name.partition("/")
+            if head.startswith("s") and head[1:].isdigit():
+                key = ("ids" if rest == "ids" else "weights_payload" if rest == "w/payload"
+                       else "weights_scale_bias_codebook" if rest.startswith("w/") else "optimizer_state")
+            else:
+                key = {"rep": "replicated_tables", "dense": "dense", "dense_optimizer": "dense_optimizer"}.get(
+                    head, "rng_and_extra")
+            out[key] += int(blob["nbytes"])
+    out["payload_files"] = m["nbytes"]
+    out["manifest_json"] = os.path.getsize(os.path.join(root, manifest_path(cid)))
+    return out
+
+
 def restore_ms(dmp, opt, config) -> float:
     """Time of ``Checkpointer.restore()`` of the latest checkpoint under ``config.root``, by a new Checkpointer."""
-    ck = new_checkpointer(dmp, opt, config)
+    ck = Checkpointer(dmp, config, dense_optimizer=opt)
     try:
         return timed(ck.restore)
     finally:
         ck.close()
 
 
+class LocalShards:
+    """Fallback app state for torchsnapshot: this rank's embedding shards and dense parameters as plain tensors.
+
+    Used only if ``Snapshot.take(path, {"model": dmp})`` fails (or with --snapshot-state local):
+    the same bytes of model state, without the ShardedTensor metadata.
+    """
+
+    def __init__(self, dmp) -> None:
+        self.dmp = dmp
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        out = {}
+        tracker = self.dmp.dirty_tracker
+        for t in tracker.tables():
+            for i, (kernel, shard) in enumerate(tracker.shards(t)):
+                out[f"{t}/{i}"] = kernel.tbe.split_embedding_weights()[shard.local_index].detach()
+        out.update({n: p.detach() for n, p in self.dmp.named_parameters() if "dense" in n})
+        return out
+
+    def load_state_dict(self, sd) -> None:
+        raise NotImplementedError("only saved, for its time and size")
+
+
+def quiet_disk(rank: int) -> None:
+    """Flushes earlier writes (ours included) so that they do not slow the next timed peer save."""
+    if rank == 0:
+        os.sync()
+    dist.barrier()
+
+
 def peers(dmp, opt, config, args, rank, out_dir):
     """torchsnapshot and DCP on the current model state, and restore of ours vs DCP load."""
     import torch.distributed.checkpoint as dcp
+    from torchsnapshot import Snapshot
 
     res: dict = {}
     ref = local_weights(dmp)
-
-    # torchsnapshot
-    try:
-        from torchsnapshot import Snapshot
-
-        times, nbytes = [], None
-        for r in range(args.reps):
-            path = os.path.join(out_dir, f"torchsnapshot_{r}")
-            times.append(timed(lambda: Snapshot.take(path, {"model": dmp})))
+    state = {"dmp": ('{"model": dmp}', dmp), "local": ('{"model": LocalShards(dmp)}', LocalShards(dmp))}
+    app_name, app = state[args.snapshot_state]
+    snap = {"app_state": app_name, "take_ms_all": [], "nbytes": None}
+    dcp_path = os.path.join(out_dir, "dcp")
+    dcp_res = {"save_ms_all": []}
+    # Rounds of one torchsnapshot take and one DCP save, so that machine noise hits both alike;
+    # the last DCP checkpoint is kept for the load rounds.
+    for r in range(args.reps):
+        path = os.path.join(out_dir, f"torchsnapshot_{r}")
+        quiet_disk(rank)
+        try:
+            snap["take_ms_all"].append(timed(lambda: Snapshot.take(path, {"model": app})))
+        except Exception as e:
+            if app_name.startswith('{"model": LocalShards'):
+                raise
+            if rank == 0:
+                print(f"torchsnapshot Snapshot.take(path, {app_name}) failed: {type(e).__name__}: {e}; "
+                      "falling back to LocalShards (the ranks' embedding shards and dense parameters as tensors)")
+            snap["error_with_dmp"] = f"{type(e).__name__}: {e}"
+            app_name, app = state["local"]
+            snap["app_state"] = app_name
             dist.barrier()
-            if nbytes is None:
-                nbytes = dir_bytes(path) if rank == 0 else 0
-                nbytes = total(nbytes)  # rank 0 saw the whole (local) directory
             if rank == 0:
                 shutil.rmtree(path, ignore_errors=True)
-        res["torchsnapshot"] = {"app_state": '{"model": dmp}', "take_ms": statistics.median(times),
-                                "take_ms_all": times, "nbytes": nbytes}
-    except Exception as e:  # report and fall back to the model's state dict
+            dist.barrier()
+            snap["take_ms_all"].append(timed(lambda: Snapshot.take(path, {"model": app})))
+        dist.barrier()
+        if snap["nbytes"] is None:
+            snap["nbytes"] = total(dir_bytes(path) if rank == 0 else 0)  # rank 0 sees the whole directory
         if rank == 0:
-            print(f"torchsnapshot Snapshot.take(path, {{'model': dmp}}) failed: {type(e).__name__}: {e}")
-        res["torchsnapshot"] = {"error": f"{type(e).__name__}: {e}"}
-
-    # DCP save; the last one is kept for the load rounds.
-    dcp_path = os.path.join(out_dir, "dcp")
-    times = []
-    for r in range(args.reps):
+            shutil.rmtree(path, ignore_errors=True)
         fresh_dir(dcp_path, rank)
-        times.append(timed(lambda: dcp.save({"model": dmp.state_dict()}, checkpoint_id=dcp_path)))
+        quiet_disk(rank)
+        dcp_res["save_ms_all"].append(timed(lambda: dcp.save({"model": dmp.state_dict()}, checkpoint_id=dcp_path)))
     dist.barrier()
-    res["dcp"] = {"save_ms": statistics.median(times), "save_ms_all": times,
-                  "nbytes": total(dir_bytes(dcp_path) if rank == 0 else 0)}
+    snap["take_ms"] = statistics.median(snap["take_ms_all"])
+    dcp_res["save_ms"] = statistics.median(dcp_res["save_ms_all"])
+    dcp_res["nbytes"] = total(dir_bytes(dcp_path) if rank == 0 else 0)
+    res["torchsnapshot"], res["dcp"] = snap, dcp_res
 
     # Restore rounds: ours (whole chain, new Checkpointer) then DCP load (back to exact fp32), alternating.
     ours, theirs = [], []
@@ -275,7 +326,9 @@ def main() -> None:
     parser.add_argument("--pooling", type=int, default=20)
     parser.add_argument("--steps-per-interval", type=int, default=4, help="training steps between saves")
     parser.add_argument("--intervals", type=int, default=10, help="checkpoints after the baseline")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions of each peer measurement and restore")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of each peer measurement and restore")
+    parser.add_argument("--snapshot-state", choices=["dmp", "local"], default="dmp",
+                        help="torchsnapshot app state: the DMP itself, or LocalShards (the fallback)")
     parser.add_argument("--policies", type=str, default=",".join(p[0] for p in POLICIES))
     parser.add_argument("--out-dir", type=str, default="/tmp/cnr_bench_checkpoint",
                         help="scratch directory (wiped at start and end); one subdirectory per policy")
@@ -300,11 +353,12 @@ def main() -> None:
         raise SystemExit(f"--policies must include {REFERENCE!r}: the peers are measured on its model state")
     fresh_dir(args.out_dir, rank)
 
-    runs, peer, restores = {}, None, {}
+    runs, peer, restores, breakdowns = {}, None, {}, {}
     for label, policy, method, bits in chosen:
         root = fresh_dir(os.path.join(args.out_dir, label), rank)
         dmp, opt, config, rows = run_policy(label, policy, method, bits, specs, args, rank, world, root)
         runs[label] = rows
+        breakdowns[label] = bytes_breakdown(root) if rank == 0 else {}
         if rank == 0:
             print(f"\npolicy {label} ({policy}, {method}{'' if bits is None else f' {bits}-bit'})")
             print(f"{'policy':<18s}{'id':>4s}{'step':>6s}  {'kind':<9s}{'bytes':>13s}{'stall ms':>10s}"
@@ -330,16 +384,20 @@ def main() -> None:
         print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
               f"pooling {args.pooling}; baseline + {args.intervals} checkpoints, {args.steps_per_interval} steps "
               f"apart; medians of {args.reps} reps")
-        if "error" in snap:
-            print(f"torchsnapshot failed: {snap['error']}")
-        else:
-            print(f"torchsnapshot take {{'model': dmp}}: {snap_bytes:,d} bytes, {snap_ms:.0f} ms")
+        if "error_with_dmp" in snap:
+            print(f"torchsnapshot take {{'model': dmp}} failed ({snap['error_with_dmp']}); figures below use the "
+                  "fallback LocalShards: each rank's embedding shards and dense parameters as plain tensors")
+        print(f"torchsnapshot take {snap['app_state']}: {snap_bytes:,d} bytes, {snap_ms:.0f} ms "
+              f"(all: {', '.join(f'{t:.0f}' for t in snap['take_ms_all'])})")
         d = peer["dcp"]
-        print(f"DCP save {{'model': dmp.state_dict()}}: {d['nbytes']:,d} bytes, {d['save_ms']:.0f} ms; "
-              f"load {d['load_ms']:.0f} ms (max |error| after load {d['load_max_abs_error']:.2g})")
+        print(f"DCP save {{'model': dmp.state_dict()}}: {d['nbytes']:,d} bytes, {d['save_ms']:.0f} ms "
+              f"(all: {', '.join(f'{t:.0f}' for t in d['save_ms_all'])}); load {d['load_ms']:.0f} ms "
+              f"(all: {', '.join(f'{t:.0f}' for t in d['load_ms_all'])}; max |error| after load "
+              f"{d['load_max_abs_error']:.2g})")
         o = peer["ours_restore"]
         print(f"Checkpointer.restore() of the {REFERENCE} chain (baseline + {args.intervals} deltas): "
-              f"{o['restore_ms']:.0f} ms (max |error| {o['max_abs_error']:.2g}: quantization)")
+              f"{o['restore_ms']:.0f} ms (all: {', '.join(f'{t:.0f}' for t in o['restore_ms_all'])}; "
+              f"max |error| {o['max_abs_error']:.2g}: quantization)")
         print(f"\n{'policy':<18s}{'bytes/ckpt':>13s}{'total bytes':>14s}{'stall ms':>10s}{'write ms':>10s}"
               f"{'restore ms':>12s}{'bytes x':>9s}{'capacity x':>12s}{'stall x':>9s}{'restore x':>11s}")
         for label, f in figs.items():
@@ -366,14 +424,22 @@ def main() -> None:
             print(f"  {key:<30s} {shown:>8s}  target {op} {bound:<5g} {'met' if ok else 'NOT met'}")
         print(f"dirty fraction per interval ({REFERENCE}): "
               + ", ".join(f"{r['dirty_fraction']:.1%}" for r in runs[REFERENCE][1:]))
-        print(f"run time {elapsed:.0f} s")
+        parts = ["ids", "weights_payload", "weights_scale_bias_codebook", "optimizer_state", "replicated_tables",
+                 "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
+        print("\nbytes of each policy's latest checkpoint, by part (payload files; the manifest is written besides):")
+        print(f"{'policy':<18s}{'id':>4s}" + "".join(f"{p.replace('weights_scale_bias_codebook', 'w params'):>17s}"
+                                                    for p in parts))
+        for label, b in breakdowns.items():
+            print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>17,d}" for p in parts))
+        print(f"run time {elapsed:.0f} s (after start-up)")
         if args.json:
             out = {
                 "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
                 | {"world_size": world},
                 "peers": peer,
                 "policies": {label: {"figures": figs[label], "checkpoints": runs[label],
-                                     "dirty_fraction_per_interval": [r["dirty_fraction"] for r in runs[label]]}
+                                     "dirty_fraction_per_interval": [r["dirty_fraction"] for r in runs[label]],
+                                     "latest_checkpoint_bytes_by_part": breakdowns[label]}
                              for label in runs},
                 "targets": {REFERENCE: {k: {"value": figs[REFERENCE][k], "bound": f"{op} {b}", "met": met[k]}
                                         for k, (op, b) in TARGETS.items()}},

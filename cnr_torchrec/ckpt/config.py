@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -19,6 +20,7 @@ __all__ = ["POLICIES", "CheckpointConfig", "QuantizationConfig", "load_config"]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
+_MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; also keeps timedelta() from overflowing
 
 
 @dataclass(frozen=True)
@@ -27,16 +29,21 @@ class QuantizationConfig:
 
     Attributes:
         method: ``none``, ``fp16``, ``bf16``, ``uniform_sym``, ``uniform_asym``, ``kmeans`` or ``adaptive``.
-        bits: 2, 3, 4 or 8 for the quantizing methods; None for the others.
+        bits: 2, 3, 4 or 8 for the quantizing methods (4 when left out); None for the others.
         params: extra codec parameters, e.g. ``{"num_bins": 25, "ratio": 0.6}`` for adaptive.
     """
 
     method: str = "adaptive"
-    bits: int | None = 4
+    bits: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from cnr_torchrec.quant import UnknownCodecError, get_codec
+        from cnr_torchrec.quant.codecs import _REGISTRY
+
+        codec_cls = _REGISTRY.get(self.method)
+        if self.bits is None and codec_cls is not None and 4 in codec_cls.bit_choices:
+            object.__setattr__(self, "bits", 4)
 
         try:
             get_codec(self.method, self.bits, **self.params)
@@ -81,8 +88,11 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last: must be at least 1 (the chain being written), got {self.keep_last}")
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
-        if self.save_timeout_s <= 0:
-            raise ConfigError(f"save_timeout_s: must be positive, got {self.save_timeout_s}")
+        if not (math.isfinite(self.save_timeout_s) and 0 < self.save_timeout_s <= _MAX_TIMEOUT_S):
+            raise ConfigError(
+                f"save_timeout_s: must be a positive number of seconds up to {_MAX_TIMEOUT_S:.0f}, "
+                f"got {self.save_timeout_s}"
+            )
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> CheckpointConfig:

@@ -103,7 +103,12 @@ def committed_ids(storage: Storage) -> list[int]:
     except CheckpointNotFoundError:
         ids = []
     except (ValueError, AttributeError, TypeError):
-        raise CorruptCheckpointError(f"{INDEX} is corrupt; delete it to rebuild it from the manifests", path=INDEX)
+        raise CorruptCheckpointError(
+            f"{INDEX} is corrupt. This store cannot list directories, so the index is the catalog of "
+            "committed checkpoints: rewrite it as {\"committed\": [ids...]} from the ckpt-*/manifest.json "
+            "objects that exist, or restore it from a copy",
+            path=INDEX,
+        )
     ids = [i for i in ids if storage.exists(manifest_path(i))]
     nxt = (max(ids) + 1) if ids else 0
     while storage.exists(manifest_path(nxt)):

@@ -9,6 +9,7 @@ into a JSON tree and the tensors it holds (:func:`flatten_state`).
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,7 +94,7 @@ def read_blob(storage: Storage, file: str, meta: Mapping[str, Any], what: str) -
 
 # ---------------------------------------------------------------------- nested state
 
-_TENSOR, _TUPLE, _ITEMS = "$tensor", "$tuple", "$items"
+_TENSOR, _TUPLE, _ITEMS, _FLOAT = "$tensor", "$tuple", "$items", "$float"
 
 
 def flatten_state(obj: Any, prefix: str, blobs: BlobWriter, where: str) -> Any:
@@ -107,6 +108,8 @@ def flatten_state(obj: Any, prefix: str, blobs: BlobWriter, where: str) -> Any:
     """
     if isinstance(obj, torch.Tensor):
         return {_TENSOR: blobs.add(f"{prefix}", obj)}
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return {_FLOAT: repr(obj)}  # JSON has no inf/nan (schedulers keep inf as "best so far")
     if obj is None or isinstance(obj, (bool, int, float, str)):
         return obj
     if isinstance(obj, (list, tuple)):
@@ -134,6 +137,8 @@ def unflatten_state(tree: Any, load: Any) -> Any:
     if isinstance(tree, dict):
         if _TENSOR in tree:
             return load(tree[_TENSOR])
+        if _FLOAT in tree:
+            return float(tree[_FLOAT])
         if _TUPLE in tree:
             return tuple(unflatten_state(v, load) for v in tree[_TUPLE])
         if _ITEMS in tree:

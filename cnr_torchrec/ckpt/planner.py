@@ -137,7 +137,7 @@ def decide(
         reason = f"policy {policy}"
 
     encodings = {
-        t: "full" if rows and dirty.get(t, 0) >= full_shard_fraction * rows else "rows" for t, rows in held_rows.items()
+        t: "full" if rows and dirty.get(t, 0) / rows >= full_shard_fraction else "rows" for t, rows in held_rows.items()
     }
     if policy == "consecutive":
         return Decision(**base, kind="delta", since="previous", parent=state.chain[-1],
