@@ -427,10 +427,13 @@ def main() -> None:
         parts = ["ids", "weights_payload", "weights_scale_bias_codebook", "optimizer_state", "replicated_tables",
                  "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
         print("\nbytes of each policy's latest checkpoint, by part (payload files; the manifest is written besides):")
-        print(f"{'policy':<18s}{'id':>4s}" + "".join(f"{p.replace('weights_scale_bias_codebook', 'w params'):>17s}"
-                                                    for p in parts))
+        heads = ["ids", "w payload", "w params", "opt state", "replicated", "dense", "dense opt", "rng+extra",
+                 "manifest"]
+        print(f"{'policy':<18s}{'id':>4s}" + "".join(f"{h:>12s}" for h in heads))
         for label, b in breakdowns.items():
-            print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>17,d}" for p in parts))
+            print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>12,d}" for p in parts))
+        print("w params: per-row scale and bias (or codebook) of the quantized rows; opt state: the fused "
+              "optimizer's per-row state")
         print(f"run time {elapsed:.0f} s (after start-up)")
         if args.json:
             out = {

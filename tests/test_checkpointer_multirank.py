@@ -126,6 +126,9 @@ def _round_trip_worker(rank, world_size, root, method, bits):
         saved = _local_state(dmp)
         opt_saved = opt.state_dict()
         ckpt.close()
+        if policy == "full":  # keep_last=2: only the last two chains (here: baselines) survive
+            assert [i.id for i in ckpt.list()] == [4, 5]
+            assert sorted(os.listdir(where)) == ["ckpt-00000004", "ckpt-00000005", "index.json"]
         if policy == "consecutive":
             assert [len(i.chain) for i in ckpt.list()][-1] == 6
 
@@ -344,3 +347,48 @@ def _errors_worker(rank, world_size, root):
 @pytest.mark.timeout(120)
 def test_named_errors(tmp_path):
     run_ranks(_errors_worker, world_size=1, timeout=100, args=(str(tmp_path),))
+
+
+def _skip_worker(rank, world_size, root):
+    import threading
+
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt import checkpointer as ckpt_mod
+
+    dmp, specs, opt = _build(world_size)
+    ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None, on_busy="skip"), dense_optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    _train(dmp, specs, opt, 2, gen)
+    ckpt.save(1).wait()
+
+    gate = threading.Event()
+    real = ckpt_mod.write_rank
+
+    def slow_write(*args, **kwargs):
+        gate.wait(60)
+        return real(*args, **kwargs)
+
+    ckpt_mod.write_rank = slow_write
+    _train(dmp, specs, opt, 2, gen)
+    busy = ckpt.save(2)
+    _train(dmp, specs, opt, 2, gen)
+    skipped = ckpt.save(3)
+    assert skipped.skipped and skipped.wait() is None and not busy.done()
+    gate.set()
+    ckpt_mod.write_rank = real
+    assert busy.wait().kind == "delta"
+    _train(dmp, specs, opt, 2, gen)  # rows of the skipped interval and of this one go into the next save
+    last = ckpt.save(4).wait()
+    assert last.chain == (0, 1, 2)
+    saved = _local_state(dmp)
+    ckpt.close()
+
+    fresh, _, opt2 = _build(world_size, seed=1)
+    assert Checkpointer(fresh, _config(root, "consecutive", "none", None), dense_optimizer=opt2).restore() == 4
+    got = _local_state(fresh)
+    assert all(torch.equal(got[k], saved[k]) for k in saved)
+
+
+@pytest.mark.timeout(120)
+def test_on_busy_skip_carries_rows_to_the_next_save(tmp_path):
+    run_ranks(_skip_worker, world_size=1, timeout=100, args=(str(tmp_path),))
