@@ -166,7 +166,7 @@ def test_intermittent_sequence_against_hand_computed_reference():
     state, grown, got, chains = ChainState(), 0, [], []
     for step in range(len(expected)):
         d = plan("intermittent", state, step=step, base={"a": grown, "b": 0}, prev={"a": 10},
-                 held={"a": 60, "b": 40})
+                 held={"a": 90, "b": 10})  # "a" stays under the whole-shard threshold (40/90 < 0.5)
         got.append(d.kind)
         chains.append(d.chain)
         if d.kind == "baseline":
@@ -177,6 +177,18 @@ def test_intermittent_sequence_against_hand_computed_reference():
     assert got == expected
     assert chains == expected_chain
     assert state == ChainState(9, (8,), 100, ())
+
+
+def test_intermittent_predicts_whole_shards_past_the_threshold():
+    """Past full_shard_fraction a table is written whole, so the prediction counts all its rows:
+    B = 100 bytes over 100 rows, one delta of 20; "a" has 30 of 60 rows dirty, so the next delta
+    writes 60 rows (~60 bytes), which beats the chain average (100 + 20) / 2 = 60: new baseline.
+    Counting only the 30 dirty rows would have predicted 30 and kept going."""
+    state = ChainState(2, (0, 1), 100, (20,))
+    d = plan("intermittent", state, base={"a": 30, "b": 0}, held={"a": 60, "b": 40})
+    assert d.kind == "baseline" and "~0.00 MB" in d.reason
+    d = plan("intermittent", state, base={"a": 29, "b": 0}, held={"a": 60, "b": 40})
+    assert d.kind == "delta" and d.encodings == {"a": "rows", "b": "rows"}
 
 
 def test_failed_save_restarts_with_a_baseline():

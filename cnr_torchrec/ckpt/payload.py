@@ -69,8 +69,13 @@ class BlobWriter:
         return b"".join(self._parts)
 
 
-def read_blob(storage: Storage, file: str, meta: Mapping[str, Any], what: str) -> torch.Tensor:
+def read_blob(
+    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | None = None
+) -> torch.Tensor:
     """Reads one blob and checks its size and checksum.
+
+    Args:
+        whole: the file's bytes, if the caller already read it all; else a range read.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -79,7 +84,10 @@ def read_blob(storage: Storage, file: str, meta: Mapping[str, Any], what: str) -
     dtype = _DTYPES.get(meta["dtype"])
     if dtype is None:
         raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {meta['dtype']!r}, which we never write")
-    data = storage.read(file, byte_range=(start, start + nbytes)) if nbytes else b""
+    if whole is not None:
+        data = whole[start : start + nbytes]
+    else:
+        data = storage.read(file, byte_range=(start, start + nbytes)) if nbytes else b""
     if len(data) != nbytes:
         raise CorruptCheckpointError(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",

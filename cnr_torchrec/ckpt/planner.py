@@ -124,9 +124,14 @@ def decide(
                         encodings=full, reason=reason)
 
     dirty = dirty_since_previous if policy == "consecutive" else dirty_since_baseline
+    encodings = {
+        t: "full" if rows and dirty.get(t, 0) / rows >= full_shard_fraction else "rows" for t, rows in held_rows.items()
+    }
     if policy == "intermittent":
+        # Rows the delta would write: whole shards for tables past the threshold, else the dirty rows.
         total = sum(held_rows.values()) or 1
-        predicted = state.baseline_bytes * sum(dirty_since_baseline.values()) / total
+        rows_out = sum(held_rows[t] if encodings[t] == "full" else dirty_since_baseline.get(t, 0) for t in held_rows)
+        predicted = state.baseline_bytes * rows_out / total
         want, why = intermittent_wants_baseline(state.baseline_bytes, state.delta_bytes, predicted)
         log.info("intermittent at step %d: %s -> %s", step, why, "new baseline" if want else "delta")
         if want:
@@ -136,9 +141,6 @@ def decide(
     else:
         reason = f"policy {policy}"
 
-    encodings = {
-        t: "full" if rows and dirty.get(t, 0) / rows >= full_shard_fraction else "rows" for t, rows in held_rows.items()
-    }
     if policy == "consecutive":
         return Decision(**base, kind="delta", since="previous", parent=state.chain[-1],
                         chain=state.chain + (state.next_id,), encodings=encodings, reason=reason)

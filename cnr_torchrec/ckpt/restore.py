@@ -51,8 +51,11 @@ def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> N
 
 
 class _Reader:
+    """Blobs of one rank file. The file is read whole on first use: one request instead of one per blob."""
+
     def __init__(self, storage: Storage, report: Mapping[str, Any]) -> None:
         self.storage, self.report = storage, report
+        self._data: bytes | None = None
 
     def __call__(self, name: str) -> torch.Tensor:
         try:
@@ -61,7 +64,9 @@ class _Reader:
             raise CorruptCheckpointError(
                 f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
             ) from None
-        return read_blob(self.storage, self.report["file"], meta, name)
+        if self._data is None:
+            self._data = self.storage.read(self.report["file"])
+        return read_blob(self.storage, self.report["file"], meta, name, whole=self._data)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
