@@ -22,6 +22,7 @@ from cnr_torchrec.ckpt.manifest import (
     existing_dir_ids,
     load_manifest,
     manifest_path,
+    rank_file,
     seal,
     write_index,
 )
@@ -471,8 +472,6 @@ class Checkpointer:
     def _cleanup(self, d: Decision, storage: Storage) -> None:
         """Removes this rank's partial payload of a save that did not commit."""
         try:
-            from cnr_torchrec.ckpt.manifest import rank_file
-
             storage.delete(rank_file(d.ckpt_id, self.rank))
             if self.rank == 0:
                 storage.remove_dir(ckpt_dir(d.ckpt_id), [])
