@@ -60,7 +60,6 @@ class Staged:
     rng: Any = None
     tbe_iter: int = 0
     table_shapes: dict[str, list[int]] = field(default_factory=dict)
-    replicated_names: list[str] = field(default_factory=list)
     stall_ms: float = 0.0
 
 
@@ -140,7 +139,6 @@ def stage(
         if shape is not None:
             out.table_shapes[table] = list(shape)
         if tracker.is_data_parallel(table):
-            out.replicated_names.append(table)
             if rank == 0:
                 (kernel, shard), *_ = tracker.shards(table)
                 out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
@@ -155,7 +153,7 @@ def stage(
             else:
                 ids = dirty
                 rows = dirty.to(weights.device)
-            pick = (lambda t: _host_copy(t)) if rows is None else (lambda t: _host_copy(t.index_select(0, rows)))
+            pick = _host_copy if rows is None else (lambda t, rows=rows: _host_copy(t.index_select(0, rows)))
             staged_states = []
             for s in states:
                 rowwise = s.dim() == 1 or s.numel() == shard.num_rows
