@@ -43,5 +43,6 @@ setup(
     packages=find_packages(include=["cnr_torchrec", "cnr_torchrec.*"]),
     ext_modules=[_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    entry_points={"console_scripts": ["cnr = cnr_torchrec.cli:main"]},
     python_requires=">=3.10",
 )

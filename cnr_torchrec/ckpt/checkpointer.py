@@ -71,6 +71,17 @@ class CheckpointInfo:
         )
 
 
+def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
+    """Each table's weight name in the unsharded model ("ebc.embedding_bags.t0.weight"), for exports."""
+    out = {}
+    names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
+    for table in tracker.tables():
+        module = str(tracker._entry(table)["module"])
+        hits = [n for n in names if n.startswith(module + ".") and n.endswith(f".{table}.weight")]
+        out[table] = hits[0] if len(hits) == 1 else f"{module}.{table}.weight"
+    return out
+
+
 class SaveHandle:
     """A save in flight. ``wait()`` returns once it is committed (or raises SaveFailedError)."""
 
@@ -141,6 +152,8 @@ class Checkpointer:
         self.dense_optimizer = dense_optimizer
         self.extra_state = dict(extra_state or {})
         self.codec = get_codec(config.quantization.method, config.quantization.bits, **config.quantization.params)
+        self._state_dtype = getattr(torch, config.quantization.state_dtype)
+        self._table_fqns = _table_fqns(model, tracker)
         if config.policy in ("one_shot", "intermittent"):
             tracker.enable_baseline_view()
 
@@ -355,7 +368,7 @@ class Checkpointer:
             self._bg_storage = Storage(self.config.root, self.config.storage_options)
         storage = self._bg_storage
         try:
-            report = write_rank(staged, self.codec, storage)
+            report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
             report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -440,6 +453,7 @@ class Checkpointer:
             "codec": {"method": self.config.quantization.method, "bits": self.config.quantization.bits,
                       "params": self.codec.params if hasattr(self.codec, "params") else {}},
             "tables": shapes,
+            "table_fqns": self._table_fqns,
             "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
             "nbytes": sum(r["nbytes"] for r in reports),
             "created_unix": time.time(),

@@ -30,12 +30,17 @@ class QuantizationConfig:
     Attributes:
         method: ``none``, ``fp16``, ``bf16``, ``uniform_sym``, ``uniform_asym``, ``kmeans`` or ``adaptive``.
         bits: 2, 3, 4 or 8 for the quantizing methods (4 when left out); None for the others.
-        params: extra codec parameters, e.g. ``{"num_bins": 25, "ratio": 0.6}`` for adaptive.
+        params: extra codec parameters, e.g. ``{"num_bins": 25, "ratio": 0.6}`` for adaptive,
+            or ``{"bias_dtype": "float16"}`` to store the row bias in 2 bytes instead of 4.
+        state_dtype: how the fused optimizer's per-row state (momentum, row-wise Adagrad's
+            sum of squares) is stored: ``float32`` (exact, the default), ``bfloat16`` (same
+            range, 2 bytes, relative error below 0.4%) or ``float16``.
     """
 
     method: str = "adaptive"
     bits: int | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self) -> None:
         from cnr_torchrec.quant import UnknownCodecError, get_codec
@@ -61,14 +66,17 @@ class CheckpointConfig:
         policy: ``full`` (every checkpoint a baseline), ``one_shot`` (rows dirty since the
             baseline), ``consecutive`` (rows dirty since the previous checkpoint) or
             ``intermittent`` (one_shot, plus a new baseline when the sizes say so).
-        quantization: the codec for embedding weight rows. Optimizer state and dense
-            parameters are always stored in full precision.
+        quantization: the codec for embedding weight rows, and the precision of the
+            fused optimizer's row state. Dense parameters are always stored in full precision.
         keep_last: number of chains (a baseline and the deltas that need it) kept after a commit.
         on_busy: what ``save`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this save (the dirty rows carry over to the next one).
         full_shard_fraction: when at least this share of a table's rows is dirty, its
             shards are written whole, without row ids.
         save_timeout_s: how long rank 0 waits for every rank's report before the save fails.
+        on_corrupt: what ``restore`` does when a file of the newest checkpoint fails its
+            checks: ``fallback`` to the newest older checkpoint that is sound (logged), or
+            ``fail`` with CorruptCheckpointError naming the file.
         storage_options: passed to the torchsnapshot storage plugin.
     """
 
@@ -79,6 +87,7 @@ class CheckpointConfig:
     on_busy: Literal["wait", "skip"] = "wait"
     full_shard_fraction: float = 0.5
     save_timeout_s: float = 600.0
+    on_corrupt: Literal["fail", "fallback"] = "fallback"
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -196,8 +196,13 @@ def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
     raise ValueError(f"unknown id encoding {kind!r}")
 
 
-def write_rank(staged: Staged, codec: Codec, storage: Storage) -> dict[str, Any]:
-    """Encodes and writes this rank's payload file. Returns the rank's report for the manifest."""
+def write_rank(
+    staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32
+) -> dict[str, Any]:
+    """Encodes and writes this rank's payload file. Returns the rank's report for the manifest.
+
+    Optimizer-state rows are stored as ``state_dtype`` (restore casts them back).
+    """
     t0 = time.perf_counter()
     d = staged.decision
     blobs = BlobWriter()
@@ -216,7 +221,8 @@ def write_rank(staged: Staged, codec: Codec, storage: Storage) -> dict[str, Any]
             "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
         }
         entry["states"] = [
-            {"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)} for j, (t, rowwise) in enumerate(s.states)
+            {"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t.to(state_dtype) if t.is_floating_point() else t)}
+            for j, (t, rowwise) in enumerate(s.states)
         ]
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(entry)
