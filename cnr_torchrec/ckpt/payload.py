@@ -46,10 +46,16 @@ class BlobWriter:
         self._offset = 0
         self.index: dict[str, dict[str, Any]] = {}
 
+    ALIGN = 64  # every blob starts on a cache line, so readers can view it in place
+
     def add(self, name: str, tensor: torch.Tensor) -> str:
         if name in self.index:
             raise ValueError(f"blob {name!r} added twice")  # a bug in the caller
         data = _as_bytes(tensor)
+        pad = -self._offset % self.ALIGN
+        if pad:
+            self._parts.append(memoryview(bytes(pad)))
+            self._offset += pad
         self.index[name] = {
             "offset": self._offset,
             "nbytes": data.nbytes,
@@ -70,12 +76,13 @@ class BlobWriter:
 
 
 def read_blob(
-    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | None = None
+    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | bytearray | None = None
 ) -> torch.Tensor:
     """Reads one blob and checks its size and checksum.
 
     Args:
-        whole: the file's bytes, if the caller already read it all; else a range read.
+        whole: the file's bytes, if the caller already read it all; else a range read. A
+            writable buffer (bytearray) is shared by the returned tensor, not copied.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -85,7 +92,7 @@ def read_blob(
     if dtype is None:
         raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {meta['dtype']!r}, which we never write")
     if whole is not None:
-        data = whole[start : start + nbytes]
+        data = memoryview(whole)[start : start + nbytes]
     else:
         data = storage.read(file, byte_range=(start, start + nbytes)) if nbytes else b""
     if len(data) != nbytes:
@@ -95,7 +102,12 @@ def read_blob(
         )
     if sha256(data) != meta["sha256"]:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
-    out = torch.frombuffer(bytearray(data), dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
+    if not nbytes:
+        out = torch.empty(0, dtype=torch.uint8)
+    elif isinstance(data, memoryview) and not data.readonly and start % dtype.itemsize == 0:
+        out = torch.frombuffer(data, dtype=torch.uint8)  # shares the caller's (aligned) buffer: no copy
+    else:
+        out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     shape = [int(s) for s in meta["shape"]]
     return out.view(dtype).reshape(shape)
 

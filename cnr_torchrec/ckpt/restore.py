@@ -1,10 +1,12 @@
-"""Restore: apply a baseline and its deltas, in order, to whatever shards this rank holds now.
+"""Restore: apply a baseline and its deltas to whatever shards this rank holds now.
 
 Every stored entry carries the global row range and column range of the shard that
 wrote it, and its rows carry offsets into that range. A rank therefore reads only the
 entries that overlap its current shards and copies the overlapping rows and columns
 into its TBE views with ``index_copy_``, whatever the world size and plan were at save
-time. Row-wise optimizer state (one value per row of a column shard) is mapped by
+time. The chain is applied newest checkpoint first, and a row already restored from a
+newer checkpoint is skipped, so each row is decoded and copied once; the walk stops
+early once every row is restored. Row-wise optimizer state (one value per row of a column shard) is mapped by
 column overlap: when a shard now spans columns that several shards held, its value is
 their column-weighted mean, which is exact for row-wise Adagrad's mean of squared
 gradients whenever the new shard is a union of old ones.
@@ -12,6 +14,7 @@ gradients whenever the new shard is a union of old ones.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -55,7 +58,7 @@ class _Reader:
 
     def __init__(self, storage: Storage, report: Mapping[str, Any]) -> None:
         self.storage, self.report = storage, report
-        self._data: bytes | None = None
+        self._data: bytearray | None = None
 
     def __call__(self, name: str) -> torch.Tensor:
         try:
@@ -65,7 +68,8 @@ class _Reader:
                 f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
             ) from None
         if self._data is None:
-            self._data = self.storage.read(self.report["file"])
+            # Writable, so that blobs are viewed in place rather than copied.
+            self._data = bytearray(self.storage.read(self.report["file"]))
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data)
 
 
@@ -74,87 +78,189 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
-class _Applier:
-    """Copies the entries of one checkpoint into this rank's shards."""
+class _Target:
+    """One shard this rank holds, and which of its rows the chain has restored so far.
 
-    def __init__(self, tracker: DirtyRowTracker) -> None:
+    The chain is applied newest first, so a row takes its value from the newest
+    checkpoint that holds it and is decoded and copied once. Columns are tracked in
+    segments (the column ranges the chain's entries split the shard into), because a
+    chain written under other plans may hold a row for some columns and not others.
+    """
+
+    def __init__(self, kernel: Any, shard: Any, breaks: list[int]) -> None:
+        self.kernel, self.shard = kernel, shard
+        c0, c1 = shard.cols
+        edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
+        self.segments = list(zip(edges[:-1], edges[1:]))
+        self.filled = {seg: torch.zeros(shard.num_rows, dtype=torch.bool) for seg in self.segments}
+        self.state_filled = torch.zeros(shard.num_rows, dtype=torch.bool)
+        self.open_rows = shard.num_rows * len(self.segments)  # row-segments still to restore
+        self.weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+        live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
+        self.states = list(live[shard.local_index]) if live else []
+        self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
+
+    @property
+    def done(self) -> bool:
+        return self.open_rows == 0 and (not self.has_rowwise or bool(self.state_filled.all()))
+
+
+class _Applier:
+    """Applies a chain's entries to this rank's shards, newest checkpoint first."""
+
+    def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]]) -> None:
         self.tracker = tracker
-        # Row-wise optimizer state: (shard key, state index) -> (rows, sum of value * weight, sum of weights).
-        self._rowwise: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, float]]] = {}
-        self._targets: dict[tuple[int, int], torch.Tensor] = {}
+        breaks: dict[str, set[int]] = {}
+        for m in manifests:
+            for report in m["ranks"]:
+                for table, entries in report["tables"].items():
+                    breaks.setdefault(table, set()).update(c for e in entries for c in e["cols"])
+        self.targets = {
+            table: [_Target(k, s, sorted(cuts)) for k, s in tracker.shards(table)] for table, cuts in breaks.items()
+        }
+        # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
+        # column weight)]).
+        self._rowwise: dict[int, tuple[_Target, list[tuple[int, torch.Tensor, torch.Tensor, float]]]] = {}
+
+    def done(self) -> bool:
+        return all(t.done for ts in self.targets.values() for t in ts)
 
     def apply(self, table: str, entry: Mapping[str, Any], load: Any, weights: torch.Tensor | None = None) -> None:
         rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
-        targets = [
-            (kernel, shard, r, c)
-            for kernel, shard in self.tracker.shards(table)
-            if (r := _overlap(rows, shard.rows)) and (c := _overlap(cols, shard.cols))
+        hits = [
+            (t, r, c)
+            for t in self.targets.get(table, ())
+            if (r := _overlap(rows, t.shard.rows)) and (c := _overlap(cols, t.shard.cols))
         ]
-        if not targets:
+        hits = [h for h in hits if not h[0].done]
+        if not hits:
             return
         n_rows = rows[1] - rows[0]
-        ids = None
         if "ids" in entry:
-            ids = decode_ids(entry["ids"]["kind"], load(entry["ids"]["blob"]), n_rows)
-            if ids.numel() != entry["ids"]["count"] or (ids.numel() and int(ids[-1]) >= n_rows):
+            offsets = decode_ids(entry["ids"]["kind"], load(entry["ids"]["blob"]), n_rows)
+            if offsets.numel() != entry["ids"]["count"] or (offsets.numel() and int(offsets[-1]) >= n_rows):
                 raise CorruptCheckpointError("row ids do not match the entry they describe")
+        else:
+            offsets = None  # every row of the entry, in order
+        encoded = None
         if weights is None:
             tensors = {k: load(name) for k, name in entry["weights"]["blobs"].items()}
             try:
-                weights = decode(EncodedRows.from_tensors(tensors, entry["weights"]["meta"]))
+                encoded = EncodedRows.from_tensors(tensors, entry["weights"]["meta"])
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{table}' are inconsistent: {e}") from None
-        offsets = ids if ids is not None else torch.arange(n_rows, dtype=torch.int64)
-        if weights.shape[0] != offsets.numel():
-            raise CorruptCheckpointError(f"table '{table}': {weights.shape[0]} rows stored for {offsets.numel()} ids")
-        global_rows = offsets + rows[0]
+            n_stored = encoded.num_rows
+        else:
+            n_stored = weights.shape[0]
+        if n_stored != (n_rows if offsets is None else offsets.numel()):
+            raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
         states = [(s["rowwise"], load(s["blob"])) for s in entry.get("states", [])]
-        for kernel, shard, (r0, r1), (c0, c1) in targets:
-            keep = (global_rows >= r0) & (global_rows < r1)
-            if not bool(keep.any()):
-                continue
-            src = keep.nonzero().squeeze(1)
-            dst = global_rows[src] - shard.rows[0]
-            view = kernel.tbe.split_embedding_weights()[shard.local_index]
-            a, b = c0 - cols[0], c1 - cols[0]
-            x, y = c0 - shard.cols[0], c1 - shard.cols[0]
-            with torch.no_grad():
-                vals = weights[src][:, a:b].to(device=view.device, dtype=view.dtype)
-                view[:, x:y].index_copy_(0, dst.to(view.device), vals)
-            if not states:
-                continue
-            live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
-            live_states = list(live[shard.local_index]) if live else []
-            if len(live_states) != len(states):
-                log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
-                            table, len(states), len(live_states))
-                continue
-            for j, ((rowwise, saved), target) in enumerate(zip(states, live_states)):
-                if rowwise:
-                    target = target.reshape(shard.num_rows)
-                    key = (id(target.untyped_storage()), target.storage_offset())
-                    self._targets[key] = target
-                    weight = (c1 - c0) / (shard.cols[1] - shard.cols[0])
-                    self._rowwise.setdefault(key, []).append((dst, saved[src].float(), weight))
-                else:
-                    target = target.reshape(shard.num_rows, -1)
-                    with torch.no_grad():
-                        target[:, x:y].index_copy_(0, dst.to(target.device), saved[src][:, a:b].to(target))
+        for target, row_ov, col_ov in hits:
+            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, encoded, weights, states)
 
-    def finish(self) -> None:
-        """Writes the row-wise states gathered from every entry of the checkpoint."""
-        for key, parts in self._rowwise.items():
-            target = self._targets[key]
-            acc = torch.zeros(target.shape[0], dtype=torch.float64)
-            wsum = torch.zeros(target.shape[0], dtype=torch.float64)
-            for dst, vals, weight in parts:
-                acc.index_add_(0, dst, vals.double() * weight)
-                wsum.index_add_(0, dst, torch.full((dst.numel(),), weight, dtype=torch.float64))
-            rows = wsum.nonzero().squeeze(1)
-            with torch.no_grad():
-                target.index_copy_(0, rows.to(target.device), (acc[rows] / wsum[rows]).to(target))
+    def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, encoded, weights, states) -> None:
+        shard = target.shard
+        (r0, r1), (c0, c1) = row_ov, col_ov
+        # src: positions among the entry's stored rows; dst: rows of the shard.
+        if offsets is None:
+            src = torch.arange(r0 - rows[0], r1 - rows[0], dtype=torch.int64)
+            dst = torch.arange(r0 - shard.rows[0], r1 - shard.rows[0], dtype=torch.int64)
+        else:
+            lo, hi = torch.searchsorted(offsets, torch.tensor([r0 - rows[0], r1 - rows[0]])).tolist()
+            src = torch.arange(lo, hi, dtype=torch.int64)
+            dst = offsets[lo:hi] + (rows[0] - shard.rows[0])
+        contiguous = offsets is None  # dst is a run of consecutive rows
+        segs = [seg for seg in target.segments if c0 <= seg[0] and seg[1] <= c1]
+        # Rows that some covered segment still needs (usually every segment needs the same ones).
+        needs = [~target.filled[seg].index_select(0, dst) for seg in segs]
+        need = needs[0].clone()
+        for n in needs[1:]:
+            need |= n
+        if not bool(need.all()):
+            keep = need.nonzero().squeeze(1)
+            src, dst = src.index_select(0, keep), dst.index_select(0, keep)
+            needs = [n.index_select(0, keep) for n in needs]
+            contiguous = False
+        if not src.numel():
+            return
+        vals = weights.index_select(0, src) if weights is not None else decode(_take_rows(encoded, src))
+        col_states = [(j, saved.index_select(0, src)) for j, (rowwise, saved) in enumerate(states) if not rowwise]
+        if states and len(target.states) != len(states):
+            log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
+                        table, len(states), len(target.states))
+            states, col_states = [], []
+        with torch.no_grad():
+            for seg, n in zip(segs, needs):
+                a, b = seg[0] - cols[0], seg[1] - cols[0]
+                x, y = seg[0] - shard.cols[0], seg[1] - shard.cols[0]
+                d, sel = dst, None
+                if not bool(n.all()):
+                    sel = n.nonzero().squeeze(1)
+                    d = dst.index_select(0, sel)
+                pairs = [(target.weights, vals)]
+                pairs += [(target.states[j].reshape(shard.num_rows, -1), saved) for j, saved in col_states]
+                for live, stored in pairs:
+                    part = stored[:, a:b] if sel is None else stored.index_select(0, sel)[:, a:b]
+                    part = part.to(device=live.device, dtype=live.dtype)
+                    out = live if (x, y) == (0, live.shape[1]) else live[:, x:y]
+                    if contiguous and sel is None:
+                        out.narrow(0, int(d[0]), d.numel()).copy_(part)
+                    else:
+                        out.index_copy_(0, d.to(live.device), part)
+                target.filled[seg][d] = True
+                target.open_rows -= d.numel()
+        rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
+        if rowwise:
+            self._apply_rowwise(target, col_ov, src, dst, rowwise)
+
+    def _apply_rowwise(self, target, col_ov, src, dst, rowwise) -> None:
+        """Row-wise optimizer state (one value per row of a column shard), merged by column overlap."""
+        shard = target.shard
+        target.has_rowwise = True
+        fresh = ~target.state_filled.index_select(0, dst)
+        if not bool(fresh.all()):
+            keep = fresh.nonzero().squeeze(1)
+            src, dst = src.index_select(0, keep), dst.index_select(0, keep)
+        if not src.numel():
+            return
+        weight = (col_ov[1] - col_ov[0]) / (shard.cols[1] - shard.cols[0])
+        for j, saved in rowwise:
+            live = target.states[j].reshape(shard.num_rows)
+            vals = saved.index_select(0, src)
+            if weight == 1.0:  # the entry spans the shard's columns: its value is the value
+                with torch.no_grad():
+                    live.index_copy_(0, dst.to(live.device), vals.to(live))
+            else:
+                self._rowwise.setdefault(id(target), (target, []))[1].append((j, dst, vals.float(), weight))
+        if weight == 1.0:
+            target.state_filled[dst] = True
+
+    def finish_checkpoint(self) -> None:
+        """Writes the row-wise states merged from the checkpoint's column shards, and marks them restored."""
+        for target, parts in self._rowwise.values():
+            n = target.shard.num_rows
+            merged_rows = []
+            for j in sorted({p[0] for p in parts}):
+                live = target.states[j].reshape(n)
+                acc = torch.zeros(n, dtype=torch.float64)
+                wsum = torch.zeros(n, dtype=torch.float64)
+                for _, dst, vals, weight in (p for p in parts if p[0] == j):
+                    acc.index_add_(0, dst, vals.double() * weight)
+                    wsum.index_add_(0, dst, torch.full((dst.numel(),), weight, dtype=torch.float64))
+                rows = wsum.nonzero().squeeze(1)
+                with torch.no_grad():
+                    live.index_copy_(0, rows.to(live.device), (acc[rows] / wsum[rows]).to(live))
+                merged_rows.append(rows)
+            for rows in merged_rows:
+                target.state_filled[rows] = True
         self._rowwise.clear()
-        self._targets.clear()
+
+
+def _take_rows(encoded: EncodedRows, rows: torch.Tensor) -> EncodedRows:
+    """The subset ``rows`` of encoded rows (every codec stores one entry per row in each tensor)."""
+    if rows.numel() == encoded.num_rows:
+        return encoded
+    return dataclasses.replace(encoded, **{k: v.index_select(0, rows) for k, v in encoded.to_tensors().items()})
 
 
 def restore_chain(
@@ -171,14 +277,16 @@ def restore_chain(
     """Applies ``manifests`` (baseline first) to this rank's model state."""
     target = manifests[-1]
     check_compatible(target, tracker)
-    for m in manifests:
-        applier = _Applier(tracker)
+    applier = _Applier(tracker, manifests)
+    for m in reversed(manifests):  # newest first: each row is decoded and copied once
+        if applier.done():
+            break
         for report in m["ranks"]:
             load = _Reader(storage, report)
             for table, entries in report["tables"].items():
                 for entry in entries:
                     applier.apply(table, entry, load)
-        applier.finish()
+        applier.finish_checkpoint()
 
     reports = {r["rank"]: r for r in target["ranks"]}
     first = reports[0]
@@ -186,8 +294,9 @@ def restore_chain(
     for table, blob in first["replicated_tables"].items():
         full = load0(blob).float()
         shape = target["tables"][table]
-        applier = _Applier(tracker)
-        applier.apply(table, {"rows": [0, shape[0]], "cols": [0, shape[1]], "encoding": "full"}, load0, weights=full)
+        whole = {"rows": [0, shape[0]], "cols": [0, shape[1]], "encoding": "full"}
+        replicated = _Applier(tracker, [{"ranks": [{"tables": {table: [whole]}}]}])
+        replicated.apply(table, whole, load0, weights=full)
 
     dense = dense_named_state(model, tracker)
     missing = sorted(set(dense) - set(first["dense"]))
