@@ -199,6 +199,34 @@ def test_restore_onto_another_world_size_and_plan(tmp_path, src, dst):
     run_ranks(_restore_worker, world_size=dst, timeout=120, args=(str(tmp_path / "ck"), PLAN_B, ref))
 
 
+def _continue_worker(rank, world_size, root, plan, ref_path):
+    """Restores a chain written under another plan and world size, and extends it (consecutive goes on)."""
+    from cnr_torchrec import Checkpointer
+
+    dmp, specs, opt = _build(world_size, plan, seed=7)
+    ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt)
+    ckpt.restore()
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in (10, 11):
+        _train(dmp, specs, opt, 2, gen)
+        assert ckpt.save(step).wait().kind == "delta"
+    ckpt.close()
+    assert [len(i.chain) for i in ckpt.list()][-1] == 5  # 3 from the first plan, 2 from this one
+    ref = _full_tables(dmp)
+    if rank == 0:
+        torch.save({t: (w, m) for t, (w, m, _) in ref.items()}, ref_path)
+
+
+@pytest.mark.timeout(300)
+def test_chain_written_under_two_plans(tmp_path):
+    """One chain, its checkpoints cut by different plans (column splits included), restored newest first."""
+    root, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
+    run_ranks(_save_worker, world_size=2, timeout=120, args=(root, PLAN_A, str(tmp_path / "unused.pt")))
+    run_ranks(_continue_worker, world_size=1, timeout=120, args=(root, PLAN_B, ref))
+    run_ranks(_restore_worker, world_size=2, timeout=120, args=(root, PLAN_A, ref))
+    run_ranks(_restore_worker, world_size=1, timeout=120, args=(root, PLAN_B, ref))
+
+
 def _failed_write_worker(rank, world_size, root):
     import errno
 

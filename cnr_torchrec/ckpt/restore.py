@@ -113,7 +113,7 @@ class _Applier:
         breaks: dict[str, set[int]] = {}
         for m in manifests:
             for report in m["ranks"]:
-                for table, entries in report["tables"].items():
+                for table, entries in _entries(m, report):
                     breaks.setdefault(table, set()).update(c for e in entries for c in e["cols"])
         self.targets = {
             table: [_Target(k, s, sorted(cuts)) for k, s in tracker.shards(table)] for table, cuts in breaks.items()
@@ -143,6 +143,8 @@ class _Applier:
         else:
             offsets = None  # every row of the entry, in order
         encoded = None
+        if "replicated" in entry:
+            weights = load(entry["replicated"]).float()
         if weights is None:
             tensors = {k: load(name) for k, name in entry["weights"]["blobs"].items()}
             try:
@@ -256,6 +258,16 @@ class _Applier:
         self._rowwise.clear()
 
 
+def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any]):
+    """(table, entries) of one rank's report. A replicated (data_parallel) table, which rank 0
+    stores whole in float32, is one entry spanning the table; so a chain whose plans differ
+    (a table replicated in some checkpoints, sharded in others) restores like any other."""
+    yield from report["tables"].items()
+    for table, blob in report.get("replicated_tables", {}).items():
+        rows, cols = manifest["tables"][table]
+        yield table, [{"rows": [0, rows], "cols": [0, cols], "encoding": "full", "replicated": blob}]
+
+
 def _take_rows(encoded: EncodedRows, rows: torch.Tensor) -> EncodedRows:
     """The subset ``rows`` of encoded rows (every codec stores one entry per row in each tensor)."""
     if rows.numel() == encoded.num_rows:
@@ -283,7 +295,7 @@ def restore_chain(
             break
         for report in m["ranks"]:
             load = _Reader(storage, report)
-            for table, entries in report["tables"].items():
+            for table, entries in _entries(m, report):
                 for entry in entries:
                     applier.apply(table, entry, load)
         applier.finish_checkpoint()
@@ -291,13 +303,6 @@ def restore_chain(
     reports = {r["rank"]: r for r in target["ranks"]}
     first = reports[0]
     load0 = _Reader(storage, first)
-    for table, blob in first["replicated_tables"].items():
-        full = load0(blob).float()
-        shape = target["tables"][table]
-        whole = {"rows": [0, shape[0]], "cols": [0, shape[1]], "encoding": "full"}
-        replicated = _Applier(tracker, [{"ranks": [{"tables": {table: [whole]}}]}])
-        replicated.apply(table, whole, load0, weights=full)
-
     dense = dense_named_state(model, tracker)
     missing = sorted(set(dense) - set(first["dense"]))
     if missing:
