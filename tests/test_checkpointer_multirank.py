@@ -368,7 +368,8 @@ def _errors_worker(rank, world_size, root):
         with pytest.raises(IncompatibleCheckpointError, match="t5" if extra else "'t1' is 400 x 16"):
             Checkpointer(other, _config(root, "consecutive", "none", None)).restore()
 
-    # A flipped byte in the latest payload: restore names the file.
+    # A flipped byte in the latest payload: restore names the file (on_corrupt: fail; fallback is
+    # covered in tests/test_corruption.py).
     victim = os.path.join(root, f"ckpt-{info.id:08d}", "rank-00000.bin")
     with open(victim, "r+b") as f:
         f.seek(3)
@@ -376,7 +377,8 @@ def _errors_worker(rank, world_size, root):
         f.seek(3)
         f.write(bytes([b[0] ^ 0x01]))
     with pytest.raises(CorruptCheckpointError, match=f"ckpt-{info.id:08d}/rank-00000.bin") as e:
-        Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt).restore()
+        config = _config(root, "consecutive", "none", None, on_corrupt="fail")
+        Checkpointer(dmp, config, dense_optimizer=opt).restore()
     assert e.value.path == f"ckpt-{info.id:08d}/rank-00000.bin"
 
 
