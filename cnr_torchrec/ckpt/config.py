@@ -16,7 +16,7 @@ import yaml
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["POLICIES", "CheckpointConfig", "QuantizationConfig", "load_config"]
+__all__ = ["POLICIES", "BudgetConfig", "CheckpointConfig", "FailureConfig", "QuantizationConfig", "load_config"]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
@@ -38,22 +38,134 @@ class QuantizationConfig:
     """
 
     method: str = "adaptive"
-    bits: int | None = None
+    bits: int | Literal["auto"] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
     def __post_init__(self) -> None:
-        from cnr_torchrec.quant import UnknownCodecError, get_codec
         from cnr_torchrec.quant.codecs import _REGISTRY
 
         codec_cls = _REGISTRY.get(self.method)
         if self.bits is None and codec_cls is not None and 4 in codec_cls.bit_choices:
             object.__setattr__(self, "bits", 4)
+        if self.bits == "auto":
+            if codec_cls is not None and not set(codec_cls.bit_choices) - {None}:
+                raise ConfigError(f"quantization: bits: auto needs a quantizing method, not {self.method!r}")
+            for bits in (2, 3, 4, 8):  # any of them may be picked
+                self.codec_for(bits)
+        else:
+            self.codec_for(self.bits)
+
+    def codec_for(self, bits: int | None):
+        """The codec of this method at ``bits`` (a ConfigError names what is wrong)."""
+        from cnr_torchrec.quant import UnknownCodecError, get_codec
 
         try:
-            get_codec(self.method, self.bits, **self.params)
+            return get_codec(self.method, bits, **self.params)
         except UnknownCodecError as e:
             raise ConfigError(f"quantization: {e}") from None
+
+
+DEFAULT_BITS_TABLE = {1: 2, 3: 3, 20: 4}  # most restores expected -> bits; beyond: fallback_bits
+
+
+@dataclass(frozen=True)
+class FailureConfig:
+    """What the job expects of failures: it drives ``bits: auto`` and ``interval: auto``.
+
+    Attributes:
+        expected_restores: restores the job expects over its life. When left out it is
+            ``ceil(failure_rate_per_hour * job_hours)``.
+        failure_rate_per_hour: failures per hour of training (the whole job).
+        job_hours: planned length of the job.
+        mtbf_hours: mean time between failures; ``1 / failure_rate_per_hour`` when left out.
+        bits_table: ``{most restores: bits}``; the smallest key not below the expected
+            restores gives the bits (Check-N-Run: 1 -> 2, 3 -> 3, 20 -> 4), and more than
+            the largest key gives ``fallback_bits``.
+        fallback_bits: bits once the restores performed exceed the estimate (and beyond the table).
+        recovery: ``full`` (every rank restores; Young/Daly interval) or ``partial`` (only
+            failed ranks restore, CPR; the interval keeps the lost updates under target).
+        target_lost_fraction: with partial recovery, the expected share of training updates
+            that failures may lose.
+    """
+
+    expected_restores: int | None = None
+    failure_rate_per_hour: float | None = None
+    job_hours: float | None = None
+    mtbf_hours: float | None = None
+    bits_table: dict[int, int] = field(default_factory=lambda: dict(DEFAULT_BITS_TABLE))
+    fallback_bits: int = 8
+    recovery: Literal["full", "partial"] = "full"
+    target_lost_fraction: float = 0.001
+
+    def __post_init__(self) -> None:
+        if self.expected_restores is not None and self.expected_restores < 0:
+            raise ConfigError(f"expected_restores must be >= 0, got {self.expected_restores}")
+        for key in ("failure_rate_per_hour", "job_hours", "mtbf_hours"):
+            value = getattr(self, key)
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ConfigError(f"{key} must be a positive number, got {value}")
+        table = self.bits_table
+        if not table or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in table):
+            raise ConfigError(f"bits_table keys must be restore counts >= 0, got {table}")
+        bits = [table[k] for k in sorted(table)]
+        if any(b not in (2, 3, 4, 8) for b in bits + [self.fallback_bits]):
+            raise ConfigError(f"bits must be 2, 3, 4 or 8; got table {table}, fallback {self.fallback_bits}")
+        if bits != sorted(bits) or self.fallback_bits < bits[-1]:
+            raise ConfigError(
+                f"bits_table must not lower the bits as restores grow, and fallback_bits must be at least "
+                f"its last value; got {table}, fallback {self.fallback_bits}"
+            )
+        if not 0.0 < self.target_lost_fraction < 1.0:
+            raise ConfigError(f"target_lost_fraction must be in (0, 1), got {self.target_lost_fraction}")
+
+    @property
+    def estimate_restores(self) -> int | None:
+        """Expected restores: given, or failure rate x job length (rounded up); None if unknown."""
+        if self.expected_restores is not None:
+            return self.expected_restores
+        if self.failure_rate_per_hour is not None and self.job_hours is not None:
+            return math.ceil(self.failure_rate_per_hour * self.job_hours - 1e-9)
+        return None
+
+    @property
+    def mtbf_s(self) -> float | None:
+        """Mean time between failures in seconds, or None if unknown."""
+        if self.mtbf_hours is not None:
+            return self.mtbf_hours * 3600.0
+        if self.failure_rate_per_hour is not None:
+            return 3600.0 / self.failure_rate_per_hour
+        return None
+
+    def bits_for(self, restores: int) -> int:
+        """Bits for a job expecting ``restores`` restores."""
+        for most in sorted(self.bits_table):
+            if restores <= most:
+                return self.bits_table[most]
+        return self.fallback_bits
+
+
+@dataclass(frozen=True)
+class BudgetConfig:
+    """CPR's budget-limited saves: at most ``max_rows_fraction`` of each shard's rows per save.
+
+    Attributes:
+        max_rows_fraction: share of a shard's rows a save may write (None: no limit). Rows
+            left out stay dirty and go into a later save.
+        priority: which dirty rows go first: ``mfu`` (most frequently updated, from exact
+            per-row counters) or ``ssu`` (counters fed by a sample of the lookups).
+        ssu_rate: share of looked-up ids that SSU counts.
+    """
+
+    max_rows_fraction: float | None = None
+    priority: Literal["mfu", "ssu"] = "mfu"
+    ssu_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.max_rows_fraction is not None and not 0.0 < self.max_rows_fraction <= 1.0:
+            raise ConfigError(f"max_rows_fraction must be in (0, 1], got {self.max_rows_fraction}")
+        if not 0.0 < self.ssu_rate <= 1.0:
+            raise ConfigError(f"ssu_rate must be in (0, 1], got {self.ssu_rate}")
 
 
 @dataclass(frozen=True)
@@ -77,6 +189,11 @@ class CheckpointConfig:
         on_corrupt: what ``restore`` does when a file of the newest checkpoint fails its
             checks: ``fallback`` to the newest older checkpoint that is sound (logged), or
             ``fail`` with CorruptCheckpointError naming the file.
+        failure: what the job expects of failures (see :class:`FailureConfig`).
+        interval: steps between saves for :meth:`Checkpointer.should_save`: a number,
+            ``auto`` (Young/Daly for full recovery, the lost-updates target for partial
+            recovery, from the measured save cost and step time), or None (the caller decides).
+        budget: CPR's budget-limited, priority-ordered saves (see :class:`BudgetConfig`).
         storage_options: passed to the torchsnapshot storage plugin.
     """
 
@@ -88,6 +205,9 @@ class CheckpointConfig:
     full_shard_fraction: float = 0.5
     save_timeout_s: float = 600.0
     on_corrupt: Literal["fail", "fallback"] = "fallback"
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    interval: int | Literal["auto"] | None = None
+    budget: BudgetConfig = field(default_factory=BudgetConfig)
     storage_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -97,6 +217,17 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last: must be at least 1 (the chain being written), got {self.keep_last}")
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
+        if self.quantization.bits == "auto" and self.failure.estimate_restores is None:
+            raise ConfigError(
+                "quantization: bits: auto needs a failure estimate: set failure.expected_restores, or "
+                "failure.failure_rate_per_hour and failure.job_hours"
+            )
+        if isinstance(self.interval, int) and not isinstance(self.interval, bool) and self.interval < 1:
+            raise ConfigError(f"interval: must be at least 1 step, 'auto', or null; got {self.interval}")
+        if self.interval == "auto" and self.failure.mtbf_s is None:
+            raise ConfigError(
+                "interval: auto needs the failure rate: set failure.mtbf_hours or failure.failure_rate_per_hour"
+            )
         if not (math.isfinite(self.save_timeout_s) and 0 < self.save_timeout_s <= _MAX_TIMEOUT_S):
             raise ConfigError(
                 f"save_timeout_s: must be a positive number of seconds up to {_MAX_TIMEOUT_S:.0f}, "
@@ -151,6 +282,14 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _describe(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
 def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
@@ -178,7 +317,9 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
                 return _convert(arg, value, where)
             except ConfigError as e:
                 errors.append(str(e))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{where}: {value!r} matches none of {args}")
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{where}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
