@@ -1,0 +1,634 @@
+"""Offline work on a checkpoint root, with no model and no process group: summaries, chain merging, export.
+
+A restore applies a baseline and its deltas in order; here the same entries are applied
+to whole, unsharded tables held in memory (every entry carries its global row and column
+range, and its rows carry offsets into that range). The result feeds ``cnr compact``
+(a new baseline with the tip's shard layout) and ``cnr export`` (a plain state_dict).
+
+Row-wise optimizer state is one value per row of a column shard. It is kept here
+expanded to one value per row and column (every column of a shard holds the shard's
+value), so that it can be cut again along any column range: exactly the saved value
+when the range is one saved shard, the width-weighted mean otherwise (which is what a
+restore onto such a shard computes).
+
+None of this may run while a training job writes to the same root: ``compact`` takes the
+next free checkpoint id, which the job would take too.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from cnr_torchrec.ckpt.manifest import (
+    ckpt_dir,
+    committed_ids,
+    existing_dir_ids,
+    load_manifest,
+    manifest_path,
+    rank_file,
+    seal,
+    write_index,
+)
+from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, sha256, unflatten_state
+from cnr_torchrec.ckpt.restore import _Reader
+from cnr_torchrec.ckpt.save import decode_ids
+from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode, get_codec
+
+__all__ = [
+    "RowState",
+    "TableData",
+    "open_storage",
+    "resolve_id",
+    "load_chain",
+    "assemble_tables",
+    "count_entries",
+    "checkpoint_row",
+    "full_snapshot_nbytes",
+    "summarize",
+    "compact",
+    "export_state_dict",
+]
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], Any]
+"""Called with the number of entries just processed (``tqdm.update`` fits)."""
+
+
+# ---------------------------------------------------------------------- opening a root
+
+
+def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
+    """A Storage on ``root``, with a clear error when the root or the plugin is unusable.
+
+    Raises:
+        CheckpointNotFoundError: a local root that does not exist.
+        ConfigError: the storage plugin refused the URL or the options.
+    """
+    if "://" not in root or root.startswith("fs://"):
+        local = root.removeprefix("fs://")
+        if not os.path.isdir(local):
+            raise CheckpointNotFoundError(
+                f"{root} does not exist or is not a directory; pass the checkpoint root "
+                "(the directory that holds the ckpt-*/ directories and index.json)"
+            )
+    try:
+        return Storage(root, dict(storage_options or {}))
+    except CnrError:
+        raise
+    except Exception as e:  # plugins raise RuntimeError, ImportError, botocore errors...
+        raise ConfigError(
+            f"cannot open storage {root!r}: {type(e).__name__}: {e}. Check the URL and the --storage-option values"
+        ) from None
+
+
+def _not_found_hint(storage: Storage) -> str:
+    local = storage.local_dir
+    if local is not None and os.path.basename(os.path.normpath(local)).startswith("ckpt-"):
+        return f"; {local} looks like one checkpoint's directory: pass its parent, the checkpoint root"
+    return "; pass the checkpoint root (the directory that holds the ckpt-*/ directories and index.json)"
+
+
+def resolve_id(storage: Storage, ckpt_id: int | None = None) -> int:
+    """``ckpt_id`` if it is committed, else the newest committed id when ``ckpt_id`` is None.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
+    """
+    ids = committed_ids(storage)
+    if not ids:
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root}{_not_found_hint(storage)}")
+    if ckpt_id is None:
+        return ids[-1]
+    if ckpt_id not in ids:
+        raise CheckpointNotFoundError(
+            f"checkpoint {ckpt_id} is not committed under {storage.root}; committed ids: {_id_list(ids)} "
+            "(`cnr inspect` lists them)"
+        )
+    return ckpt_id
+
+
+def _id_list(ids: list[int]) -> str:
+    return ", ".join(map(str, ids)) if len(ids) <= 12 else f"{ids[0]}..{ids[-1]} ({len(ids)} ids)"
+
+
+# ---------------------------------------------------------------------- chains
+
+
+def load_chain(storage: Storage, ckpt_id: int, *, verify: bool = True) -> list[dict[str, Any]]:
+    """The manifests of ``ckpt_id``'s chain, baseline first.
+
+    Args:
+        verify: also check every file of every member (sizes, sha256 of files and blobs,
+            references) with :func:`cnr_torchrec.ckpt.verify.verify_checkpoint`.
+
+    Raises:
+        CheckpointNotFoundError: ``ckpt_id`` is not committed.
+        CorruptCheckpointError: a member is missing or fails its checks; names the file.
+    """
+    from cnr_torchrec.ckpt.verify import _Verifier  # verify imports nothing from here; keep it that way
+
+    if not storage.exists(manifest_path(ckpt_id)):
+        raise CheckpointNotFoundError(f"checkpoint {ckpt_id} is not committed under {storage.root}")
+    if verify:
+        problems = _Verifier(storage).checkpoint(ckpt_id)
+        if problems:
+            p = problems[0]
+            more = f" (and {len(problems) - 1} more problems; `cnr verify` lists them)" if len(problems) > 1 else ""
+            raise CorruptCheckpointError(f"{p.path}: {p.message}{more}", path=p.path)
+    tip = load_manifest(storage, ckpt_id)
+    chain = []
+    for i in tip["chain"][:-1]:
+        if not storage.exists(manifest_path(i)):
+            raise CorruptCheckpointError(
+                f"checkpoint {ckpt_id} needs checkpoint {i}, whose {manifest_path(i)} is missing", path=manifest_path(i)
+            )
+        chain.append(load_manifest(storage, i))
+    chain.append(tip)
+    if chain[0]["kind"] != "baseline":
+        path = manifest_path(chain[0]["id"])
+        raise CorruptCheckpointError(f"the chain of checkpoint {ckpt_id} starts at a delta ({path})", path=path)
+    return chain
+
+
+def count_entries(chain: list[Mapping[str, Any]]) -> int:
+    """Table entries in a chain (for a progress bar)."""
+    return sum(len(es) for m in chain for r in m["ranks"] for es in r["tables"].values())
+
+
+@dataclass
+class RowState:
+    """One optimizer state of a whole table (momentum, row-wise Adagrad sum...).
+
+    Attributes:
+        rowwise: one value per row of each shard (row-wise Adagrad) rather than one per element.
+        values: float32 ``[rows, dim]``; for row-wise state, every column of a shard holds
+            that shard's value.
+        dtype: the dtype the checkpoint stored it in (the ``state_dtype`` of the job).
+    """
+
+    rowwise: bool
+    values: torch.Tensor
+    dtype: torch.dtype = torch.float32
+
+    def for_shard(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The state as a shard with these global ranges stores it: ``[rows]`` if row-wise, else ``[rows, cols]``."""
+        block = self.values[rows[0] : rows[1], cols[0] : cols[1]]
+        if not self.rowwise:
+            return block.contiguous()
+        return _row_mean(block)
+
+    def per_row(self) -> torch.Tensor:
+        """Row-wise state of the unsharded table (``[rows]``): the column-width-weighted mean over its shards."""
+        if not self.rowwise:
+            raise ValueError("per_row() is for row-wise state")
+        return _row_mean(self.values)
+
+
+def _row_mean(block: torch.Tensor) -> torch.Tensor:
+    # Exact when every column holds the same value (one saved shard), the width-weighted mean otherwise.
+    first = block[:, :1]
+    if bool((block == first).all()):
+        return first[:, 0].clone()
+    return block.double().mean(dim=1).float()
+
+
+class TableData(NamedTuple):
+    """A whole table after applying a chain: fp32 weights ``[rows, dim]`` and its optimizer states."""
+
+    weights: torch.Tensor
+    states: list[RowState]
+
+
+def _decode_entry(
+    table: str, entry: Mapping[str, Any], load: _Reader, file: str
+) -> tuple[torch.Tensor, torch.Tensor, list[tuple[bool, torch.Tensor, torch.dtype]]]:
+    """Global row ids, decoded fp32 weight rows and state rows of one entry."""
+    r0, r1 = (int(v) for v in entry["rows"])
+    n_rows = r1 - r0
+    if "ids" in entry:
+        ids = decode_ids(entry["ids"]["kind"], load(entry["ids"]["blob"]), n_rows)
+        if ids.numel() != entry["ids"]["count"] or (ids.numel() and int(ids[-1]) >= n_rows):
+            raise CorruptCheckpointError(f"{file}: row ids of table '{table}' do not match their entry", path=file)
+    else:
+        ids = torch.arange(n_rows, dtype=torch.int64)
+    tensors = {k: load(name) for k, name in entry["weights"]["blobs"].items()}
+    try:
+        weights = decode(EncodedRows.from_tensors(tensors, entry["weights"]["meta"]))
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(
+            f"{file}: encoded rows of table '{table}' are inconsistent: {e}", path=file
+        ) from None
+    if weights.shape[0] != ids.numel():
+        raise CorruptCheckpointError(
+            f"{file}: table '{table}' stores {weights.shape[0]} rows for {ids.numel()} ids", path=file
+        )
+    states = []
+    for s in entry.get("states", []):
+        t = load(s["blob"])
+        if t.shape[0] != ids.numel():
+            raise CorruptCheckpointError(
+                f"{file}: optimizer state of table '{table}' has {t.shape[0]} rows for {ids.numel()} ids", path=file
+            )
+        states.append((bool(s["rowwise"]), t, t.dtype))
+    return ids + r0, weights, states
+
+
+def assemble_tables(
+    storage: Storage, chain: list[Mapping[str, Any]], progress: Progress | None = None
+) -> dict[str, TableData]:
+    """Applies every entry of ``chain`` (baseline first) to whole tables, by global row and column range.
+
+    Replicated (data_parallel) tables come from the tip, as in a restore; they have no
+    row states (the dense optimizer holds theirs).
+
+    Raises:
+        CorruptCheckpointError: an entry does not decode, or the chain leaves part of a table unwritten.
+    """
+    tip = chain[-1]
+    shapes = {t: (int(s[0]), int(s[1])) for t, s in tip["tables"].items()}
+    replicated = set(tip.get("replicated", []))
+    out: dict[str, TableData] = {}
+    covered: dict[str, torch.Tensor] = {}
+    for m in chain:
+        for report in m["ranks"]:
+            file = report["file"]
+            load = _Reader(storage, report)
+            for table, entries in report["tables"].items():
+                if table not in shapes:
+                    raise CorruptCheckpointError(
+                        f"{file}: table '{table}' is not among the tables of checkpoint {tip['id']}", path=file
+                    )
+                rows, dim = shapes[table]
+                if table not in out:
+                    out[table] = TableData(torch.zeros(rows, dim, dtype=torch.float32), [])
+                    covered[table] = torch.zeros(rows, dim, dtype=torch.bool)
+                data = out[table]
+                for entry in entries:
+                    c0, c1 = (int(v) for v in entry["cols"])
+                    r0, r1 = (int(v) for v in entry["rows"])
+                    if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= dim):
+                        raise CorruptCheckpointError(
+                            f"{file}: an entry of table '{table}' spans rows [{r0}, {r1}) x cols [{c0}, {c1}), "
+                            f"outside the table's {rows} x {dim}",
+                            path=file,
+                        )
+                    global_rows, weights, states = _decode_entry(table, entry, load, file)
+                    if weights.shape[1] != c1 - c0:
+                        raise CorruptCheckpointError(
+                            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns "
+                            f"[{c0}, {c1})",
+                            path=file,
+                        )
+                    data.weights[global_rows, c0:c1] = weights.float()
+                    covered[table][global_rows, c0:c1] = True
+                    for j, (rowwise, t, dtype) in enumerate(states):
+                        if j == len(data.states):
+                            data.states.append(RowState(rowwise, torch.zeros(rows, dim, dtype=torch.float32), dtype))
+                        state = data.states[j]
+                        state.rowwise, state.dtype = rowwise, dtype
+                        vals = t.float().reshape(t.shape[0], -1)
+                        state.values[global_rows, c0:c1] = vals.expand(-1, c1 - c0) if rowwise else vals
+                    if progress is not None:
+                        progress(1)
+    first = next(r for r in tip["ranks"] if r["rank"] == 0)
+    load0 = _Reader(storage, first)
+    for table in sorted(replicated):
+        if table not in first["replicated_tables"]:
+            raise CorruptCheckpointError(
+                f"{first['file']}: replicated table '{table}' is not stored by rank 0", path=first["file"]
+            )
+        full = load0(first["replicated_tables"][table]).float()
+        if tuple(full.shape) != shapes[table]:
+            raise CorruptCheckpointError(
+                f"{first['file']}: replicated table '{table}' is {list(full.shape)}, the manifest says "
+                f"{list(shapes[table])}",
+                path=first["file"],
+            )
+        out[table] = TableData(full.clone(), [])
+    for table in shapes:
+        if table in replicated:
+            continue
+        if table not in covered or not bool(covered[table].all()):
+            base = manifest_path(chain[0]["id"])
+            missing = 0 if table not in covered else int((~covered[table]).any(dim=1).sum())
+            raise CorruptCheckpointError(
+                f"the chain {[m['id'] for m in chain]} leaves {missing or 'all'} rows of table '{table}' unwritten; "
+                f"its baseline ({base}) is incomplete",
+                path=base,
+            )
+    return out
+
+
+# ---------------------------------------------------------------------- summaries
+
+
+def _entries(m: Mapping[str, Any]):
+    for r in m["ranks"]:
+        for table, es in r["tables"].items():
+            for e in es:
+                yield r, table, e
+
+
+def full_snapshot_nbytes(m: Mapping[str, Any], *, with_state: bool = True) -> int:
+    """Bytes of a full fp32 snapshot of the checkpoint's tables (and their row optimizer state)."""
+    shapes = m["tables"]
+    if not with_state:
+        return sum(int(r) * int(d) * 4 for r, d in shapes.values())
+    total = sum(int(shapes[t][0]) * int(shapes[t][1]) * 4 for t in m.get("replicated", []))
+    for _, _, e in _entries(m):
+        n, w = e["rows"][1] - e["rows"][0], e["cols"][1] - e["cols"][0]
+        total += n * w * 4 + sum(n * 4 if s["rowwise"] else n * w * 4 for s in e.get("states", []))
+    return total
+
+
+def checkpoint_row(m: Mapping[str, Any]) -> dict[str, Any]:
+    """One checkpoint as a report row (the ``checkpoints`` items of a ``cnr-report``, plus a few keys).
+
+    ``total_rows`` counts the rows the sharded tables' shards hold (a row split over k
+    column shards counts k times, as ``rows_written`` counts it), so a baseline's
+    ``dirty_fraction`` is 1.
+    """
+    total_rows = sum(e["rows"][1] - e["rows"][0] for _, _, e in _entries(m))
+    rows_written = sum(int(r["rows_written"]) for r in m["ranks"])
+    codec = m.get("codec", {})
+    return {
+        "id": m["id"],
+        "step": m["step"],
+        "kind": m["kind"],
+        "method": codec.get("method"),
+        "bits": codec.get("bits"),
+        "rows_written": rows_written,
+        "total_rows": total_rows,
+        "dirty_fraction": rows_written / total_rows if total_rows else 0.0,
+        "nbytes": int(m["nbytes"]),
+        "stall_ms": max(float(r["stall_ms"]) for r in m["ranks"]),
+        "write_ms": max(float(r["write_ms"]) for r in m["ranks"]),
+        "policy": m.get("policy"),
+        "parent": m.get("parent"),
+        "chain": list(m["chain"]),
+        "world_size": m["world_size"],
+        "reason": m.get("reason", ""),
+        "compacted_from": m.get("compacted_from"),
+        "files": {r["file"]: int(r["nbytes"]) for r in m["ranks"]},
+    }
+
+
+def _dir_files(storage: Storage, ckpt_id: int) -> dict[str, int]:
+    if storage.local_dir is None:
+        return {}
+    d = os.path.join(storage.local_dir, ckpt_dir(ckpt_id))
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return {}
+    return {f"{ckpt_dir(ckpt_id)}/{n}": os.path.getsize(os.path.join(d, n)) for n in names
+            if os.path.isfile(os.path.join(d, n))}
+
+
+def summarize(storage: Storage) -> dict[str, Any]:
+    """Everything ``cnr inspect`` and ``cnr report`` show about a root, in the ``cnr-report`` schema.
+
+    Returns:
+        ``{"format": "cnr-report", "version": 1, "world_size", "full_snapshot_nbytes",
+        "checkpoints": [checkpoint_row(...)...], ...}`` plus ``root``,
+        ``full_snapshot_table_nbytes`` (weights alone), ``total_nbytes``, ``uncommitted``
+        (directories without a manifest: ``{"id", "files"}``) and ``corrupt``
+        (``{"id", "path", "message"}`` for manifests that do not load).
+    """
+    rows, corrupt, manifests = [], [], []
+    for i in committed_ids(storage):
+        try:
+            m = load_manifest(storage, i)
+        except CorruptCheckpointError as e:
+            corrupt.append({"id": i, "path": e.path or manifest_path(i), "message": str(e)})
+            continue
+        manifests.append(m)
+        rows.append(checkpoint_row(m))
+    committed = {r["id"] for r in rows} | {c["id"] for c in corrupt}
+    uncommitted = [{"id": i, "files": _dir_files(storage, i)} for i in existing_dir_ids(storage) if i not in committed]
+    newest = manifests[-1] if manifests else None
+    return {
+        "format": "cnr-report",
+        "version": 1,
+        "root": storage.root,
+        "world_size": newest["world_size"] if newest else None,
+        "full_snapshot_nbytes": full_snapshot_nbytes(newest) if newest else 0,
+        "full_snapshot_table_nbytes": full_snapshot_nbytes(newest, with_state=False) if newest else 0,
+        "total_nbytes": sum(r["nbytes"] for r in rows),
+        "checkpoints": rows,
+        "uncommitted": uncommitted,
+        "corrupt": corrupt,
+    }
+
+
+# ---------------------------------------------------------------------- compact
+
+
+def _copy_blob(load: _Reader, out: BlobWriter, name: str) -> str:
+    if name not in out.index:
+        out.add(name, load(name))
+    return name
+
+
+def _copy_tree(tree: Any, load: _Reader, out: BlobWriter) -> Any:
+    """Copies the blobs a flattened state tree refers to, under the same names (the tree stays valid)."""
+    unflatten_state(tree, lambda name: _copy_blob(load, out, name))
+    return tree
+
+
+def compact(
+    storage: Storage,
+    ckpt_id: int | None = None,
+    *,
+    method: str = "none",
+    bits: int | None = None,
+    progress: Progress | None = None,
+) -> dict[str, Any]:
+    """Merges ``ckpt_id``'s chain (default: the newest committed) into a new baseline with the next free id.
+
+    The new checkpoint keeps the tip's step, world size and shard layout: each rank file
+    holds one ``full`` entry per shard that rank saved in the tip, plus the tip's dense
+    parameters, dense optimizer, extra and RNG state, replicated tables and TBE step.
+    With ``method="none"`` the rows are the chain's decoded rows in float32, so
+    restoring the new baseline equals restoring the chain bit for bit. A quantizing
+    method re-encodes the decoded rows (their error adds to the chain's own).
+
+    Rank files are written first, then the sealed manifest atomically (the commit), then
+    index.json: the Checkpointer's protocol. Must not run while a job writes to the root.
+
+    Returns:
+        The new checkpoint's manifest body.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
+        CorruptCheckpointError: a file of the chain fails its checks (names it).
+        UnknownCodecError: ``method``/``bits`` name no codec.
+    """
+    t0 = time.perf_counter()
+    codec = get_codec(method, bits)
+    tip_id = resolve_id(storage, ckpt_id)
+    chain = load_chain(storage, tip_id)
+    tip = chain[-1]
+    tables = assemble_tables(storage, chain, progress)
+    new_id = max(existing_dir_ids(storage) + committed_ids(storage)) + 1
+    written: list[str] = []
+    try:
+        reports = []
+        for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
+            reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
+            written.append(reports[-1]["file"])
+        write_ms = (time.perf_counter() - t0) * 1e3
+        for r in reports:
+            r["write_ms"] = round(write_ms, 3)
+        body = {
+            "id": new_id,
+            "step": tip["step"],
+            "kind": "baseline",
+            "since": None,
+            "parent": None,
+            "chain": [new_id],
+            "encodings": {t: "full" for t in tip["tables"]},
+            "reason": f"compacted from chain {[m['id'] for m in chain]} by cnr compact",
+            "policy": tip.get("policy"),
+            "world_size": tip["world_size"],
+            "codec": {"method": method, "bits": bits, "params": codec.params},
+            "tables": tip["tables"],
+            "table_fqns": tip.get("table_fqns", {}),
+            "replicated": tip.get("replicated", []),
+            "nbytes": sum(r["nbytes"] for r in reports),
+            "created_unix": time.time(),
+            "compacted_from": [m["id"] for m in chain],
+            "ranks": reports,
+        }
+        storage.write_atomic(manifest_path(new_id), seal(body))
+    except BaseException:
+        storage.remove_dir(ckpt_dir(new_id), written)
+        raise
+    write_index(storage, committed_ids(storage))
+    log.info("compacted chain %s into checkpoint %d (%d bytes)", body["compacted_from"], new_id, body["nbytes"])
+    return body
+
+
+def _write_compacted_rank(
+    storage: Storage,
+    report: Mapping[str, Any],
+    new_id: int,
+    tables: Mapping[str, TableData],
+    codec: Any,
+    progress: Progress | None,
+) -> dict[str, Any]:
+    load = _Reader(storage, report)
+    blobs = BlobWriter()
+    out_tables: dict[str, list[dict[str, Any]]] = {}
+    rows_written = 0
+    i = 0
+    for table, entries in report["tables"].items():
+        data = tables[table]
+        for entry in entries:
+            rows = (int(entry["rows"][0]), int(entry["rows"][1]))
+            cols = (int(entry["cols"][0]), int(entry["cols"][1]))
+            prefix = f"s{i}"
+            i += 1
+            encoded = codec.encode(data.weights[rows[0] : rows[1], cols[0] : cols[1]].contiguous())
+            out: dict[str, Any] = {"rows": list(rows), "cols": list(cols), "encoding": "full"}
+            out["weights"] = {
+                "meta": encoded.metadata(),
+                "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
+            }
+            states = []
+            for j, s in enumerate(entry.get("states", [])):
+                if j >= len(data.states):
+                    raise CorruptCheckpointError(
+                        f"{report['file']}: table '{table}' has {len(entry['states'])} optimizer states in the tip "
+                        f"but the chain stored {len(data.states)}",
+                        path=report["file"],
+                    )
+                state = data.states[j]
+                dtype = _DTYPES.get(report["blobs"].get(s["blob"], {}).get("dtype", "float32"), torch.float32)
+                t = state.for_shard(rows, cols).to(dtype)
+                states.append({"rowwise": state.rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)})
+            out["states"] = states
+            rows_written += encoded.num_rows
+            out_tables.setdefault(table, []).append(out)
+            if progress is not None:
+                progress(1)
+    replicated = {t: _copy_blob(load, blobs, name) for t, name in report["replicated_tables"].items()}
+    dense = {n: _copy_blob(load, blobs, name) for n, name in report["dense"].items()}
+    dense_opt = report.get("dense_optimizer")
+    if dense_opt is not None:
+        _copy_tree(dense_opt, load, blobs)
+    extra = {n: _copy_tree(tree, load, blobs) for n, tree in report.get("extra", {}).items()}
+    rng = _copy_tree(report.get("rng"), load, blobs)
+    data_bytes = blobs.getvalue()
+    file = rank_file(new_id, int(report["rank"]))
+    storage.write(file, data_bytes)
+    storage.fsync_file(file)
+    return {
+        "rank": report["rank"],
+        "ok": True,
+        "file": file,
+        "nbytes": len(data_bytes),
+        "sha256": sha256(data_bytes),
+        "blobs": blobs.index,
+        "tables": out_tables,
+        "replicated_tables": replicated,
+        "dense": dense,
+        "dense_optimizer": dense_opt,
+        "extra": extra,
+        "rng": rng,
+        "tbe_iter": report.get("tbe_iter", 0),
+        "table_shapes": report.get("table_shapes", {}),
+        "rows_written": rows_written,
+        "stall_ms": 0.0,
+        "write_ms": 0.0,
+    }
+
+
+# ---------------------------------------------------------------------- export
+
+
+def export_state_dict(
+    storage: Storage, ckpt_id: int | None = None, progress: Progress | None = None
+) -> dict[str, torch.Tensor]:
+    """A plain, unsharded, full-precision state_dict of checkpoint ``ckpt_id`` (default: the newest).
+
+    Keys: each table's weight under its unsharded name (``table_fqns``, e.g.
+    ``ebc.embedding_bags.t0.weight``), the dense parameters and buffers under their
+    names, and each table's fused-optimizer row states under
+    ``"<weight name>.optimizer_state.<i>"`` (``[rows]`` for row-wise state, ``[rows, dim]``
+    otherwise). The dense optimizer, extra and RNG state are not exported.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
+        CorruptCheckpointError: a file of the chain fails its checks (names it).
+    """
+    chain = load_chain(storage, resolve_id(storage, ckpt_id))
+    tip = chain[-1]
+    tables = assemble_tables(storage, chain, progress)
+    fqns = tip.get("table_fqns", {})
+    out: dict[str, torch.Tensor] = {}
+    for table in sorted(tables):
+        name = fqns.get(table, f"{table}.weight")
+        data = tables[table]
+        out[name] = data.weights
+        for i, s in enumerate(data.states):
+            out[f"{name}.optimizer_state.{i}"] = s.per_row() if s.rowwise else s.values
+    first = next(r for r in tip["ranks"] if r["rank"] == 0)
+    load0 = _Reader(storage, first)
+    for name, blob in first["dense"].items():
+        if name in out:
+            raise CorruptCheckpointError(
+                f"{manifest_path(tip['id'])}: dense parameter {name!r} has the name of a table", path=first["file"]
+            )
+        out[name] = load0(blob).clone()
+    return out

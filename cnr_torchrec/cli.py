@@ -1,0 +1,347 @@
+"""The ``cnr`` command: inspect, verify, compact, export and plot checkpoint roots offline.
+
+Exit codes: 0 success (``verify``: sound); 1 a checkpoint is corrupt (``verify`` found
+problems, or ``compact``/``export`` met a corrupt file); 2 the command could not run
+(bad arguments, missing root, nothing committed, unknown id, unreadable report, bad
+``--storage-option``). Errors are one line on stderr, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError
+
+__all__ = ["main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_ERROR"]
+
+EXIT_OK, EXIT_CORRUPT, EXIT_ERROR = 0, 1, 2
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs; a VALUE that parses as JSON (true, 3, {"a": 1}) is taken as such, else as a string."""
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--storage-option expects KEY=VALUE, got {pair!r}; e.g. --storage-option region=us-east-1"
+            )
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _codec_label(method: str | None, bits: int | None) -> str:
+    if method is None:
+        return "?"
+    return method if bits is None else f"{method}/{bits}"
+
+
+def _progress(total: int, desc: str):
+    """A tqdm bar on stderr (hidden when stderr is not a terminal), and its update function."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="entry", file=sys.stderr, disable=None, leave=False)
+    return bar, bar.update
+
+
+def _open(args: argparse.Namespace):
+    from cnr_torchrec.ckpt.offline import open_storage
+
+    return open_storage(args.root, _storage_options(args.storage_option))
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def _inspect_text(summary: dict[str, Any]) -> str:
+    rows = summary["checkpoints"]
+    full = summary["full_snapshot_nbytes"]
+    lines = [f"root {summary['root']}: {len(rows)} committed checkpoint(s), world size {summary['world_size']}"]
+    header = ("id", "step", "kind", "policy", "chain", "codec", "bytes", "% full", "rows", "dirty", "stall ms",
+              "write ms")
+    table = [header]
+    for r in rows:
+        chain = "<-".join(map(str, r["chain"]))
+        table.append((
+            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]), chain, _codec_label(r["method"], r["bits"]),
+            _human_bytes(r["nbytes"]), f"{100 * r['nbytes'] / full:.1f}" if full else "-",
+            f"{r['rows_written']}/{r['total_rows']}", f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}",
+            f"{r['write_ms']:.1f}",
+        ))
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    left = {2, 3, 4, 5}
+    for row in table:
+        lines.append("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+
+    lines.append("")
+    lines.append("chains (restore applies the ids left to right):")
+    by_id = {r["id"]: r for r in rows}
+    for r in rows:
+        if r["kind"] != "baseline":
+            continue
+        deltas = [d for d in rows if d["kind"] == "delta" and d["chain"][0] == r["id"]]
+        note = f", compacted from {r['compacted_from']}" if r.get("compacted_from") else ""
+        lines.append(f"  baseline {r['id']} (step {r['step']}{note}): "
+                     + (", ".join(f"{d['id']} = {'+'.join(map(str, d['chain']))}" for d in deltas) or "no deltas"))
+    orphans = [d for d in rows if d["kind"] == "delta" and d["chain"][0] not in by_id]
+    for d in orphans:
+        lines.append(f"  delta {d['id']} hangs on baseline {d['chain'][0]}, which is not committed (it cannot be "
+                     "restored)")
+
+    total = summary["total_nbytes"]
+    lines.append("")
+    lines.append(
+        f"total {_human_bytes(total)} in {len(rows)} checkpoint(s); a full fp32 snapshot of the tables and their "
+        f"optimizer state is {_human_bytes(full)} (tables alone {_human_bytes(summary['full_snapshot_table_nbytes'])})"
+        + (f": {total / full:.2f} snapshots' worth" if full else "")
+    )
+    for c in summary["corrupt"]:
+        lines.append(f"corrupt: checkpoint {c['id']}: {c['message']}")
+    for u in summary["uncommitted"]:
+        files = ", ".join(f"{os.path.basename(f)} {_human_bytes(n)}" for f, n in u["files"].items()) or "empty"
+        lines.append(f"uncommitted (torn): ckpt-{u['id']:08d} ({files}): a save that did not commit or is still "
+                     "writing; restore ignores it")
+    return "\n".join(lines)
+
+
+def _cmd_inspect(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.offline import _not_found_hint, summarize
+    from cnr_torchrec.errors import CheckpointNotFoundError
+
+    storage = _open(args)
+    try:
+        summary = summarize(storage)
+        if not summary["checkpoints"] and not summary["corrupt"] and not summary["uncommitted"]:
+            raise CheckpointNotFoundError(f"no checkpoint under {args.root}{_not_found_hint(storage)}")
+    finally:
+        storage.close()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+    else:
+        print(_inspect_text(summary))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- verify
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.verify import verify_root
+
+    problems = verify_root(args.root, _storage_options(args.storage_option), None if args.id is None else [args.id])
+    if problems:
+        for p in problems:
+            print(f"PROBLEM {p}")
+        bad = sorted({p.ckpt_id for p in problems if p.ckpt_id is not None})
+        print(f"{len(problems)} problem(s)" + (f" in checkpoint(s) {', '.join(map(str, bad))}" if bad else ""))
+        return EXIT_CORRUPT
+    print("OK: " + (f"checkpoint {args.id} and its chain verify" if args.id is not None
+                    else f"every committed checkpoint under {args.root} verifies"))
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- compact / export
+
+
+def _cmd_compact(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.offline import compact, count_entries, resolve_id
+    from cnr_torchrec.quant import get_codec
+
+    get_codec(args.method, args.bits)  # a bad codec fails before anything is read
+    storage = _open(args)
+    try:
+        tip = resolve_id(storage, args.id)
+        newest = committed_ids(storage)[-1]
+        chain = [load_manifest(storage, i) for i in load_manifest(storage, tip)["chain"]]
+        total = count_entries(chain) + count_entries(chain[-1:])  # decode the chain, then write the tip's layout
+        bar, update = _progress(total, "compact")
+        try:
+            body = compact(storage, tip, method=args.method, bits=args.bits, progress=update)
+        finally:
+            bar.close()
+    finally:
+        storage.close()
+    print(f"compacted chain {body['compacted_from']} (step {body['step']}) into baseline {body['id']}: "
+          f"{_human_bytes(body['nbytes'])} in {body['world_size']} rank file(s), codec "
+          f"{_codec_label(args.method, args.bits)}")
+    if tip != newest:
+        print(f"note: checkpoint {body['id']} (step {body['step']}) is now the newest: Checkpointer.restore() picks "
+              f"it over checkpoint {newest}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from cnr_torchrec.ckpt.manifest import load_manifest
+    from cnr_torchrec.ckpt.offline import count_entries, export_state_dict, resolve_id
+
+    storage = _open(args)
+    try:
+        cid = resolve_id(storage, args.id)
+        chain = [load_manifest(storage, i) for i in load_manifest(storage, cid)["chain"]]
+        bar, update = _progress(count_entries(chain), "export")
+        try:
+            state = export_state_dict(storage, cid, progress=update)
+        finally:
+            bar.close()
+    finally:
+        storage.close()
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmp = f"{out}.tmp-{os.getpid()}"
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    n = sum(t.numel() * t.element_size() for t in state.values())
+    print(f"exported checkpoint {cid}: {len(state)} tensors, {_human_bytes(n)} -> {args.out}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.offline import _not_found_hint, summarize
+    from cnr_torchrec.errors import CheckpointNotFoundError
+    from cnr_torchrec.plots import load_report, validate_report, write_plots
+
+    src = args.src
+    if os.path.isfile(src) or src.endswith(".json"):
+        report = load_report(src)
+    else:
+        args.root = src
+        storage = _open(args)
+        try:
+            report = summarize(storage)
+            if not report["checkpoints"]:
+                raise CheckpointNotFoundError(f"no committed checkpoint under {src}{_not_found_hint(storage)}")
+        finally:
+            storage.close()
+        validate_report(report, src)
+    paths = write_plots(report, args.out)
+    for p in paths:
+        print(p)
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from cnr_torchrec.quant import METHODS
+
+    parser = argparse.ArgumentParser(
+        prog="cnr",
+        description="Inspect, verify, compact, export and plot cnr_torchrec checkpoint roots (offline: no model, "
+                    "no process group). Do not run compact while a training job writes to the same root.",
+        epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
+                        help="passed to the torchsnapshot storage plugin (repeatable; VALUE parsed as JSON if it can "
+                             "be), e.g. for s3:// roots")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("inspect", parents=[common], help="list checkpoints, chains, sizes, dirty fractions",
+                       description="List the committed checkpoints (chain, step, kind, codec, bytes, rows, dirty "
+                                   "fraction, stall and write ms), the total against a full fp32 snapshot, and "
+                                   "uncommitted (torn) directories.")
+    p.add_argument("root", metavar="DIR", help="checkpoint root (directory or storage URL)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_cmd_inspect)
+
+    p = sub.add_parser("verify", parents=[common], help="check manifests, files, checksums and chains",
+                       description="Check every committed checkpoint (or one and its chain): manifest seal, rank "
+                                   "file sizes and sha256, every blob's bounds and sha256, references, chains, "
+                                   "index.json. Exit 0 when sound, 1 with one line per problem otherwise.")
+    p.add_argument("root", metavar="DIR")
+    p.add_argument("--id", type=int, help="verify only this checkpoint (and its chain)")
+    p.set_defaults(func=_cmd_verify)
+
+    p = sub.add_parser("compact", parents=[common], help="merge a chain into a new baseline",
+                       description="Merge a chain (default: the newest committed checkpoint's) into a new baseline "
+                                   "with the next free id, the same step, world size and shard layout. Restoring it "
+                                   "equals restoring the chain (bit for bit with --method none). Must not run while "
+                                   "a job writes to the root.")
+    p.add_argument("root", metavar="DIR")
+    p.add_argument("--id", type=int, help="the chain's tip (default: the newest committed checkpoint)")
+    p.add_argument("--method", default="none", choices=METHODS, help="codec of the new baseline's rows "
+                                                                      "(default none: float32, exact)")
+    p.add_argument("--bits", type=int, help="bits for a quantizing --method (2, 3, 4 or 8)")
+    p.set_defaults(func=_cmd_compact)
+
+    p = sub.add_parser("export", parents=[common], help="write a plain, unsharded state_dict (torch.save)",
+                       description="Write a full-precision state_dict: each table under its unsharded name, the "
+                                   "dense parameters, and row optimizer state under '<weight>.optimizer_state.<i>'. "
+                                   "torch.load(FILE, weights_only=True) reads it.")
+    p.add_argument("root", metavar="DIR")
+    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--id", type=int, help="checkpoint to export (default: the newest committed)")
+    p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("report", parents=[common], help="PNG plots from a root or a report.json",
+                       description="Write bytes_per_checkpoint.png, dirty_fraction.png and stall_ms.png from a "
+                                   "checkpoint root or a report.json written by the training job.")
+    p.add_argument("src", metavar="SRC", help="checkpoint root, or a report.json")
+    p.add_argument("--out", required=True, metavar="DIR")
+    p.set_defaults(func=_cmd_report)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Runs the ``cnr`` command; returns its exit code (see the module docstring)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse has printed usage and the error
+        return int(e.code or 0)
+    try:
+        return args.func(args)
+    except CorruptCheckpointError as e:
+        print(f"cnr {args.command}: corrupt checkpoint: {e}. Run `cnr verify` for every problem; restore or compact "
+              "an older checkpoint.", file=sys.stderr)
+        return EXIT_CORRUPT
+    except CnrError as e:
+        print(f"cnr {args.command}: {e}", file=sys.stderr)
+        return EXIT_ERROR
+    except BrokenPipeError:  # `cnr inspect ROOT | head`: the reader left; say nothing more
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"cnr {args.command}: {e.strerror or e}{where}; check the path and its permissions", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"cnr {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,645 @@
+"""The ``cnr`` command line, on checkpoints written by the real Checkpointer.
+
+References are independent of the code under test: the manifests read as plain JSON and
+the CheckpointInfo the Checkpointer returned (inspect, report), bytes flipped or cut by
+hand (verify), the model restored from the original chain by ``Checkpointer.restore``
+(compact, export), an unsharded torchrec model (export) and the codec applied directly
+(quantized compaction).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+from _dist import run_ranks
+
+ROWS, DIM = 48, 8
+PLAN = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+# ---------------------------------------------------------------------- model and roots
+
+
+class Counter:
+    """A tiny Stateful (a reader position), so extra_state travels through compaction."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def state_dict(self):
+        return {"n": torch.tensor([self.n]), "name": "counter"}
+
+    def load_state_dict(self, state):
+        self.n = int(state["n"][0])
+
+
+def _build(world_size, seed=0):
+    from torchrec.distributed.types import ShardingEnv
+
+    from cnr_torchrec import CheckNRunDMP
+    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
+
+    torch.manual_seed(seed)
+    specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(PLAN)]
+    model = ToyModel(specs)
+    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
+    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                       plan=build_plan(model, sharders, world_size), sharders=sharders)
+    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense") or ".t4." in n]
+    return dmp, specs, torch.optim.Adam(dense, lr=0.01)
+
+
+def _train(dmp, specs, opt, steps, gen):
+    from cnr_torchrec.toy import zipf_batch
+
+    for _ in range(steps):
+        loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _config(root, method, bits):
+    from cnr_torchrec import load_config
+
+    return load_config({"root": root, "policy": "consecutive", "quantization": {"method": method, "bits": bits},
+                        "keep_last": 5})
+
+
+def _write_chain(root, method, bits, saves, world_size=1, rank=0):
+    """A baseline and ``saves - 1`` consecutive deltas. Returns the CheckpointInfos and the live model."""
+    from cnr_torchrec import Checkpointer
+
+    dmp, specs, opt = _build(world_size)
+    counter = Counter()
+    ckpt = Checkpointer(dmp, _config(root, method, bits), dense_optimizer=opt, extra_state={"counter": counter})
+    gen = torch.Generator().manual_seed(3 + rank)
+    infos = []
+    for step in range(1, saves + 1):
+        _train(dmp, specs, opt, 2, gen)
+        counter.n = 10 * step
+        infos.append(ckpt.save(step).wait())
+    ckpt.close()
+    return infos, dmp, specs
+
+
+def _local_state(dmp, opt=None, counter=None):
+    """This rank's shards (weights and optimizer states), dense parameters, dense optimizer, TBE steps, extra."""
+    out = {}
+    tracker = dmp.dirty_tracker
+    for t in tracker.tables():
+        for i, (k, s) in enumerate(tracker.shards(t)):
+            out[(t, i, "w")] = k.tbe.split_embedding_weights()[s.local_index].detach().clone()
+            if hasattr(k.tbe, "split_optimizer_states"):
+                for j, st in enumerate(k.tbe.split_optimizer_states()[s.local_index]):
+                    out[(t, i, j)] = st.detach().clone()
+    for n, p in dmp.named_parameters():
+        if n.startswith("dense"):
+            out[n] = p.detach().clone()
+    for i, tbe in enumerate(tracker.tbes()):
+        if isinstance(getattr(tbe, "iter", None), torch.Tensor):
+            out[("iter", i)] = tbe.iter.clone()
+    if opt is not None:
+        for i, st in opt.state_dict()["state"].items():
+            for k, v in st.items():
+                out[("adam", i, k)] = v.clone()
+    if counter is not None:
+        out["counter"] = torch.tensor([counter.n])
+    return out
+
+
+def _assert_same(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), (k, (a[k].float() - b[k].float()).abs().max())
+
+
+def _restore(root, seed, method="none", bits=None, per_rank=True):
+    """A differently initialised model with ``root`` restored by the real Checkpointer.
+
+    ``per_rank=False`` leaves out the per-rank extra state (for a checkpoint of another world size).
+    """
+    from cnr_torchrec import Checkpointer
+
+    dmp, specs, opt = _build(1, seed=seed)
+    counter = Counter() if per_rank else None
+    ckpt = Checkpointer(dmp, _config(root, method, bits), dense_optimizer=opt,
+                        extra_state={"counter": counter} if per_rank else {})
+    step = ckpt.restore()
+    after = torch.rand(4)  # the restored RNG's next draws
+    ckpt.close()
+    return step, dmp, specs, _local_state(dmp, opt, counter), after
+
+
+def _full_tables(dmp):
+    """Whole tables of a world-size-1 model from its shards: weights and the row-wise Adagrad state.
+
+    A column shard keeps its own mean of squared gradients; the unsharded row's value is the
+    column-width-weighted mean over the shards.
+    """
+    tracker = dmp.dirty_tracker
+    out = {}
+    for t in tracker.tables():
+        w = torch.zeros(ROWS, DIM)
+        m = torch.zeros(ROWS, dtype=torch.float64)
+        for k, s in tracker.shards(t):
+            w[s.rows[0]:s.rows[1], s.cols[0]:s.cols[1]] = k.tbe.split_embedding_weights()[s.local_index]
+            if not tracker.is_data_parallel(t):
+                state = k.tbe.split_optimizer_states()[s.local_index][0].reshape(-1).double()
+                m[s.rows[0]:s.rows[1]] += state * (s.cols[1] - s.cols[0]) / DIM
+        out[t] = (w, None if tracker.is_data_parallel(t) else m)
+    return out
+
+
+def _manifest(root, cid):
+    with open(os.path.join(root, f"ckpt-{cid:08d}", "manifest.json")) as f:
+        return json.load(f)["body"]
+
+
+def _flip(path, pos, mask=0x01):
+    with open(path, "r+b") as f:
+        f.seek(pos)
+        b = f.read(1)
+        f.seek(pos)
+        f.write(bytes([b[0] ^ mask]))
+
+
+@pytest.fixture(scope="module")
+def pg(tmp_path_factory):
+    """A gloo process group of one, in this process (faster than spawning a rank)."""
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def roots(pg, tmp_path_factory):
+    """Two roots of one rank: adaptive 4-bit (a baseline and 3 deltas) and fp32 (a baseline and 2 deltas)."""
+    base = tmp_path_factory.mktemp("roots")
+    q, n = str(base / "adaptive4"), str(base / "none")
+    q_infos, q_dmp, _ = _write_chain(q, "adaptive", 4, saves=4)
+    n_infos, n_dmp, _ = _write_chain(n, "none", None, saves=3)
+    tracker = q_dmp.dirty_tracker
+    sharded = [t for t in tracker.tables() if not tracker.is_data_parallel(t)]
+    held = sum(r1 - r0 for t in sharded for (r0, r1), _ in tracker.shard_ranges(t))
+    states = sum((r1 - r0) * 4 for t in sharded for (r0, r1), _ in tracker.shard_ranges(t))
+    return {"q": q, "n": n, "q_infos": q_infos, "n_infos": n_infos, "held_rows": held,
+            "full_nbytes": len(tracker.tables()) * ROWS * DIM * 4 + states, "n_live": _full_tables(n_dmp)}
+
+
+def _copy(src, tmp_path, name="copy"):
+    dst = str(tmp_path / name)
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _run(capsys, *argv):
+    from cnr_torchrec.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+@pytest.mark.timeout(60)
+def test_inspect_json_and_text_match_the_manifests(roots, tmp_path, capsys):
+    root = _copy(roots["q"], tmp_path)
+    os.makedirs(os.path.join(root, "ckpt-00000009"))  # a save that never committed
+    with open(os.path.join(root, "ckpt-00000009", "rank-00000.bin"), "wb") as f:
+        f.write(b"x" * 100)
+
+    code, out, _ = _run(capsys, "inspect", root, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    infos = roots["q_infos"]
+    assert [r["id"] for r in doc["checkpoints"]] == [i.id for i in infos] == [0, 1, 2, 3]
+    for row, info in zip(doc["checkpoints"], infos):
+        body = _manifest(root, info.id)
+        assert (row["step"], row["kind"], tuple(row["chain"]), row["parent"]) == (
+            info.step, info.kind, info.chain, info.parent)
+        assert (row["method"], row["bits"]) == (body["codec"]["method"], body["codec"]["bits"]) == ("adaptive", 4)
+        on_disk = sum(os.path.getsize(os.path.join(root, r["file"])) for r in body["ranks"])
+        assert row["nbytes"] == info.nbytes == on_disk
+        assert row["rows_written"] == info.rows_written
+        assert row["total_rows"] == roots["held_rows"]
+        assert row["dirty_fraction"] == pytest.approx(info.rows_written / roots["held_rows"])
+        assert (row["stall_ms"], row["write_ms"]) == (info.stall_ms, info.write_ms)
+    assert doc["checkpoints"][0]["dirty_fraction"] == 1.0 and doc["checkpoints"][0]["kind"] == "baseline"
+    assert all(0 < r["dirty_fraction"] < 1 for r in doc["checkpoints"][1:])
+    assert doc["full_snapshot_nbytes"] == roots["full_nbytes"]
+    assert doc["total_nbytes"] == sum(i.nbytes for i in infos)
+    assert doc["uncommitted"] == [{"id": 9, "files": {"ckpt-00000009/rank-00000.bin": 100}}]
+
+    code, out, _ = _run(capsys, "inspect", root)
+    assert code == 0
+    lines = out.splitlines()
+    for info in infos:
+        chain = "<-".join(map(str, info.chain))
+        assert any(line.split()[:5] == [str(info.id), str(info.step), info.kind, "consecutive", chain]
+                   for line in lines), (info, out)
+    assert "baseline 0 (step 1): 1 = 0+1, 2 = 0+1+2, 3 = 0+1+2+3" in out
+    assert "uncommitted (torn): ckpt-00000009" in out
+    assert "in 4 checkpoint(s)" in out
+
+
+# ---------------------------------------------------------------------- verify
+
+
+@pytest.mark.timeout(60)
+def test_verify_passes_a_sound_root_and_names_every_damaged_file(roots, tmp_path, capsys):
+    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.verify import Problem, verify_checkpoint, verify_root
+
+    root = _copy(roots["q"], tmp_path)
+    assert verify_root(root) == []
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 0 and out.startswith("OK")
+
+    gen = torch.Generator().manual_seed(0)
+    for rel in ("ckpt-00000002/manifest.json", "ckpt-00000001/rank-00000.bin", "index.json"):
+        path = os.path.join(root, rel)
+        size = os.path.getsize(path)
+        positions = {0, size // 2, size - 1} | set(torch.randint(0, size, (6,), generator=gen).tolist())
+        for pos in sorted(positions):
+            for mask in (0x01, 0x80):
+                _flip(path, pos, mask)
+                problems = verify_root(root)
+                _flip(path, pos, mask)
+                assert problems and all(isinstance(p, Problem) for p in problems)
+                assert any(p.path == rel for p in problems), (rel, pos, mask, problems)
+        assert verify_root(root) == []
+
+    # A damaged baseline breaks every delta that hangs on it; the CLI prints the file and exits 1.
+    baseline_file = "ckpt-00000000/rank-00000.bin"
+    _flip(os.path.join(root, baseline_file), 100)
+    problems = verify_root(root, ids=[3])
+    assert Problem(0, baseline_file, "does not match its sha256 in the manifest (its bytes changed)") not in problems
+    assert any(p.ckpt_id == 3 and p.path == baseline_file and "needs checkpoint 0" in p.message for p in problems)
+    storage = Storage(root)
+    assert any(p.ckpt_id == 0 and p.path == baseline_file for p in verify_checkpoint(storage, 0))
+    storage.close()
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 1 and f"PROBLEM {baseline_file}:" in out
+    _flip(os.path.join(root, baseline_file), 100)
+
+    # Truncation, and a missing file.
+    victim = os.path.join(root, "ckpt-00000003", "rank-00000.bin")
+    data = open(victim, "rb").read()
+    with open(victim, "wb") as f:
+        f.write(data[:-7])
+    problems = verify_root(root)
+    assert any(p.path == "ckpt-00000003/rank-00000.bin" and "truncated" in p.message for p in problems)
+    code, out, _ = _run(capsys, "verify", root, "--id", "3")
+    assert code == 1 and "ckpt-00000003/rank-00000.bin" in out and "truncated" in out
+    os.remove(victim)
+    assert any(p.path == "ckpt-00000003/rank-00000.bin" and "missing" in p.message for p in verify_root(root))
+    with open(victim, "wb") as f:
+        f.write(data)
+    assert verify_root(root) == []
+
+
+# ---------------------------------------------------------------------- compact
+
+
+@pytest.mark.timeout(90)
+def test_compact_then_restore_equals_restoring_the_chain(roots, tmp_path, capsys):
+    root = _copy(roots["q"], tmp_path)
+    step, _, _, chain_state, chain_rng = _restore(root, seed=1)
+    assert step == 4
+
+    code, out, _ = _run(capsys, "compact", root)
+    assert code == 0 and "into baseline 4" in out
+    tip, new = _manifest(root, 3), _manifest(root, 4)
+    assert (new["kind"], new["chain"], new["step"], new["world_size"]) == ("baseline", [4], 4, 1)
+    assert new["compacted_from"] == [0, 1, 2, 3] and new["codec"]["method"] == "none"
+    layout = lambda m: {t: [(e["rows"], e["cols"]) for e in es] for t, es in m["ranks"][0]["tables"].items()}
+    assert layout(new) == layout(tip)
+    assert all(e["encoding"] == "full" for es in new["ranks"][0]["tables"].values() for e in es)
+    with open(os.path.join(root, "index.json")) as f:
+        assert json.load(f)["committed"] == [0, 1, 2, 3, 4]
+    code, _, _ = _run(capsys, "verify", root)
+    assert code == 0
+
+    # The compacted baseline alone restores the same state, bit for bit.
+    for cid in range(4):
+        shutil.rmtree(os.path.join(root, f"ckpt-{cid:08d}"))
+    step, _, _, got, got_rng = _restore(root, seed=2)
+    assert step == 4
+    _assert_same(got, chain_state)
+    assert torch.equal(got_rng, chain_rng)
+    assert int(got["counter"][0]) == 40
+
+
+@pytest.mark.timeout(90)
+def test_quantized_compaction_equals_the_codec_applied_to_the_chain(roots, tmp_path, capsys):
+    from cnr_torchrec.quant import get_codec
+
+    root = _copy(roots["n"], tmp_path)
+    _, _, _, chain_state, _ = _restore(root, seed=1)
+    code, _, _ = _run(capsys, "compact", root, "--id", "2", "--method", "uniform_asym", "--bits", "8")
+    assert code == 0
+    assert _manifest(root, 3)["codec"]["method"] == "uniform_asym"
+    _, dmp, _, got, _ = _restore(root, seed=2)
+    codec = get_codec("uniform_asym", 8)
+    for key, ref in chain_state.items():
+        if isinstance(key, tuple) and key[-1] == "w" and not dmp.dirty_tracker.is_data_parallel(key[0]):
+            ref = codec.decode(codec.encode(ref.float()))  # each shard was written whole, row by row
+        assert torch.equal(got[key], ref), key
+
+
+# ---------------------------------------------------------------------- export
+
+
+@pytest.mark.timeout(90)
+def test_export_loads_with_weights_only_into_an_unsharded_model(roots, tmp_path, capsys):
+    from cnr_torchrec.toy import ToyModel, zipf_batch
+
+    out_file = str(tmp_path / "sub" / "export.pt")
+    code, out, _ = _run(capsys, "export", roots["q"], "--out", out_file, "--id", "3")
+    assert code == 0 and "exported checkpoint 3" in out
+    state = torch.load(out_file, weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in state.values())
+
+    _, dmp, specs, _, _ = _restore(roots["q"], seed=1)
+    full = _full_tables(dmp)
+    fqns = _manifest(roots["q"], 3)["table_fqns"]
+    for t, (w, m) in full.items():
+        assert torch.equal(state[fqns[t]], w), t
+        if m is not None:
+            torch.testing.assert_close(state[f"{fqns[t]}.optimizer_state.0"].double(), m, rtol=1e-6, atol=0)
+        else:
+            assert f"{fqns[t]}.optimizer_state.0" not in state
+    for n, p in dmp.named_parameters():
+        if n.startswith("dense"):
+            assert torch.equal(state[n], p.detach())
+
+    plain = ToyModel(specs, device="cpu")
+    result = plain.load_state_dict(state, strict=False)
+    assert result.missing_keys == []
+    assert all(".optimizer_state." in k or k == "_unused" for k in result.unexpected_keys)
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), state[name])
+    with torch.no_grad():
+        batch = zipf_batch(specs, batch_size=8, pooling=3, generator=torch.Generator().manual_seed(9))
+        torch.testing.assert_close(plain(batch), dmp(batch), rtol=1e-5, atol=1e-6)
+
+    # fp32 chain: the export is the live model at the last save, exactly.
+    code, _, _ = _run(capsys, "export", roots["n"], "--out", out_file)
+    assert code == 0
+    state = torch.load(out_file, weights_only=True)
+    for t, (w, _) in roots["n_live"].items():
+        assert torch.equal(state[fqns[t]], w), t
+
+
+# ---------------------------------------------------------------------- two ranks
+
+
+def _two_rank_worker(rank, world_size, root):
+    _write_chain(root, "adaptive", 4, saves=3, world_size=world_size, rank=rank)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_two_rank_checkpoint_compacts_and_exports(pg, tmp_path, capsys):
+    root = str(tmp_path / "two")
+    run_ranks(_two_rank_worker, world_size=2, timeout=150, args=(root,))
+    tip = _manifest(root, 2)
+    assert tip["world_size"] == 2 and tip["chain"] == [0, 1, 2]
+
+    _, chain_dmp, _, chain_state, _ = _restore(root, seed=1, per_rank=False)  # 2 ranks onto 1, by the Checkpointer
+    out_file = str(tmp_path / "two.pt")
+    assert _run(capsys, "export", root, "--out", out_file)[0] == 0
+    code, out, _ = _run(capsys, "compact", root)
+    assert code == 0 and "in 2 rank file(s)" in out
+    new = _manifest(root, 3)
+    assert new["world_size"] == 2 and [r["file"] for r in new["ranks"]] == [
+        "ckpt-00000003/rank-00000.bin", "ckpt-00000003/rank-00001.bin"]
+    for r_new, r_tip in zip(new["ranks"], tip["ranks"]):
+        assert {t: [(e["rows"], e["cols"]) for e in es] for t, es in r_new["tables"].items()} == \
+               {t: [(e["rows"], e["cols"]) for e in es] for t, es in r_tip["tables"].items()}
+        assert r_new["tbe_iter"] == r_tip["tbe_iter"]
+    for cid in range(3):
+        shutil.rmtree(os.path.join(root, f"ckpt-{cid:08d}"))
+    _, _, _, got, _ = _restore(root, seed=2, per_rank=False)
+    _assert_same(got, chain_state)
+
+    state = torch.load(out_file, weights_only=True)
+    for t, (w, m) in _full_tables(chain_dmp).items():
+        name = tip["table_fqns"][t]
+        assert torch.equal(state[name], w), t
+        if m is not None:
+            torch.testing.assert_close(state[f"{name}.optimizer_state.0"].double(), m, rtol=1e-6, atol=0)
+
+
+# ---------------------------------------------------------------------- s3
+
+
+@pytest.mark.timeout(120)
+def test_s3_root_through_storage_options(roots, tmp_path, capsys):
+    """inspect / verify / compact on an s3:// root (a moto server), configured only by --storage-option."""
+    server_mod = pytest.importorskip("moto.server")
+    boto3 = pytest.importorskip("boto3")
+    server = server_mod.ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    capsys.readouterr()  # the server announces itself on stdout
+    try:
+        host, port = server.get_host_and_port()
+        opts = {"endpoint_url": f"http://{host}:{port}", "aws_access_key_id": "testing",
+                "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        client = boto3.client("s3", **opts)
+        client.create_bucket(Bucket="cnr-cli-test")
+        for d, _, files in os.walk(roots["q"]):
+            for f in files:
+                path = os.path.join(d, f)
+                client.upload_file(path, "cnr-cli-test", "run/" + os.path.relpath(path, roots["q"]))
+        root = "s3://cnr-cli-test/run"
+        flags = [a for k, v in opts.items() for a in ("--storage-option", f"{k}={v}")]
+
+        code, out, err = _run(capsys, "inspect", root, "--json", *flags)
+        assert code == 0, err
+        assert [r["nbytes"] for r in json.loads(out)["checkpoints"]] == [i.nbytes for i in roots["q_infos"]]
+        assert _run(capsys, "verify", root, *flags)[0] == 0
+        code, out, err = _run(capsys, "compact", root, *flags)
+        assert code == 0 and "into baseline 4" in out, err
+        assert _run(capsys, "verify", root, *flags)[0] == 0
+
+        key = "run/ckpt-00000004/rank-00000.bin"
+        data = bytearray(client.get_object(Bucket="cnr-cli-test", Key=key)["Body"].read())
+        data[17] ^= 0x04
+        client.put_object(Bucket="cnr-cli-test", Key=key, Body=bytes(data))
+        code, out, _ = _run(capsys, "verify", root, *flags)
+        assert code == 1 and "ckpt-00000004/rank-00000.bin" in out
+        code, _, err = _run(capsys, "inspect", root, "--storage-option", "endpoint=http://x")
+        assert code == 2 and "endpoint_url" in err.splitlines()[-1]
+    finally:
+        server.stop()
+
+
+# ---------------------------------------------------------------------- report
+
+
+def _series_from_manifests(root, ids, held_rows):
+    bodies = [_manifest(root, i) for i in ids]
+    return {
+        "ids": ids,
+        "nbytes": [b["nbytes"] for b in bodies],
+        "steps": [b["step"] for b in bodies],
+        "kinds": [b["kind"] for b in bodies],
+        "dirty": [sum(r["rows_written"] for r in b["ranks"]) / held_rows for b in bodies],
+        "stall": [max(r["stall_ms"] for r in b["ranks"]) for b in bodies],
+    }
+
+
+def _figure_data(figs):
+    from cnr_torchrec.plots import PLOTS
+
+    bytes_ax, dirty_ax, stall_ax = (figs[name].axes[0] for name in PLOTS)
+    return {
+        "nbytes": [p.get_height() for p in bytes_ax.patches],
+        "full": [line.get_ydata()[0] for line in bytes_ax.lines],
+        "dirty": [tuple(xy) for xy in dirty_ax.collections[0].get_offsets().tolist()],
+        "stall": [p.get_height() for p in stall_ax.patches],
+        "log": bytes_ax.get_yscale(),
+    }
+
+
+def _check_pngs(out_dir):
+    from cnr_torchrec.plots import PLOTS
+
+    for name in PLOTS:
+        with open(os.path.join(out_dir, name), "rb") as f:
+            data = f.read()
+        assert data.startswith(PNG_MAGIC) and len(data) > 1000, name
+
+
+@pytest.mark.timeout(60)
+def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
+    from cnr_torchrec.ckpt.offline import summarize
+    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.plots import build_series, make_figures
+
+    out_dir = str(tmp_path / "plots")
+    code, out, _ = _run(capsys, "report", roots["q"], "--out", out_dir)
+    assert code == 0 and len(out.splitlines()) == 3
+    _check_pngs(out_dir)
+
+    storage = Storage(roots["q"])
+    summary = summarize(storage)
+    storage.close()
+    ref = _series_from_manifests(roots["q"], [0, 1, 2, 3], roots["held_rows"])
+    s = build_series(summary)
+    assert s["bytes"]["ids"] == s["stall"]["ids"] == ref["ids"]
+    assert s["bytes"]["nbytes"] == ref["nbytes"] and s["bytes"]["kinds"] == ref["kinds"]
+    assert s["bytes"]["full_snapshot_nbytes"] == roots["full_nbytes"]
+    assert s["dirty"]["steps"] == ref["steps"]
+    assert s["dirty"]["dirty_fraction"] == pytest.approx(ref["dirty"])
+    assert s["stall"]["stall_ms"] == ref["stall"]
+    drawn = _figure_data(make_figures(summary))
+    assert drawn["nbytes"] == ref["nbytes"] and drawn["full"] == [roots["full_nbytes"]] and drawn["log"] == "log"
+    assert [x for x, _ in drawn["dirty"]] == ref["steps"]
+    assert [y for _, y in drawn["dirty"]] == pytest.approx(ref["dirty"])
+    assert drawn["stall"] == pytest.approx(ref["stall"])
+
+
+@pytest.mark.timeout(60)
+def test_report_from_a_training_report_json(tmp_path, capsys):
+    from cnr_torchrec.plots import load_report, make_figures
+
+    rows = [
+        {"id": i, "step": 100 * (i + 1), "kind": "baseline" if i % 3 == 0 else "delta", "method": "adaptive",
+         "bits": 4 if i else None, "rows_written": 10 * (i + 1), "total_rows": 1000, "dirty_fraction": (i + 1) / 100,
+         "nbytes": 5000 + 37 * i, "stall_ms": 1.5 * i, "write_ms": 20.0, "extra_key": "ignored"}
+        for i in (2, 0, 1, 3, 4)
+    ]
+    doc = {"format": "cnr-report", "version": 1, "world_size": 2, "full_snapshot_nbytes": 123456,
+           "checkpoints": rows, "restores": 1, "eval": {"logloss": 0.5, "auc": 0.7}, "job": {"anything": True}}
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(doc))
+    out_dir = str(tmp_path / "plots")
+    code, _, _ = _run(capsys, "report", str(path), "--out", out_dir)
+    assert code == 0
+    _check_pngs(out_dir)
+    drawn = _figure_data(make_figures(load_report(str(path))))
+    by_id = sorted(rows, key=lambda r: r["id"])
+    assert drawn["nbytes"] == [r["nbytes"] for r in by_id] and drawn["full"] == [123456]
+    assert drawn["dirty"] == [(r["step"], r["dirty_fraction"]) for r in by_id]
+    assert drawn["stall"] == [r["stall_ms"] for r in by_id]
+
+
+# ---------------------------------------------------------------------- bad input
+
+
+@pytest.mark.timeout(60)
+def test_bad_inputs_give_one_line_and_a_nonzero_exit(roots, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"format": "cnr-report", "version": 1, "world_size": 1, "full_snapshot_nbytes": 1,
+                                 "checkpoints": [{"id": 0, "step": 1, "kind": "baseline", "method": "none",
+                                                  "bits": None, "rows_written": 1, "total_rows": 1,
+                                                  "dirty_fraction": 1.0, "stall_ms": 0.0, "write_ms": 0.0}]}))
+    root = roots["q"]
+    cases = [
+        (["inspect", str(tmp_path / "missing")], "does not exist"),
+        (["inspect", str(empty)], "no checkpoint under"),
+        (["verify", str(empty)], "no committed checkpoint"),
+        (["verify", os.path.join(root, "ckpt-00000000")], "looks like one checkpoint's directory"),
+        (["compact", root, "--id", "42"], "checkpoint 42 is not committed"),
+        (["export", root, "--out", str(tmp_path / "x.pt"), "--id", "42"], "checkpoint 42 is not committed"),
+        (["verify", root, "--id", "7"], "checkpoint 7 is not committed"),
+        (["report", str(bad_json), "--out", str(tmp_path / "p")], "is not valid JSON"),
+        (["report", str(wrong), "--out", str(tmp_path / "p")], "checkpoints[0].nbytes is missing"),
+        (["report", str(tmp_path / "nope.json"), "--out", str(tmp_path / "p")], "cannot read"),
+        (["inspect", root, "--storage-option", "novalue"], "expects KEY=VALUE"),
+        (["inspect", "foo://bucket/x"], "cannot open storage"),
+        (["compact", root, "--method", "adaptive", "--bits", "5"], "does not support bits=5"),
+    ]
+    for argv, message in cases:
+        code, out, err = _run(capsys, *argv)
+        assert code == 2, (argv, code, err)
+        assert message in err and "Traceback" not in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "p").exists()
+    code, _, err = _run(capsys, "compact", root, "--id", "notanumber")  # argparse: usage + error
+    assert code == 2 and "invalid int value" in err
+
+
+@pytest.mark.timeout(60)
+def test_compact_and_export_refuse_a_corrupt_chain(roots, tmp_path, capsys):
+    root = _copy(roots["q"], tmp_path)
+    _flip(os.path.join(root, "ckpt-00000001", "rank-00000.bin"), 50)
+    for argv in (["compact", root], ["export", root, "--out", str(tmp_path / "e.pt")]):
+        code, _, err = _run(capsys, *argv)
+        assert code == 1 and "ckpt-00000001/rank-00000.bin" in err and "Traceback" not in err, err
+    assert sorted(os.listdir(root)) == ["ckpt-00000000", "ckpt-00000001", "ckpt-00000002", "ckpt-00000003",
+                                        "index.json"]
+    assert not (tmp_path / "e.pt").exists()
+
+
+@pytest.mark.timeout(120)
+def test_installed_entry_point_help():
+    exe = os.path.join(os.path.dirname(sys.executable), "cnr")
+    result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=110)
+    assert result.returncode == 0, result.stderr
+    for command in ("inspect", "verify", "compact", "export", "report"):
+        assert command in result.stdout
