@@ -56,9 +56,10 @@ def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> N
 class _Reader:
     """Blobs of one rank file. The file is read whole on first use: one request instead of one per blob."""
 
-    def __init__(self, storage: Storage, report: Mapping[str, Any]) -> None:
+    def __init__(self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None) -> None:
         self.storage, self.report = storage, report
         self._data: bytearray | None = None
+        self._stats = stats
 
     def __call__(self, name: str) -> torch.Tensor:
         try:
@@ -70,6 +71,9 @@ class _Reader:
         if self._data is None:
             # Writable, so that blobs are viewed in place rather than copied.
             self._data = bytearray(self.storage.read(self.report["file"]))
+            if self._stats is not None:
+                self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + len(self._data)
+                self._stats["files_read"] = self._stats.get("files_read", 0) + 1
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data)
 
 
@@ -108,12 +112,13 @@ class _Target:
 class _Applier:
     """Applies a chain's entries to this rank's shards, newest checkpoint first."""
 
-    def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]]) -> None:
+    def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]], replicated: bool = True) -> None:
         self.tracker = tracker
+        self.replicated = replicated
         breaks: dict[str, set[int]] = {}
         for m in manifests:
             for report in m["ranks"]:
-                for table, entries in _entries(m, report):
+                for table, entries in _entries(m, report, replicated):
                     breaks.setdefault(table, set()).update(c for e in entries for c in e["cols"])
         self.targets = {
             table: [_Target(k, s, sorted(cuts)) for k, s in tracker.shards(table)] for table, cuts in breaks.items()
@@ -258,11 +263,13 @@ class _Applier:
         self._rowwise.clear()
 
 
-def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any]):
+def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any], replicated: bool = True):
     """(table, entries) of one rank's report. A replicated (data_parallel) table, which rank 0
     stores whole in float32, is one entry spanning the table; so a chain whose plans differ
     (a table replicated in some checkpoints, sharded in others) restores like any other."""
     yield from report["tables"].items()
+    if not replicated:
+        return
     for table, blob in report.get("replicated_tables", {}).items():
         rows, cols = manifest["tables"][table]
         yield table, [{"rows": [0, rows], "cols": [0, cols], "encoding": "full", "replicated": blob}]
@@ -285,24 +292,56 @@ def restore_chain(
     world_size: int,
     dense_optimizer: Any,
     extra_state: Mapping[str, Any],
+    replicated: bool = True,
+    stats: dict[str, int] | None = None,
 ) -> None:
-    """Applies ``manifests`` (baseline first) to this rank's model state."""
+    """Applies ``manifests`` (baseline first) to this rank's model state.
+
+    Args:
+        replicated: also restore what every rank holds alike: data_parallel tables, dense
+            parameters, the dense optimizer and the TBE step counter. Partial recovery
+            leaves them out and takes them from a surviving rank instead.
+        stats: if given, ``bytes_read`` and ``files_read`` are added to it.
+    """
     target = manifests[-1]
     check_compatible(target, tracker)
-    applier = _Applier(tracker, manifests)
+    applier = _Applier(tracker, manifests, replicated)
     for m in reversed(manifests):  # newest first: each row is decoded and copied once
         if applier.done():
             break
         for report in m["ranks"]:
-            load = _Reader(storage, report)
-            for table, entries in _entries(m, report):
+            load = _Reader(storage, report, stats)
+            for table, entries in _entries(m, report, replicated):
                 for entry in entries:
                     applier.apply(table, entry, load)
         applier.finish_checkpoint()
 
     reports = {r["rank"]: r for r in target["ranks"]}
-    first = reports[0]
-    load0 = _Reader(storage, first)
+    if replicated:
+        _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
+    if target["world_size"] != world_size:
+        log.warning(
+            "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
+            "state are resharded; per-rank state (%s, RNG) is not restored",
+            target["id"], target["world_size"], world_size, ", ".join(sorted(extra_state)) or "no extra_state",
+        )
+        return
+    mine = reports[rank]
+    load = _Reader(storage, mine, stats)
+    unknown = sorted(set(extra_state) - set(mine["extra"]))
+    if unknown:
+        raise IncompatibleCheckpointError(
+            f"extra_state {unknown} is not in checkpoint {target['id']} (it has {sorted(mine['extra'])})"
+        )
+    for name, obj in extra_state.items():
+        obj.load_state_dict(unflatten_state(mine["extra"][name], load))
+    set_rng_state(unflatten_state(mine["rng"], load))
+
+
+def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:
+    """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
+    first = {r["rank"]: r for r in target["ranks"]}[0]
+    load0 = _Reader(storage, first, stats)
     dense = dense_named_state(model, tracker)
     missing = sorted(set(dense) - set(first["dense"]))
     if missing:
@@ -328,21 +367,3 @@ def restore_chain(
         it = getattr(tbe, "iter", None)
         if isinstance(it, torch.Tensor) and it.numel() == 1:
             it.fill_(max(int(r["tbe_iter"]) for r in target["ranks"]))
-
-    if target["world_size"] != world_size:
-        log.warning(
-            "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
-            "state are resharded; per-rank state (%s, RNG) is not restored",
-            target["id"], target["world_size"], world_size, ", ".join(sorted(extra_state)) or "no extra_state",
-        )
-        return
-    mine = reports[rank]
-    load = _Reader(storage, mine)
-    unknown = sorted(set(extra_state) - set(mine["extra"]))
-    if unknown:
-        raise IncompatibleCheckpointError(
-            f"extra_state {unknown} is not in checkpoint {target['id']} (it has {sorted(mine['extra'])})"
-        )
-    for name, obj in extra_state.items():
-        obj.load_state_dict(unflatten_state(mine["extra"][name], load))
-    set_rng_state(unflatten_state(mine["rng"], load))
