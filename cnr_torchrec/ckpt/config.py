@@ -49,7 +49,7 @@ class QuantizationConfig:
         if self.bits is None and codec_cls is not None and 4 in codec_cls.bit_choices:
             object.__setattr__(self, "bits", 4)
         if self.bits == "auto":
-            if codec_cls is not None and not set(codec_cls.bit_choices) - {None}:
+            if codec_cls is not None and not {2, 3, 4, 8} <= set(codec_cls.bit_choices):
                 raise ConfigError(f"quantization: bits: auto needs a quantizing method, not {self.method!r}")
             for bits in (2, 3, 4, 8):  # any of them may be picked
                 self.codec_for(bits)
@@ -63,7 +63,7 @@ class QuantizationConfig:
         try:
             return get_codec(self.method, bits, **self.params)
         except UnknownCodecError as e:
-            raise ConfigError(f"quantization: {e}") from None
+            raise ConfigError(str(e)) from None
 
 
 DEFAULT_BITS_TABLE = {1: 2, 3: 3, 20: 4}  # most restores expected -> bits; beyond: fallback_bits
