@@ -56,10 +56,13 @@ def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> N
 class _Reader:
     """Blobs of one rank file. The file is read whole on first use: one request instead of one per blob."""
 
-    def __init__(self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None) -> None:
+    def __init__(
+        self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None, whole: bool = True
+    ) -> None:
         self.storage, self.report = storage, report
         self._data: bytearray | None = None
         self._stats = stats
+        self._whole = whole  # False: one range read per blob (for a few small blobs of a big file)
 
     def __call__(self, name: str) -> torch.Tensor:
         try:
@@ -68,13 +71,19 @@ class _Reader:
             raise CorruptCheckpointError(
                 f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
             ) from None
+        if not self._whole:
+            self._count(int(meta["nbytes"]))
+            return read_blob(self.storage, self.report["file"], meta, name)
         if self._data is None:
             # Writable, so that blobs are viewed in place rather than copied.
             self._data = bytearray(self.storage.read(self.report["file"]))
-            if self._stats is not None:
-                self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + len(self._data)
-                self._stats["files_read"] = self._stats.get("files_read", 0) + 1
+            self._count(len(self._data))
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data)
+
+    def _count(self, nbytes: int) -> None:
+        if self._stats is not None:
+            self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + nbytes
+            self._stats["reads"] = self._stats.get("reads", 0) + 1
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -301,7 +310,7 @@ def restore_chain(
         replicated: also restore what every rank holds alike: data_parallel tables, dense
             parameters, the dense optimizer and the TBE step counter. Partial recovery
             leaves them out and takes them from a surviving rank instead.
-        stats: if given, ``bytes_read`` and ``files_read`` are added to it.
+        stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it.
     """
     target = manifests[-1]
     check_compatible(target, tracker)
@@ -327,7 +336,7 @@ def restore_chain(
         )
         return
     mine = reports[rank]
-    load = _Reader(storage, mine, stats)
+    load = _Reader(storage, mine, stats, whole=False)
     unknown = sorted(set(extra_state) - set(mine["extra"]))
     if unknown:
         raise IncompatibleCheckpointError(
@@ -341,7 +350,7 @@ def restore_chain(
 def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
     first = {r["rank"]: r for r in target["ranks"]}[0]
-    load0 = _Reader(storage, first, stats)
+    load0 = _Reader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
     dense = dense_named_state(model, tracker)
     missing = sorted(set(dense) - set(first["dense"]))
     if missing:
