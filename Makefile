@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint nvcc-check clean
+.PHONY: install test demo bench bench-checkpoint nvcc-check clean reliability
 
 install: $(EXT)
 
@@ -42,3 +42,7 @@ bench-checkpoint: install
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT)
+
+# 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto); see docs/reliability.md.
+reliability: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/reliability.py --kills 100 --json out/reliability.json

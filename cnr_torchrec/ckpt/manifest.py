@@ -26,7 +26,9 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "ckpt_dir",
+    "ckpt_id_of",
     "manifest_path",
+    "rank_file",
     "seal",
     "load_manifest",
     "committed_ids",
@@ -49,6 +51,12 @@ def manifest_path(ckpt_id: int) -> str:
 
 def rank_file(ckpt_id: int, rank: int) -> str:
     return f"{ckpt_dir(ckpt_id)}/rank-{rank:05d}.bin"
+
+
+def ckpt_id_of(path: str) -> int | None:
+    """The checkpoint a file belongs to (``ckpt-00000007/rank-00001.bin`` -> 7); None for other paths."""
+    m = _DIR_RE.match(path.split("/", 1)[0]) if path else None
+    return int(m.group(1)) if m else None
 
 
 def _canonical(body: Any) -> bytes:

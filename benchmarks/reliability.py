@@ -1,0 +1,1227 @@
+#!/usr/bin/env python3
+"""Reliability of the Checkpointer: kills, corrupt files, a full disk, and S3.
+
+    python benchmarks/reliability.py --kills 100 --json out/reliability.json     # make reliability
+
+Every scenario runs 2 gloo ranks of a tiny sharded model (row_wise, table_wise and
+column_wise tables under rowwise Adagrad, a dense layer under Adam). Ranks are forked
+from a forkserver that already imported torch, torchrec and cnr_torchrec, so a fresh
+pair of ranks costs a fraction of a second instead of ~5 s of imports: that is what lets
+100 kills, each followed by a restart of fresh processes, fit in a few minutes on 2 cores.
+
+**Kill suite.** Four groups (consecutive and intermittent policies, fp32 rows and a
+quantized codec), each on its own root. A phase is one incarnation of a 2-rank job: it
+restores whatever is committed, checks the restored state against a reference, saves
+once more (that save must commit, and it must clean up the torn directories of the
+crash before), then trains with a save after every step or two until one rank is
+killed, either at a named fault point (``CNR_FAULT``, see cnr_torchrec/ckpt/faults.py)
+or by the harness at a random moment. The harness then reaps the survivor the way
+torchrun does (SIGTERM, a grace period, SIGKILL: it may be blocked in a collective or a
+store wait) and starts the next phase on the same root. References: at stage time each
+rank writes its full local state (shards, optimizer state, dense parameters, Adam
+state) for that checkpoint id to a side directory outside the root, and after each
+commit reported by ``handle.wait()`` it appends the id to a log. A trial counts as
+
+* ``restores_ok`` when the next phase restored the newest checkpoint that has a manifest
+  on disk (scanned by the harness, independently of the code under test) and its state
+  equals the reference (exactly for fp32 rows; for a quantized codec every row is the
+  codec's image of the reference row, or the reference row itself when it was saved
+  before the last restore and is already a decoded row);
+* ``torn_restores`` otherwise (another checkpoint, other content, or an error);
+* ``lost_commits``: ids that ``handle.wait()`` reported committed but that are newer than
+  what the restore found.
+
+**Corruption matrix**, **ENOSPC** and the **S3 round trip**: see :func:`corruption_matrix`,
+:func:`enospc_scenario` and :func:`s3_round_trip`. The tests (tests/test_faults.py,
+test_corruption.py, test_s3.py) run small versions of the same scenarios and assert on
+every field of their results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import glob
+import hashlib
+import json
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("reliability")
+
+ROWS = {"t0": 240, "t1": 160, "t2": 200}
+SHARDING = {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}
+DIM = 8
+GROUPS = (  # (policy, method, bits)
+    ("consecutive", "none", None),
+    ("consecutive", "adaptive", 4),
+    ("intermittent", "none", None),
+    ("intermittent", "uniform_asym", 4),
+)
+# Named fault points and the rank they fire on; commit and GC run on rank 0 only.
+NAMED_FAULTS = (
+    ("write.mid", 0), ("write.mid", 1), ("write.after", 0), ("write.after", 1),
+    ("commit.before_manifest", 0), ("commit.after_manifest", 0), ("gc.before", 0), ("gc.mid", 0),
+)
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "cnr_torchrec.toy",
+            "cnr_torchrec.ckpt", "torchsnapshot", "aiobotocore.session", "boto3"]
+
+
+# ---------------------------------------------------------------------- the model
+
+
+def build(world_size: int, seed: int = 0):
+    """The tiny model on this process group: (dmp, specs, dense Adam)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.types import ShardingEnv
+
+    from cnr_torchrec import CheckNRunDMP
+    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
+
+    torch.manual_seed(seed)
+    specs = [TableSpec(t, ROWS[t], DIM, SHARDING[t], "ebc") for t in ROWS]
+    model = ToyModel(specs)
+    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
+    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                       plan=build_plan(model, sharders, world_size), sharders=sharders)
+    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense")]
+    return dmp, specs, torch.optim.Adam(dense, lr=0.01)
+
+
+def train(dmp, specs, opt, steps: int, gen: torch.Generator) -> None:
+    from cnr_torchrec.toy import zipf_batch
+
+    for _ in range(steps):
+        loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any):
+    from cnr_torchrec import load_config
+
+    quant: dict[str, Any] = {"method": method}
+    if bits is not None:
+        quant["bits"] = bits
+    return load_config({"root": root, "policy": policy, "quantization": quant, "keep_last": 2,
+                        "save_timeout_s": 60, **kw})
+
+
+def local_state(dmp, opt) -> dict[str, torch.Tensor]:
+    """Everything of this rank a restore must give back: shards, their optimizer state, dense parameters, Adam."""
+    out: dict[str, torch.Tensor] = {}
+    tracker = dmp.dirty_tracker
+    for t in tracker.tables():
+        for i, (k, s) in enumerate(tracker.shards(t)):
+            out[f"w/{t}/{i}"] = k.tbe.split_embedding_weights()[s.local_index].detach().clone()
+            for j, st in enumerate(k.tbe.split_optimizer_states()[s.local_index]):
+                out[f"s/{t}/{i}/{j}"] = st.detach().clone()
+    for n, p in dmp.named_parameters():
+        if n.startswith("dense"):
+            out[f"d/{n}"] = p.detach().clone()
+    for pid, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor):
+                out[f"adam/{pid}/{k}"] = v.detach().clone()
+    return out
+
+
+def scramble(dmp, opt, seed: int) -> None:
+    """Overwrites everything :func:`local_state` covers with noise, so a restore that does nothing is caught."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for t in dmp.dirty_tracker.tables():
+            for k, s in dmp.dirty_tracker.shards(t):
+                w = k.tbe.split_embedding_weights()[s.local_index]
+                w.copy_(torch.randn(w.shape, generator=gen))
+                for st in k.tbe.split_optimizer_states()[s.local_index]:
+                    st.copy_(torch.rand(st.shape, generator=gen))
+        for n, p in dmp.named_parameters():
+            if n.startswith("dense"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+        for st in opt.state.values():
+            for v in st.values():
+                if isinstance(v, torch.Tensor) and v.is_floating_point():
+                    v.copy_(torch.rand(v.shape, generator=gen))
+
+
+def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], codec: Any,
+            allow_decoded: bool = True) -> list[str]:
+    """Keys whose restored value is not the reference (``codec``: None for exact rows).
+
+    With a codec, each weight row must be the codec's image of the reference row, or, if
+    ``allow_decoded``, the reference row itself: after a restore the live rows are decoded
+    rows, and a row not touched since is restored as the decoded row it already is.
+    """
+    bad = []
+    for key, r in ref.items():
+        g = got.get(key)
+        if g is None or g.shape != r.shape:
+            bad.append(f"{key}: missing or shape {None if g is None else list(g.shape)} != {list(r.shape)}")
+            continue
+        if key.startswith("w/") and codec is not None:
+            q = codec.decode(codec.encode(r.float()))
+            rows_ok = (g == q).all(1) | ((g == r).all(1) if allow_decoded else False)
+            if not bool(rows_ok.all()):
+                bad.append(f"{key}: {int((~rows_ok).sum())} rows are neither the codec's image nor the reference")
+        elif not torch.equal(g, r):
+            bad.append(f"{key}: max diff {(g.double() - r.double()).abs().max().item():.3g}")
+    return bad
+
+
+def codec_of(method: str, bits: int | None):
+    from cnr_torchrec.quant import get_codec
+
+    return None if method == "none" else get_codec(method, bits)
+
+
+# ---------------------------------------------------------------------- references and logs
+
+
+def ref_path(side: str, ckpt_id: int, rank: int) -> str:
+    return os.path.join(side, "refs", f"ref-{ckpt_id:08d}-r{rank}.pt")
+
+
+def install_ref_hook(side: str, rank: int, dmp, opt) -> None:
+    """Makes every save write this rank's full state for its checkpoint id, at stage time, before the write starts.
+
+    Stage runs on the training thread before the background write is submitted, so the
+    reference of an id is on disk before any byte of that checkpoint is.
+    """
+    from cnr_torchrec.ckpt import checkpointer as ckpt_mod
+
+    real = ckpt_mod.stage
+    os.makedirs(os.path.join(side, "refs"), exist_ok=True)
+
+    def staging(decision, **kw):
+        out = real(decision, **kw)
+        path = ref_path(side, decision.ckpt_id, rank)
+        torch.save(local_state(dmp, opt), path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return out
+
+    ckpt_mod.stage = staging
+
+
+def load_ref(side: str, ckpt_id: int, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(ref_path(side, ckpt_id, rank), weights_only=True)
+
+
+def spy_restored() -> dict[str, int]:
+    """Records the id of the checkpoint each restore attempt applies (the last one is what was restored)."""
+    from cnr_torchrec.ckpt import checkpointer as ckpt_mod
+
+    seen: dict[str, Any] = {"ids": [], "ok": []}
+    real = ckpt_mod.restore_chain
+
+    def spy(manifests, **kw):
+        seen["ids"].append(manifests[-1]["id"])
+        seen["ok"].append(False)
+        real(manifests, **kw)
+        seen["ok"][-1] = True
+
+    ckpt_mod.restore_chain = spy
+    return seen
+
+
+def append_line(path: str, line: str) -> None:
+    """One line, straight to the kernel: it survives a SIGKILL right after."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f)
+    os.replace(path + ".tmp", path)
+
+
+def read_commit_logs(side: str) -> set[int]:
+    ids: set[int] = set()
+    for p in glob.glob(os.path.join(side, "commits-r*.log")):
+        with open(p) as f:
+            ids |= {int(x) for x in f.read().split() if x.isdigit()}
+    return ids
+
+
+_DIR_RE = re.compile(r"^ckpt-(\d{8})$")
+
+
+def s3_client_kwargs(opts: dict[str, Any]) -> dict[str, Any]:
+    keys = ("endpoint_url", "aws_access_key_id", "aws_secret_access_key", "region_name")
+    return {k: opts[k] for k in keys if k in opts}
+
+
+def scan(root: str, opts: dict[str, Any] | None = None) -> dict[int, bool]:
+    """Checkpoint directories under ``root`` -> whether a manifest.json exists; read without cnr_torchrec."""
+    out: dict[int, bool] = {}
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[5:].partition("/")
+        base = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        client = boto3.client("s3", **s3_client_kwargs(opts or {}))
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=base):
+            for o in page.get("Contents", []):
+                d, _, name = o["Key"][len(base):].partition("/")
+                if (m := _DIR_RE.match(d)) and name:
+                    i = int(m.group(1))
+                    out[i] = out.get(i, False) or name == "manifest.json"
+        return out
+    path = root.removeprefix("fs://")
+    if not os.path.isdir(path):
+        return out
+    for d in os.listdir(path):
+        if (m := _DIR_RE.match(d)) and os.path.isdir(os.path.join(path, d)):
+            out[int(m.group(1))] = os.path.isfile(os.path.join(path, d, "manifest.json"))
+    return out
+
+
+# ---------------------------------------------------------------------- forked ranks
+
+
+_CTX: Any = None
+
+
+def context():
+    """A forkserver context whose server has torch, torchrec and this module imported."""
+    global _CTX
+    if _CTX is None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        if here not in sys.path:
+            sys.path.insert(0, here)
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD + ["reliability"])
+        _CTX = ctx
+    return _CTX
+
+
+def _rank_main(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, out_dir: str,
+               env: dict[str, str]) -> None:
+    fd = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    os.environ["RANK"] = str(rank)
+    warnings.filterwarnings("ignore")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr, force=True,
+                        format=f"[rank{rank} %(relativeCreated)d] %(levelname)s %(name)s: %(message)s")
+    for noisy in ("torch", "torchrec", "fbgemm_gpu", "botocore", "aiobotocore"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    from cnr_torchrec.ckpt import faults
+
+    faults.configure("")  # nothing armed unless the scenario arms it
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
+        result = fn(rank, world_size, *args)
+        write_json(os.path.join(out_dir, f"result{rank}.json"), result)
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        sys.stderr.write(f"[rank {rank}] failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def start_ranks(fn: Callable, world_size: int, args: tuple, out_dir: str, env: dict[str, str] | None = None):
+    os.makedirs(out_dir, exist_ok=True)
+    rdzv = os.path.join(out_dir, "rdzv")
+    ctx = context()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, rdzv, args, out_dir, dict(env or {})))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    return procs
+
+
+def log_tail(out_dir: str, n: int = 40) -> str:
+    parts = []
+    for p in sorted(glob.glob(os.path.join(out_dir, "rank*.log"))):
+        with open(p, errors="replace") as f:
+            lines = f.read().splitlines()
+        parts.append(f"--- {os.path.basename(p)}\n" + "\n".join(lines[-n:]))
+    return "\n".join(parts)
+
+
+def run_ranks(fn: Callable, world_size: int = 2, args: tuple = (), timeout: float = 120.0,
+              env: dict[str, str] | None = None) -> list[Any]:
+    """Runs ``fn(rank, world_size, *args)`` on forked gloo ranks; returns each rank's (JSON) return value.
+
+    Raises:
+        RuntimeError: a rank failed or the ranks did not finish within ``timeout`` (with their log tails).
+    """
+    with tempfile.TemporaryDirectory(prefix="cnr-ranks-") as out:
+        procs = start_ranks(fn, world_size, args, out, env)
+        deadline = time.monotonic() + timeout
+        pending = list(procs)
+        while pending and time.monotonic() < deadline:
+            mp.connection.wait([p.sentinel for p in pending], timeout=0.5)
+            pending = [p for p in pending if p.exitcode is None]
+            if any(p.exitcode not in (None, 0) for p in procs):
+                break
+        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        reap(procs)
+        if failed:
+            what = "timed out" if any(c is None for _, c in failed) else "failed"
+            raise RuntimeError(f"{getattr(fn, '__name__', fn)} {what} on ranks {failed}:\n{log_tail(out)}")
+        results = []
+        for r in range(world_size):
+            with open(os.path.join(out, f"result{r}.json")) as f:
+                results.append(json.load(f))
+        return results
+
+
+def reap(procs, grace: float = 2.0, notice: float = 0.0) -> list[int | None]:
+    """What torchrun's agent does to the rest of a failed group: SIGTERM, a grace period, then SIGKILL.
+
+    ``notice``: how long the failure goes unnoticed first (torchrun polls its workers every 0.1 s by default).
+    """
+    time.sleep(notice)
+    alive = [p for p in procs if p.exitcode is None]
+    for p in alive:
+        try:
+            p.terminate()
+        except (ProcessLookupError, OSError):
+            pass
+    deadline = time.monotonic() + grace
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.exitcode is None:
+            p.kill()
+            p.join(5)
+    return [p.exitcode for p in procs]
+
+
+# ---------------------------------------------------------------------- kill suite
+
+
+def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, Any]:
+    """One incarnation of the job: restore and check, one save that must commit, then train until killed."""
+    from cnr_torchrec import Checkpointer, CheckpointNotFoundError, SaveFailedError
+    from cnr_torchrec.ckpt import faults
+
+    side, pdir = p["side"], p["phase_dir"]
+    dmp, specs, opt = build(world_size, seed=p["seed"])
+    seen = spy_restored()
+    install_ref_hook(side, rank, dmp, opt)
+    config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"])
+    ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
+    gen = torch.Generator().manual_seed(p["seed"] * 7 + rank)
+    commits = os.path.join(side, f"commits-r{rank}.log")
+
+    def settle(handle) -> int | None:
+        try:
+            info = handle.wait()
+        except SaveFailedError:
+            append_line(commits, f"failed-{handle.decision.ckpt_id}")
+            return None
+        append_line(commits, str(info.id))
+        return info.id
+
+    out: dict[str, Any] = {"restored": None, "error": None, "mismatch": [], "restart_commit": None,
+                           "leftover": None, "attempts": []}
+    step = 0
+    try:
+        step = ckpt.restore()
+        out["restored"] = seen["ids"][-1]
+        out["attempts"] = seen["ids"]
+        out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, out["restored"], rank),
+                                  codec_of(p["method"], p["bits"]))[:5]
+    except CheckpointNotFoundError as e:
+        out["error"] = ["CheckpointNotFoundError", str(e)]
+    except Exception as e:  # noqa: BLE001 - the harness counts it as a failed restore
+        out["error"] = [type(e).__name__, str(e)]
+    # The first save after a restart must commit and clean up what the crash left behind.
+    train(dmp, specs, opt, 1, gen)
+    step += 1
+    out["restart_commit"] = settle(ckpt.save(step))
+    if rank == 0 and out["restart_commit"] is not None:
+        out["leftover"] = sorted(i for i, has in scan(p["root"], p["opts"]).items()
+                                 if not has and i < out["restart_commit"])
+    write_json(os.path.join(pdir, f"phase-result{rank}.json"), out)
+    dist.barrier()  # both results are on disk before anything may kill either rank
+
+    faults.configure(p["fault"] or "")
+    open(os.path.join(pdir, f"train{rank}"), "w").close()
+    prev = None
+    for _ in range(p["saves"]):
+        train(dmp, specs, opt, p["steps_per_save"], gen)  # overlaps with the previous save's background write
+        step += p["steps_per_save"]
+        if prev is not None:
+            settle(prev)  # the training loop learns of the commit here, before the next save's collective
+        prev = ckpt.save(step)
+        if p["sync"]:  # or at once (a job that waits for each commit)
+            settle(prev)
+            prev = None
+    if prev is not None:
+        settle(prev)
+    open(os.path.join(pdir, f"done{rank}"), "w").close()
+    if p["hold"]:
+        time.sleep(300)  # the harness kills the job before this ends
+        os._exit(3)
+    ckpt.close()
+    return out
+
+
+@dataclass
+class Trial:
+    group: int
+    kind: str  # a fault point, or "random"
+    rank: int
+    nth: int = 0
+    sync: bool = False  # the training loop waits for each commit right after its save
+    fired: bool = False  # the named fault killed the rank (False: killed by the harness instead)
+    late: bool = False  # the harness kill came after training had finished
+    victim_exit: int | None = None
+    survivor_exit: int | None = None
+    expected: int | None = None  # newest checkpoint with a manifest after the crash
+    torn_dirs: list[int] = field(default_factory=list)  # directories without a manifest after the crash
+    reported: list[int] = field(default_factory=list)
+    restored: int | None = None
+    ok: bool = False
+    lost: list[int] = field(default_factory=list)
+    restart_ok: bool = False
+    detail: str = ""
+
+
+@dataclass
+class _Group:
+    index: int
+    root: str
+    side: str
+    policy: str
+    method: str
+    bits: int | None
+    phase: int = 0
+    pending: Trial | None = None
+
+
+class KillSuite:
+    """Runs kill trials on 2 forked ranks and counts what the restores found.
+
+    Args:
+        base_root: where the groups' checkpoint roots go (a directory, or ``s3://bucket/prefix``).
+        side: a local directory for references, logs and rendezvous files.
+        opts: storage_options (S3 endpoint and credentials).
+        groups: (policy, method, bits) per group.
+        saves: saves per phase after the restart save; steps_per_save: training steps between them.
+    """
+
+    def __init__(self, base_root: str, side: str, *, opts: dict[str, Any] | None = None,
+                 groups: tuple = GROUPS, saves: int = 6, steps_per_save: int = 1, seed: int = 0,
+                 env: dict[str, str] | None = None) -> None:
+        self.opts = dict(opts or {})
+        self.env = dict(env or {})
+        self.saves, self.steps_per_save = saves, steps_per_save
+        self.rng = random.Random(seed)
+        self.groups = []
+        for i, (policy, method, bits) in enumerate(groups):
+            root = f"{base_root.rstrip('/')}/g{i}-{policy}-{method}"
+            gside = os.path.join(side, f"g{i}")
+            os.makedirs(gside, exist_ok=True)
+            self.groups.append(_Group(i, root, gside, policy, method, bits))
+        self.trials: list[Trial] = []
+        self.errors: list[str] = []
+        self.train_s = 0.4  # estimate of a phase's training part; random kills land within it
+        self.phase_s: list[float] = []
+
+    # -------------------------------------------------------------- one phase
+
+    def _phase(self, g: _Group, fault: str | None, trial: Trial | None) -> list[dict[str, Any]] | None:
+        """Runs one phase of group ``g``; kills a rank as ``trial`` says. Returns the ranks' restore results."""
+        pdir = os.path.join(g.side, f"phase-{g.phase:04d}")
+        os.makedirs(pdir)
+        spec = {"root": g.root, "side": g.side, "phase_dir": pdir, "policy": g.policy, "method": g.method,
+                "bits": g.bits, "opts": self.opts, "seed": 1000 * g.index + g.phase + 1, "fault": fault,
+                # An intermittent chain takes a new baseline (and so collects garbage) every ~7 saves here.
+                "saves": (max(self.saves, 10) if trial.kind == "gc.mid" else self.saves) if trial else 0,
+                "sync": bool(trial and trial.sync), "steps_per_save": self.steps_per_save, "hold": trial is not None}
+        g.phase += 1
+        t0 = time.monotonic()
+        procs = start_ranks(_phase_worker, 2, (spec,), pdir, self.env)
+        marker = lambda name: all(os.path.exists(os.path.join(pdir, f"{name}{r}")) for r in range(2))  # noqa: E731
+        deadline = t0 + 120
+        problem = ""
+
+        def wait(seconds: float) -> bool:
+            """Sleeps up to ``seconds``; True if a rank exited meanwhile."""
+            alive = [p.sentinel for p in procs if p.exitcode is None]
+            if len(alive) < len(procs):
+                return True
+            return bool(mp.connection.wait(alive, timeout=seconds))
+
+        if trial is None:  # the last phase of a group: restore, check, save, exit
+            while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+                wait(0.2)
+            if any(p.exitcode != 0 for p in procs):
+                problem = f"final phase ended with {[p.exitcode for p in procs]}"
+        elif trial.kind != "random":
+            while time.monotonic() < deadline:
+                if wait(0.02):
+                    break
+                if marker("done"):  # the fault never came: kill at the end instead
+                    if not wait(0.3):
+                        break
+            dead = [r for r, p in enumerate(procs) if p.exitcode is not None]
+            if dead:
+                victim = dead[0] if len(dead) == 1 else trial.rank
+                trial.victim_exit = procs[victim].exitcode
+                trial.fired = victim == trial.rank and procs[victim].exitcode == -signal.SIGKILL
+                if not trial.fired:
+                    problem = f"rank {victim} exited with {procs[victim].exitcode} before any kill"
+            elif time.monotonic() >= deadline:
+                problem = "the phase hung"
+            else:
+                trial.late = True
+                procs[trial.rank].kill()
+                procs[trial.rank].join(5)
+                trial.victim_exit = procs[trial.rank].exitcode
+        else:
+            while not marker("train") and time.monotonic() < deadline:
+                if wait(0.02):
+                    break
+            if any(p.exitcode is not None for p in procs):
+                problem = f"a rank exited before the kill: {[p.exitcode for p in procs]}"
+            elif not marker("train"):
+                problem = "the phase hung before training"
+            else:
+                delay = self.rng.uniform(0.0, self.train_s)
+                if wait(delay):
+                    problem = f"a rank exited before the kill: {[p.exitcode for p in procs]}"
+                else:
+                    trial.late = marker("done")
+                    procs[trial.rank].kill()
+                    procs[trial.rank].join(5)
+                    trial.victim_exit = procs[trial.rank].exitcode
+        if trial is not None:
+            t_train = os.path.join(pdir, "train0")
+            if marker("done") and os.path.exists(t_train):  # learn how long training takes
+                took = os.path.getmtime(os.path.join(pdir, "done0")) - os.path.getmtime(t_train)
+                self.train_s = 0.7 * self.train_s + 0.3 * max(0.1, took)
+        exits = reap(procs, notice=0.1)
+        if trial is not None:
+            trial.survivor_exit = exits[1 - trial.rank]
+        self.phase_s.append(time.monotonic() - t0)
+        if problem:
+            self.errors.append(f"group {g.index} phase {g.phase - 1}: {problem}\n{log_tail(pdir)}")
+        results = []
+        for r in range(2):
+            path = os.path.join(pdir, f"phase-result{r}.json")
+            if not os.path.exists(path):
+                if not problem:
+                    self.errors.append(f"group {g.index} phase {g.phase - 1}: no result from rank {r}\n"
+                                       f"{log_tail(pdir)}")
+                return None
+            with open(path) as f:
+                results.append(json.load(f))
+        return results
+
+    # -------------------------------------------------------------- judging
+
+    def _judge(self, trial: Trial, results: list[dict[str, Any]] | None) -> None:
+        """Judges the trial of the previous phase from this phase's restore."""
+        if results is None:
+            trial.detail = "the restart did not report"
+            return
+        restored = {r["restored"] for r in results}
+        errors = [r["error"] for r in results if r["error"]]
+        mismatch = [m for r in results for m in r["mismatch"]]
+        if trial.expected is None:
+            trial.ok = len(errors) == 2 and all(e[0] == "CheckpointNotFoundError" for e in errors)
+            trial.detail = "" if trial.ok else f"nothing was committed, yet restore gave {restored} / {errors}"
+        else:
+            trial.restored = results[0]["restored"]
+            trial.ok = restored == {trial.expected} and not errors and not mismatch
+            if not trial.ok:
+                trial.detail = f"expected {trial.expected}, restored {restored}, errors {errors}, diffs {mismatch[:3]}"
+        newest = trial.restored if trial.restored is not None else -1
+        trial.lost = sorted(i for i in trial.reported if i > newest)
+        commits = {r["restart_commit"] for r in results}
+        trial.restart_ok = len(commits) == 1 and None not in commits and results[0]["leftover"] == []
+        if not trial.restart_ok:
+            trial.detail += f" restart save: commits {commits}, leftover {results[0]['leftover']}"
+
+    # -------------------------------------------------------------- driver
+
+    def _pick(self, g: _Group, i: int) -> tuple[Trial, str | None]:
+        named = [f for f in NAMED_FAULTS if f[0] != "gc.mid" or g.policy == "intermittent"]
+        menu = named + [("random", r) for r in (0, 1)] * 3
+        # Each group walks the whole menu once (from its own starting point), then draws at random.
+        kind, rank = menu[(i + 3 * g.index) % len(menu)] if i < len(menu) else self.rng.choice(menu)
+        sync = self.rng.random() < 0.5
+        if kind == "random":
+            rank = self.rng.choice((0, 1))
+            return Trial(g.index, kind, rank, sync=sync), None
+        nth = self.rng.randint(1, 2) if kind == "gc.mid" else self.rng.randint(1, max(1, self.saves - 1))
+        return Trial(g.index, kind, rank, nth, sync), f"{kind}:rank={rank}:nth={nth}"
+
+    def run(self, kills: int, schedule: list[tuple] | None = None, progress: bool = False) -> dict[str, Any]:
+        """Runs ``kills`` trials round-robin over the groups, then one last restore per group.
+
+        Args:
+            schedule: explicit trials (group, kind, rank, nth[, sync]) instead of the built-in rotation.
+        """
+        counters = [0] * len(self.groups)
+        plan = []
+        for i in range(kills):
+            if schedule is not None:
+                gi, kind, rank, nth, *sync = schedule[i]
+                g = self.groups[gi]
+                trial = Trial(gi, kind, rank, nth, bool(sync and sync[0]))
+                fault = None if kind == "random" else f"{kind}:rank={rank}:nth={nth}"
+            else:
+                g = self.groups[i % len(self.groups)]
+                trial, fault = self._pick(g, counters[g.index])
+            counters[g.index] += 1
+            plan.append((g, trial, fault))
+        t0 = time.monotonic()
+        for n, (g, trial, fault) in enumerate(plan):
+            results = self._phase(g, fault, trial)
+            if g.pending is not None:
+                self._judge(g.pending, results)
+            found = scan(g.root, self.opts)
+            committed = [i for i, has in found.items() if has]
+            trial.expected = max(committed) if committed else None
+            trial.torn_dirs = sorted(i for i, has in found.items() if not has)
+            trial.reported = sorted(read_commit_logs(g.side))
+            g.pending = trial
+            self.trials.append(trial)
+            if progress:
+                print(f"  kill {n + 1:3d}/{kills}: group {g.index} {trial.kind:<22} rank {trial.rank} "
+                      f"{'fired' if trial.fired else 'late' if trial.late else 'timer'}; committed "
+                      f"{trial.expected}, torn dirs {trial.torn_dirs}  ({time.monotonic() - t0:.0f}s)", flush=True)
+        for g in self.groups:
+            if g.pending is not None:
+                self._judge(g.pending, self._phase(g, None, None))
+                g.pending = None
+        return self.summary()
+
+    def summary(self) -> dict[str, Any]:
+        judged = [t for t in self.trials]
+        lost = {(t.group, i) for t in judged for i in t.lost}
+        return {
+            "kills": len(judged),
+            "restores_ok": sum(t.ok for t in judged),
+            "torn_restores": sum(not t.ok for t in judged),
+            "lost_commits": len(lost),
+            "restart_saves_ok": sum(t.restart_ok for t in judged),
+            "named_fired": sum(t.fired for t in judged),
+            "named_unfired": sum(t.kind != "random" and not t.fired for t in judged),
+            "random_kills": sum(t.kind == "random" for t in judged),
+            "late_kills": sum(t.late for t in judged),
+            "sync_trials": sum(t.sync for t in judged),
+            "kills_after_a_reported_commit_of_the_newest": sum(t.expected is not None and t.expected in t.reported
+                                                               for t in judged),
+            "kills_with_torn_dirs": sum(bool(t.torn_dirs) for t in judged),
+            "kills_with_nothing_committed": sum(t.expected is None for t in judged),
+            "kills_by_point": _count(t.kind for t in judged),
+            "harness_errors": len(self.errors),
+            "median_phase_s": sorted(self.phase_s)[len(self.phase_s) // 2] if self.phase_s else None,
+            "failures": [f"group {t.group} {t.kind} rank {t.rank} nth {t.nth}: {t.detail}" for t in judged
+                         if not (t.ok and t.restart_ok)][:20],
+        }
+
+
+def _count(items) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for i in items:
+        out[i] = out.get(i, 0) + 1
+    return out
+
+
+# ---------------------------------------------------------------------- ENOSPC
+
+
+def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
+    """A full disk while writing a rank file (rank 1), then while committing the manifest (rank 0).
+
+    Each time: both ranks' ``handle.wait()`` raise SaveFailedError naming ENOSPC, training
+    goes on, the failed checkpoint's directory is gone, the previous checkpoint is still
+    listed, and the next save commits as a new baseline. Finally fresh models restore the
+    newest checkpoint and the one before the first failure, exactly.
+    """
+    from torchsnapshot.storage_plugins.fs import FSStoragePlugin
+
+    from cnr_torchrec import Checkpointer, SaveFailedError
+    from cnr_torchrec.ckpt import storage as storage_mod
+
+    checks: dict[str, bool] = {}
+    dmp, specs, opt = build(world_size)
+    config = make_config(root, "consecutive", "none", None, keep_last=3)  # the first chain must survive
+    ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
+    gen = torch.Generator().manual_seed(rank)
+    train(dmp, specs, opt, 2, gen)
+    ckpt.save(1).wait()
+    train(dmp, specs, opt, 2, gen)
+    good = ckpt.save(2).wait()
+    good_state = local_state(dmp, opt)
+
+    real_fs_write = FSStoragePlugin.write
+
+    async def full_disk(self, write_io):
+        # Half the file lands, then the device is full: what a real ENOSPC leaves behind.
+        path = os.path.join(self.root, write_io.path)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(bytes(write_io.buf[: len(write_io.buf) // 2]))
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    real_atomic = storage_mod.Storage.write_atomic
+
+    def full_disk_manifest(self, path, data):
+        if path.endswith("manifest.json"):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return real_atomic(self, path, data)
+
+    step = 2
+    last = good
+    for where, patch in (("rank file", "fs"), ("manifest", "atomic")):
+        if patch == "fs" and rank == 1:
+            FSStoragePlugin.write = full_disk
+        if patch == "atomic" and rank == 0:
+            storage_mod.Storage.write_atomic = full_disk_manifest
+        train(dmp, specs, opt, 2, gen)
+        step += 1
+        handle = ckpt.save(step)
+        try:
+            handle.wait()
+            checks[f"{where}: save failed"] = False
+        except SaveFailedError as e:
+            checks[f"{where}: save failed"] = "No space left" in str(e)
+        FSStoragePlugin.write = real_fs_write
+        storage_mod.Storage.write_atomic = real_atomic
+        failed_id = handle.decision.ckpt_id
+        train(dmp, specs, opt, 2, gen)  # training goes on: collectives still work on both ranks
+        dist.barrier()
+        checks[f"{where}: partial files removed"] = failed_id not in scan(root)
+        checks[f"{where}: previous checkpoint still listed"] = [i.id for i in ckpt.list()][-1] == last.id
+        step += 1
+        after = ckpt.save(step).wait()
+        checks[f"{where}: next save is a committed baseline"] = after.kind == "baseline" and after.id > failed_id
+        last = after
+    newest_state = local_state(dmp, opt)
+    ckpt.close()
+
+    for label, want_step, want in (("newest", None, newest_state), ("before the failures", 2, good_state)):
+        fresh, _, opt2 = build(world_size, seed=99)
+        restorer = Checkpointer(fresh, config, dense_optimizer=opt2)
+        got_step = restorer.restore(step=want_step)
+        restorer.close()
+        diffs = compare(local_state(fresh, opt2), want, None)
+        checks[f"restore of the {label} checkpoint is exact"] = not diffs and (want_step is None or got_step == 2)
+    return checks
+
+
+# ---------------------------------------------------------------------- corruption
+
+
+def _tree_digest(root: str) -> dict[str, str]:
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            p = os.path.join(dirpath, f)
+            with open(p, "rb") as fh:
+                out[os.path.relpath(p, root)] = hashlib.sha256(fh.read()).hexdigest()
+    return out
+
+
+class _Capture(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def corruption_cases(root: str, positions: int = 4) -> list[dict[str, Any]]:
+    """Byte flips at ``positions`` places and two truncations of every file of checkpoints 4 and 2, and index.json.
+
+    The root holds chains [0, 1] and [2, 3, 4]. ``fallback`` is the checkpoint that
+    ``on_corrupt: fallback`` must restore: 3 for a file of 4, 1 for a file of 2 (every
+    checkpoint of that chain needs it); index.json is not read on a filesystem root.
+    """
+    cases = []
+    files = [(f"ckpt-{i:08d}/{name}", fb) for i, fb in ((4, 3), (2, 1))
+             for name in ("manifest.json", "rank-00000.bin", "rank-00001.bin")] + [("index.json", 4)]
+    for rel, fallback in files:
+        n = os.path.getsize(os.path.join(root, rel))
+        spots = sorted({min(n - 1, (k * n) // positions + 3) for k in range(positions)} | {n - 1})
+        for pos in spots:
+            cases.append({"file": rel, "how": f"flip@{pos}", "pos": pos, "fallback": fallback})
+        for keep in (n // 2, n - 1):
+            cases.append({"file": rel, "how": f"truncate@{keep}", "keep": keep, "fallback": fallback})
+    return cases
+
+
+def _inject(root: str, case: dict[str, Any]) -> None:
+    path = os.path.join(root, case["file"])
+    if "pos" in case:
+        with open(path, "r+b") as f:
+            f.seek(case["pos"])
+            b = f.read(1)
+            f.seek(case["pos"])
+            f.write(bytes([b[0] ^ 0x01]))
+    else:
+        os.truncate(path, case["keep"])
+
+
+def corruption_matrix(rank: int, world_size: int, work: str, positions: int = 4) -> dict[str, Any]:
+    """Every case of :func:`corruption_cases`, restored under ``fail`` and ``fallback``, and checked by verify_root.
+
+    A case is detected when: under ``fail``, every rank raises CorruptCheckpointError whose
+    ``.path`` is the damaged file; under ``fallback``, both ranks restore the expected older
+    checkpoint with exactly its content and the warning names the file; and verify_root
+    reports a problem for that file. index.json is only read by stores that cannot list,
+    so on a filesystem root its damage is harmless to restore (which must then restore the
+    newest checkpoint exactly under both settings) and is detected by verify_root alone.
+    Restore never changes a byte under the root.
+    """
+    from cnr_torchrec import Checkpointer, CorruptCheckpointError
+
+    try:
+        from cnr_torchrec.ckpt.verify import verify_root
+    except ImportError:
+        verify_root = None
+
+    base = os.path.join(work, "base")
+    dmp, specs, opt = build(world_size)
+    gen = torch.Generator().manual_seed(rank)
+    refs: dict[int, dict[str, torch.Tensor]] = {}
+    for n_saves in (2, 3):  # two Checkpointers: chains [0, 1] and [2, 3, 4]
+        ckpt = Checkpointer(dmp, make_config(base, "consecutive", "none", None), dense_optimizer=opt)
+        for _ in range(n_saves):
+            train(dmp, specs, opt, 2, gen)
+            info = ckpt.save(len(refs) + 1).wait()
+            refs[info.id] = local_state(dmp, opt)
+        ckpt.close()
+    assert sorted(refs) == [0, 1, 2, 3, 4], sorted(refs)
+
+    seen = spy_restored()
+    capture = _Capture()
+    logging.getLogger("cnr_torchrec.ckpt.checkpointer").addHandler(capture)
+    cases = corruption_cases(base, positions)
+    results = []
+    for n, case in enumerate(cases):
+        root = os.path.join(work, f"case-{n:03d}")
+        if rank == 0:
+            shutil.copytree(base, root)
+            _inject(root, case)
+            before = _tree_digest(root)
+        dist.barrier()
+        res: dict[str, Any] = {**case, "detected": {}}
+        for mode in ("fail", "fallback"):
+            scramble(dmp, opt, seed=n * 2 + (mode == "fail"))
+            capture.lines.clear()
+            seen["ids"].clear()
+            seen["ok"].clear()
+            ckpt = Checkpointer(dmp, make_config(root, "consecutive", "none", None, on_corrupt=mode),
+                                dense_optimizer=opt)
+            err = None
+            try:
+                ckpt.restore()
+            except CorruptCheckpointError as e:
+                err = e
+            except Exception as e:  # noqa: BLE001 - any other error is a miss, reported as such
+                err = e
+            ckpt.close()
+            index = case["file"] == "index.json"
+            if index:
+                ok = err is None and seen["ids"][-1] == 4 and not compare(local_state(dmp, opt), refs[4], None)
+            elif mode == "fail":
+                ok = isinstance(err, CorruptCheckpointError) and err.path == case["file"]
+            else:
+                ok = (err is None and seen["ids"][-1] == case["fallback"]
+                      and not compare(local_state(dmp, opt), refs[case["fallback"]], None)
+                      and any(case["file"] in line for line in capture.lines))
+            res["detected"][mode] = ok
+            if not ok:
+                res.setdefault("why", {})[mode] = (f"{type(err).__name__}: {err}" if err else
+                                                   f"restored {seen['ids']}, log {capture.lines[:2]}")
+            # A partial apply on one rank before the fallback (the other rank's file was bad).
+            res.setdefault("partial_apply", {})[mode] = len(seen["ok"]) > 1 and seen["ok"][0]
+        if rank == 0:
+            res["unchanged"] = _tree_digest(root) == before
+            if verify_root is not None:
+                problems = verify_root(root)
+                res["verify"] = any(p.path == case["file"] for p in problems)
+                if not res["verify"]:
+                    res["verify_said"] = [str(p) for p in problems[:3]]
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(root)
+        results.append(res)
+    logging.getLogger("cnr_torchrec.ckpt.checkpointer").removeHandler(capture)
+    return {"cases": results, "verify_available": verify_root is not None}
+
+
+def summarize_corruption(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Merges the ranks' views of :func:`corruption_matrix` into counts (rank 0 holds verify and unchanged)."""
+    r0, rest = per_rank[0], per_rank[1:]
+    injected = detected = 0
+    misses = []
+    for k, case in enumerate(r0["cases"]):
+        injected += 1
+        modes = all(all(p["cases"][k]["detected"].values()) for p in per_rank)
+        verified = case.get("verify", True) if r0["verify_available"] else True
+        ok = modes and verified and case["unchanged"]
+        detected += ok
+        if not ok:
+            misses.append({"file": case["file"], "how": case["how"], "detected": [p["cases"][k]["detected"]
+                           for p in per_rank], "verify": case.get("verify"), "unchanged": case["unchanged"],
+                           "why": [p["cases"][k].get("why") for p in per_rank], "verify_said": case.get("verify_said")})
+    partial = sum(any(p["cases"][k]["partial_apply"]["fallback"] for p in [r0, *rest])
+                  for k in range(len(r0["cases"])))
+    return {"corruptions_injected": injected, "corruptions_detected": detected, "misses": misses,
+            "fallbacks_after_partial_apply": partial, "verify_available": r0["verify_available"]}
+
+
+# ---------------------------------------------------------------------- S3
+
+
+_MOTO = r"""
+import sys
+from moto.server import ThreadedMotoServer
+server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+server.start()
+print(server.get_host_and_port()[1], flush=True)
+sys.stdin.read()
+server.stop()
+"""
+
+
+class Moto:
+    """A moto S3 server in a subprocess (no server thread in the harness, which forks ranks)."""
+
+    def __init__(self, bucket: str = "cnr-test") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", _MOTO], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.DEVNULL, text=True)
+        line = self.proc.stdout.readline()
+        if not line.strip().isdigit():
+            self.close()
+            raise RuntimeError("the moto server did not start")
+        self.endpoint = f"http://127.0.0.1:{int(line)}"
+        self.bucket = bucket
+        self.options = {"endpoint_url": self.endpoint, "aws_access_key_id": "testing",
+                        "aws_secret_access_key": "testing", "region_name": "us-east-1"}
+        self.client().create_bucket(Bucket=bucket)
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", **s3_client_kwargs(self.options))
+
+    def keys(self, prefix: str) -> list[str]:
+        pages = self.client().get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=prefix)
+        return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+    def env(self) -> dict[str, str]:
+        """The same settings as environment variables (what botocore reads when storage_options are absent)."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
+                "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def s3_round_trip(rank: int, world_size: int, root: str, opts: dict[str, Any], method: str,
+                  bits: int | None) -> dict[str, bool]:
+    """Baseline + 3 deltas on S3, restored into a fresh model; then GC and torn-directory cleanup on S3.
+
+    After the round trip rank 0 drops a torn rank file at the next id (a crash mid-save);
+    a new Checkpointer with policy ``full`` and ``keep_last: 1`` must skip that id, commit
+    a baseline, and leave exactly that checkpoint and index.json under the prefix.
+    """
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt.storage import Storage
+
+    checks: dict[str, bool] = {}
+    codec = codec_of(method, bits)
+    dmp, specs, opt = build(world_size)
+    config = make_config(root, "consecutive", method, bits, storage_options=opts)
+    ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
+    gen = torch.Generator().manual_seed(rank)
+    kinds = []
+    for step in range(1, 5):
+        train(dmp, specs, opt, 2, gen)
+        kinds.append(ckpt.save(step).wait().kind)
+    checks["baseline then 3 deltas"] = kinds == ["baseline", "delta", "delta", "delta"]
+    live = local_state(dmp, opt)
+    ckpt.close()
+    fresh, _, opt2 = build(world_size, seed=5)
+    checks["fresh model differs before restore"] = bool(compare(local_state(fresh, opt2), live, codec))
+    restorer = Checkpointer(fresh, config, dense_optimizer=opt2)
+    checks["restore returns the last step"] = restorer.restore() == 4
+    restorer.close()
+    checks["restored state equals the live model"] = not compare(local_state(fresh, opt2), live, codec, False)
+
+    storage = Storage(root, opts)
+    try:
+        if rank == 0:
+            storage.write("ckpt-00000004/rank-00000.bin", b"half a rank file of a save that crashed")
+        dist.barrier()
+        ckpt = Checkpointer(dmp, make_config(root, "full", method, bits, storage_options=opts, keep_last=1),
+                            dense_optimizer=opt)
+        train(dmp, specs, opt, 1, gen)
+        info = ckpt.save(5).wait()
+        ckpt.close()
+        checks["torn id skipped"] = info.id == 5 and info.kind == "baseline"
+        dist.barrier()
+        checks["GC and cleanup on S3 leave one checkpoint"] = sorted(storage.list_dirs()) == ["ckpt-00000005"]
+        after = local_state(dmp, opt)
+        fresh2, _, opt3 = build(world_size, seed=6)
+        r2 = Checkpointer(fresh2, config, dense_optimizer=opt3)
+        checks["restore after GC"] = r2.restore() == 5 and not compare(local_state(fresh2, opt3), after, codec, False)
+        r2.close()
+    finally:
+        storage.close()
+    return checks
+
+
+def s3_kill_suite(moto: Moto, side: str, kills: int, schedule=None, seed: int = 0) -> dict[str, Any]:
+    suite = KillSuite(f"s3://{moto.bucket}/kills-{seed}", side, opts=moto.options,
+                      groups=(("consecutive", "none", None), ("intermittent", "adaptive", 4)), seed=seed)
+    return suite.run(kills, schedule)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--s3-kills", type=int, default=4, help="kills on the S3 root (moto)")
+    ap.add_argument("--positions", type=int, default=4, help="byte-flip positions per file")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--keep", action="store_true", help="keep the work directory")
+    ap.add_argument("-v", "--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    logging.basicConfig(level=logging.WARNING)
+    warnings.filterwarnings("ignore")
+    work = tempfile.mkdtemp(prefix="cnr-reliability-")
+    out: dict[str, Any] = {}
+    t_all = time.monotonic()
+    try:
+        print(f"kill suite: {args.kills} kills on 2 ranks, groups {[g[:2] for g in GROUPS]}", flush=True)
+        t0 = time.monotonic()
+        suite = KillSuite(os.path.join(work, "kills"), os.path.join(work, "kills-side"), seed=args.seed)
+        kills = suite.run(args.kills, progress=args.verbose)
+        kills["seconds"] = round(time.monotonic() - t0, 1)
+        for e in suite.errors[:5]:
+            print(e)
+        print(f"  {kills['kills']} kills: restores_ok {kills['restores_ok']}, torn_restores {kills['torn_restores']}, "
+              f"lost_commits {kills['lost_commits']}, restart saves ok {kills['restart_saves_ok']}; "
+              f"{kills['named_fired']} at named points, {kills['random_kills']} random, {kills['late_kills']} late; "
+              f"{kills['kills_with_torn_dirs']} left torn directories; {kills['seconds']} s "
+              f"(median phase {kills['median_phase_s']:.2f} s)", flush=True)
+        for f in kills["failures"]:
+            print("   ", f)
+
+        print("corruption matrix (2 ranks, fail + fallback, verify_root)", flush=True)
+        t0 = time.monotonic()
+        per_rank = run_ranks(corruption_matrix, 2, (os.path.join(work, "corrupt"), args.positions), timeout=600)
+        corrupt = summarize_corruption(per_rank)
+        corrupt["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"  {corrupt['corruptions_detected']}/{corrupt['corruptions_injected']} detected "
+              f"({corrupt['fallbacks_after_partial_apply']} fallbacks after a partial apply); "
+              f"verify_root {'checked' if corrupt['verify_available'] else 'not available'}; "
+              f"{corrupt['seconds']} s", flush=True)
+        for m in corrupt["misses"][:10]:
+            print("   ", m)
+
+        print("ENOSPC", flush=True)
+        enospc = run_ranks(enospc_scenario, 2, (os.path.join(work, "enospc"),), timeout=300)
+        enospc_ok = all(all(r.values()) for r in enospc)
+        for name in enospc[0]:
+            print(f"  {name}: {[r[name] for r in enospc]}")
+
+        print("S3 (moto): round trip with fp32 and adaptive 4-bit rows, and kills", flush=True)
+        moto = Moto()
+        try:
+            s3 = {}
+            for method, bits in (("none", None), ("adaptive", 4)):
+                res = run_ranks(s3_round_trip, 2, (f"s3://{moto.bucket}/rt-{method}", moto.options, method, bits),
+                                timeout=300)
+                s3[method] = res
+                for name in res[0]:
+                    print(f"  {method}: {name}: {[r[name] for r in res]}")
+            s3_ok = all(all(r.values()) for res in s3.values() for r in res)
+            s3_kills = s3_kill_suite(moto, os.path.join(work, "s3-side"), args.s3_kills, seed=args.seed)
+            print(f"  S3 kills: {s3_kills['kills']}, restores_ok {s3_kills['restores_ok']}, torn "
+                  f"{s3_kills['torn_restores']}, lost {s3_kills['lost_commits']}", flush=True)
+        finally:
+            moto.close()
+
+        out = {
+            "kills": kills["kills"],
+            "restores_ok": kills["restores_ok"],
+            "torn_restores": kills["torn_restores"],
+            "lost_commits": kills["lost_commits"],
+            "corruptions_injected": corrupt["corruptions_injected"],
+            "corruptions_detected": corrupt["corruptions_detected"],
+            "enospc_ok": enospc_ok,
+            "s3_roundtrip_ok": s3_ok,
+            "s3_kills": s3_kills["kills"],
+            "s3_restores_ok": s3_kills["restores_ok"],
+            "details": {"kills": kills, "corruption": corrupt, "enospc": enospc, "s3_kills": s3_kills},
+            "seconds": round(time.monotonic() - t_all, 1),
+        }
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print("work directory kept:", work)
+    print("\nsummary: " + json.dumps({k: v for k, v in out.items() if k != "details"}))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    good = (out.get("torn_restores") == 0 and out.get("lost_commits") == 0
+            and out.get("restores_ok") == out.get("kills")
+            and out.get("corruptions_detected") == out.get("corruptions_injected")
+            and out.get("enospc_ok") and out.get("s3_roundtrip_ok"))
+    return 0 if good else 1
+
+
+if __name__ == "__main__":
+    # Run as a script, this file is __main__; the forked ranks need its functions under an importable
+    # name, so everything goes through the module imported as "reliability".
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import reliability
+
+    sys.exit(reliability.main())

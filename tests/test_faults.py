@@ -1,0 +1,151 @@
+"""Crashes: fault points, SIGKILLed ranks at every stage of a save, and a full disk.
+
+The kill trials use the harness of benchmarks/reliability.py (``make reliability`` runs
+100 of them): 2 gloo ranks forked from a preloaded forkserver train a tiny model with a
+save after every step, one rank is SIGKILLed at a named point of the commit protocol or
+by a timer, the survivor is reaped like torchrun does, and 2 fresh ranks restore from the
+same root. Each restore is checked against the newest checkpoint that has a manifest on
+disk (scanned by the harness, not by the code under test) and against the full state the
+ranks wrote for that checkpoint id at stage time.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from cnr_torchrec.ckpt import faults
+from cnr_torchrec.errors import ConfigError
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import reliability  # noqa: E402
+
+# ---- fault points ------------------------------------------------------------------
+
+
+def test_fault_specs_parse():
+    assert faults.parse("commit.before_manifest:rank=0:nth=2") == [faults.FaultSpec("commit.before_manifest", 0, 2)]
+    assert faults.parse(" write.mid , gc.mid:nth=3") == [faults.FaultSpec("write.mid"),
+                                                         faults.FaultSpec("gc.mid", None, 3)]
+    assert faults.parse("") == [] and faults.parse(None) == []
+
+
+@pytest.mark.parametrize("text,match", [
+    ("commit.before_manifst", "unknown fault point 'commit.before_manifst'"),
+    ("write.mid:rank=x", "rank=<int> or nth=<int>"),
+    ("write.mid:when=3", "rank=<int> or nth=<int>"),
+    ("write.mid:nth=0", "nth counts from 1"),
+])
+def test_bad_fault_specs_are_refused(text, match):
+    with pytest.raises(ConfigError, match=match):
+        faults.parse(text)
+
+
+@pytest.fixture
+def fake_kill(monkeypatch):
+    """Records kills instead of dying, on a process that pretends to be rank 1."""
+    kills = []
+    monkeypatch.setattr(faults, "_kill", lambda: kills.append(dict(faults._counts)))
+    monkeypatch.setattr(faults, "_rank", lambda: 1)
+    yield kills
+    faults.configure("")
+
+
+def test_hit_kills_on_the_nth_arrival_on_its_rank(fake_kill):
+    faults.configure("write.after:rank=1:nth=3,commit.before_manifest:rank=0,gc.mid")
+    assert faults.armed("write.after") and not faults.armed("write.mid")
+    for _ in range(5):
+        faults.hit("write.after")
+    assert fake_kill == [{"write.after": 3}]  # the 3rd arrival only
+    faults.hit("commit.before_manifest")  # armed for rank 0; this process is rank 1
+    assert len(fake_kill) == 1
+    faults.hit("gc.mid")  # no rank given: any rank, first arrival
+    assert len(fake_kill) == 2
+    faults.configure("")
+    faults.hit("write.after")
+    assert len(fake_kill) == 2 and not faults.armed("write.after")
+
+
+def test_unarmed_hit_does_not_even_look_up_the_rank(monkeypatch):
+    faults.configure("")
+
+    def boom():
+        raise AssertionError("hit() did work with nothing armed")
+
+    monkeypatch.setattr(faults, "_rank", boom)
+    monkeypatch.setattr(faults, "_kill", boom)
+    for point in faults.POINTS:
+        faults.hit(point)
+
+
+def test_fault_env_is_read(monkeypatch, fake_kill):
+    monkeypatch.setenv(faults.ENV, "gc.before:nth=2")
+    assert faults.configure() == [faults.FaultSpec("gc.before", None, 2)]
+    faults.hit("gc.before")
+    faults.hit("gc.before")
+    assert len(fake_kill) == 1
+
+
+# ---- kills -------------------------------------------------------------------------
+
+# (group, point, rank, nth[, sync]): every named point once, across the four groups
+# (consecutive / intermittent x fp32 / quantized rows), and two timer kills.
+SCHEDULE = [
+    (0, "write.mid", 1, 2),
+    (1, "write.after", 0, 1),
+    (2, "commit.before_manifest", 0, 2),
+    (3, "commit.after_manifest", 0, 1),
+    (0, "gc.before", 0, 3, True),  # this job waits for each commit: the training loop hears of it
+    (2, "gc.mid", 0, 1),
+    (1, "random", 1, 0),
+    (3, "random", 0, 0),
+]
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_kills_at_every_fault_point_restore_the_newest_commit(tmp_path):
+    suite = reliability.KillSuite(str(tmp_path / "roots"), str(tmp_path / "side"), saves=5)
+    s = suite.run(len(SCHEDULE), schedule=SCHEDULE)
+    assert not suite.errors, suite.errors[0]
+    assert s["kills"] == len(SCHEDULE)
+    assert s["restores_ok"] == len(SCHEDULE) and s["torn_restores"] == 0, s["failures"]
+    assert s["lost_commits"] == 0, s["failures"]
+    assert s["restart_saves_ok"] == len(SCHEDULE), s["failures"]  # the next save commits, torn dirs are gone
+    trials = {t.kind: t for t in suite.trials}
+    for kind, t in trials.items():
+        if kind not in ("random", "gc.mid"):  # gc.mid fires only if that phase collects garbage
+            assert t.fired and t.victim_exit == -9, (kind, t)
+        assert t.survivor_exit is not None  # reaped, whatever it was blocked in
+    # Not vacuous: a half-written rank file was on disk when the fresh ranks restored...
+    assert 0 < len(trials["write.mid"].torn_dirs)
+    assert max(trials["write.mid"].torn_dirs) > trials["write.mid"].expected
+    # ...a commit that nobody had been told of was restored...
+    after = trials["commit.after_manifest"]
+    assert after.expected is not None and after.expected not in after.reported and after.restored == after.expected
+    # ...and a commit survived its rank 0 dying before the index and GC (the job waited for each commit,
+    # so rank 1 had normally been told of it before it was reaped).
+    gc = trials["gc.before"]
+    assert gc.restored == gc.expected and gc.expected >= max(gc.reported)
+    assert s["kills_after_a_reported_commit_of_the_newest"] >= 1
+    before = trials["commit.before_manifest"]
+    assert before.restored == before.expected and max(before.torn_dirs) > before.expected
+
+
+# ---- a full disk -------------------------------------------------------------------
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_enospc_fails_the_save_and_keeps_the_previous_checkpoint(tmp_path):
+    """ENOSPC half-way through rank 1's file, then on rank 0's manifest: see reliability.enospc_scenario."""
+    per_rank = reliability.run_ranks(reliability.enospc_scenario, 2, (str(tmp_path / "root"),), timeout=150)
+    expected = {f"{where}: {what}" for where in ("rank file", "manifest")
+                for what in ("save failed", "partial files removed", "previous checkpoint still listed",
+                             "next save is a committed baseline")}
+    expected |= {"restore of the newest checkpoint is exact", "restore of the before the failures checkpoint is exact"}
+    for rank, checks in enumerate(per_rank):
+        assert set(checks) == expected
+        assert all(checks.values()), (rank, {k: v for k, v in checks.items() if not v})
