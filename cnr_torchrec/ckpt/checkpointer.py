@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -15,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cnr_torchrec.ckpt import faults
 from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.manifest import (
     ckpt_dir,
     committed_ids,
@@ -37,9 +40,8 @@ from cnr_torchrec.errors import (
     CorruptCheckpointError,
     SaveFailedError,
 )
-from cnr_torchrec.quant import get_codec
 
-__all__ = ["Checkpointer", "CheckpointInfo", "SaveHandle"]
+__all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +82,17 @@ def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
         hits = [n for n in names if n.startswith(module + ".") and n.endswith(f".{table}.weight")]
         out[table] = hits[0] if len(hits) == 1 else f"{module}.{table}.weight"
     return out
+
+
+@dataclass(frozen=True)
+class RecoveryInfo:
+    """What a partial recovery did: the checkpoint, the ranks, and what moved."""
+
+    ckpt_id: int
+    step: int
+    failed_ranks: tuple[int, ...]
+    bytes_read: int  # from storage, by all failed ranks together
+    bytes_broadcast: int  # replicated state sent from the survivor
 
 
 class SaveHandle:
@@ -151,11 +164,21 @@ class Checkpointer:
         self.config = config
         self.dense_optimizer = dense_optimizer
         self.extra_state = dict(extra_state or {})
-        self.codec = get_codec(config.quantization.method, config.quantization.bits, **config.quantization.params)
+        self._restores = 0  # restores this job has performed, carried from manifest to manifest
+        self.codec = self._pick_codec()
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
         self._table_fqns = _table_fqns(model, tracker)
         if config.policy in ("one_shot", "intermittent"):
             tracker.enable_baseline_view()
+        if config.budget.max_rows_fraction is not None:
+            if config.policy != "consecutive":
+                raise ConfigError(
+                    f"budget.max_rows_fraction needs policy consecutive, not {config.policy!r}: only a consecutive "
+                    "chain keeps the rows a budget left out (one-shot deltas restore from the baseline and the latest "
+                    "delta alone; baselines are never limited). Set policy: consecutive, or "
+                    "budget.max_rows_fraction: null"
+                )
+            tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
 
         self._dist = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._dist else 0
@@ -170,8 +193,31 @@ class Checkpointer:
         self._force_baseline = ""
         self._state_if_failed = self._state
         self._lock = threading.Lock()
+        self._timer = IntervalTimer()
+        self._plan: IntervalPlan | None = None
+        self._last_stall_s = 0.0
 
     # ------------------------------------------------------------------ public
+
+    def should_save(self, step: int) -> bool:
+        """Whether ``step`` is due for a save under ``config.interval``; call it every step, on every rank.
+
+        With ``interval: auto`` the first call says yes (the baseline), and each save then
+        plans the next from the slowest rank's step time and save stall, agreed in the save's
+        all-gather, so every rank answers alike (see :mod:`cnr_torchrec.ckpt.failure`).
+
+        Raises:
+            ConfigError: the config has no ``interval``.
+        """
+        if self.config.interval is None:
+            raise ConfigError("should_save() needs 'interval' in the checkpoint config (a number of steps or auto)")
+        self._timer.observe(step)
+        return self._plan is None or step >= self._plan.next_step
+
+    @property
+    def restores(self) -> int:
+        """Restores performed by this job so far (persisted in every manifest)."""
+        return self._restores
 
     def save(self, step: int) -> SaveHandle:
         """Takes a checkpoint of ``step``. Returns at once; ``handle.wait()`` waits for the commit.
@@ -189,7 +235,11 @@ class Checkpointer:
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
-        prev, base, held = counts
+        prev, base, held, (step_s, last_stall_s) = counts
+        if self.config.interval is not None:
+            self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
+                                       world_size=self.world_size)
+            log.info("next save at step %d: %s", self._plan.next_step, self._plan.why)
         decision = decide(
             policy=self.config.policy, state=self._state, step=step, dirty_since_previous=prev,
             dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
@@ -197,14 +247,17 @@ class Checkpointer:
         )
         staged = stage(
             decision, model=self.model, tracker=self.tracker, rank=self.rank, world_size=self.world_size,
-            dense_optimizer=self.dense_optimizer, extra_state=self.extra_state,
+            dense_optimizer=self.dense_optimizer, extra_state=self.extra_state, budget=self.config.budget,
         )
-        self.tracker.reset(baseline=decision.kind == "baseline")
+        # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
+        self.tracker.reset(baseline=decision.kind == "baseline", keep=staged.left_out)
         self._force_baseline = ""
         # Until the outcome is known, assume failure: the interval's rows are gone from the tracker.
         self._state_if_failed = self._state.failed(decision)
         stall = (time.perf_counter() - t0) * 1e3
         staged.stall_ms = stall
+        self._last_stall_s = stall / 1e3
+        self._timer.exclude_pause(stall / 1e3)
         log.info("save %d at step %d: %s (%s), stall %.1f ms", decision.ckpt_id, step, decision.kind,
                  decision.reason, stall)
         handle = SaveHandle(step, decision, self._executor.submit(self._write, staged), stall)
@@ -223,43 +276,239 @@ class Checkpointer:
         """Committed checkpoints, oldest first, with their metadata."""
         return [CheckpointInfo.from_manifest(load_manifest(self._storage, i)) for i in committed_ids(self._storage)]
 
-    def restore(self, step: int | None = None) -> int:
-        """Restores the latest complete checkpoint (or the latest one of ``step``). Returns its step.
+    def restore(self, step: int | None = None, *, per_rank_state: str = "strict") -> int:
+        """Restores the newest committed checkpoint (or the newest one of ``step``). Returns its step.
+
+        Every rank calls it at once. Rank 0 picks the newest checkpoint whose chain is sound
+        as far as the manifests tell (they load and match their checksums, the chain is
+        complete, every rank file exists with the size its manifest gives); every rank then
+        applies what its shards need, checking each file it reads against the manifest's
+        sha256 (and each blob against its own), and the ranks compare
+        outcomes before anything else happens, so a rank that finds a bad file never leaves
+        the others waiting in a collective. A file that fails its checks is handled as
+        ``on_corrupt`` says: ``fail`` raises CorruptCheckpointError naming it on every rank;
+        ``fallback`` logs it and restores the newest older checkpoint whose chain does not
+        contain it (an older chain starts from a baseline, which rewrites every row and all
+        state, so whatever a failed attempt applied is overwritten). Nothing under the root
+        is written or deleted.
+
+        Args:
+            step: restore the newest checkpoint of this step instead of the newest one.
+            per_rank_state: what to do when the checkpoint was written by another number of
+                ranks, so that per-rank state (``extra_state``, such as a data loader's
+                position, and the RNG) cannot be given back rank by rank. ``"strict"``:
+                IncompatibleCheckpointError if this Checkpointer has ``extra_state`` (a
+                resumed reader would replay or skip samples otherwise); the RNG alone is
+                dropped with a warning. ``"drop"``: restore everything else and leave the
+                per-rank state as it is, with a warning.
 
         Raises:
-            CheckpointNotFoundError: nothing committed (or nothing at ``step``) under the root.
-            CorruptCheckpointError: a file of the chain fails its checks (the message names it).
-            IncompatibleCheckpointError: the checkpoint is of another model.
+            CheckpointNotFoundError: nothing committed (or nothing at ``step``) under the root,
+                or nothing sound is left after falling back (the message lists what was skipped).
+            CorruptCheckpointError: ``on_corrupt: fail`` and a file of the chosen chain fails its
+                checks; ``.path`` names it, on every rank.
+            IncompatibleCheckpointError: the checkpoint is of another model, or per-rank state
+                cannot be mapped onto this world size under ``per_rank_state="strict"``.
+            UnsafeCheckpointError: a manifest names a file outside its checkpoint's directory,
+                or a blob of a dtype that is never written. Such a checkpoint was crafted or
+                edited: it is refused, never skipped.
         """
+        import cnr_torchrec.errors as errors
+        from cnr_torchrec.ckpt.manifest import ckpt_id_of
+        from cnr_torchrec.errors import IncompatibleCheckpointError
+
+        if per_rank_state not in ("strict", "drop"):
+            raise ConfigError(f"per_rank_state: {per_rank_state!r} is not one of ['strict', 'drop']")
         if self._inflight is not None:
             self._settle(self._inflight)
-        chain = self._resolve(step) if self.rank == 0 else None
-        target = self._agree(chain[-1]["id"] if chain else -1)
-        if chain is None:
-            if target < 0:
-                raise CheckpointNotFoundError(self._not_found(step))
-            chain = [load_manifest(self._storage, i) for i in load_manifest(self._storage, target)["chain"]]
-        elif target < 0:
-            raise CheckpointNotFoundError(self._not_found(step))
-        restore_chain(
-            chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
-            world_size=self.world_size, dense_optimizer=self.dense_optimizer, extra_state=self.extra_state,
-        )
+
+        exchange, rebuild = self._exchange, self._rebuild
+
+        def attempt(ids: list[int], chain: list[dict[str, Any]] | None):
+            """Applies the chain on this rank. Returns (status for the others, own exception, chain)."""
+            try:
+                if chain is None:
+                    chain = [load_manifest(self._storage, i) for i in ids]
+                check_model(chain[-1])
+                written_by = chain[-1]["world_size"]
+                if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
+                    raise IncompatibleCheckpointError(
+                        f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
+                        f"{self.world_size}: per-rank state {sorted(self.extra_state)} cannot be mapped onto other "
+                        "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
+                        "the model and optimizers and start that state afresh."
+                    )
+                # Whole rank files are checked against the manifests' sha256 as they are read.
+                self._storage.expect({r["file"]: (int(r["nbytes"]), r["sha256"]) for c in chain for r in c["ranks"]})
+                try:
+                    restore_chain(
+                        chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
+                        world_size=self.world_size, dense_optimizer=self.dense_optimizer,
+                        extra_state=self.extra_state if written_by == self.world_size else {},
+                    )
+                finally:
+                    self._storage.expect(None)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # not found: a file vanished since
+                return {"kind": "corrupt", "message": str(e), "path": getattr(e, "path", "")}, e, chain
+            except Exception as e:  # another rank must hear of it, or it waits in the exchange below
+                return {"kind": "error", "type": type(e).__name__, "message": str(e)}, e, chain
+            return None, None, chain
+
+        # The whole model's table shapes: a rank knows only the tables it holds shards of, and every rank
+        # must refuse another model's checkpoint before it changes anything.
+        model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
+        for part in exchange({t: list(shape) for t in model_tables
+                              if (shape := self.tracker.table_shape(t)) is not None}):
+            model_tables.update(part)
+
+        def check_model(target: dict[str, Any]) -> None:
+            """IncompatibleCheckpointError, on every rank alike, if ``target`` is of another model."""
+            from cnr_torchrec.ckpt.save import dense_named_state
+
+            saved = target["tables"]
+            missing, extra = sorted(set(model_tables) - set(saved)), sorted(set(saved) - set(model_tables))
+            changed = [f"'{t}' is {model_tables[t][0]} x {model_tables[t][1]} in the model but {saved[t][0]} x "
+                       f"{saved[t][1]} in the checkpoint" for t in sorted(set(saved) & set(model_tables))
+                       if model_tables[t] and list(saved[t]) != model_tables[t]]
+            first = target["ranks"][0]
+            dense = {n: list(t.shape) for n, t in dense_named_state(self.model, self.tracker).items()}
+            stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
+            changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
+                        for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
+            lacking = sorted(set(dense) - set(stored))
+            if missing or extra or changed or lacking:
+                what = "; ".join(filter(None, [
+                    missing and f"tables missing from it {missing}", extra and f"tables the model lacks {extra}",
+                    lacking and f"dense parameters missing from it {lacking}", *changed]))
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {target['id']} is of another model: {what}. Restore a checkpoint of this model, or "
+                    "start from scratch with a new root."
+                )
+
+        bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
+        while True:
+            pick, chain = self._resolve(step, bad) if self.rank == 0 else (None, None)
+            pick = exchange(pick)[0]
+            if "error" in pick:
+                raise rebuild(pick["error"])
+            for i, why in pick["skipped"]:
+                if self.rank != 0:  # rank 0 logged them as it found them; every rank's log should say
+                    log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
+                bad[i] = why
+            if not pick["chain"]:
+                skipped = "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items()))
+                raise CheckpointNotFoundError(self._not_found(step) + (f". Skipped as unsound: {skipped}" if skipped
+                                                                        else ""))
+            ids = pick["chain"]
+            status, own, chain = attempt(ids, chain)
+            statuses = exchange(status)
+            failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+            if not failed:
+                break
+            errors_seen = [(r, s) for r, s in failed if s["kind"] != "corrupt"]
+            if errors_seen:
+                if own is not None and status["kind"] != "corrupt":
+                    raise own
+                raise rebuild(*errors_seen[0][::-1])
+            r, s = failed[0]
+            path = s["path"]
+            if self.config.on_corrupt == "fail":
+                raise CorruptCheckpointError(
+                    f"{s['message']} (rank {r}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
+                    "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
+                    "The model is partly overwritten: restore again before training.",
+                    path=path,
+                )
+            owner = ckpt_id_of(path)
+            culprit = owner if owner in ids else ids[-1]
+            bad[culprit] = f"{path or 'a file'} failed its checks on rank {r}: {s['message']}"
+            log.warning("restore: checkpoint %d cannot be restored: %s (rank %d: %s); falling back to an older "
+                        "checkpoint (on_corrupt: fallback)", ids[-1], path or "a file", r, s["message"])
+
         m = chain[-1]
         self.tracker.reset(baseline=True)
-        ids = existing_dir_ids(self._storage) if self.rank == 0 else []
-        next_id = self._agree(max(ids + [m["id"]]) + 1)
-        if self.config.policy == "consecutive":
-            self._state = ChainState(next_id, tuple(m["chain"]), chain[0]["nbytes"],
-                                     tuple(c["nbytes"] for c in chain[1:]))
-        else:
-            # The rows dirty between the baseline and this point are not in the tracker any more.
-            self._state = ChainState(next_id)
-            self._force_baseline = "after restore"
+        self._continue_chain(chain)
+        self._count_restore(m)
         if self._dist:
             dist.barrier()
+        if bad:
+            log.warning("restored checkpoint %d (step %d) instead of newer ones: %s", m["id"], m["step"],
+                        "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items())))
         log.info("restored checkpoint %d (step %d, chain %s)", m["id"], m["step"], m["chain"])
         return int(m["step"])
+
+    def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
+        """CPR partial recovery: only the failed ranks reload their shards; survivors keep their live rows.
+
+        Every rank calls it at once, the replaced ranks as fresh processes. The failed ranks
+        restore their embedding shards with their optimizer state, their ``extra_state``
+        (reader position) and RNG from the newest complete checkpoint (or the newest of
+        ``step``); the survivors read nothing and keep training state as it is. What DDP
+        replicates (dense parameters and buffers, data_parallel tables, the dense
+        optimizer, the TBE step) is then broadcast from the lowest surviving rank. The
+        updates the failed ranks' rows received since the checkpoint are lost: that is
+        the trade CPR makes for not rolling every rank back (``failure.target_lost_fraction``).
+
+        Raises:
+            ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
+                (nothing survives: use :meth:`restore`).
+            CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError: as for restore,
+                on every rank alike.
+        """
+        from cnr_torchrec.ckpt.partial import sync_from_survivor
+        from cnr_torchrec.ckpt.restore import restore_dense_optimizer
+
+        failed = sorted({int(r) for r in failed_ranks})
+        if not failed or failed[0] < 0 or failed[-1] >= self.world_size:
+            raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in "
+                              f"[0, {self.world_size})")
+        survivors = [r for r in range(self.world_size) if r not in failed]
+        if not survivors:
+            raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
+        if self._inflight is not None:
+            self._settle(self._inflight)
+        pick, chain = self._resolve(step, {}) if self.rank == 0 else (None, None)
+        pick = self._exchange(pick)[0]
+        if "error" in pick:
+            raise self._rebuild(pick["error"])
+        if not pick["chain"]:
+            raise CheckpointNotFoundError(self._not_found(step))
+        stats: dict[str, int] = {}
+        status = None
+        try:
+            chain = chain or [load_manifest(self._storage, i) for i in pick["chain"]]
+            if self.rank in failed:
+                same_world = chain[-1]["world_size"] == self.world_size
+                self._storage.expect({r["file"]: (int(r["nbytes"]), r["sha256"]) for c in chain for r in c["ranks"]})
+                try:
+                    restore_chain(
+                        chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
+                        world_size=self.world_size, dense_optimizer=None, replicated=False, stats=stats,
+                        extra_state=self.extra_state if same_world else {},
+                    )
+                    if self.dense_optimizer is not None:  # its layout; the survivor's values follow
+                        restore_dense_optimizer(chain[-1], self._storage, self.dense_optimizer, stats)
+                finally:
+                    self._storage.expect(None)
+        except Exception as e:  # the other ranks must hear of it before any broadcast
+            status = {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}
+        statuses = self._exchange(status)
+        for r, s in enumerate(statuses):
+            if s is not None:
+                raise self._rebuild(s, r)
+        sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivors[0])
+        m = chain[-1]
+        self.tracker.reset(baseline=True) if self.rank in failed else None
+        self._continue_chain(chain)
+        self._count_restore(m)
+        read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
+        if self._dist:
+            dist.all_reduce(read)
+        info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
+                            bytes_read=int(read), bytes_broadcast=sent)
+        log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
+                 "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivors[0])
+        return info
 
     def close(self) -> None:
         """Waits for the save in flight and releases the background thread."""
@@ -280,22 +529,143 @@ class Checkpointer:
             return f"no complete checkpoint under {where}; save one first, or check the root"
         return f"no complete checkpoint of step {step} under {where}; Checkpointer.list() shows what there is"
 
-    def _resolve(self, step: int | None) -> list[dict[str, Any]] | None:
-        """The chain of the newest committed checkpoint (of ``step``) whose chain is complete and sound."""
-        ids = committed_ids(self._storage)
+    def _resolve(
+        self, step: int | None, bad: dict[int, str]
+    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        """Rank 0: the newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
+
+        Sound: every manifest of the chain loads and matches its checksum, the members' own
+        chains agree with it and start at a baseline, every rank file lies in its
+        checkpoint's directory, exists and has the size the manifest gives, and every blob
+        has a dtype we write. Checkpoints in ``bad`` (and chains through them) are skipped;
+        under ``on_corrupt: fallback`` corrupt ones found here are added to it.
+
+        Returns:
+            ``({"chain": ids}, manifests)`` for the pick; ``({"chain": [], "skipped": ...}, None)``
+            when none is left; ``({"error": ...}, None)`` when restore must raise on every rank
+            (corruption under ``on_corrupt: fail``, a manifest naming an unsafe path).
+        """
+        import posixpath
+
+        from cnr_torchrec.ckpt.manifest import ckpt_id_of
+        from cnr_torchrec.ckpt.payload import _DTYPES
+        from cnr_torchrec.ckpt.storage import check_relative
+        from cnr_torchrec.errors import UnsafeCheckpointError
+
+        fail = self.config.on_corrupt == "fail"
+        skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
+
+        def skip(cid: int, why: str) -> None:
+            bad[cid] = why
+            skipped.append([cid, why])
+            log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
+
+        def refuse(e: Exception) -> tuple[dict[str, Any], None]:
+            return {"error": {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}}, None
+
+        loaded: dict[int, dict[str, Any]] = {}
+
+        def manifest(i: int) -> dict[str, Any]:
+            if i not in loaded:
+                loaded[i] = load_manifest(self._storage, i)
+            return loaded[i]
+
+        def check_files(c: dict[str, Any]) -> None:
+            cid, mpath = c["id"], manifest_path(c["id"])
+            if [r["rank"] for r in c["ranks"]] != list(range(c["world_size"])):
+                raise CorruptCheckpointError(f"{mpath} has rank reports {[r['rank'] for r in c['ranks']]} for a "
+                                             f"world size of {c['world_size']}", path=mpath)
+            for r in c["ranks"]:
+                rel = check_relative(r["file"])  # UnsafeCheckpointError for ../x and absolute paths
+                if posixpath.dirname(rel) != ckpt_dir(cid):
+                    raise UnsafeCheckpointError(
+                        f"{mpath} names rank file {r['file']!r}, outside {ckpt_dir(cid)}/. The manifest was crafted "
+                        "or edited; refusing it. Restore another checkpoint with restore(step=...)."
+                    )
+                nbytes = int(r["nbytes"])
+                for name, meta in r["blobs"].items():
+                    if meta["dtype"] not in _DTYPES:
+                        raise UnsafeCheckpointError(
+                            f"{rel}: blob {name!r} has dtype {meta['dtype']!r}, which is never written (payloads are "
+                            f"raw tensors of {sorted(_DTYPES)}; nothing is unpickled). Refusing checkpoint {cid}."
+                        )
+                    if not 0 <= int(meta["offset"]) <= int(meta["offset"]) + int(meta["nbytes"]) <= nbytes:
+                        raise CorruptCheckpointError(f"{mpath}: blob {name!r} lies outside {rel}'s {nbytes} bytes",
+                                                     path=mpath)
+                try:
+                    size = self._storage.size(rel)
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(f"{rel} is missing; checkpoint {cid} is committed and needs it",
+                                                 path=rel) from None
+                if size is not None and size != nbytes:
+                    what = "truncated" if size < nbytes else "longer than written"
+                    raise CorruptCheckpointError(f"{rel} is {size} bytes, its manifest says {nbytes} ({what})",
+                                                 path=rel)
+
+        def sound_chain(m: dict[str, Any]) -> list[dict[str, Any]]:
+            cid, ids = m["id"], m["chain"]
+            if not (isinstance(ids, list) and ids and ids[-1] == cid and all(isinstance(i, int) for i in ids)
+                    and ids == sorted(set(ids))):
+                raise CorruptCheckpointError(f"{manifest_path(cid)} has an invalid chain {ids}",
+                                             path=manifest_path(cid))
+            chain = []
+            for k, i in enumerate(ids):
+                try:
+                    c = manifest(i)
+                except CheckpointNotFoundError:
+                    raise CorruptCheckpointError(f"{manifest_path(i)} is missing: checkpoint {cid} needs checkpoint "
+                                                 f"{i}, which is not committed", path=manifest_path(i)) from None
+                if c["chain"] != ids[: k + 1] or (k == 0) != (c["kind"] == "baseline"):
+                    raise CorruptCheckpointError(f"{manifest_path(i)}: checkpoint {i} ({c['kind']}, chain {c['chain']})"
+                                                 f" does not fit the chain {ids} of checkpoint {cid}",
+                                                 path=manifest_path(i))
+                chain.append(c)
+            for c in chain:
+                check_files(c)
+            return chain
+
+        try:
+            ids = committed_ids(self._storage)
+        except CheckpointError as e:  # index.json, on stores that cannot list
+            return refuse(e)
         for cid in reversed(ids):
-            try:
-                m = load_manifest(self._storage, cid)
-            except CorruptCheckpointError:
-                log.warning("checkpoint %d has a corrupt manifest; trying an older one", cid)
-                continue
-            if step is not None and m["step"] != step:
+            if cid in bad:
                 continue
             try:
-                return [load_manifest(self._storage, i) for i in m["chain"][:-1]] + [m]
-            except (CheckpointNotFoundError, CorruptCheckpointError) as e:
-                log.warning("checkpoint %d: its chain is incomplete (%s); trying an older one", cid, e)
-        return None
+                m = manifest(cid)
+            except CheckpointNotFoundError:
+                continue  # collected since it was listed
+            except CorruptCheckpointError as e:
+                if fail:
+                    return refuse(e)
+                skip(cid, str(e))
+                continue
+            if step is not None and m.get("step") != step:
+                continue
+            through = sorted(set(m.get("chain") or []) & set(bad))
+            if through:
+                log.warning("restore: skipping checkpoint %d: its chain needs checkpoint %s, which failed its checks",
+                            cid, through[0])
+                continue
+            try:
+                chain = sound_chain(m)
+            except UnsafeCheckpointError as e:
+                return refuse(e)
+            except CorruptCheckpointError as e:
+                if fail:
+                    return refuse(e)
+                owner = ckpt_id_of(e.path)
+                skip(owner if owner is not None else cid, str(e))
+                continue
+            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+                err = CorruptCheckpointError(f"{manifest_path(cid)} (or a manifest of its chain) is malformed: "
+                                             f"{type(e).__name__}: {e}", path=manifest_path(cid))
+                if fail:
+                    return refuse(err)
+                skip(cid, str(err))
+                continue
+            return {"chain": list(m["chain"]), "skipped": skipped}, chain
+        return {"chain": [], "skipped": skipped}, None
 
     def _settle(self, handle: SaveHandle) -> None:
         """Waits for ``handle`` and folds its outcome into the chain state (once)."""
@@ -339,26 +709,90 @@ class Checkpointer:
             return value
         return int(self._broadcast(torch.tensor([value], dtype=torch.int64)).item())
 
-    def _gather_counts(self, busy: bool) -> tuple[dict[str, int], dict[str, int], dict[str, int]] | None:
-        """All-gathers per-table dirty counts. None if any rank is still writing (skip this save)."""
+    def _gather_counts(self, busy: bool):
+        """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.
+
+        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s)),
+        or None if any rank is still writing (skip this save).
+        """
         tables = self.tracker.tables()
         prev = self.tracker.dirty_counts()
         base = self.tracker.dirty_counts(since_baseline=True) if self.tracker.has_baseline_view else prev
         held = {t: sum(r1 - r0 for (r0, r1) in {rows for rows, _ in self.tracker.shard_ranges(t)}) for t in tables}
-        row = [prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + [int(busy)]
+        timing = [round(self._timer.step_s * 1e6), round(self._last_stall_s * 1e6)]  # microseconds
+        row = [prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing + [int(busy)]
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
             dev = self._collective_device()
             out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(out, local.to(dev))
-            total = out.view(self.world_size, -1).cpu().sum(0)
+            rows = out.view(self.world_size, -1).cpu()
+            total, slowest = rows.sum(0), rows.max(0).values
         else:
-            total = local
+            total = slowest = local
         if int(total[-1]) > 0:
             return None
         n = len(tables)
         split = [dict(zip(tables, total[i * n : (i + 1) * n].tolist())) for i in range(3)]
-        return split[0], split[1], split[2]
+        step_us, stall_us = slowest[3 * n : 3 * n + 2].tolist()
+        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6)
+
+    def _pick_codec(self):
+        """The codec for the next saves: configured bits, or ``bits: auto`` from the restores expected and done."""
+        bits, why = bits_for_job(self.config, self._restores)
+        codec = self.config.quantization.codec_for(bits)
+        if self.config.quantization.bits == "auto":
+            previous = getattr(self, "codec", None)
+            if previous is None or previous.bits != codec.bits:
+                level = logging.WARNING if previous is not None else logging.INFO
+                log.log(level, "bits: auto -> %s-bit %s: %s", bits, self.config.quantization.method, why)
+        return codec
+
+    def _continue_chain(self, chain: list[dict[str, Any]]) -> None:
+        """Chain state after a restore of ``chain``: consecutive goes on from its tip; others take a baseline."""
+        m = chain[-1]
+        ids = existing_dir_ids(self._storage) if self.rank == 0 else []
+        next_id = self._agree(max(ids + [m["id"]]) + 1)
+        if self.config.policy == "consecutive":
+            self._state = ChainState(next_id, tuple(m["chain"]), chain[0]["nbytes"],
+                                     tuple(c["nbytes"] for c in chain[1:]))
+        else:
+            # The rows dirty between the baseline and this point are not in the tracker any more.
+            self._state = ChainState(next_id)
+            self._force_baseline = "after restore"
+
+    def _exchange(self, obj: Any) -> list[Any]:
+        """Every rank's JSON-able ``obj``, on every rank (tensors, not pickle)."""
+        if not self._dist:
+            return [obj]
+        dev = self._collective_device()
+        data = json.dumps(obj).encode()
+        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
+        dist.all_gather_into_tensor(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
+        sizes = sizes.cpu()
+        width = int(sizes.max())
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        out = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
+        dist.all_gather_into_tensor(out, mine.to(dev))
+        rows = out.cpu().view(self.world_size, width)
+        return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
+
+    @staticmethod
+    def _rebuild(s: dict[str, Any], rank: int | None = None) -> Exception:
+        """The named error another rank (or rank 0's pick) reported, raised here too."""
+        import cnr_torchrec.errors as errors
+
+        cls = getattr(errors, s.get("type", ""), None)
+        if not (isinstance(cls, type) and issubclass(cls, errors.CnrError)):
+            cls = CheckpointError
+        msg = s["message"] if rank is None else f"rank {rank}: {s['message']}"
+        return cls(msg, path=s.get("path", "")) if issubclass(cls, CorruptCheckpointError) else cls(msg)
+
+    def _count_restore(self, manifest: dict[str, Any]) -> None:
+        """After a restore: one more restore for this job, and maybe wider codes (bits: auto)."""
+        self._restores = int(manifest.get("restores", 0)) + 1
+        self.codec = self._pick_codec()
 
     # ------------------------------------------------------------------ background
 
@@ -369,6 +803,7 @@ class Checkpointer:
         storage = self._bg_storage
         try:
             report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
+            faults.hit("write.after")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
             report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -424,7 +859,9 @@ class Checkpointer:
                 result = {"ok": False, "error": "; ".join(bad)}
             else:
                 manifest = self._manifest(d, sorted(reports, key=lambda r: r["rank"]))
+                faults.hit("commit.before_manifest")
                 storage.write_atomic(manifest_path(d.ckpt_id), seal(manifest))
+                faults.hit("commit.after_manifest")
                 result = {"ok": True, "manifest": manifest}
         except Exception as e:
             result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
@@ -436,6 +873,7 @@ class Checkpointer:
                             stall_ms=info.stall_ms, write_ms=info.write_ms)
             self._store.set(self._key(d, "result"), json.dumps(slim))
         if result["ok"]:
+            faults.hit("gc.before")
             self._after_commit(storage)
         return result
 
@@ -450,8 +888,10 @@ class Checkpointer:
             **d.to_json(),
             "policy": self.config.policy,
             "world_size": self.world_size,
-            "codec": {"method": self.config.quantization.method, "bits": self.config.quantization.bits,
+            "codec": {"method": self.config.quantization.method, "bits": self.codec.bits,
+                      "bits_setting": self.config.quantization.bits,
                       "params": self.codec.params if hasattr(self.codec, "params") else {}},
+            "restores": self._restores,
             "tables": shapes,
             "table_fqns": self._table_fqns,
             "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),

@@ -76,13 +76,15 @@ class BlobWriter:
 
 
 def read_blob(
-    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | bytearray | None = None
+    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | bytearray | None = None,
+    verified: bool = False,
 ) -> torch.Tensor:
     """Reads one blob and checks its size and checksum.
 
     Args:
         whole: the file's bytes, if the caller already read it all; else a range read. A
             writable buffer (bytearray) is shared by the returned tensor, not copied.
+        verified: ``whole`` was already checked against the file's sha256; skip the blob's.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -100,7 +102,7 @@ def read_blob(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
             path=file,
         )
-    if sha256(data) != meta["sha256"]:
+    if not verified and sha256(data) != meta["sha256"]:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)

@@ -29,7 +29,7 @@ from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointEr
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["check_compatible", "restore_chain"]
+__all__ = ["check_compatible", "restore_chain", "restore_dense_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +78,13 @@ class _Reader:
             # Writable, so that blobs are viewed in place rather than copied.
             self._data = bytearray(self.storage.read(self.report["file"]))
             self._count(len(self._data))
-        return read_blob(self.storage, self.report["file"], meta, name, whole=self._data)
+        verified = self.storage.checks(self.report["file"])  # the whole file matched its sha256 as it was read
+        return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)
+
+    @property
+    def has_data(self) -> bool:
+        """Whether the whole file is already in memory."""
+        return self._data is not None
 
     def _count(self, nbytes: int) -> None:
         if self._stats is not None:
@@ -315,11 +321,14 @@ def restore_chain(
     target = manifests[-1]
     check_compatible(target, tracker)
     applier = _Applier(tracker, manifests, replicated)
+    own: _Reader | None = None  # this rank's file of the target, if its rows were read: per-rank state is there too
     for m in reversed(manifests):  # newest first: each row is decoded and copied once
         if applier.done():
             break
         for report in m["ranks"]:
             load = _Reader(storage, report, stats)
+            if m is target and report["rank"] == rank:
+                own = load
             for table, entries in _entries(m, report, replicated):
                 for entry in entries:
                     applier.apply(table, entry, load)
@@ -336,7 +345,7 @@ def restore_chain(
         )
         return
     mine = reports[rank]
-    load = _Reader(storage, mine, stats, whole=False)
+    load = own if own is not None and own.has_data else _Reader(storage, mine, stats, whole=False)
     unknown = sorted(set(extra_state) - set(mine["extra"]))
     if unknown:
         raise IncompatibleCheckpointError(
@@ -366,13 +375,21 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
                 )
             t.copy_(saved)
     if dense_optimizer is not None:
-        if first["dense_optimizer"] is None:
-            raise IncompatibleCheckpointError(
-                f"checkpoint {target['id']} holds no dense optimizer state; pass dense_optimizer=None to restore it"
-            )
-        dense_optimizer.load_state_dict(unflatten_state(first["dense_optimizer"], load0))
+        restore_dense_optimizer(target, storage, dense_optimizer, stats)
 
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
         if isinstance(it, torch.Tensor) and it.numel() == 1:
             it.fill_(max(int(r["tbe_iter"]) for r in target["ranks"]))
+
+
+def restore_dense_optimizer(target: Mapping[str, Any], storage: Storage, dense_optimizer: Any,
+                            stats: dict[str, int] | None = None) -> None:
+    """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout)."""
+    first = {r["rank"]: r for r in target["ranks"]}[0]
+    if first["dense_optimizer"] is None:
+        raise IncompatibleCheckpointError(
+            f"checkpoint {target['id']} holds no dense optimizer state; pass dense_optimizer=None to restore it"
+        )
+    load0 = _Reader(storage, first, stats, whole=False)
+    dense_optimizer.load_state_dict(unflatten_state(first["dense_optimizer"], load0))

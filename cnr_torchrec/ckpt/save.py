@@ -10,6 +10,7 @@ rank; it returns the rank's report, which rank 0 folds into the manifest.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -19,14 +20,19 @@ import numpy as np
 import torch
 from torch import nn
 
+from cnr_torchrec.ckpt.config import BudgetConfig
 from cnr_torchrec.ckpt.manifest import rank_file
 from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, sha256
 from cnr_torchrec.ckpt.planner import Decision
+from cnr_torchrec.ckpt.priority import choose_rows, gather_column_counts
 from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import Codec
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Staged", "StagedShard", "dense_named_state", "stage", "write_rank", "rng_state", "set_rng_state"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -61,6 +67,8 @@ class Staged:
     tbe_iter: int = 0
     table_shapes: dict[str, list[int]] = field(default_factory=dict)
     stall_ms: float = 0.0
+    # Per table, global rows a budget-limited delta left out: they stay dirty for a later save.
+    left_out: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -128,11 +136,32 @@ def stage(
     world_size: int,
     dense_optimizer: Any,
     extra_state: dict[str, Any],
+    budget: BudgetConfig | None = None,
 ) -> Staged:
-    """Copies everything ``decision`` saves into host memory. Blocks training."""
+    """Copies everything ``decision`` saves into host memory. Blocks training.
+
+    With ``budget.max_rows_fraction`` set, a delta writes at most
+    ``ceil(max_rows_fraction * rows)`` rows of each shard: the dirty rows with the highest
+    lookup counts (CPR's MFU/SSU), as ids even where the decision said ``full``. The
+    rows left out are returned in ``Staged.left_out`` and must stay dirty
+    (``tracker.reset(keep=staged.left_out)``). Baselines are never limited. With SSU and
+    column-split tables on several ranks this is collective (every rank calls it).
+
+    Raises:
+        ConfigError: a budget on a one-shot delta (restored from the baseline and the latest
+            delta alone, a row left out would fall back to its baseline value).
+    """
     t0 = time.perf_counter()
     out = Staged(decision, rank, world_size)
     since_baseline = decision.since == "baseline"
+    limited = budget is not None and budget.max_rows_fraction is not None and decision.kind == "delta"
+    if limited and since_baseline:
+        raise ConfigError(
+            "budget.max_rows_fraction needs policy consecutive: a one-shot delta is restored from the baseline "
+            "and the latest delta alone, so rows a budget left out would lose their saved updates"
+        )
+    column_counts = gather_column_counts(tracker, budget.priority, world_size) if limited else {}
+    dirty_total = left_total = 0
     tbe_iters = []
     for table in tracker.tables():
         shape = tracker.table_shape(table)
@@ -144,11 +173,23 @@ def stage(
                 out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
             continue
         encoding = decision.encodings.get(table, "full")
-        for kernel, shard, dirty in tracker.shard_dirty_rows(table, since_baseline=since_baseline):
+        shard_dirty = tracker.shard_dirty_rows(table, since_baseline=since_baseline)
+        chosen: dict[tuple[int, int], torch.Tensor] = {}
+        if limited:
+            chosen, left_out = choose_rows(tracker, table, shard_dirty, budget.max_rows_fraction,
+                                           column_counts.get(table))
+            if left_out.numel():
+                out.left_out[table] = left_out
+            dirty_total += sum(int(d.numel()) for d in {s.rows: d for _, s, d in shard_dirty}.values())
+            left_total += int(left_out.numel())
+        for kernel, shard, dirty in shard_dirty:
             weights = kernel.tbe.split_embedding_weights()[shard.local_index]
             all_states = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
             states = list(all_states[shard.local_index]) if all_states else []
-            if encoding == "full":
+            shard_encoding = encoding
+            if shard.rows in chosen:  # the budget is smaller than the shard: selected rows, with ids
+                shard_encoding, dirty = "rows", chosen[shard.rows]
+            if shard_encoding == "full":
                 ids, rows = None, None
             else:
                 ids = dirty
@@ -159,7 +200,9 @@ def stage(
                 rowwise = s.dim() == 1 or s.numel() == shard.num_rows
                 s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
                 staged_states.append((pick(s2), rowwise))
-            out.shards.append(StagedShard(table, shard.rows, shard.cols, encoding, ids, pick(weights), staged_states))
+            out.shards.append(
+                StagedShard(table, shard.rows, shard.cols, shard_encoding, ids, pick(weights), staged_states)
+            )
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
         if isinstance(it, torch.Tensor) and it.numel() == 1:
@@ -174,6 +217,10 @@ def stage(
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned copies above were asynchronous
     out.stall_ms = (time.perf_counter() - t0) * 1e3
+    if limited:
+        log.info("budget-limited delta %d (%s, max_rows_fraction %s): %d of %d dirty rows written, %d left dirty",
+                 decision.ckpt_id, budget.priority, budget.max_rows_fraction, dirty_total - left_total, dirty_total,
+                 left_total)
     return out
 
 

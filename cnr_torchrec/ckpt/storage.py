@@ -66,11 +66,15 @@ class Storage:
     def expect(self, digests: dict[str, tuple[int, str]] | None) -> None:
         """Checks every whole-file read of these files against (size, sha256); None stops checking.
 
-        A restore reads each rank file whole and checks the blobs it uses; with this, a
-        changed byte in a blob it does not use (another checkpoint's RNG state, say) is
-        caught too, and named, at no extra read.
+        A restore reads each rank file whole; with this, a changed byte anywhere in it (a
+        blob it does not use, another rank's RNG state, say) is caught too, and named, at
+        no extra read, and the blobs of a checked file need no checksum of their own.
         """
         self._expected = {check_relative(k): v for k, v in (digests or {}).items()}
+
+    def checks(self, path: str) -> bool:
+        """Whether a whole-file read of ``path`` is checked against its sha256 (see :meth:`expect`)."""
+        return check_relative(path) in self._expected
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)

@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import math
+from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cnr_torchrec import ops
-from cnr_torchrec.errors import RowIdOutOfRangeError, TrackingNotEnabledError, UnknownTableError
+from cnr_torchrec.errors import ConfigError, RowIdOutOfRangeError, TrackingNotEnabledError, UnknownTableError
 from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
 
 __all__ = ["DirtyRowTracker"]
+
+log = logging.getLogger(__name__)
+
+_COUNT_MODES = ("mfu", "ssu")
 
 
 class _KernelState:
@@ -23,9 +30,55 @@ class _KernelState:
         self.bitmap = torch.zeros(words, dtype=torch.int64, device=device)
         self.baseline: torch.Tensor | None = None
         self.counts = torch.zeros(info.num_rows, dtype=torch.int32, device=device) if count_updates else None
+        # SSU: counters fed by a Bernoulli(rate) sample of the looked-up ids, drawn from a
+        # generator of our own so that the training RNG stream is never touched.
+        self.sample_rate: float | None = None
+        self.generator: torch.Generator | None = None
         # Names of the tables behind each feature, for error messages only.
         ftm = getattr(info.tbe, "feature_table_map", None) or list(range(len(info.shards)))
         self.feature_tables = [info.shards[t].table for t in ftm]
+
+
+def _sample_positions(n: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Sorted positions kept by independent Bernoulli(``rate``) trials over positions ``0..n-1``.
+
+    Drawn as the geometric gaps between kept positions, ``floor(log(1 - U) / log(1 - rate)) + 1``
+    for uniform ``U``: about ``n * rate`` draws instead of ``n``. Gaps are memoryless, so a
+    chunk that falls short is continued from its last position. The result may run past
+    ``n - 1``; callers ignore those positions.
+    """
+    expected = n * rate
+    chunk = int(expected + 8.0 * expected**0.5 + 16)
+    scale = 1.0 / math.log1p(-rate)
+    parts, last = [], -1
+    while last < n - 1:
+        u = torch.rand(chunk, generator=generator, device=device)
+        # The float is >= 0, so truncation is floor; the clamp only guards absurdly small rates.
+        gaps = u.neg_().log1p_().mul_(scale).clamp_(max=2.0**62).to(torch.int64).add_(1)
+        pos = torch.cumsum(gaps, 0).add_(last)
+        parts.append(pos)
+        last = int(pos[-1])
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _sample_lookups(
+    indices: torch.Tensor, offsets: torch.Tensor, rate: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Bernoulli(``rate``) sample of a lookup's ids, as ``(indices, offsets)`` over the same bags.
+
+    Kept ids keep their order, and each bag's offset becomes the number of ids kept
+    before it: a cumsum of the kept mask. Positions past the last offset are never read.
+    """
+    n = indices.numel()
+    if n == 0:
+        return indices, torch.zeros_like(offsets)
+    pos = _sample_positions(n, rate, generator, indices.device).clamp_(max=n)
+    kept = indices.index_select(0, pos.clamp(max=n - 1))
+    mask = torch.zeros(n + 1, dtype=torch.bool, device=indices.device)
+    mask[pos] = True  # slot n collects every position past the ids, and is never counted
+    before = torch.zeros(n + 1, dtype=torch.int64, device=indices.device)
+    torch.cumsum(mask[:n], 0, out=before[1:])
+    return kept, before[offsets.long()]
 
 
 class DirtyRowTracker:
@@ -46,9 +99,14 @@ class DirtyRowTracker:
 
     data_parallel tables report every row as dirty: a dense optimizer may change any row.
 
+    Optional int32 counters per row (:meth:`enable_counting`) rank dirty rows for CPR's
+    budget-limited saves: MFU counts every lookup, SSU a sample of them. A budget-limited
+    save clears only the rows it wrote (``reset(keep=...)``); the rest stay dirty.
+
     Args:
         dmp: the sharded model (a DistributedModelParallel).
-        count_updates: also keep an int32 lookup counter per row (32 more bits per row).
+        count_updates: also keep an int32 lookup counter per row (32 more bits per row),
+            counting every lookup (MFU); the same as ``enable_counting("mfu")``.
         baseline_view: allocate the "since baseline" view from the start.
 
     Raises:
@@ -78,7 +136,7 @@ class DirtyRowTracker:
     # ------------------------------------------------------------------ hook
 
     def _make_hook(self, state: _KernelState):
-        bitmap, counts = state.bitmap, state.counts
+        bitmap = state.bitmap
         hsc = state.info.tbe.hash_size_cumsum
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -91,10 +149,18 @@ class DirtyRowTracker:
             if vbe is not None:
                 per_feature = [sum(b) for b in vbe]
                 b_offsets = torch.tensor([0] + per_feature, dtype=torch.int64).cumsum(0).to(bitmap.device)
+            # Read at call time: counters may be enabled after the hook was registered.
+            counts, rate = state.counts, state.sample_rate
+            sampled = counts is not None and rate is not None and rate < 1.0  # rate 1: count all, in one pass
             try:
-                ops.mark_rows(indices, offsets, hsc, bitmap, counts, b_offsets)
+                ops.mark_rows(indices, offsets, hsc, bitmap, None if sampled else counts, b_offsets)
             except IndexError as e:
                 raise self._out_of_range(state, indices, offsets, b_offsets) from e
+            if sampled:
+                # The sample's rows are already set in the bitmap, so this pass only bumps counters
+                # (re-setting a set bit changes nothing); its ids passed the range check above.
+                kept, kept_offsets = _sample_lookups(indices, offsets, rate, state.generator)
+                ops.mark_rows(kept, kept_offsets, hsc, bitmap, counts, b_offsets)
 
         return hook
 
@@ -203,12 +269,43 @@ class DirtyRowTracker:
         rows, counts = [], []
         for state, s in self._shards[table]:
             if state.counts is None:
-                raise TrackingNotEnabledError("construct the tracker with count_updates=True to read lookup counts")
+                raise TrackingNotEnabledError(
+                    "lookup counters are off: construct the tracker with count_updates=True or call enable_counting()"
+                )
             rows.append(torch.arange(s.rows[0], s.rows[1], dtype=torch.int64))
             counts.append(state.counts[s.flat_start : s.flat_start + s.num_rows].cpu())
         if not rows:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int32)
         return torch.cat(rows), torch.cat(counts)
+
+    def shard_update_counts(self, table: str) -> list[tuple[TrackedKernel, ShardSlice, torch.Tensor]]:
+        """Per shard of ``table`` on this rank: its int32 counters, one per shard row, where they live.
+
+        The tensors are views of the live counters (no copy); index them with the offsets
+        :meth:`shard_dirty_rows` returns. data_parallel shards have no counters and are left out.
+
+        Raises:
+            TrackingNotEnabledError: counters are off (see :meth:`enable_counting`).
+        """
+        self._entry(table)
+        out = []
+        for state, s in self._shards[table]:
+            if state.info.data_parallel:
+                continue
+            if state.counts is None:
+                raise TrackingNotEnabledError(
+                    "lookup counters are off: construct the tracker with count_updates=True or call enable_counting()"
+                )
+            out.append((state.info, s, state.counts[s.flat_start : s.flat_start + s.num_rows]))
+        return out
+
+    @property
+    def counting(self) -> str | None:
+        """``"mfu"`` (every lookup counted), ``"ssu"`` (a sample counted) or None (no counters)."""
+        kernels = [k for k in self._kernels if not k.info.data_parallel]
+        if not kernels or kernels[0].counts is None:
+            return None
+        return "mfu" if kernels[0].sample_rate is None else "ssu"
 
     @property
     def bits_per_row(self) -> float:
@@ -227,22 +324,75 @@ class DirtyRowTracker:
 
     # ------------------------------------------------------------------ updates
 
-    def reset(self, *, baseline: bool = False) -> None:
+    def reset(self, *, baseline: bool = False, keep: Mapping[str, torch.Tensor] | None = None) -> None:
         """Starts a new tracking interval.
 
         Args:
             baseline: also restart the "since baseline" view (a full checkpoint was
                 just taken). Otherwise the interval's rows are folded into that view.
+            keep: per table, global row ids that stay dirty, with their counters, because
+                a budget-limited save left them out: a later save must still write them.
+                Rows of a table that this rank does not hold are ignored; every other row
+                is cleared and its counter zeroed.
+
+        Raises:
+            UnknownTableError: ``keep`` names a table the model does not have.
         """
+        kept = self._kept_flat_rows(keep or {})
         for k in self._kernels:
+            rows = kept.get(id(k))
+            saved = None
+            if rows is not None and k.counts is not None:
+                saved = k.counts.index_select(0, rows)
             if k.baseline is not None:
                 if baseline:
                     k.baseline.zero_()
                 else:
+                    # Kept rows are folded in too: the view is ``baseline | bitmap``, so either way they are in it.
                     k.baseline.bitwise_or_(k.bitmap)
             k.bitmap.zero_()
             if k.counts is not None:
                 k.counts.zero_()
+            if rows is not None:
+                # Re-mark the kept rows as one feature over the TBE's whole flat row space.
+                offsets = torch.tensor([0, rows.numel()], dtype=torch.int64, device=k.bitmap.device)
+                space = torch.tensor([0, k.info.num_rows], dtype=torch.int64, device=k.bitmap.device)
+                ops.mark_rows(rows, offsets, space, k.bitmap)
+                if saved is not None:
+                    k.counts.index_copy_(0, rows, saved)
+
+    def enable_counting(self, mode: str, rate: float = 1.0, seed: int = 0) -> None:
+        """Starts per-row lookup counters (int32, 32 bits per row) for priority-ordered saves.
+
+        Counters start at zero; rows looked up before this call are dirty but uncounted.
+        The dirty bitmap stays exact in either mode.
+
+        Args:
+            mode: ``"mfu"`` counts every looked-up id. ``"ssu"`` counts a Bernoulli(``rate``)
+                sample of them, drawn per looked-up id from a generator of this tracker's
+                own (seeded from ``seed`` and the rank; the global RNG is never used).
+            rate: SSU's sampling rate, in (0, 1]; ignored for MFU.
+            seed: SSU's seed; ranks and TBEs derive distinct streams from it.
+
+        Raises:
+            ConfigError: unknown mode or a rate outside (0, 1].
+        """
+        if mode not in _COUNT_MODES:
+            raise ConfigError(f"counting mode {mode!r} is not one of {list(_COUNT_MODES)}")
+        if mode == "ssu" and not (isinstance(rate, (int, float)) and 0.0 < rate <= 1.0):
+            raise ConfigError(f"ssu rate must be in (0, 1], got {rate!r}")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        for i, k in enumerate(self._kernels):
+            if k.counts is None:  # data_parallel TBEs too, as with count_updates=True (they stay at zero)
+                k.counts = torch.zeros(k.info.num_rows, dtype=torch.int32, device=k.bitmap.device)
+            if mode == "mfu" or k.info.data_parallel:
+                k.sample_rate, k.generator = None, None
+                continue
+            k.sample_rate = float(rate)
+            k.generator = torch.Generator(device=k.bitmap.device)
+            # Distinct, reproducible streams per (seed, rank, TBE).
+            k.generator.manual_seed(((int(seed) * 1_000_003 + rank) * 1_009 + i) % 2**63)
+        log.info("lookup counters on (%s%s)", mode, f", rate {rate}" if mode == "ssu" else "")
 
     def enable_baseline_view(self) -> None:
         """Starts keeping the "since baseline" view, if it is not kept already.
@@ -265,6 +415,23 @@ class DirtyRowTracker:
         self._handles.clear()
 
     # ------------------------------------------------------------------ internals
+
+    def _kept_flat_rows(self, keep: Mapping[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """``keep`` (global rows per table) as flat TBE rows, per kernel state (keyed by id())."""
+        parts: dict[int, list[torch.Tensor]] = {}
+        for table, rows in keep.items():
+            self._entry(table)
+            rows = torch.as_tensor(rows, dtype=torch.int64).cpu()
+            for state, s in self._shards[table]:
+                if state.info.data_parallel or rows.numel() == 0:
+                    continue
+                mine = rows[(rows >= s.rows[0]) & (rows < s.rows[1])]
+                parts.setdefault(id(state), []).append(mine + (s.flat_start - s.rows[0]))
+        out = {}
+        for k in self._kernels:
+            if id(k) in parts:
+                out[id(k)] = torch.unique(torch.cat(parts[id(k)])).to(k.bitmap.device)
+        return out
 
     def _entry(self, table: str) -> dict[str, object]:
         try:
