@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Iterable
@@ -913,7 +914,9 @@ class Checkpointer:
             for i in drop:
                 m = manifests[i]
                 storage.delete(manifest_path(i))  # uncommit first, then the payload
-                storage.remove_dir(ckpt_dir(i), [r["file"] for r in m["ranks"]])
+                # Only files inside the checkpoint's own directory: a crafted manifest must not delete others.
+                own = [r["file"] for r in m["ranks"] if posixpath.dirname(r["file"]) == ckpt_dir(i)]
+                storage.remove_dir(ckpt_dir(i), own)
             newest = max(ids)
             for i in existing_dir_ids(storage):
                 if i < newest and i not in manifests:  # a save that never committed
