@@ -32,7 +32,9 @@ test: install nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 demo: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 -m cnr_torchrec.examples.track_demo
+	rm -rf /tmp/cnr_demo
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 --max-restarts 1 \
+	  -m cnr_torchrec.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py
