@@ -80,6 +80,12 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` in host memory: one gather on the host, a gather then a pinned copy elsewhere."""
+    picked = t.detach().index_select(0, rows)  # a new tensor that training never writes
+    return picked if picked.device.type == "cpu" else _host_copy(picked)
+
+
 def _clone_tree(obj: Any) -> Any:
     if isinstance(obj, torch.Tensor):
         return _host_copy(obj)
@@ -194,7 +200,7 @@ def stage(
             else:
                 ids = dirty
                 rows = dirty.to(weights.device)
-            pick = _host_copy if rows is None else (lambda t, rows=rows: _host_copy(t.index_select(0, rows)))
+            pick = _host_copy if rows is None else (lambda t, rows=rows: _gather_rows(t, rows))
             staged_states = []
             for s in states:
                 rowwise = s.dim() == 1 or s.numel() == shard.num_rows
