@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint nvcc-check clean reliability
+.PHONY: install test demo bench bench-checkpoint bench-cpr accuracy nvcc-check clean reliability
 
 install: $(EXT)
 
@@ -41,6 +41,12 @@ bench: install
 
 bench-checkpoint: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint.py --json checkpoint_bench.json
+
+bench-cpr: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/cpr.py --json cpr_bench.json
+
+accuracy: install
+	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --json accuracy.json --markdown accuracy.md
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT)
