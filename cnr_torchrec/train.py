@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from cnr_torchrec.ckpt.config import CheckpointConfig, _build, _convert
+from cnr_torchrec.ckpt.config import CheckpointConfig, _build, _convert, read_mapping
 from cnr_torchrec.data import ClickDataset, DataConfig, ResumableReader, SyntheticCriteo, make_loader
 from cnr_torchrec.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
@@ -184,23 +184,10 @@ def load_job_config(source: str | os.PathLike | Mapping[str, Any], overrides: Se
         ConfigError: a missing or invalid file, an unknown key anywhere (with a did-you-mean), a
             wrong type, an out-of-range value or a bad override. The message names the key.
     """
-    if isinstance(source, Mapping):
-        data: Any = dict(source)
+    data, where = read_mapping(source, "job config", empty_ok=True)
+    if where == "config":
         where = "job config"
-    else:
-        where = os.fspath(source)
-        try:
-            with open(where) as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"job config {where} does not exist; pass the path of a YAML file") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where} is not valid YAML: {e}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: the top level must be a mapping of sections, got {type(data).__name__}")
-    data = apply_overrides(dict(data), overrides)
+    data = apply_overrides(data, overrides)
     sections = _build(_Sections, data, where)
     if "checkpoint_interval" in sections.train and sections.checkpoint.get("interval") is not None:
         raise ConfigError(

@@ -246,22 +246,35 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any)
         ConfigError: the file is missing or not YAML, a key is unknown, a value has the
             wrong type or an inconsistent value. The message names the key.
     """
+    data, where = read_mapping(source, "config file")
+    return _build(CheckpointConfig, {**data, **overrides}, where)
+
+
+def read_mapping(
+    source: str | os.PathLike | Mapping[str, Any], what: str, empty_ok: bool = False
+) -> tuple[dict[str, Any], str]:
+    """The top-level mapping of a YAML file (or a mapping, copied), and how to name it in errors.
+
+    An empty file is an empty mapping when ``empty_ok`` (every key has a default), else an error.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
+    """
     if isinstance(source, Mapping):
-        data: Any = dict(source)
-        where = "config"
-    else:
-        where = os.fspath(source)
-        try:
-            with open(where) as f:
-                data = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file {where} does not exist; pass the path of a YAML file") from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{where} is not valid YAML: {e}") from None
+        return dict(source), "config"
+    where = os.fspath(source)
+    try:
+        with open(where) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {where} does not exist; pass the path of a YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from None
+    if data is None and empty_ok:
+        data = {}
     if not isinstance(data, Mapping):
         raise ConfigError(f"{where}: the top level must be a mapping of config keys, got {type(data).__name__}")
-    data = {**data, **overrides}
-    return _build(CheckpointConfig, data, where)
+    return dict(data), where
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
