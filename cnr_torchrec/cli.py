@@ -165,7 +165,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_compact(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.offline import compact, count_entries, resolve_id
+    from cnr_torchrec.ckpt.compact import compact
+    from cnr_torchrec.ckpt.offline import count_entries, resolve_id
     from cnr_torchrec.quant import get_codec
 
     get_codec(args.method, args.bits)  # a bad codec fails before anything is read
@@ -195,7 +196,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from cnr_torchrec.ckpt.manifest import load_manifest
-    from cnr_torchrec.ckpt.offline import count_entries, export_state_dict, resolve_id
+    from cnr_torchrec.ckpt.compact import export_state_dict
+    from cnr_torchrec.ckpt.offline import count_entries, resolve_id
 
     storage = _open(args)
     try:

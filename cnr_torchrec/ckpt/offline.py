@@ -1,9 +1,10 @@
-"""Offline work on a checkpoint root, with no model and no process group: summaries, chain merging, export.
+"""Offline reading of a checkpoint root, with no model and no process group: summaries and chain merging.
 
 A restore applies a baseline and its deltas in order; here the same entries are applied
 to whole, unsharded tables held in memory (every entry carries its global row and column
 range, and its rows carry offsets into that range). The result feeds ``cnr compact``
-(a new baseline with the tip's shard layout) and ``cnr export`` (a plain state_dict).
+(a new baseline with the tip's shard layout) and ``cnr export`` (a plain state_dict), both
+in :mod:`cnr_torchrec.ckpt.compact`.
 
 Row-wise optimizer state is one value per row of a column shard. It is kept here
 expanded to one value per row and column (every column of a shard holds the shard's
@@ -19,29 +20,18 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from cnr_torchrec.ckpt.manifest import (
-    ckpt_dir,
-    committed_ids,
-    existing_dir_ids,
-    load_manifest,
-    manifest_path,
-    rank_file,
-    seal,
-    write_index,
-)
-from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, sha256, unflatten_state
+from cnr_torchrec.ckpt.manifest import ckpt_dir, committed_ids, existing_dir_ids, load_manifest, manifest_path
 from cnr_torchrec.ckpt.restore import _Reader
 from cnr_torchrec.ckpt.save import decode_ids
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError
-from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode, get_codec
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 
 __all__ = [
     "RowState",
@@ -54,8 +44,6 @@ __all__ = [
     "checkpoint_row",
     "full_snapshot_nbytes",
     "summarize",
-    "compact",
-    "export_state_dict",
 ]
 
 log = logging.getLogger(__name__)
@@ -429,206 +417,3 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "uncommitted": uncommitted,
         "corrupt": corrupt,
     }
-
-
-# ---------------------------------------------------------------------- compact
-
-
-def _copy_blob(load: _Reader, out: BlobWriter, name: str) -> str:
-    if name not in out.index:
-        out.add(name, load(name))
-    return name
-
-
-def _copy_tree(tree: Any, load: _Reader, out: BlobWriter) -> Any:
-    """Copies the blobs a flattened state tree refers to, under the same names (the tree stays valid)."""
-    unflatten_state(tree, lambda name: _copy_blob(load, out, name))
-    return tree
-
-
-def compact(
-    storage: Storage,
-    ckpt_id: int | None = None,
-    *,
-    method: str = "none",
-    bits: int | None = None,
-    progress: Progress | None = None,
-) -> dict[str, Any]:
-    """Merges ``ckpt_id``'s chain (default: the newest committed) into a new baseline with the next free id.
-
-    The new checkpoint keeps the tip's step, world size and shard layout: each rank file
-    holds one ``full`` entry per shard that rank saved in the tip, plus the tip's dense
-    parameters, dense optimizer, extra and RNG state, replicated tables and TBE step.
-    With ``method="none"`` the rows are the chain's decoded rows in float32, so
-    restoring the new baseline equals restoring the chain bit for bit. A quantizing
-    method re-encodes the decoded rows (their error adds to the chain's own).
-
-    Rank files are written first, then the sealed manifest atomically (the commit), then
-    index.json: the Checkpointer's protocol. Must not run while a job writes to the root.
-
-    Returns:
-        The new checkpoint's manifest body.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
-        CorruptCheckpointError: a file of the chain fails its checks (names it).
-        UnknownCodecError: ``method``/``bits`` name no codec.
-    """
-    t0 = time.perf_counter()
-    codec = get_codec(method, bits)
-    tip_id = resolve_id(storage, ckpt_id)
-    chain = load_chain(storage, tip_id)
-    tip = chain[-1]
-    tables = assemble_tables(storage, chain, progress)
-    new_id = max(existing_dir_ids(storage) + committed_ids(storage)) + 1
-    written: list[str] = []
-    try:
-        reports = []
-        for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
-            reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
-            written.append(reports[-1]["file"])
-        write_ms = (time.perf_counter() - t0) * 1e3
-        for r in reports:
-            r["write_ms"] = round(write_ms, 3)
-        body = {
-            "id": new_id,
-            "step": tip["step"],
-            "kind": "baseline",
-            "since": None,
-            "parent": None,
-            "chain": [new_id],
-            "encodings": {t: "full" for t in tip["tables"]},
-            "reason": f"compacted from chain {[m['id'] for m in chain]} by cnr compact",
-            "policy": tip.get("policy"),
-            "world_size": tip["world_size"],
-            "codec": {"method": method, "bits": bits, "params": codec.params},
-            "tables": tip["tables"],
-            "table_fqns": tip.get("table_fqns", {}),
-            "replicated": tip.get("replicated", []),
-            "nbytes": sum(r["nbytes"] for r in reports),
-            "created_unix": time.time(),
-            "compacted_from": [m["id"] for m in chain],
-            "ranks": reports,
-        }
-        storage.write_atomic(manifest_path(new_id), seal(body))
-    except BaseException:
-        storage.remove_dir(ckpt_dir(new_id), written)
-        raise
-    write_index(storage, committed_ids(storage))
-    log.info("compacted chain %s into checkpoint %d (%d bytes)", body["compacted_from"], new_id, body["nbytes"])
-    return body
-
-
-def _write_compacted_rank(
-    storage: Storage,
-    report: Mapping[str, Any],
-    new_id: int,
-    tables: Mapping[str, TableData],
-    codec: Any,
-    progress: Progress | None,
-) -> dict[str, Any]:
-    load = _Reader(storage, report)
-    blobs = BlobWriter()
-    out_tables: dict[str, list[dict[str, Any]]] = {}
-    rows_written = 0
-    i = 0
-    for table, entries in report["tables"].items():
-        data = tables[table]
-        for entry in entries:
-            rows = (int(entry["rows"][0]), int(entry["rows"][1]))
-            cols = (int(entry["cols"][0]), int(entry["cols"][1]))
-            prefix = f"s{i}"
-            i += 1
-            encoded = codec.encode(data.weights[rows[0] : rows[1], cols[0] : cols[1]].contiguous())
-            out: dict[str, Any] = {"rows": list(rows), "cols": list(cols), "encoding": "full"}
-            out["weights"] = {
-                "meta": encoded.metadata(),
-                "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
-            }
-            states = []
-            for j, s in enumerate(entry.get("states", [])):
-                if j >= len(data.states):
-                    raise CorruptCheckpointError(
-                        f"{report['file']}: table '{table}' has {len(entry['states'])} optimizer states in the tip "
-                        f"but the chain stored {len(data.states)}",
-                        path=report["file"],
-                    )
-                state = data.states[j]
-                dtype = _DTYPES.get(report["blobs"].get(s["blob"], {}).get("dtype", "float32"), torch.float32)
-                t = state.for_shard(rows, cols).to(dtype)
-                states.append({"rowwise": state.rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)})
-            out["states"] = states
-            rows_written += encoded.num_rows
-            out_tables.setdefault(table, []).append(out)
-            if progress is not None:
-                progress(1)
-    replicated = {t: _copy_blob(load, blobs, name) for t, name in report["replicated_tables"].items()}
-    dense = {n: _copy_blob(load, blobs, name) for n, name in report["dense"].items()}
-    dense_opt = report.get("dense_optimizer")
-    if dense_opt is not None:
-        _copy_tree(dense_opt, load, blobs)
-    extra = {n: _copy_tree(tree, load, blobs) for n, tree in report.get("extra", {}).items()}
-    rng = _copy_tree(report.get("rng"), load, blobs)
-    data_bytes = blobs.getvalue()
-    file = rank_file(new_id, int(report["rank"]))
-    storage.write(file, data_bytes)
-    storage.fsync_file(file)
-    return {
-        "rank": report["rank"],
-        "ok": True,
-        "file": file,
-        "nbytes": len(data_bytes),
-        "sha256": sha256(data_bytes),
-        "blobs": blobs.index,
-        "tables": out_tables,
-        "replicated_tables": replicated,
-        "dense": dense,
-        "dense_optimizer": dense_opt,
-        "extra": extra,
-        "rng": rng,
-        "tbe_iter": report.get("tbe_iter", 0),
-        "table_shapes": report.get("table_shapes", {}),
-        "rows_written": rows_written,
-        "stall_ms": 0.0,
-        "write_ms": 0.0,
-    }
-
-
-# ---------------------------------------------------------------------- export
-
-
-def export_state_dict(
-    storage: Storage, ckpt_id: int | None = None, progress: Progress | None = None
-) -> dict[str, torch.Tensor]:
-    """A plain, unsharded, full-precision state_dict of checkpoint ``ckpt_id`` (default: the newest).
-
-    Keys: each table's weight under its unsharded name (``table_fqns``, e.g.
-    ``ebc.embedding_bags.t0.weight``), the dense parameters and buffers under their
-    names, and each table's fused-optimizer row states under
-    ``"<weight name>.optimizer_state.<i>"`` (``[rows]`` for row-wise state, ``[rows, dim]``
-    otherwise). The dense optimizer, extra and RNG state are not exported.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
-        CorruptCheckpointError: a file of the chain fails its checks (names it).
-    """
-    chain = load_chain(storage, resolve_id(storage, ckpt_id))
-    tip = chain[-1]
-    tables = assemble_tables(storage, chain, progress)
-    fqns = tip.get("table_fqns", {})
-    out: dict[str, torch.Tensor] = {}
-    for table in sorted(tables):
-        name = fqns.get(table, f"{table}.weight")
-        data = tables[table]
-        out[name] = data.weights
-        for i, s in enumerate(data.states):
-            out[f"{name}.optimizer_state.{i}"] = s.per_row() if s.rowwise else s.values
-    first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load0 = _Reader(storage, first)
-    for name, blob in first["dense"].items():
-        if name in out:
-            raise CorruptCheckpointError(
-                f"{manifest_path(tip['id'])}: dense parameter {name!r} has the name of a table", path=first["file"]
-            )
-        out[name] = load0(blob).clone()
-    return out
