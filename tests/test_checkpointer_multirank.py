@@ -391,7 +391,7 @@ def _skip_worker(rank, world_size, root):
     import threading
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt import checkpointer as ckpt_mod
+    from cnr_torchrec.ckpt import commit as ckpt_mod  # where the background write runs
 
     dmp, specs, opt = _build(world_size)
     ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None, on_busy="skip"), dense_optimizer=opt)

@@ -5,36 +5,24 @@ from __future__ import annotations
 import json
 import logging
 import os
-import posixpath
 import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
-from cnr_torchrec.ckpt.manifest import (
-    ckpt_dir,
-    ckpt_id_of,
-    committed_ids,
-    existing_dir_ids,
-    load_manifest,
-    manifest_path,
-    rank_file,
-    seal,
-    write_index,
-)
+from cnr_torchrec.ckpt.manifest import ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore import restore_chain
-from cnr_torchrec.ckpt.save import Staged, stage, write_rank
+from cnr_torchrec.ckpt.save import stage
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import (
     CheckpointError,
@@ -48,33 +36,6 @@ from cnr_torchrec.errors import (
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """A committed checkpoint, as its manifest describes it."""
-
-    id: int
-    step: int
-    kind: str
-    parent: int | None
-    chain: tuple[int, ...]
-    policy: str
-    nbytes: int
-    rows_written: int
-    world_size: int
-    codec: dict[str, Any]
-    stall_ms: float
-    write_ms: float
-
-    @classmethod
-    def from_manifest(cls, m: dict[str, Any]) -> CheckpointInfo:
-        return cls(
-            id=m["id"], step=m["step"], kind=m["kind"], parent=m["parent"], chain=tuple(m["chain"]),
-            policy=m["policy"], nbytes=m["nbytes"], rows_written=sum(r["rows_written"] for r in m["ranks"]),
-            world_size=m["world_size"], codec=m["codec"], stall_ms=max(r["stall_ms"] for r in m["ranks"]),
-            write_ms=max(r["write_ms"] for r in m["ranks"]),
-        )
 
 
 def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
@@ -131,7 +92,7 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
-class Checkpointer:
+class Checkpointer(CommitProtocol):
     """Differential, quantized checkpoints of a :class:`~cnr_torchrec.CheckNRunDMP`.
 
     Every rank constructs one, with the same config, and calls ``save``/``restore`` at
@@ -661,143 +622,3 @@ class Checkpointer:
         """After a restore: one more restore for this job, and maybe wider codes (bits: auto)."""
         self._restores = int(manifest.get("restores", 0)) + 1
         self.codec = self._pick_codec()
-
-    # ------------------------------------------------------------------ background
-
-    def _write(self, staged: Staged) -> CheckpointInfo:
-        d = staged.decision
-        if self._bg_storage is None:
-            self._bg_storage = Storage(self.config.root, self.config.storage_options)
-        storage = self._bg_storage
-        try:
-            report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
-            faults.hit("write.after")
-        except Exception as e:  # reported to rank 0, which will not commit
-            log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
-            report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
-        if self.rank == 0:
-            result = self._commit(d, report, storage)
-        else:
-            result = self._await_result(d, report)
-        if not result["ok"]:
-            self._cleanup(d, storage)
-            raise SaveFailedError(
-                f"save {d.ckpt_id} at step {d.step} did not commit: {result['error']}. "
-                f"The previous checkpoint is intact; the next save writes a new baseline."
-            )
-        return CheckpointInfo.from_manifest(result["manifest"]) if "manifest" in result else self._info(d, result)
-
-    def _info(self, d: Decision, result: dict[str, Any]) -> CheckpointInfo:
-        return CheckpointInfo(
-            id=d.ckpt_id, step=d.step, kind=d.kind, parent=d.parent, chain=d.chain, policy=self.config.policy,
-            nbytes=result["nbytes"], rows_written=result["rows_written"], world_size=self.world_size,
-            codec=result["codec"], stall_ms=result["stall_ms"], write_ms=result["write_ms"],
-        )
-
-    def _key(self, d: Decision, what: str) -> str:
-        return f"{d.ckpt_id}/{what}"
-
-    def _await_result(self, d: Decision, report: dict[str, Any]) -> dict[str, Any]:
-        timeout = timedelta(seconds=self.config.save_timeout_s)
-        try:
-            self._store.set(self._key(d, f"report/{self.rank}"), json.dumps(report))
-            self._store.wait([self._key(d, "result")], timeout)
-            return json.loads(self._store.get(self._key(d, "result")))
-        except Exception as e:
-            return {"ok": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
-
-    def _gather_reports(self, d: Decision, own: dict[str, Any]) -> list[dict[str, Any]]:
-        reports = [own]
-        if self.world_size == 1:
-            return reports
-        timeout = timedelta(seconds=self.config.save_timeout_s)
-        keys = [self._key(d, f"report/{r}") for r in range(1, self.world_size)]
-        try:
-            self._store.wait(keys, timeout)
-        except Exception as e:
-            missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
-            return reports + [{"rank": r, "ok": False, "error": f"no report within {timeout} ({e})"} for r in missing]
-        return reports + [json.loads(self._store.get(k)) for k in keys]
-
-    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage) -> dict[str, Any]:
-        try:
-            reports = self._gather_reports(d, own)
-            bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
-            if bad:
-                result = {"ok": False, "error": "; ".join(bad)}
-            else:
-                manifest = self._manifest(d, sorted(reports, key=lambda r: r["rank"]))
-                faults.hit("commit.before_manifest")
-                storage.write_atomic(manifest_path(d.ckpt_id), seal(manifest))
-                faults.hit("commit.after_manifest")
-                result = {"ok": True, "manifest": manifest}
-        except Exception as e:
-            result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
-        if self._dist:
-            slim = {k: v for k, v in result.items() if k != "manifest"}
-            if result["ok"]:
-                info = CheckpointInfo.from_manifest(result["manifest"])
-                slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=info.codec,
-                            stall_ms=info.stall_ms, write_ms=info.write_ms)
-            self._store.set(self._key(d, "result"), json.dumps(slim))
-        if result["ok"]:
-            faults.hit("gc.before")
-            self._after_commit(storage)
-        return result
-
-    def _manifest(self, d: Decision, reports: list[dict[str, Any]]) -> dict[str, Any]:
-        shapes: dict[str, list[int]] = {}
-        for r in reports:
-            shapes.update(r["table_shapes"])
-        missing = sorted(set(self.tracker.tables()) - set(shapes))
-        if missing:
-            raise CheckpointError(f"no rank reported the shape of tables {missing}")
-        return {
-            **d.to_json(),
-            "policy": self.config.policy,
-            "world_size": self.world_size,
-            "codec": {"method": self.config.quantization.method, "bits": self.codec.bits,
-                      "bits_setting": self.config.quantization.bits,
-                      "params": self.codec.params if hasattr(self.codec, "params") else {}},
-            "restores": self._restores,
-            "tables": shapes,
-            "table_fqns": self._table_fqns,
-            "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
-            "nbytes": sum(r["nbytes"] for r in reports),
-            "created_unix": time.time(),
-            "ranks": reports,
-        }
-
-    def _after_commit(self, storage: Storage) -> None:
-        """Rewrites the index and deletes checkpoints that no kept chain needs. Never fails the save."""
-        try:
-            ids = committed_ids(storage)
-            manifests = {i: load_manifest(storage, i) for i in ids}
-            baselines = [i for i in ids if manifests[i]["kind"] == "baseline"]
-            keep_bases = set(baselines[-self.config.keep_last :])
-            keep = {i for i, m in manifests.items() if m["chain"][0] in keep_bases}
-            drop = [i for i in ids if i not in keep]
-            write_index(storage, sorted(keep))
-            for i in drop:
-                m = manifests[i]
-                storage.delete(manifest_path(i))  # uncommit first, then the payload
-                # Only files inside the checkpoint's own directory: a crafted manifest must not delete others.
-                own = [r["file"] for r in m["ranks"] if posixpath.dirname(r["file"]) == ckpt_dir(i)]
-                storage.remove_dir(ckpt_dir(i), own)
-            newest = max(ids)
-            for i in existing_dir_ids(storage):
-                if i < newest and i not in manifests:  # a save that never committed
-                    storage.remove_dir(ckpt_dir(i), [])
-            if drop:
-                log.info("garbage-collected checkpoints %s (keep_last=%d chains)", drop, self.config.keep_last)
-        except Exception as e:
-            log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
-
-    def _cleanup(self, d: Decision, storage: Storage) -> None:
-        """Removes this rank's partial payload of a save that did not commit."""
-        try:
-            storage.delete(rank_file(d.ckpt_id, self.rank))
-            if self.rank == 0:
-                storage.remove_dir(ckpt_dir(d.ckpt_id), [])
-        except Exception as e:
-            log.warning("could not remove the partial files of save %d: %s", d.ckpt_id, e)
