@@ -213,7 +213,8 @@ def main() -> None:
         full_bytes = results["full"]["bytes_reloaded"]
         lost = results["partial"]["failed_rank_steps_lost"] / (args.steps * world)
         print(f"\nlost updates (partial): {lost:.2%} of rank-steps; expected {predicted:.2%} for an interval of "
-              f"{args.interval} steps and a failure every {mtbf_steps:.0f} steps (target {args.target_lost_fraction:.2%})")
+              f"{args.interval} steps and a failure every {mtbf_steps:.0f} steps "
+              f"(target {args.target_lost_fraction:.2%})")
         figures = {
             "reload_bytes_ratio": results["partial"]["bytes_reloaded"] / full_bytes if full_bytes else math.nan,
             "dlogloss_full": results["full"]["dlogloss_rel"],

@@ -9,7 +9,6 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.manifest import ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.partial import RecoveryInfo, recover
 from cnr_torchrec.ckpt.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore import restore_chain
@@ -47,17 +47,6 @@ def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
         hits = [n for n in names if n.startswith(module + ".") and n.endswith(f".{table}.weight")]
         out[table] = hits[0] if len(hits) == 1 else f"{module}.{table}.weight"
     return out
-
-
-@dataclass(frozen=True)
-class RecoveryInfo:
-    """What a partial recovery did: the checkpoint, the ranks, and what moved."""
-
-    ckpt_id: int
-    step: int
-    failed_ranks: tuple[int, ...]
-    bytes_read: int  # from storage, by all failed ranks together
-    bytes_broadcast: int  # replicated state sent from the survivor
 
 
 class SaveHandle:
@@ -399,77 +388,8 @@ class Checkpointer(CommitProtocol):
         return int(m["step"])
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
-        """CPR partial recovery: only the failed ranks reload their shards; survivors keep their live rows.
-
-        Every rank calls it at once, the replaced ranks as fresh processes. The failed ranks
-        restore their embedding shards with their optimizer state, their ``extra_state``
-        (reader position) and RNG from the newest complete checkpoint (or the newest of
-        ``step``); the survivors read nothing and keep training state as it is. What DDP
-        replicates (dense parameters and buffers, data_parallel tables, the dense
-        optimizer, the TBE step) is then broadcast from the lowest surviving rank. The
-        updates the failed ranks' rows received since the checkpoint are lost: that is
-        the trade CPR makes for not rolling every rank back (``failure.target_lost_fraction``).
-
-        Raises:
-            ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
-                (nothing survives: use :meth:`restore`).
-            CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError: as for restore,
-                on every rank alike.
-        """
-        from cnr_torchrec.ckpt.partial import sync_from_survivor
-        from cnr_torchrec.ckpt.restore import restore_dense_optimizer
-
-        failed = sorted({int(r) for r in failed_ranks})
-        if not failed or failed[0] < 0 or failed[-1] >= self.world_size:
-            raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in "
-                              f"[0, {self.world_size})")
-        survivors = [r for r in range(self.world_size) if r not in failed]
-        if not survivors:
-            raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
-        if self._inflight is not None:
-            self._settle(self._inflight)
-        pick, chain = self._resolve(step, {}) if self.rank == 0 else (None, None)
-        pick = self._exchange(pick)[0]
-        if "error" in pick:
-            raise self._rebuild(pick["error"])
-        if not pick["chain"]:
-            raise CheckpointNotFoundError(self._not_found(step))
-        stats: dict[str, int] = {}
-        status = None
-        try:
-            chain = chain or [load_manifest(self._storage, i) for i in pick["chain"]]
-            if self.rank in failed:
-                same_world = chain[-1]["world_size"] == self.world_size
-                self._storage.expect({r["file"]: (int(r["nbytes"]), r["sha256"]) for c in chain for r in c["ranks"]})
-                try:
-                    restore_chain(
-                        chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
-                        world_size=self.world_size, dense_optimizer=None, replicated=False, stats=stats,
-                        extra_state=self.extra_state if same_world else {},
-                    )
-                    if self.dense_optimizer is not None:  # its layout; the survivor's values follow
-                        restore_dense_optimizer(chain[-1], self._storage, self.dense_optimizer, stats)
-                finally:
-                    self._storage.expect(None)
-        except Exception as e:  # the other ranks must hear of it before any broadcast
-            status = {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}
-        statuses = self._exchange(status)
-        for r, s in enumerate(statuses):
-            if s is not None:
-                raise self._rebuild(s, r)
-        sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivors[0])
-        m = chain[-1]
-        self.tracker.reset(baseline=True) if self.rank in failed else None
-        self._continue_chain(chain)
-        self._count_restore(m)
-        read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
-        if self._dist:
-            dist.all_reduce(read)
-        info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
-                            bytes_read=int(read), bytes_broadcast=sent)
-        log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
-                 "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivors[0])
-        return info
+        """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.partial.recover`."""
+        return recover(self, failed_ranks, step)
 
     def close(self) -> None:
         """Waits for the save in flight and releases the background thread."""

@@ -1,4 +1,4 @@
-"""CPR partial recovery: the state every rank holds alike, copied from a surviving rank.
+"""CPR partial recovery: only the failed ranks reload; the state every rank holds alike comes from a survivor.
 
 After a failure, the failed ranks reload their own shards from the checkpoint while the
 survivors keep their live rows. What DDP replicates (dense parameters and buffers,
@@ -11,17 +11,24 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from cnr_torchrec.ckpt.manifest import load_manifest
+from cnr_torchrec.ckpt.restore import restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.save import dense_named_state
-from cnr_torchrec.errors import CheckpointError
+from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["replicated_tensors", "sync_from_survivor"]
+__all__ = ["RecoveryInfo", "recover", "replicated_tensors", "sync_from_survivor"]
+
+log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
 
 def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any) -> list[tuple[str, Any]]:
@@ -82,3 +89,86 @@ def sync_from_survivor(model: nn.Module, tracker: DirtyRowTracker, dense_optimiz
         for it in iters:
             it.fill_(int(step))
     return sent
+
+
+@dataclass(frozen=True)
+class RecoveryInfo:
+    """What a partial recovery did: the checkpoint, the ranks, and what moved."""
+
+    ckpt_id: int
+    step: int
+    failed_ranks: tuple[int, ...]
+    bytes_read: int  # from storage, by all failed ranks together
+    bytes_broadcast: int  # replicated state sent from the survivor
+
+
+def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
+    """``Checkpointer.recover``: only the failed ranks reload their shards; survivors keep their live rows.
+
+    Every rank calls it at once, the replaced ranks as fresh processes. The failed ranks
+    restore their embedding shards with their optimizer state, their ``extra_state``
+    (reader position) and RNG from the newest complete checkpoint (or the newest of
+    ``step``); the survivors read nothing and keep training state as it is. What DDP
+    replicates (dense parameters and buffers, data_parallel tables, the dense
+    optimizer, the TBE step) is then broadcast from the lowest surviving rank. The
+    updates the failed ranks' rows received since the checkpoint are lost: that is
+    the trade CPR makes for not rolling every rank back (``failure.target_lost_fraction``).
+
+    Raises:
+        ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
+            (nothing survives: use ``Checkpointer.restore``).
+        CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError: as for restore,
+            on every rank alike.
+    """
+    failed = sorted({int(r) for r in failed_ranks})
+    if not failed or failed[0] < 0 or failed[-1] >= ck.world_size:
+        raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in "
+                          f"[0, {ck.world_size})")
+    survivors = [r for r in range(ck.world_size) if r not in failed]
+    if not survivors:
+        raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
+    if ck._inflight is not None:
+        ck._settle(ck._inflight)
+    pick, chain = ck._resolve(step, {}) if ck.rank == 0 else (None, None)
+    pick = ck._exchange(pick)[0]
+    if "error" in pick:
+        raise ck._rebuild(pick["error"])
+    if not pick["chain"]:
+        raise CheckpointNotFoundError(ck._not_found(step))
+    stats: dict[str, int] = {}
+    status = None
+    try:
+        chain = chain or [load_manifest(ck._storage, i) for i in pick["chain"]]
+        if ck.rank in failed:
+            same_world = chain[-1]["world_size"] == ck.world_size
+            ck._storage.expect({r["file"]: (int(r["nbytes"]), r["sha256"]) for c in chain for r in c["ranks"]})
+            try:
+                restore_chain(
+                    chain, storage=ck._storage, model=ck.model, tracker=ck.tracker, rank=ck.rank,
+                    world_size=ck.world_size, dense_optimizer=None, replicated=False, stats=stats,
+                    extra_state=ck.extra_state if same_world else {},
+                )
+                if ck.dense_optimizer is not None:  # its layout; the survivor's values follow
+                    restore_dense_optimizer(chain[-1], ck._storage, ck.dense_optimizer, stats)
+            finally:
+                ck._storage.expect(None)
+    except Exception as e:  # the other ranks must hear of it before any broadcast
+        status = {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}
+    statuses = ck._exchange(status)
+    for r, s in enumerate(statuses):
+        if s is not None:
+            raise ck._rebuild(s, r)
+    sent = sync_from_survivor(ck.model, ck.tracker, ck.dense_optimizer, src=survivors[0])
+    m = chain[-1]
+    if ck.rank in failed:
+        ck.tracker.reset(baseline=True)
+    ck._continue_chain(chain)
+    ck._count_restore(m)
+    read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
+    if ck._dist:
+        dist.all_reduce(read)
+    info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
+                        bytes_read=int(read), bytes_broadcast=sent)
+    log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
+             "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivors[0])
+    return info

@@ -274,7 +274,8 @@ def write_rank(
             "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
         }
         entry["states"] = [
-            {"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t.to(state_dtype) if t.is_floating_point() else t)}
+            {"rowwise": rowwise,
+             "blob": blobs.add(f"{prefix}/state{j}", t.to(state_dtype) if t.is_floating_point() else t)}
             for j, (t, rowwise) in enumerate(s.states)
         ]
         rows_written += encoded.num_rows
