@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from _dist import run_ranks
+from _toy import build_dmp, local_state, train
 
 pytestmark = pytest.mark.multirank
 
@@ -27,46 +28,14 @@ PLAN_B = ("row_wise", "column_wise", "table_row_wise", "data_parallel", "table_w
 
 
 def _build(world_size, plan=PLAN_A, seed=0, rows=ROWS):
-    from torchrec.distributed.types import ShardingEnv
+    from cnr_torchrec.toy import TableSpec
 
-    from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
-
-    torch.manual_seed(seed)
     specs = [TableSpec(f"t{i}", rows, DIM, st, "ebc") for i, st in enumerate(plan)]
-    model = ToyModel(specs)
-    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
-    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                       plan=build_plan(model, sharders, world_size), sharders=sharders)
-    dp_tables = [f"t{i}" for i, st in enumerate(plan) if st == "data_parallel"]
-    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense") or any(f".{t}." in n for t in dp_tables)]
-    return dmp, specs, torch.optim.Adam(dense, lr=0.01)
+    dmp, opt = build_dmp(specs, seed=seed)
+    return dmp, specs, opt
 
 
-def _train(dmp, specs, opt, steps, gen):
-    from cnr_torchrec.toy import zipf_batch
-
-    for _ in range(steps):
-        loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _local_state(dmp):
-    """This rank's shards (weights and optimizer states) and dense parameters, copied."""
-    out = {}
-    tracker = dmp.dirty_tracker
-    for t in tracker.tables():
-        for i, (k, s) in enumerate(tracker.shards(t)):
-            out[(t, i, "w")] = k.tbe.split_embedding_weights()[s.local_index].detach().clone()
-            if hasattr(k.tbe, "split_optimizer_states"):
-                for j, st in enumerate(k.tbe.split_optimizer_states()[s.local_index]):
-                    out[(t, i, j)] = st.detach().clone()
-    for n, p in dmp.named_parameters():
-        if n.startswith("dense"):
-            out[n] = p.detach().clone()
-    return out
+_train, _local_state = train, local_state
 
 
 def _full_tables(dmp):

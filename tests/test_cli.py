@@ -18,9 +18,9 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from _dist import run_ranks
+from _toy import build_dmp, local_state, train
 
 ROWS, DIM = 48, 8
 PLAN = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
@@ -44,29 +44,14 @@ class Counter:
 
 
 def _build(world_size, seed=0):
-    from torchrec.distributed.types import ShardingEnv
+    from cnr_torchrec.toy import TableSpec
 
-    from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
-
-    torch.manual_seed(seed)
     specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(PLAN)]
-    model = ToyModel(specs)
-    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
-    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                       plan=build_plan(model, sharders, world_size), sharders=sharders)
-    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense") or ".t4." in n]
-    return dmp, specs, torch.optim.Adam(dense, lr=0.01)
+    dmp, opt = build_dmp(specs, seed=seed)
+    return dmp, specs, opt
 
 
-def _train(dmp, specs, opt, steps, gen):
-    from cnr_torchrec.toy import zipf_batch
-
-    for _ in range(steps):
-        loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+_train = train
 
 
 def _config(root, method, bits):
@@ -95,18 +80,8 @@ def _write_chain(root, method, bits, saves, world_size=1, rank=0):
 
 def _local_state(dmp, opt=None, counter=None):
     """This rank's shards (weights and optimizer states), dense parameters, dense optimizer, TBE steps, extra."""
-    out = {}
-    tracker = dmp.dirty_tracker
-    for t in tracker.tables():
-        for i, (k, s) in enumerate(tracker.shards(t)):
-            out[(t, i, "w")] = k.tbe.split_embedding_weights()[s.local_index].detach().clone()
-            if hasattr(k.tbe, "split_optimizer_states"):
-                for j, st in enumerate(k.tbe.split_optimizer_states()[s.local_index]):
-                    out[(t, i, j)] = st.detach().clone()
-    for n, p in dmp.named_parameters():
-        if n.startswith("dense"):
-            out[n] = p.detach().clone()
-    for i, tbe in enumerate(tracker.tbes()):
+    out = local_state(dmp)
+    for i, tbe in enumerate(dmp.dirty_tracker.tbes()):
         if isinstance(getattr(tbe, "iter", None), torch.Tensor):
             out[("iter", i)] = tbe.iter.clone()
     if opt is not None:

@@ -19,9 +19,9 @@ from fractions import Fraction
 import pytest
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from _dist import run_ranks
+from _toy import build_dmp, local_state
 
 ROWS, DIM = 240, 8
 
@@ -141,20 +141,7 @@ def _specs(rows=ROWS):
 
 
 def _build(specs, seed=0, **tracker_kwargs):
-    from torchrec.distributed.types import ShardingEnv
-
-    from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import ToyModel, build_plan, sharders_for
-
-    torch.manual_seed(seed)
-    world_size = dist.get_world_size()
-    model = ToyModel(specs)
-    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
-    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                       plan=build_plan(model, sharders, world_size), sharders=sharders, **tracker_kwargs)
-    dp = [s.name for s in specs if s.sharding == "data_parallel"]
-    dense = [p for n, p in dmp.named_parameters() if n.startswith("dense") or any(f".{t}." in n for t in dp)]
-    return dmp, torch.optim.Adagrad(dense, lr=0.01)
+    return build_dmp(specs, seed=seed, dense_optimizer=torch.optim.Adagrad, **tracker_kwargs)
 
 
 def _batches(specs, n, seed, batch_size=16, pooling=4):
@@ -323,19 +310,7 @@ def _config(root, priority="mfu", fraction=0.1, policy="consecutive", **kw):
                         "budget": {"max_rows_fraction": fraction, "priority": priority, "ssu_rate": 0.5}, **kw})
 
 
-def _local_state(dmp):
-    out = {}
-    tracker = dmp.dirty_tracker
-    for t in tracker.tables():
-        for i, (k, s) in enumerate(tracker.shards(t)):
-            out[(t, i, "w")] = k.tbe.split_embedding_weights()[s.local_index].detach().clone()
-            if hasattr(k.tbe, "split_optimizer_states"):
-                for j, st in enumerate(k.tbe.split_optimizer_states()[s.local_index]):
-                    out[(t, i, j)] = st.detach().clone()
-    for n, p in dmp.named_parameters():
-        if n.startswith("dense"):
-            out[n] = p.detach().clone()
-    return out
+_local_state = local_state
 
 
 def _entries(root, ckpt_id, rank=None):
