@@ -117,58 +117,52 @@ def _legend(ax: Any, kinds: list[str]) -> None:
         ax.legend(handles=handles + ax.get_legend_handles_labels()[0], loc="best", fontsize="small")
 
 
-def make_figures(report: Mapping[str, Any]) -> dict[str, Any]:
-    """The three figures, by file name (see :data:`PLOTS`), drawn on Agg canvases."""
+def _axes(xlabel: str, ylabel: str, title: str):
+    """A new figure on an Agg canvas (no pyplot state) and its labelled axes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    s = build_series(report)
-    figs = {}
-
     fig = Figure(figsize=(7, 4), dpi=100)
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
-    b = s["bytes"]
-    pos = list(range(len(b["ids"])))
-    ax.bar(pos, b["nbytes"], color=_colors(b["kinds"]))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    return fig, ax
+
+
+def _bars(ids: list[int], heights: list[float], kinds: list[str], ylabel: str, title: str):
+    """Bars per checkpoint id, coloured by kind."""
+    fig, ax = _axes("checkpoint id", ylabel, title)
+    pos = list(range(len(ids)))
+    ax.bar(pos, heights, color=_colors(kinds))
+    ax.set_xticks(pos, [str(i) for i in ids])
+    return fig, ax
+
+
+def make_figures(report: Mapping[str, Any]) -> dict[str, Any]:
+    """The three figures, by file name (see :data:`PLOTS`), drawn on Agg canvases."""
+    s = build_series(report)
+    b, d, st = s["bytes"], s["dirty"], s["stall"]
+
+    bytes_fig, ax = _bars(b["ids"], b["nbytes"], b["kinds"], "bytes", "bytes per checkpoint vs a full fp32 snapshot")
     if b["full_snapshot_nbytes"] > 0:
         ax.axhline(b["full_snapshot_nbytes"], color="black", linestyle="--", label="full fp32 snapshot")
     ax.set_yscale("log")
-    ax.set_xticks(pos, [str(i) for i in b["ids"]])
-    ax.set_xlabel("checkpoint id")
-    ax.set_ylabel("bytes")
-    ax.set_title("bytes per checkpoint vs a full fp32 snapshot")
     _legend(ax, b["kinds"])
-    fig.tight_layout()
-    figs[PLOTS[0]] = fig
 
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    d = s["dirty"]
+    dirty_fig, ax = _axes("step", "rows written / rows held", "dirty fraction per checkpoint")
     ax.plot(d["steps"], d["dirty_fraction"], color="#555555", linewidth=1, zorder=1)
     ax.scatter(d["steps"], d["dirty_fraction"], c=_colors(d["kinds"]), zorder=2)
     ax.set_ylim(0, max([1.0] + d["dirty_fraction"]) * 1.05)
-    ax.set_xlabel("step")
-    ax.set_ylabel("rows written / rows held")
-    ax.set_title("dirty fraction per checkpoint")
     _legend(ax, d["kinds"])
-    fig.tight_layout()
-    figs[PLOTS[1]] = fig
 
-    fig = Figure(figsize=(7, 4), dpi=100)
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    st = s["stall"]
-    pos = list(range(len(st["ids"])))
-    ax.bar(pos, st["stall_ms"], color=_colors(st["kinds"]))
-    ax.set_xticks(pos, [str(i) for i in st["ids"]])
-    ax.set_xlabel("checkpoint id")
-    ax.set_ylabel("ms")
-    ax.set_title("training stall per checkpoint")
+    stall_fig, ax = _bars(st["ids"], st["stall_ms"], st["kinds"], "ms", "training stall per checkpoint")
     _legend(ax, st["kinds"])
-    fig.tight_layout()
-    figs[PLOTS[2]] = fig
+
+    figs = dict(zip(PLOTS, (bytes_fig, dirty_fig, stall_fig)))
+    for fig in figs.values():
+        fig.tight_layout()
     return figs
 
 
