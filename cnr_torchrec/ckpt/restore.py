@@ -128,8 +128,6 @@ class _Applier:
     """Applies a chain's entries to this rank's shards, newest checkpoint first."""
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]], replicated: bool = True) -> None:
-        self.tracker = tracker
-        self.replicated = replicated
         breaks: dict[str, set[int]] = {}
         for m in manifests:
             for report in m["ranks"]:
