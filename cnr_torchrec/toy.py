@@ -138,7 +138,13 @@ def build_plan(model: ToyModel, sharders: list, world_size: int, device_type: st
         if module is None:
             continue
         names = [c.name for c in (module.embedding_bag_configs() if attr == "ebc" else module.embedding_configs())]
-        gens = {n: _generator(by_name[n], world_size, i) for i, n in enumerate(names)}
+        # Table-wise tables go round-robin among themselves, so that alternating kinds do not pile on one rank.
+        placed: dict[str, int] = {}
+        gens = {}
+        for n in names:
+            kind = by_name[n].sharding
+            gens[n] = _generator(by_name[n], world_size, placed.get(kind, 0))
+            placed[kind] = placed.get(kind, 0) + 1
         module_plan = construct_module_sharding_plan(
             module, per_param_sharding=gens, local_size=world_size, world_size=world_size,
             device_type=device_type, sharder=sharder,

@@ -26,6 +26,8 @@ at::Tensor bitmap_count_meta(const at::Tensor& bitmap, const at::Tensor& boundar
 
 void bitmap_clear_meta(const at::Tensor& /*bitmap*/, int64_t /*start*/, int64_t /*end*/) {}
 
+void scatter_rows_meta(const at::Tensor& /*out*/, const at::Tensor& /*index*/, const at::Tensor& /*src*/) {}
+
 }  // namespace
 }  // namespace cnr
 
@@ -48,6 +50,13 @@ TORCH_LIBRARY(cnr, m) {
   m.def("bitmap_count(Tensor bitmap, Tensor boundaries) -> Tensor", tags);
   // Clears the bits of rows [start, end).
   m.def("bitmap_clear_(Tensor(a!) bitmap, int start, int end) -> ()", tags);
+
+  // ---- restore (cpu/rows.cpp, cuda/rows_bind.cpp) ---------------------------
+  // out[index[i]] = src[i], whole rows: out and src 2-D with equal columns and
+  // dtype; out's columns contiguous (row stride free, so a column slice of a
+  // TBE weight works). An index outside out raises before anything is written;
+  // a repeated index leaves one of its rows (which one is unspecified).
+  m.def("scatter_rows_(Tensor(a!) out, Tensor index, Tensor src) -> ()", tags);
 
   // ---- row codecs (cpu/codecs.cpp, cuda/codecs.cu) --------------------------
   // CODEC-SCHEMAS-BEGIN
@@ -98,6 +107,7 @@ TORCH_LIBRARY_IMPL(cnr, Meta, m) {
   m.impl("mark_rows", &cnr::mark_rows_meta);
   m.impl("bitmap_count", &cnr::bitmap_count_meta);
   m.impl("bitmap_clear_", &cnr::bitmap_clear_meta);
+  m.impl("scatter_rows_", &cnr::scatter_rows_meta);
   // CODEC-META-BEGIN
   m.impl("pack_bits", &cnr::codecs_meta::pack_bits);
   m.impl("unpack_bits", &cnr::codecs_meta::unpack_bits);

@@ -3,7 +3,6 @@ state, storage paths and atomic writes, sealed manifests, row-id encoding and RN
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import os
@@ -36,6 +35,31 @@ from cnr_torchrec.errors import (
 )
 
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
+
+
+def _crc32_table() -> list[int]:
+    table = []
+    for byte in range(256):
+        crc = byte
+        for _ in range(8):
+            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)  # the CRC-32 polynomial, reflected
+        table.append(crc)
+    return table
+
+
+_CRC32C_TABLE = _crc32_table()
+
+
+def crc32_reference(data: bytes) -> str:
+    """Bytewise table CRC-32 in pure Python: the reference for zlib's, which the checkpoints use."""
+    crc = 0xFFFFFFFF
+    for b in data:
+        crc = (crc >> 8) ^ _CRC32C_TABLE[(crc ^ b) & 0xFF]
+    return f"{crc ^ 0xFFFFFFFF:08x}"
+
+
+def test_crc32_reference_check_value():
+    assert crc32_reference(b"123456789") == "cbf43926"  # the published CRC-32 check value
 
 
 @pytest.fixture
@@ -250,7 +274,7 @@ def test_blob_round_trip(dtype, storage):
         meta = w.index[name]
         offset += -offset % BlobWriter.ALIGN  # blobs start on 64-byte boundaries, zero padding between
         assert meta == {"offset": offset, "nbytes": len(raw), "dtype": str(dtype).removeprefix("torch."),
-                        "shape": list(t.shape), "sha256": hashlib.sha256(raw).hexdigest()}
+                        "shape": list(t.shape), "crc32": crc32_reference(raw)}
         assert data[offset : offset + len(raw)] == raw
         offset += len(raw)
     assert offset == len(data)
@@ -519,10 +543,10 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 1 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 2 and doc["body"] == BODY
     canonical = json.dumps(BODY, sort_keys=True, separators=(",", ":")).encode()
-    assert doc["sha256"] == hashlib.sha256(canonical).hexdigest()
-    assert json.loads(seal(dict(reversed(list(BODY.items())))))["sha256"] == doc["sha256"]  # key order is free
+    assert doc["crc32"] == crc32_reference(canonical)
+    assert json.loads(seal(dict(reversed(list(BODY.items())))))["crc32"] == doc["crc32"]  # key order is free
     storage.write(manifest_path(3), raw)
     assert load_manifest(storage, 3) == BODY
 
@@ -547,7 +571,7 @@ def test_manifest_edit_that_still_parses_is_caught(storage, old, new):
 
 def test_manifest_with_a_flipped_checksum_digit(storage):
     doc = json.loads(seal(BODY))
-    doc["sha256"] = ("0" if doc["sha256"][0] != "0" else "1") + doc["sha256"][1:]
+    doc["crc32"] = ("0" if doc["crc32"][0] != "0" else "1") + doc["crc32"][1:]
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         load_manifest(storage, 3)
@@ -583,14 +607,14 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [2, 0, None, "1"])
+@pytest.mark.parametrize("version", [1, 3, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads version 1" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads version 2" in str(e.value)
     assert e.value.path == manifest_path(3)
 
 

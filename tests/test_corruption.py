@@ -183,7 +183,7 @@ def _untrusted_worker(rank, world_size, work):
     marker = os.path.join(work, "unpickled")
     root = fresh_copy("pickle")
     if rank == 0:
-        from cnr_torchrec.ckpt.payload import sha256
+        from cnr_torchrec.ckpt.payload import checksum
 
         class Trap:
             def __reduce__(self):
@@ -199,9 +199,9 @@ def _untrusted_worker(rank, world_size, work):
 
         def reseal(body):
             r0 = body["ranks"][0]
-            r0["sha256"] = sha256(bytes(data))
+            r0["crc32"] = checksum(bytes(data))
             for meta in r0["blobs"].values():
-                meta["sha256"] = sha256(bytes(data[meta["offset"] : meta["offset"] + meta["nbytes"]]))
+                meta["crc32"] = checksum(bytes(data[meta["offset"] : meta["offset"] + meta["nbytes"]]))
         _edit_manifest(root, 0, reseal)
     dist.barrier()
     from unittest import mock

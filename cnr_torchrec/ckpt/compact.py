@@ -22,7 +22,7 @@ from cnr_torchrec.ckpt.manifest import (
     write_index,
 )
 from cnr_torchrec.ckpt.offline import Progress, TableData, assemble_tables, load_chain, resolve_id
-from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, sha256, unflatten_state
+from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, checksum, unflatten_state
 from cnr_torchrec.ckpt.restore import _Reader
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
@@ -177,7 +177,7 @@ def _write_compacted_rank(
         "ok": True,
         "file": file,
         "nbytes": len(data_bytes),
-        "sha256": sha256(data_bytes),
+        "crc32": checksum(data_bytes),
         "blobs": blobs.index,
         "tables": out_tables,
         "replicated_tables": replicated,

@@ -8,7 +8,7 @@ Layout under the root::
         manifest.json       written last, atomically, by rank 0: the commit marker
     index.json              committed ids, rewritten after each commit (for stores that cannot list)
 
-A manifest is ``{"format", "version", "sha256", "body"}``; ``sha256`` covers the body's
+A manifest is ``{"format", "version", "crc32", "body"}``; ``crc32`` covers the body's
 canonical JSON, so an edited or bit-flipped manifest is caught even when it still parses.
 """
 
@@ -18,7 +18,7 @@ import json
 import re
 from typing import Any
 
-from cnr_torchrec.ckpt.payload import sha256
+from cnr_torchrec.ckpt.payload import checksum
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: CRC-32 checksums (1 had sha256)
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -66,7 +66,7 @@ def _canonical(body: Any) -> bytes:
 def seal(body: dict[str, Any]) -> bytes:
     """The bytes of a manifest file for ``body``."""
     return json.dumps(
-        {"format": FORMAT, "version": VERSION, "sha256": sha256(_canonical(body)), "body": body}, indent=1
+        {"format": FORMAT, "version": VERSION, "crc32": checksum(_canonical(body)), "body": body}, indent=1
     ).encode()
 
 
@@ -92,7 +92,7 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
             path=path,
         )
     body = doc["body"]
-    if sha256(_canonical(body)) != doc.get("sha256"):
+    if checksum(_canonical(body)) != doc.get("crc32"):
         raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
     if body.get("id") != ckpt_id:
         raise CorruptCheckpointError(f"{path} describes checkpoint {body.get('id')}, not {ckpt_id}", path=path)

@@ -1,34 +1,29 @@
 """Per-rank payload files: raw tensor bytes back to back, described by JSON. No pickle.
 
 A payload file is the concatenation of blobs. Each blob is one tensor's bytes; its
-offset, size, dtype, shape and sha256 go in the manifest, so a reader can fetch just
+offset, size, dtype, shape and crc32 go in the manifest, so a reader can fetch just
 the byte range it needs and check it. Nested state (optimizer, reader, RNG) is split
 into a JSON tree and the tensors it holds (:func:`flatten_state`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.storage import Storage, checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["BlobWriter", "read_blob", "flatten_state", "unflatten_state", "sha256"]
+__all__ = ["BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
 
 _DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
               torch.float16, torch.bfloat16, torch.float32, torch.float64)
 }
-
-
-def sha256(data: bytes | memoryview) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
@@ -61,7 +56,7 @@ class BlobWriter:
             "nbytes": data.nbytes,
             "dtype": str(tensor.dtype).removeprefix("torch."),
             "shape": list(tensor.shape),
-            "sha256": sha256(data),
+            "crc32": checksum(data),
         }
         self._parts.append(data)
         self._offset += data.nbytes
@@ -84,7 +79,7 @@ def read_blob(
     Args:
         whole: the file's bytes, if the caller already read it all; else a range read. A
             writable buffer (bytearray) is shared by the returned tensor, not copied.
-        verified: ``whole`` was already checked against the file's sha256; skip the blob's.
+        verified: ``whole`` was already checked against the file's crc32; skip the blob's.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -102,7 +97,7 @@ def read_blob(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
             path=file,
         )
-    if not verified and sha256(data) != meta["sha256"]:
+    if not verified and checksum(data) != meta["crc32"]:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)

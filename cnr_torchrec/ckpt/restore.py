@@ -2,11 +2,12 @@
 
 Every stored entry carries the global row range and column range of the shard that
 wrote it, and its rows carry offsets into that range. A rank therefore reads only the
-entries that overlap its current shards and copies the overlapping rows and columns
-into its TBE views with ``index_copy_``, whatever the world size and plan were at save
-time. The chain is applied newest checkpoint first, and a row already restored from a
-newer checkpoint is skipped, so each row is decoded and copied once; the walk stops
-early once every row is restored. Row-wise optimizer state (one value per row of a column shard) is mapped by
+entries that overlap its current shards and writes the overlapping rows and columns
+into its TBE views (``torch.ops.cnr.scatter_rows_``: ``index_copy_`` by whole rows),
+whatever the world size and plan were at save time. The chain is applied newest
+checkpoint first, and a row already restored from a newer checkpoint is skipped, so
+each row is decoded and written once; the walk stops early once every row is restored.
+Row-wise optimizer state (one value per row of a column shard) is mapped by
 column overlap: when a shard now spans columns that several shards held, its value is
 their column-weighted mean, which is exact for row-wise Adagrad's mean of squared
 gradients whenever the new shard is a union of old ones.
@@ -26,6 +27,7 @@ from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from cnr_torchrec.ops import scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -78,7 +80,7 @@ class _Reader:
             # Writable, so that blobs are viewed in place rather than copied.
             self._data = bytearray(self.storage.read(self.report["file"]))
             self._count(len(self._data))
-        verified = self.storage.checks(self.report["file"])  # the whole file matched its sha256 as it was read
+        verified = self.storage.checks(self.report["file"])  # the whole file matched its crc32 as it was read
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)
 
     @property
@@ -226,7 +228,7 @@ class _Applier:
                     if contiguous and sel is None:
                         out.narrow(0, int(d[0]), d.numel()).copy_(part)
                     else:
-                        out.index_copy_(0, d.to(live.device), part)
+                        scatter_rows_(out, d.to(live.device), part)
                 target.filled[seg][d] = True
                 target.open_rows -= d.numel()
         rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
@@ -249,7 +251,7 @@ class _Applier:
             vals = saved.index_select(0, src)
             if weight == 1.0:  # the entry spans the shard's columns: its value is the value
                 with torch.no_grad():
-                    live.index_copy_(0, dst.to(live.device), vals.to(live))
+                    scatter_rows_(live.view(-1, 1), dst.to(live.device), vals.to(live).view(-1, 1))
             else:
                 self._rowwise.setdefault(id(target), (target, []))[1].append((j, dst, vals.float(), weight))
         if weight == 1.0:

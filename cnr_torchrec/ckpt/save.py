@@ -22,7 +22,7 @@ from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
 from cnr_torchrec.ckpt.manifest import rank_file
-from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, sha256
+from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, checksum
 from cnr_torchrec.ckpt.planner import Decision
 from cnr_torchrec.ckpt.priority import choose_rows, gather_column_counts
 from cnr_torchrec.ckpt.storage import Storage
@@ -298,7 +298,7 @@ def write_rank(
         "ok": True,
         "file": file,
         "nbytes": len(data),
-        "sha256": sha256(data),
+        "crc32": checksum(data),
         "blobs": blobs.index,
         "tables": tables,
         "replicated_tables": replicated,

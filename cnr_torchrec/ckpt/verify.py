@@ -2,9 +2,9 @@
 
 For each committed checkpoint: the manifest loads and matches its seal and is byte for
 byte the sealed form of its body (so even a flipped whitespace byte is caught); every rank
-file exists and has the size and whole-file sha256 the manifest gives; every blob lies
+file exists and has the size and whole-file crc32 the manifest gives; every blob lies
 inside its file, has a known dtype whose size matches its shape, and matches its own
-sha256; every entry references blobs that exist, its ranges lie inside its table, its
+crc32; every entry references blobs that exist, its ranges lie inside its table, its
 row ids decode to the count it claims and its encoded rows are consistent; nested state
 refers only to existing blobs; and a delta's chain members exist and verify. index.json,
 when present, must be a valid index listing only committed checkpoints.
@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
-from cnr_torchrec.ckpt.payload import _DTYPES, sha256, unflatten_state
+from cnr_torchrec.ckpt.payload import _DTYPES, checksum, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids
 from cnr_torchrec.ckpt.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
@@ -132,8 +132,8 @@ class _Verifier:
         if len(data) != want:
             what = "truncated" if len(data) < want else "longer than written"
             problems.append(Problem(ckpt_id, file, f"is {len(data)} bytes, the manifest says {want} ({what})"))
-        elif sha256(data) != report["sha256"]:
-            problems.append(Problem(ckpt_id, file, "does not match its sha256 in the manifest (its bytes changed)"))
+        elif checksum(data) != report["crc32"]:
+            problems.append(Problem(ckpt_id, file, "does not match its crc32 in the manifest (its bytes changed)"))
 
         blob_problems: list[str] = []
         sound: set[str] = set()
@@ -221,7 +221,7 @@ def _check_blob(name: str, meta: Mapping[str, Any], data: bytes, file_nbytes: in
         offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
         shape = [int(s) for s in meta["shape"]]
         dtype = _DTYPES.get(meta["dtype"])
-        digest = meta["sha256"]
+        digest = meta["crc32"]
     except (KeyError, TypeError, ValueError) as e:
         return f"blob {name!r} is described incompletely ({type(e).__name__}: {e})"
     if dtype is None:
@@ -234,7 +234,7 @@ def _check_blob(name: str, meta: Mapping[str, Any], data: bytes, file_nbytes: in
         return f"blob {name!r} spans bytes [{offset}, {offset + nbytes}), past the file's {file_nbytes} bytes"
     if offset + nbytes > len(data):
         return f"blob {name!r} spans bytes [{offset}, {offset + nbytes}), past the end of the file (truncated)"
-    if sha256(memoryview(data)[offset : offset + nbytes]) != digest:
+    if checksum(memoryview(data)[offset : offset + nbytes]) != digest:
         return f"blob {name!r} does not match its checksum"
     return None
 

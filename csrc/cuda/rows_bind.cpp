@@ -1,0 +1,21 @@
+// scatter_rows_ on CUDA: ATen's index_copy_ kernel already writes whole rows at
+// memory speed there, so no kernel of our own. Compiled only in CUDA builds.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+namespace cnr {
+namespace {
+
+void scatter_rows_cuda(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src) {
+  TORCH_CHECK_VALUE(out.dim() == 2 && src.dim() == 2 && out.size(1) == src.size(1),
+                    "cnr::scatter_rows_: out and src must be 2-D with equal columns, got ", out.sizes(), " and ",
+                    src.sizes());
+  TORCH_CHECK_VALUE(out.scalar_type() == src.scalar_type(), "cnr::scatter_rows_: out is ", out.scalar_type(),
+                    " but src is ", src.scalar_type(), "; cast src first");
+  const_cast<at::Tensor&>(out).index_copy_(0, index.to(out.device()), src.to(out.device()));
+}
+
+}  // namespace
+}  // namespace cnr
+
+TORCH_LIBRARY_IMPL(cnr, CUDA, m) { m.impl("scatter_rows_", &cnr::scatter_rows_cuda); }
