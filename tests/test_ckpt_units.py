@@ -470,7 +470,11 @@ def test_paths_inside_the_root_are_normalized(path, norm):
 def test_write_read_exists_delete(storage, tmp_path):
     storage.write("d/f.bin", b"0123456789")
     assert (tmp_path / "root" / "d" / "f.bin").read_bytes() == b"0123456789"
-    assert storage.read("d/f.bin") == b"0123456789"
+    whole = storage.read("d/f.bin")
+    assert whole == b"0123456789" and isinstance(whole, bytearray)  # local whole reads are writable, not copied
+    big = bytes(range(256)) * 40_000  # several read() calls' worth
+    storage.write("d/big.bin", big)
+    assert storage.read("d/big.bin") == big
     assert storage.read("d/f.bin", byte_range=(3, 7)) == b"3456"
     assert storage.read("d/f.bin", byte_range=(8, 20)) == b"89"
     assert storage.exists("d/f.bin") and not storage.exists("d/g.bin") and not storage.exists("d")

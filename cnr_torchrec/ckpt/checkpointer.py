@@ -337,8 +337,17 @@ class Checkpointer(CommitProtocol):
 
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
-            pick, chain = self._resolve(step, bad) if self.rank == 0 else (None, None)
-            pick = exchange(pick)[0]
+            # Every rank resolves at once (manifests and file sizes); rank 0's pick is the one taken, and a rank
+            # whose own pick matches it keeps the manifests it has loaded.
+            try:
+                mine, chain = self._resolve(step, bad if self.rank == 0 else dict(bad), quiet=self.rank != 0)
+            except Exception:
+                if self.rank == 0:
+                    raise
+                mine, chain = {}, None  # only a speed-up elsewhere: rank 0's pick decides
+            pick = exchange(mine if self.rank == 0 else None)[0]
+            if mine.get("chain") != pick.get("chain"):
+                chain = None
             if "error" in pick:
                 raise rebuild(pick["error"])
             for i, why in pick["skipped"]:
@@ -411,10 +420,10 @@ class Checkpointer(CommitProtocol):
         return f"no complete checkpoint of step {step} under {where}; Checkpointer.list() shows what there is"
 
     def _resolve(
-        self, step: int | None, bad: dict[int, str]
+        self, step: int | None, bad: dict[int, str], quiet: bool = False
     ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """Rank 0's pick for a restore (see :func:`cnr_torchrec.ckpt.resolve.resolve_chain`)."""
-        return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail")
+        """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.resolve.resolve_chain`)."""
+        return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
 
     def _settle(self, handle: SaveHandle) -> None:
         """Waits for ``handle`` and folds its outcome into the chain state (once)."""

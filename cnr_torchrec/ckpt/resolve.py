@@ -1,4 +1,4 @@
-"""Which checkpoint a restore takes: the newest committed one whose chain is sound (run on rank 0).
+"""Which checkpoint a restore takes: the newest committed one whose chain is sound (rank 0 decides).
 
 It reads manifests and file sizes only; the ranks then apply the chain and agree on the
 outcome (:meth:`cnr_torchrec.ckpt.Checkpointer.restore`).
@@ -21,7 +21,7 @@ log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # its messages belong
 
 
 def resolve_chain(
-    storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool
+    storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False
 ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
@@ -30,6 +30,7 @@ def resolve_chain(
     checkpoint's directory, exists and has the size the manifest gives, and every blob
     has a dtype we write. Checkpoints in ``bad`` (and chains through them) are skipped;
     unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
+    ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's).
 
     Returns:
         ``({"chain": ids}, manifests)`` for the pick; ``({"chain": [], "skipped": ...}, None)``
@@ -41,7 +42,8 @@ def resolve_chain(
     def skip(cid: int, why: str) -> None:
         bad[cid] = why
         skipped.append([cid, why])
-        log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
+        if not quiet:
+            log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
 
     def refuse(e: Exception) -> tuple[dict[str, Any], None]:
         return {"error": {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}}, None

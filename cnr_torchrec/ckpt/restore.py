@@ -77,8 +77,9 @@ class _Reader:
             self._count(int(meta["nbytes"]))
             return read_blob(self.storage, self.report["file"], meta, name)
         if self._data is None:
+            data = self.storage.read(self.report["file"])
             # Writable, so that blobs are viewed in place rather than copied.
-            self._data = bytearray(self.storage.read(self.report["file"]))
+            self._data = data if isinstance(data, bytearray) else bytearray(data)
             self._count(len(self._data))
         verified = self.storage.checks(self.report["file"])  # the whole file matched its crc32 as it was read
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)
