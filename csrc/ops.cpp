@@ -79,6 +79,12 @@ TORCH_LIBRARY(cnr, m) {
       tags);
   // A missing bias means symmetric codes.
   m.def("dequantize_uniform(Tensor payload, Tensor scale, Tensor? bias, int bits, int dim) -> Tensor", tags);
+  // Row r of dequantize_uniform's output, written to out[rows[r]] instead
+  // (rows[r] < 0: skipped); out is float32 [M, dim] with contiguous columns.
+  m.def(
+      "dequantize_uniform_into_(Tensor payload, Tensor scale, Tensor? bias, int bits, Tensor rows, Tensor(a!) out) "
+      "-> ()",
+      tags);
   // Greedy clipping-range search of Check-N-Run plus least-squares refits: the
   // asymmetric grid (bias, scale) of each row, float32 [N]; NaN for bad rows.
   m.def(
@@ -114,6 +120,7 @@ TORCH_LIBRARY_IMPL(cnr, Meta, m) {
   m.impl("cast_rows", &cnr::codecs_meta::cast_rows);
   m.impl("quantize_uniform", &cnr::codecs_meta::quantize_uniform);
   m.impl("dequantize_uniform", &cnr::codecs_meta::dequantize_uniform);
+  m.impl("dequantize_uniform_into_", &cnr::codecs_meta::dequantize_uniform_into_);
   m.impl("adaptive_search", &cnr::codecs_meta::adaptive_search);
   m.impl("adaptive_quantize", &cnr::codecs_meta::adaptive_quantize);
   m.impl("exhaustive_search", &cnr::codecs_meta::exhaustive_search);

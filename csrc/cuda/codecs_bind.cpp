@@ -141,6 +141,27 @@ at::Tensor dequantize_uniform_cuda(const at::Tensor& payload, const at::Tensor& 
   return out;
 }
 
+// The CUDA path decodes into a temporary and scatters it with index_copy_, which
+// is memory-bound on the GPU anyway.
+void dequantize_uniform_into_cuda(const at::Tensor& payload, const at::Tensor& scale,
+                                  const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
+                                  const at::Tensor& out) {
+  TORCH_CHECK_VALUE(out.dim() == 2 && out.scalar_type() == at::kFloat,
+                    "cnr::dequantize_uniform_into_: out must be a 2-D float32 tensor, got ", out.scalar_type(), " ",
+                    out.sizes());
+  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.numel() == payload.size(0),
+                    "cnr::dequantize_uniform_into_: rows must hold one entry per payload row");
+  const auto r = rows.to(out.device(), at::kLong);
+  TORCH_CHECK_INDEX(r.numel() == 0 || r.max().item<int64_t>() < out.size(0),
+                    "cnr::dequantize_uniform_into_: rows reach beyond out's ", out.size(0), " rows");
+  const auto keep = (r >= 0).nonzero().squeeze(1);
+  const auto dev = out.device();  // a restore's payload is read into host memory
+  const auto decoded = dequantize_uniform_cuda(
+      payload.to(dev).index_select(0, keep), scale.to(dev).index_select(0, keep),
+      bias ? std::optional<at::Tensor>(bias->to(dev).index_select(0, keep)) : std::nullopt, bits, out.size(1));
+  const_cast<at::Tensor&>(out).index_copy_(0, r.index_select(0, keep), decoded);
+}
+
 std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, int64_t bits, int64_t num_bins,
                                                         double ratio, int64_t refit_iters) {
   check_bits(bits, "adaptive_search");
@@ -233,6 +254,7 @@ TORCH_LIBRARY_IMPL(cnr, CUDA, m) {
   m.impl("cast_rows", &cnr::cast_rows_cuda);
   m.impl("quantize_uniform", &cnr::quantize_uniform_cuda);
   m.impl("dequantize_uniform", &cnr::dequantize_uniform_cuda);
+  m.impl("dequantize_uniform_into_", &cnr::dequantize_uniform_into_cuda);
   m.impl("adaptive_search", &cnr::adaptive_search_cuda);
   m.impl("adaptive_quantize", &cnr::adaptive_quantize_cuda);
   m.impl("kmeans_quantize", &cnr::kmeans_quantize_cuda);
