@@ -7,6 +7,12 @@ batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD. The thr
 configurations are separate models in the same processes, measured in interleaved
 rounds so that machine noise hits them alike; each figure is the median over rounds of
 the slowest rank's mean step time.
+
+overhead_cnr pairs the CheckNRunDMP model with itself, its hooks detached
+(``tracker.remove()``) for one block of each round and attached again for another:
+the same weights, memory and kernels, so the paired ratio isolates what tracking adds.
+Separate models of the same size differ by a few percent on this machine whatever they
+track (placement in memory), which the plain-DMP comparison also prints.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, Trackin
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP
+from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 
@@ -102,8 +109,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--pooling", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=25)
-    parser.add_argument("--steps", type=int, default=4, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -123,18 +130,31 @@ def main() -> None:
             step(dmp, opt, b)
         extract(k, dmp, mdt)
 
-    step_ms = {k: [] for k in kinds}
+    def set_tracking(dmp, on: bool) -> None:
+        """Detaches CheckNRunDMP's hooks, or attaches a fresh tracker (same model either way)."""
+        if on:
+            dmp.dirty_tracker = DirtyRowTracker(dmp)
+        else:
+            dmp.dirty_tracker.remove()
+
+    timed_kinds = kinds + ["cnr_off"]
+    models["cnr_off"] = models["cnr"]
+    step_ms = {k: [] for k in timed_kinds}
+    cpu_ms = {k: [] for k in timed_kinds}  # the training thread's CPU time: blind to waiting for a core
     extract_ms = {k: [] for k in kinds if k != "none"}
     for r in range(args.rounds):
-        order = kinds[r % 3:] + kinds[: r % 3]  # rotate who goes first
+        order = timed_kinds[r % 4:] + timed_kinds[: r % 4]  # rotate who goes first
         for k in order:
             dmp, mdt, opt = models[k]
+            if k in ("cnr", "cnr_off"):
+                set_tracking(dmp, k == "cnr")
             dist.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for b in batches:
                 step(dmp, opt, b)
             step_ms[k].append(slowest((time.perf_counter() - t0) * 1e3 / len(batches)))
-            if k != "none":
+            cpu_ms[k].append(slowest((time.thread_time() - c0) * 1e3 / len(batches)))
+            if k in extract_ms:
                 dist.barrier()
                 t0 = time.perf_counter()
                 extract(k, dmp, mdt)
@@ -142,15 +162,23 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in step_ms.items()}
     # Overheads are medians of per-round paired ratios, robust to slow drifts in machine load.
-    paired = {k: statistics.median(a / b - 1 for a, b in zip(step_ms[k], step_ms["none"])) for k in ("cnr", "mdt")}
+    def paired(k: str, ref: str, times=step_ms) -> float:
+        return statistics.median(a / b - 1 for a, b in zip(times[k], times[ref]))
+
     cnr_dmp, _, cnr_opt = models["cnr"]
+    set_tracking(cnr_dmp, True)
     mark_ms = slowest(mark_cost_ms(cnr_dmp, cnr_opt, batches[0]))
     res = {
         "step_ms_none": med["none"],
         "step_ms_cnr": med["cnr"],
         "step_ms_mdt": med["mdt"],
-        "overhead_cnr": paired["cnr"],
-        "overhead_mdt": paired["mdt"],
+        "step_ms_cnr_detached": med["cnr_off"],
+        "overhead_cnr": paired("cnr", "cnr_off"),
+        "overhead_mdt": paired("mdt", "none"),
+        "overhead_cnr_vs_plain_dmp": paired("cnr", "none"),
+        "overhead_detached_vs_plain_dmp": paired("cnr_off", "none"),
+        "overhead_cnr_cpu": paired("cnr", "cnr_off", cpu_ms),
+        "overhead_mdt_cpu": paired("mdt", "none", cpu_ms),
         "mark_ms_per_step_cnr": mark_ms,
         "overhead_cnr_attributed": mark_ms / med["none"],
         "bits_per_row_cnr": models["cnr"][0].dirty_tracker.bits_per_row,
@@ -158,18 +186,24 @@ def main() -> None:
         "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
     }
     # Per-round ratio spread, to show how much of the overhead is noise.
-    ratios = [c / n - 1 for c, n in zip(step_ms["cnr"], step_ms["none"])]
+    ratios = sorted(c / n - 1 for c, n in zip(step_ms["cnr"], step_ms["cnr_off"]))
+    quart = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
     if rank == 0:
         print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
               f"pooling {args.pooling}, {args.rounds} rounds x {args.steps} steps")
         print(f"{'config':<28s}{'step ms':>10s}{'overhead':>10s}{'extract ms':>12s}")
-        print(f"{'no tracking':<28s}{med['none']:>10.2f}{'':>10s}{'':>12s}")
+        print(f"{'no tracking (plain DMP)':<28s}{med['none']:>10.2f}{'':>10s}{'':>12s}")
+        print(f"{'CheckNRunDMP, hooks off':<28s}{med['cnr_off']:>10.2f}"
+              f"{res['overhead_detached_vs_plain_dmp']:>10.2%}{'':>12s}")
         print(f"{'CheckNRunDMP (cnr)':<28s}{med['cnr']:>10.2f}{res['overhead_cnr']:>10.2%}"
               f"{res['extract_ms_cnr']:>12.2f}")
         print(f"{'ModelDeltaTracker ID_ONLY':<28s}{med['mdt']:>10.2f}{res['overhead_mdt']:>10.2%}"
               f"{res['extract_ms_mdt']:>12.2f}")
+        print("overheads: cnr against the same model with its hooks off; mdt (and hooks off) against the plain DMP; "
+              f"cnr against the plain DMP: {res['overhead_cnr_vs_plain_dmp']:.2%}")
+        print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
         print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}; per-round cnr overhead: "
-              f"min {min(ratios):.2%}, max {max(ratios):.2%}")
+              f"min {ratios[0]:.2%}, quartiles {quart[0]:.2%} .. {quart[1]:.2%}, max {ratios[-1]:.2%}")
         print(f"cnr mark_rows work per step, replayed: {mark_ms:.3f} ms = "
               f"{res['overhead_cnr_attributed']:.3%} of a step")
         print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
