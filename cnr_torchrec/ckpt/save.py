@@ -22,7 +22,8 @@ from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
 from cnr_torchrec.ckpt.manifest import rank_file
-from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, checksum
+from cnr_torchrec import ops
+from cnr_torchrec.ckpt.payload import BlobWriter, checksum, flatten_state
 from cnr_torchrec.ckpt.planner import Decision
 from cnr_torchrec.ckpt.priority import choose_rows, gather_column_counts
 from cnr_torchrec.ckpt.storage import Storage
@@ -242,8 +243,12 @@ def _encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
 def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
     """Inverse of :func:`_encode_ids`: sorted int64 row offsets."""
     if kind == "bitmap":
-        mask = np.unpackbits(blob.numpy(), count=num_rows, bitorder="little").astype(bool)
-        return torch.from_numpy(np.flatnonzero(mask)).to(torch.int64)
+        # LSB-first bytes are LSB-first int64 words on a little-endian host: the tracker's own bitmap layout.
+        nbytes = (num_rows + 7) // 8
+        words = torch.zeros(ops.bitmap_words(num_rows) * 8, dtype=torch.uint8)
+        k = min(nbytes, blob.numel())  # a short blob decodes to fewer ids, which the caller's count check catches
+        words[:k] = blob.reshape(-1)[:k]
+        return ops.bitmap_to_rows(words.view(torch.int64), 0, num_rows)
     if kind == "list":
         return blob.to(torch.int64)
     raise ValueError(f"unknown id encoding {kind!r}")
