@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("verify", parents=[common], help="check manifests, files, checksums and chains",
                        description="Check every committed checkpoint (or one and its chain): manifest seal, rank "
-                                   "file sizes and crc32, every blob's bounds and crc32, references, chains, "
+                                   "file sizes and xxh3, every blob's bounds and xxh3, references, chains, "
                                    "index.json. Exit 0 when sound, 1 with one line per problem otherwise.")
     p.add_argument("root", metavar="DIR")
     p.add_argument("--id", type=int, help="verify only this checkpoint (and its chain)")

@@ -12,6 +12,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from cnr_torchrec.ckpt.manifest import (
     INDEX,
@@ -26,7 +27,7 @@ from cnr_torchrec.ckpt.manifest import (
 from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, read_blob, unflatten_state
 from cnr_torchrec.ckpt.planner import ChainState, Decision, decide, intermittent_wants_baseline
 from cnr_torchrec.ckpt.save import _encode_ids, decode_ids, rng_state, set_rng_state
-from cnr_torchrec.ckpt.storage import Storage, check_relative
+from cnr_torchrec.ckpt.storage import Storage, check_relative, checksum
 from cnr_torchrec.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -37,29 +38,18 @@ from cnr_torchrec.errors import (
 POLICIES = ("full", "one_shot", "consecutive", "intermittent")
 
 
-def _crc32_table() -> list[int]:
-    table = []
-    for byte in range(256):
-        crc = byte
-        for _ in range(8):
-            crc = (crc >> 1) ^ (0xEDB88320 if crc & 1 else 0)  # the CRC-32 polynomial, reflected
-        table.append(crc)
-    return table
+def xxh3_reference(data: bytes) -> str:
+    """XXH3-128 from xxhash's own binding of the reference C library, as hex."""
+    return xxhash.xxh3_128_hexdigest(bytes(data))
 
 
-_CRC32C_TABLE = _crc32_table()
-
-
-def crc32_reference(data: bytes) -> str:
-    """Bytewise table CRC-32 in pure Python: the reference for zlib's, which the checkpoints use."""
-    crc = 0xFFFFFFFF
-    for b in data:
-        crc = (crc >> 8) ^ _CRC32C_TABLE[(crc ^ b) & 0xFF]
-    return f"{crc ^ 0xFFFFFFFF:08x}"
-
-
-def test_crc32_reference_check_value():
-    assert crc32_reference(b"123456789") == "cbf43926"  # the published CRC-32 check value
+def test_checksum_is_xxh3_128():
+    # Published XXH3-128 value of the empty input (xxhash's test vectors).
+    assert checksum(b"") == "99aa06d3014798d86001c324468d497f"
+    data = bytearray(range(256)) * 1000
+    assert checksum(data) == checksum(memoryview(data)) == checksum(bytes(data)) == xxh3_reference(data)
+    data[12345] ^= 1
+    assert checksum(data) != xxh3_reference(bytes(range(256)) * 1000)
 
 
 @pytest.fixture
@@ -274,7 +264,7 @@ def test_blob_round_trip(dtype, storage):
         meta = w.index[name]
         offset += -offset % BlobWriter.ALIGN  # blobs start on 64-byte boundaries, zero padding between
         assert meta == {"offset": offset, "nbytes": len(raw), "dtype": str(dtype).removeprefix("torch."),
-                        "shape": list(t.shape), "crc32": crc32_reference(raw)}
+                        "shape": list(t.shape), "xxh3": xxh3_reference(raw)}
         assert data[offset : offset + len(raw)] == raw
         offset += len(raw)
     assert offset == len(data)
@@ -549,8 +539,8 @@ def test_seal_and_load(storage):
     doc = json.loads(raw)
     assert doc["format"] == "cnr-checkpoint" and doc["version"] == 2 and doc["body"] == BODY
     canonical = json.dumps(BODY, sort_keys=True, separators=(",", ":")).encode()
-    assert doc["crc32"] == crc32_reference(canonical)
-    assert json.loads(seal(dict(reversed(list(BODY.items())))))["crc32"] == doc["crc32"]  # key order is free
+    assert doc["xxh3"] == xxh3_reference(canonical)
+    assert json.loads(seal(dict(reversed(list(BODY.items())))))["xxh3"] == doc["xxh3"]  # key order is free
     storage.write(manifest_path(3), raw)
     assert load_manifest(storage, 3) == BODY
 
@@ -575,7 +565,7 @@ def test_manifest_edit_that_still_parses_is_caught(storage, old, new):
 
 def test_manifest_with_a_flipped_checksum_digit(storage):
     doc = json.loads(seal(BODY))
-    doc["crc32"] = ("0" if doc["crc32"][0] != "0" else "1") + doc["crc32"][1:]
+    doc["xxh3"] = ("0" if doc["xxh3"][0] != "0" else "1") + doc["xxh3"][1:]
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError, match="checksum"):
         load_manifest(storage, 3)
@@ -619,6 +609,7 @@ def test_manifest_version_mismatch(storage, version):
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
     assert f"format version {version!r}" in str(e.value) and "reads version 2" in str(e.value)
+    assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
 
 

@@ -266,7 +266,7 @@ def test_verify_passes_a_sound_root_and_names_every_damaged_file(roots, tmp_path
     baseline_file = "ckpt-00000000/rank-00000.bin"
     _flip(os.path.join(root, baseline_file), 100)
     problems = verify_root(root, ids=[3])
-    assert Problem(0, baseline_file, "does not match its crc32 in the manifest (its bytes changed)") not in problems
+    assert Problem(0, baseline_file, "does not match its xxh3 in the manifest (its bytes changed)") not in problems
     assert any(p.ckpt_id == 3 and p.path == baseline_file and "needs checkpoint 0" in p.message for p in problems)
     storage = Storage(root)
     assert any(p.ckpt_id == 0 and p.path == baseline_file for p in verify_checkpoint(storage, 0))

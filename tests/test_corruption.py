@@ -199,9 +199,9 @@ def _untrusted_worker(rank, world_size, work):
 
         def reseal(body):
             r0 = body["ranks"][0]
-            r0["crc32"] = checksum(bytes(data))
+            r0["xxh3"] = checksum(bytes(data))
             for meta in r0["blobs"].values():
-                meta["crc32"] = checksum(bytes(data[meta["offset"] : meta["offset"] + meta["nbytes"]]))
+                meta["xxh3"] = checksum(bytes(data[meta["offset"] : meta["offset"] + meta["nbytes"]]))
         _edit_manifest(root, 0, reseal)
     dist.barrier()
     from unittest import mock

@@ -237,7 +237,7 @@ class Checkpointer(CommitProtocol):
         as far as the manifests tell (they load and match their checksums, the chain is
         complete, every rank file exists with the size its manifest gives); every rank then
         applies what its shards need, checking each file it reads against the manifest's
-        crc32 (and each blob against its own), and the ranks compare
+        xxh3 (and each blob against its own), and the ranks compare
         outcomes before anything else happens, so a rank that finds a bad file never leaves
         the others waiting in a collective. A file that fails its checks is handled as
         ``on_corrupt`` says: ``fail`` raises CorruptCheckpointError naming it on every rank;
@@ -288,8 +288,8 @@ class Checkpointer(CommitProtocol):
                         "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
                         "the model and optimizers and start that state afresh."
                     )
-                # Whole rank files are checked against the manifests' crc32 as they are read.
-                self._storage.expect({r["file"]: (int(r["nbytes"]), r["crc32"]) for c in chain for r in c["ranks"]})
+                # Whole rank files are checked against the manifests' xxh3 as they are read.
+                self._storage.expect({r["file"]: (int(r["nbytes"]), r["xxh3"]) for c in chain for r in c["ranks"]})
                 try:
                     restore_chain(
                         chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,

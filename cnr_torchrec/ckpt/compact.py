@@ -177,7 +177,7 @@ def _write_compacted_rank(
         "ok": True,
         "file": file,
         "nbytes": len(data_bytes),
-        "crc32": checksum(data_bytes),
+        "xxh3": checksum(data_bytes),
         "blobs": blobs.index,
         "tables": out_tables,
         "replicated_tables": replicated,

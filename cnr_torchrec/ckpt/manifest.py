@@ -8,7 +8,7 @@ Layout under the root::
         manifest.json       written last, atomically, by rank 0: the commit marker
     index.json              committed ids, rewritten after each commit (for stores that cannot list)
 
-A manifest is ``{"format", "version", "crc32", "body"}``; ``crc32`` covers the body's
+A manifest is ``{"format", "version", "xxh3", "body"}``; ``xxh3`` covers the body's
 canonical JSON, so an edited or bit-flipped manifest is caught even when it still parses.
 """
 
@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-VERSION = 2  # 2: CRC-32 checksums (1 had sha256)
+VERSION = 2  # 2: XXH3 checksums (1 had sha256)
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -66,7 +66,7 @@ def _canonical(body: Any) -> bytes:
 def seal(body: dict[str, Any]) -> bytes:
     """The bytes of a manifest file for ``body``."""
     return json.dumps(
-        {"format": FORMAT, "version": VERSION, "crc32": checksum(_canonical(body)), "body": body}, indent=1
+        {"format": FORMAT, "version": VERSION, "xxh3": checksum(_canonical(body)), "body": body}, indent=1
     ).encode()
 
 
@@ -85,14 +85,18 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
         raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt", path=path) from None
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
         raise CorruptCheckpointError(f"{path} is not a cnr_torchrec manifest", path=path)
-    if doc.get("version") != VERSION:
+    version = doc.get("version")
+    if version != VERSION:
+        if isinstance(version, int) and 0 < version < VERSION:
+            how = ("it was written by an earlier cnr_torchrec (version 1 used sha256 checksums). Restore it with the "
+                   "build that wrote it and save a new baseline with this one")
+        else:
+            how = "upgrade cnr_torchrec to read it"
         raise CorruptCheckpointError(
-            f"{path} has format version {doc.get('version')!r}; this build reads version {VERSION}. "
-            "Upgrade cnr_torchrec to read it.",
-            path=path,
+            f"{path} has format version {version!r}; this build reads version {VERSION}: {how}.", path=path
         )
     body = doc["body"]
-    if checksum(_canonical(body)) != doc.get("crc32"):
+    if checksum(_canonical(body)) != doc.get("xxh3"):
         raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
     if body.get("id") != ckpt_id:
         raise CorruptCheckpointError(f"{path} describes checkpoint {body.get('id')}, not {ckpt_id}", path=path)

@@ -116,7 +116,7 @@ def load_chain(storage: Storage, ckpt_id: int, *, verify: bool = True) -> list[d
     """The manifests of ``ckpt_id``'s chain, baseline first.
 
     Args:
-        verify: also check every file of every member (sizes, crc32 of files and blobs,
+        verify: also check every file of every member (sizes, xxh3 of files and blobs,
             references) with :func:`cnr_torchrec.ckpt.verify.verify_checkpoint`.
 
     Raises:

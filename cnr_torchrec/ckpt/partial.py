@@ -141,7 +141,7 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
         chain = chain or [load_manifest(ck._storage, i) for i in pick["chain"]]
         if ck.rank in failed:
             same_world = chain[-1]["world_size"] == ck.world_size
-            ck._storage.expect({r["file"]: (int(r["nbytes"]), r["crc32"]) for c in chain for r in c["ranks"]})
+            ck._storage.expect({r["file"]: (int(r["nbytes"]), r["xxh3"]) for c in chain for r in c["ranks"]})
             try:
                 restore_chain(
                     chain, storage=ck._storage, model=ck.model, tracker=ck.tracker, rank=ck.rank,

@@ -1,7 +1,7 @@
 """Per-rank payload files: raw tensor bytes back to back, described by JSON. No pickle.
 
 A payload file is the concatenation of blobs. Each blob is one tensor's bytes; its
-offset, size, dtype, shape and crc32 go in the manifest, so a reader can fetch just
+offset, size, dtype, shape and xxh3 go in the manifest, so a reader can fetch just
 the byte range it needs and check it. Nested state (optimizer, reader, RNG) is split
 into a JSON tree and the tensors it holds (:func:`flatten_state`).
 """
@@ -56,7 +56,7 @@ class BlobWriter:
             "nbytes": data.nbytes,
             "dtype": str(tensor.dtype).removeprefix("torch."),
             "shape": list(tensor.shape),
-            "crc32": checksum(data),
+            "xxh3": checksum(data),
         }
         self._parts.append(data)
         self._offset += data.nbytes
@@ -79,7 +79,7 @@ def read_blob(
     Args:
         whole: the file's bytes, if the caller already read it all; else a range read. A
             writable buffer (bytearray) is shared by the returned tensor, not copied.
-        verified: ``whole`` was already checked against the file's crc32; skip the blob's.
+        verified: ``whole`` was already checked against the file's xxh3; skip the blob's.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -97,7 +97,7 @@ def read_blob(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
             path=file,
         )
-    if not verified and checksum(data) != meta["crc32"]:
+    if not verified and checksum(data) != meta["xxh3"]:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)

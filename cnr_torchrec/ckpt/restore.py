@@ -81,7 +81,7 @@ class _Reader:
             # Writable, so that blobs are viewed in place rather than copied.
             self._data = data if isinstance(data, bytearray) else bytearray(data)
             self._count(len(self._data))
-        verified = self.storage.checks(self.report["file"])  # the whole file matched its crc32 as it was read
+        verified = self.storage.checks(self.report["file"])  # the whole file matched its xxh3 as it was read
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)
 
     @property

@@ -303,7 +303,7 @@ def write_rank(
         "ok": True,
         "file": file,
         "nbytes": len(data),
-        "crc32": checksum(data),
+        "xxh3": checksum(data),
         "blobs": blobs.index,
         "tables": tables,
         "replicated_tables": replicated,

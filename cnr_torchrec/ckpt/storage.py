@@ -21,9 +21,9 @@ import io
 import os
 import posixpath
 import shutil
-import zlib
 from typing import Any
 
+import xxhash
 from torchsnapshot.io_types import ReadIO, WriteIO
 from torchsnapshot.memoryview_stream import MemoryviewStream
 from torchsnapshot.storage_plugin import url_to_storage_plugin
@@ -37,16 +37,15 @@ __all__ = ["FSPlugin", "S3_OPTIONS", "S3Plugin", "Storage", "check_relative", "c
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
-    """CRC-32 of ``data``, as 8 hex digits: the integrity check of every file, blob and manifest.
+    """XXH3-128 of ``data``, as 32 hex digits: the integrity check of every file, blob and manifest.
 
-    zlib's CRC-32 (standard library) checks any buffer in place at about 6 GB/s on this
-    machine, against 1.8 GB/s for sha256, which took a fifth of a restore's time. It
-    catches torn, truncated and bit-flipped files. It is no defence against a crafted
-    checkpoint, and sha256 was none either: the digests sit in the same manifest.
-    (google-crc32c is faster still, but accepts only immutable bytes, so each buffer
-    would be copied first.)
+    xxhash's XXH3 hashes any buffer in place (bytearrays and memoryviews included) at
+    about 26 GB/s on this machine, against 4.2 GB/s for zlib's CRC-32 and 1.8 GB/s for
+    sha256; at CRC-32's speed the checks took a sixth of a restore. It catches torn,
+    truncated and bit-flipped files. Like any digest kept in the same manifest, it is no
+    defence against a crafted checkpoint (see UnsafeCheckpointError for what is refused).
     """
-    return f"{zlib.crc32(data):08x}"
+    return xxhash.xxh3_128_hexdigest(data)
 
 
 def check_relative(path: str) -> str:
@@ -78,7 +77,7 @@ class Storage:
         self._expected: dict[str, tuple[int, str]] = {}
 
     def expect(self, digests: dict[str, tuple[int, str]] | None) -> None:
-        """Checks every whole-file read of these files against (size, crc32); None stops checking.
+        """Checks every whole-file read of these files against (size, xxh3); None stops checking.
 
         A restore reads each rank file whole; with this, a changed byte anywhere in it (a
         blob it does not use, another rank's RNG state, say) is caught too, and named, at
@@ -87,7 +86,7 @@ class Storage:
         self._expected = {check_relative(k): v for k, v in (digests or {}).items()}
 
     def checks(self, path: str) -> bool:
-        """Whether a whole-file read of ``path`` is checked against its crc32 (see :meth:`expect`)."""
+        """Whether a whole-file read of ``path`` is checked against its xxh3 (see :meth:`expect`)."""
         return check_relative(path) in self._expected
 
     def _run(self, coro):
@@ -128,7 +127,7 @@ class Storage:
                 raise CorruptCheckpointError(f"{rel} is {len(data)} bytes, its manifest says {nbytes} ({what})",
                                              path=rel)
             if checksum(data) != digest:
-                raise CorruptCheckpointError(f"{rel} does not match its crc32 in the manifest (its bytes changed)",
+                raise CorruptCheckpointError(f"{rel} does not match its xxh3 in the manifest (its bytes changed)",
                                              path=rel)
         return data
 

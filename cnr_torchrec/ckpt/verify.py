@@ -2,9 +2,9 @@
 
 For each committed checkpoint: the manifest loads and matches its seal and is byte for
 byte the sealed form of its body (so even a flipped whitespace byte is caught); every rank
-file exists and has the size and whole-file crc32 the manifest gives; every blob lies
+file exists and has the size and whole-file xxh3 the manifest gives; every blob lies
 inside its file, has a known dtype whose size matches its shape, and matches its own
-crc32; every entry references blobs that exist, its ranges lie inside its table, its
+xxh3; every entry references blobs that exist, its ranges lie inside its table, its
 row ids decode to the count it claims and its encoded rows are consistent; nested state
 refers only to existing blobs; and a delta's chain members exist and verify. index.json,
 when present, must be a valid index listing only committed checkpoints.
@@ -132,8 +132,8 @@ class _Verifier:
         if len(data) != want:
             what = "truncated" if len(data) < want else "longer than written"
             problems.append(Problem(ckpt_id, file, f"is {len(data)} bytes, the manifest says {want} ({what})"))
-        elif checksum(data) != report["crc32"]:
-            problems.append(Problem(ckpt_id, file, "does not match its crc32 in the manifest (its bytes changed)"))
+        elif checksum(data) != report["xxh3"]:
+            problems.append(Problem(ckpt_id, file, "does not match its xxh3 in the manifest (its bytes changed)"))
 
         blob_problems: list[str] = []
         sound: set[str] = set()
@@ -221,7 +221,7 @@ def _check_blob(name: str, meta: Mapping[str, Any], data: bytes, file_nbytes: in
         offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
         shape = [int(s) for s in meta["shape"]]
         dtype = _DTYPES.get(meta["dtype"])
-        digest = meta["crc32"]
+        digest = meta["xxh3"]
     except (KeyError, TypeError, ValueError) as e:
         return f"blob {name!r} is described incompletely ({type(e).__name__}: {e})"
     if dtype is None:
