@@ -17,6 +17,7 @@ __all__ = [
     "bitmap_count",
     "bitmap_clear_",
     "scatter_rows_",
+    "claim_rows_",
     "reference_mark_rows",
     "reference_bitmap_to_rows",
 ]
@@ -72,13 +73,32 @@ def scatter_rows_(out: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> 
 
     ``out`` and ``src`` are 2-D with equal columns and dtype; ``out``'s columns must be
     contiguous (a column slice of a contiguous tensor is). ``index`` is int64 without
-    repeats (with a repeat, one of its rows lands, unspecified which).
+    repeats (with a repeat, one of its rows lands, unspecified which); a negative index
+    skips its row, so that a :func:`claim_rows_` map can be passed as it is.
 
     Raises:
-        IndexError: an index is outside ``out``'s rows; nothing is written then.
+        IndexError: an index is past ``out``'s rows; nothing is written then.
         ValueError: shapes, dtypes or strides that do not fit.
     """
     _ops.scatter_rows_(out, index, src)
+
+
+def claim_rows_(filled: torch.Tensor, offsets: torch.Tensor | None, count: int, lo: int, hi: int,
+                shift: int) -> torch.Tensor:
+    """Claims the rows of a checkpoint entry that a shard still needs; returns where each goes.
+
+    The entry stores ``count`` rows, at entry rows ``offsets`` (sorted int64), or at
+    ``0 .. count-1`` when ``offsets`` is None. Stored row ``p`` at entry row ``o`` is
+    claimed when ``lo <= o < hi`` and shard row ``o + shift`` is not yet set in
+    ``filled`` (1-D bool, one entry per shard row), which it then sets. Returns int64
+    ``[count]``: the shard row of each claimed stored row, -1 for the others; that is the
+    ``rows`` map of ``dequantize_uniform_into_`` and the ``index`` of :func:`scatter_rows_`.
+
+    Raises:
+        IndexError: a row in ``[lo, hi)`` lands outside ``filled``; nothing is claimed then.
+        ValueError: dtypes or shapes that do not fit.
+    """
+    return _ops.claim_rows_(filled, offsets, count, lo, hi, shift)
 
 
 @torch.library.register_fake("cnr::bitmap_to_rows")

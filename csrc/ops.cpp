@@ -28,6 +28,11 @@ void bitmap_clear_meta(const at::Tensor& /*bitmap*/, int64_t /*start*/, int64_t 
 
 void scatter_rows_meta(const at::Tensor& /*out*/, const at::Tensor& /*index*/, const at::Tensor& /*src*/) {}
 
+at::Tensor claim_rows_meta(const at::Tensor& filled, const std::optional<at::Tensor>& /*offsets*/, int64_t count,
+                           int64_t /*lo*/, int64_t /*hi*/, int64_t /*shift*/) {
+  return at::empty({count}, filled.options().dtype(at::kLong));
+}
+
 }  // namespace
 }  // namespace cnr
 
@@ -54,9 +59,17 @@ TORCH_LIBRARY(cnr, m) {
   // ---- restore (cpu/rows.cpp, cuda/rows_bind.cpp) ---------------------------
   // out[index[i]] = src[i], whole rows: out and src 2-D with equal columns and
   // dtype; out's columns contiguous (row stride free, so a column slice of a
-  // TBE weight works). An index outside out raises before anything is written;
-  // a repeated index leaves one of its rows (which one is unspecified).
+  // TBE weight works). A negative index skips its row. An index past out's rows
+  // raises before anything is written; a repeated index leaves one of its rows
+  // (which one is unspecified).
   m.def("scatter_rows_(Tensor(a!) out, Tensor index, Tensor src) -> ()", tags);
+  // The `count` stored rows of a checkpoint entry sit at entry rows offsets[p]
+  // (p itself when offsets is None). Returns int64 [count]: for each stored row
+  // whose entry row o is in [lo, hi) and whose shard row o + shift is not yet
+  // `filled`, that shard row, which it then marks filled; -1 for every other.
+  // The result is the `rows` of dequantize_uniform_into_ and the `index` of
+  // scatter_rows_. A shard row outside `filled` raises before anything changes.
+  m.def("claim_rows_(Tensor(a!) filled, Tensor? offsets, int count, int lo, int hi, int shift) -> Tensor", tags);
 
   // ---- row codecs (cpu/codecs.cpp, cuda/codecs.cu) --------------------------
   // CODEC-SCHEMAS-BEGIN
@@ -114,6 +127,7 @@ TORCH_LIBRARY_IMPL(cnr, Meta, m) {
   m.impl("bitmap_count", &cnr::bitmap_count_meta);
   m.impl("bitmap_clear_", &cnr::bitmap_clear_meta);
   m.impl("scatter_rows_", &cnr::scatter_rows_meta);
+  m.impl("claim_rows_", &cnr::claim_rows_meta);
   // CODEC-META-BEGIN
   m.impl("pack_bits", &cnr::codecs_meta::pack_bits);
   m.impl("unpack_bits", &cnr::codecs_meta::unpack_bits);

@@ -3,10 +3,10 @@
 Every stored entry carries the global row range and column range of the shard that
 wrote it, and its rows carry offsets into that range. A rank therefore reads only the
 entries that overlap its current shards and writes the overlapping rows and columns
-into its TBE views (``torch.ops.cnr.scatter_rows_``: ``index_copy_`` by whole rows),
+into its TBE views (decoded in place, or ``torch.ops.cnr.scatter_rows_``: ``index_copy_`` by whole rows),
 whatever the world size and plan were at save time. The chain is applied newest
-checkpoint first, and a row already restored from a newer checkpoint is skipped, so
-each row is decoded and written once; the walk stops early once every row is restored.
+checkpoint first, and a row already restored from a newer checkpoint is skipped
+(``torch.ops.cnr.claim_rows_``), so each row is decoded and written once; the walk stops early once every row is restored.
 Row-wise optimizer state (one value per row of a column shard) is mapped by
 column overlap: when a shard now spans columns that several shards held, its value is
 their column-weighted mean, which is exact for row-wise Adagrad's mean of squared
@@ -27,7 +27,7 @@ from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
-from cnr_torchrec.ops import scatter_rows_
+from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -115,20 +115,39 @@ class _Target:
         edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
         self.segments = list(zip(edges[:-1], edges[1:]))
         self.filled = {seg: torch.zeros(shard.num_rows, dtype=torch.bool) for seg in self.segments}
-        self.state_filled = torch.zeros(shard.num_rows, dtype=torch.bool)
-        self.open_rows = shard.num_rows * len(self.segments)  # row-segments still to restore
+        # Row-wise state comes with the weights of entries that span the shard's columns, and with
+        # one segment every overlapping entry does: its rows are then restored exactly when the weights are.
+        self.state_follows_weights = len(self.segments) == 1
+        self.state_filled = (next(iter(self.filled.values())) if self.state_follows_weights
+                             else torch.zeros(shard.num_rows, dtype=torch.bool))
         self.weights = kernel.tbe.split_embedding_weights()[shard.local_index]
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
         self.states = list(live[shard.local_index]) if live else []
         self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
+        self.done = shard.num_rows == 0
 
-    @property
-    def done(self) -> bool:
-        return self.open_rows == 0 and (not self.has_rowwise or bool(self.state_filled.all()))
+    def refresh(self) -> None:
+        """Updates ``done``: every row of every segment (and its row-wise state) restored.
+
+        Checked once per checkpoint of the chain, not per entry: a mask scan is dearer
+        than the few entries it could skip within one checkpoint.
+        """
+        self.done = all(bool(f.all()) for f in self.filled.values()) and (
+            not self.has_rowwise or bool(self.state_filled.all()))
+
+    def columns(self, live: torch.Tensor, seg: tuple[int, int]) -> torch.Tensor:
+        """The columns ``seg`` (global) of ``live``, a [rows, shard columns] view."""
+        x, y = seg[0] - self.shard.cols[0], seg[1] - self.shard.cols[0]
+        return live if (x, y) == (0, live.shape[1]) else live[:, x:y]
 
 
 class _Applier:
-    """Applies a chain's entries to this rank's shards, newest checkpoint first."""
+    """Applies a chain's entries to this rank's shards, newest checkpoint first.
+
+    For each entry and shard, ``claim_rows_`` maps the entry's stored rows to the shard
+    rows that no newer checkpoint restored (-1 for the rest) and marks them restored;
+    the rows are then decoded (or copied) straight to their places by that map.
+    """
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]], replicated: bool = True) -> None:
         breaks: dict[str, set[int]] = {}
@@ -146,14 +165,13 @@ class _Applier:
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
 
-    def apply(self, table: str, entry: Mapping[str, Any], load: Any, weights: torch.Tensor | None = None) -> None:
+    def apply(self, table: str, entry: Mapping[str, Any], load: Any) -> None:
         rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
         hits = [
             (t, r, c)
             for t in self.targets.get(table, ())
-            if (r := _overlap(rows, t.shard.rows)) and (c := _overlap(cols, t.shard.cols))
+            if not t.done and (r := _overlap(rows, t.shard.rows)) and (c := _overlap(cols, t.shard.cols))
         ]
-        hits = [h for h in hits if not h[0].done]
         if not hits:
             return
         n_rows = rows[1] - rows[0]
@@ -163,114 +181,92 @@ class _Applier:
                 raise CorruptCheckpointError("row ids do not match the entry they describe")
         else:
             offsets = None  # every row of the entry, in order
-        encoded = None
+        encoded = weights = None
         if "replicated" in entry:
             weights = load(entry["replicated"]).float()
-        if weights is None:
+            n_stored = weights.shape[0]
+        else:
             tensors = {k: load(name) for k, name in entry["weights"]["blobs"].items()}
             try:
                 encoded = EncodedRows.from_tensors(tensors, entry["weights"]["meta"])
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{table}' are inconsistent: {e}") from None
             n_stored = encoded.num_rows
-        else:
-            n_stored = weights.shape[0]
         if n_stored != (n_rows if offsets is None else offsets.numel()):
             raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
         states = [(s["rowwise"], load(s["blob"])) for s in entry.get("states", [])]
         for target, row_ov, col_ov in hits:
-            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, encoded, weights, states)
+            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights, states)
 
-    def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, encoded, weights, states) -> None:
+    def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights,
+                   states) -> None:
         shard = target.shard
-        (r0, r1), (c0, c1) = row_ov, col_ov
-        # src: positions among the entry's stored rows; dst: rows of the shard.
-        if offsets is None:
-            src = torch.arange(r0 - rows[0], r1 - rows[0], dtype=torch.int64)
-            dst = torch.arange(r0 - shard.rows[0], r1 - shard.rows[0], dtype=torch.int64)
-        else:
-            lo, hi = torch.searchsorted(offsets, torch.tensor([r0 - rows[0], r1 - rows[0]])).tolist()
-            src = torch.arange(lo, hi, dtype=torch.int64)
-            dst = offsets[lo:hi] + (rows[0] - shard.rows[0])
-        contiguous = offsets is None  # dst is a run of consecutive rows
-        segs = [seg for seg in target.segments if c0 <= seg[0] and seg[1] <= c1]
-        # Rows that some covered segment still needs (usually every segment needs the same ones).
-        needs = [~target.filled[seg].index_select(0, dst) for seg in segs]
-        need = needs[0].clone()
-        for n in needs[1:]:
-            need |= n
-        if not bool(need.all()):
-            keep = _nonzero(need)
-            src, dst = src.index_select(0, keep), dst.index_select(0, keep)
-            needs = [n.index_select(0, keep) for n in needs]
-            contiguous = False
-        if not src.numel():
-            return
-        # One segment spanning the stored columns (the usual case): decode straight into the weights.
-        fused = encoded is not None and len(segs) == 1 and segs[0] == cols
-        if fused:
-            vals = None
-        else:
-            vals = weights.index_select(0, src) if weights is not None else decode(encoded.take(src))
-        col_states = [(j, saved.index_select(0, src)) for j, (rowwise, saved) in enumerate(states) if not rowwise]
+        # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
+        lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
+        segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]
+        maps = [claim_rows_(target.filled[seg], offsets, n_stored, lo, hi, shift) for seg in segs]
         if states and len(target.states) != len(states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
                         table, len(states), len(target.states))
-            states, col_states = [], []
+            states = []
         with torch.no_grad():
-            for seg, n in zip(segs, needs):
-                a, b = seg[0] - cols[0], seg[1] - cols[0]
-                x, y = seg[0] - shard.cols[0], seg[1] - shard.cols[0]
-                d, sel = dst, None
-                if not bool(n.all()):
-                    sel = _nonzero(n)
-                    d = dst.index_select(0, sel)
-                pairs = [] if fused else [(target.weights, vals)]
-                pairs += [(target.states[j].reshape(shard.num_rows, -1), saved) for j, saved in col_states]
-                if fused:
-                    rows_map = torch.full((encoded.num_rows,), -1, dtype=torch.int64)
-                    rows_map[src] = dst
-                    live = target.weights
-                    codec_for(encoded).decode_into(encoded, live if (x, y) == (0, live.shape[1]) else live[:, x:y],
-                                                   rows_map)
-                for live, stored in pairs:
-                    part = stored[:, a:b] if sel is None else stored.index_select(0, sel)[:, a:b]
-                    part = part.to(device=live.device, dtype=live.dtype)
-                    out = live if (x, y) == (0, live.shape[1]) else live[:, x:y]
-                    if contiguous and sel is None:
-                        out.narrow(0, int(d[0]), d.numel()).copy_(part)
-                    else:
-                        scatter_rows_(out, d.to(live.device), part)
-                target.filled[seg][d] = True
-                target.open_rows -= d.numel()
+            if encoded is not None and len(segs) == 1 and segs[0] == cols:
+                # One segment spanning the stored columns (the usual case): decode straight into place.
+                codec_for(encoded).decode_into(encoded, target.columns(target.weights, segs[0]), maps[0])
+            else:
+                # Some segments of the stored columns: decode the rows any of them needs, once.
+                needed = maps[0] >= 0
+                for m in maps[1:]:
+                    needed |= m >= 0
+                sel = _nonzero(needed)
+                if sel.numel():
+                    vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
+                    for seg, m in zip(segs, maps):
+                        self._scatter(target, target.weights, seg, cols, m.index_select(0, sel), vals)
+            for (rowwise, saved), j in zip(states, range(len(states))):
+                if not rowwise:  # per-column state: where the weights went
+                    live = target.states[j].reshape(shard.num_rows, -1)
+                    for seg, m in zip(segs, maps):
+                        self._scatter(target, live, seg, cols, m, saved)
         rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
         if rowwise:
-            self._apply_rowwise(target, col_ov, src, dst, rowwise)
+            claimed = maps[0] if target.state_follows_weights else None
+            self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
 
-    def _apply_rowwise(self, target, col_ov, src, dst, rowwise) -> None:
-        """Row-wise optimizer state (one value per row of a column shard), merged by column overlap."""
+    @staticmethod
+    def _scatter(target, live, seg, cols, index, stored) -> None:
+        """Writes columns ``seg`` of ``stored`` rows to ``live`` rows ``index`` (negative: skipped)."""
+        part = stored[:, seg[0] - cols[0] : seg[1] - cols[0]]
+        out = target.columns(live, seg)
+        scatter_rows_(out, index.to(out.device), part.to(device=out.device, dtype=out.dtype))
+
+    def _apply_rowwise(self, target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed) -> None:
+        """Row-wise optimizer state (one value per row of a column shard), merged by column overlap.
+
+        ``claimed``: the rows the weights just claimed, when the state follows them.
+        """
         shard = target.shard
         target.has_rowwise = True
-        fresh = ~target.state_filled.index_select(0, dst)
-        if not bool(fresh.all()):
-            keep = _nonzero(fresh)
-            src, dst = src.index_select(0, keep), dst.index_select(0, keep)
-        if not src.numel():
-            return
         weight = (col_ov[1] - col_ov[0]) / (shard.cols[1] - shard.cols[0])
+        if weight == 1.0:  # the entry spans the shard's columns: its value is the value
+            index = claimed if claimed is not None else claim_rows_(target.state_filled, offsets, n_stored, lo, hi,
+                                                                    shift)
+            with torch.no_grad():
+                for j, saved in rowwise:
+                    live = target.states[j].reshape(shard.num_rows, 1)
+                    scatter_rows_(live, index.to(live.device), saved.to(live).view(-1, 1))
+            return
+        # Part of the shard's columns: collect, and merge at the end of the checkpoint (claimed then).
+        index = claim_rows_(target.state_filled.clone(), offsets, n_stored, lo, hi, shift)
+        src = _nonzero(index >= 0)
+        dst = index.index_select(0, src)
         for j, saved in rowwise:
-            live = target.states[j].reshape(shard.num_rows)
-            vals = saved.index_select(0, src)
-            if weight == 1.0:  # the entry spans the shard's columns: its value is the value
-                with torch.no_grad():
-                    scatter_rows_(live.view(-1, 1), dst.to(live.device), vals.to(live).view(-1, 1))
-            else:
-                self._rowwise.setdefault(id(target), (target, []))[1].append((j, dst, vals.float(), weight))
-        if weight == 1.0:
-            target.state_filled[dst] = True
+            self._rowwise.setdefault(id(target), (target, []))[1].append(
+                (j, dst, saved.index_select(0, src).float(), weight))
 
     def finish_checkpoint(self) -> None:
-        """Writes the row-wise states merged from the checkpoint's column shards, and marks them restored."""
+        """Writes the row-wise states merged from the checkpoint's column shards, marks them restored,
+        and updates which shards are done."""
         for target, parts in self._rowwise.values():
             n = target.shard.num_rows
             merged_rows = []
@@ -288,6 +284,10 @@ class _Applier:
             for rows in merged_rows:
                 target.state_filled[rows] = True
         self._rowwise.clear()
+        for ts in self.targets.values():
+            for t in ts:
+                if not t.done:
+                    t.refresh()
 
 
 def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any], replicated: bool = True):

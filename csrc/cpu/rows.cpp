@@ -1,15 +1,28 @@
-// CPU kernel of scatter_rows_: out[index[i]] = src[i] for whole rows, one
-// memcpy per row. Restore writes every decoded row into a TBE weight (or
-// optimizer-state) view this way; ATen's index_copy_ walks the same rows element
-// by element and was 7-8x slower on 32-wide float rows.
+// CPU kernels of restore's row ops.
+// scatter_rows_: out[index[i]] = src[i] for whole rows, one memcpy per row.
+// Restore writes every decoded row into a TBE weight (or optimizer-state) view
+// this way; ATen's index_copy_ walks the same rows element by element and was
+// 7-8x slower on 32-wide float rows.
+// claim_rows_: which stored rows of a checkpoint entry a shard still needs, and
+// where they go, in one pass (restore applies the chain newest first).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 
 namespace cnr {
 namespace {
+
+// Rows i in [i0, i1) of src to out rows index[i] (negative: skipped); kBytes = 0: `bytes` a row.
+template <int64_t kBytes>
+void copy_rows(char* out, const char* src, const int64_t* index, int64_t out_stride, int64_t i0, int64_t i1,
+               int64_t bytes = kBytes) {
+  for (int64_t i = i0; i < i1; ++i) {
+    if (index[i] >= 0) std::memcpy(out + index[i] * out_stride, src + i * bytes, kBytes ? kBytes : bytes);
+  }
+}
 
 void scatter_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src) {
   TORCH_CHECK_VALUE(out.dim() == 2 && src.dim() == 2, "cnr::scatter_rows_: out and src must be 2-D, got ",
@@ -28,9 +41,9 @@ void scatter_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::
   const auto s = src.contiguous();
   const int64_t n = idx.numel(), rows = out.size(0);
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {  // check everything before writing anything
-    TORCH_CHECK_INDEX(0 <= ip[i] && ip[i] < rows, "cnr::scatter_rows_: index ", ip[i], " at position ", i,
-                      " is outside out's ", rows, " rows");
+  for (int64_t i = 0; i < n; ++i) {  // check everything before writing anything; negative: skipped
+    TORCH_CHECK_INDEX(ip[i] < rows, "cnr::scatter_rows_: index ", ip[i], " at position ", i, " is outside out's ",
+                      rows, " rows");
   }
   if (n == 0 || out.size(1) == 0) return;
   const int64_t item = out.element_size();
@@ -38,11 +51,54 @@ void scatter_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::
   char* op = static_cast<char*>(out.data_ptr());
   const char* sp = static_cast<const char*>(s.data_ptr());
   at::parallel_for(0, n, 4096, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) std::memcpy(op + ip[i] * out_stride, sp + i * row_bytes, row_bytes);
+    switch (row_bytes) {  // one value a row (row-wise optimizer state): a fixed-size copy, no memcpy call
+      case 4: return copy_rows<4>(op, sp, ip, out_stride, i0, i1);
+      case 8: return copy_rows<8>(op, sp, ip, out_stride, i0, i1);
+      default: return copy_rows<0>(op, sp, ip, out_stride, i0, i1, row_bytes);
+    }
   });
+}
+
+at::Tensor claim_rows_cpu(const at::Tensor& filled, const std::optional<at::Tensor>& offsets, int64_t count,
+                          int64_t lo, int64_t hi, int64_t shift) {
+  TORCH_CHECK_VALUE(filled.dim() == 1 && filled.scalar_type() == at::kBool && filled.is_contiguous(),
+                    "cnr::claim_rows_: filled must be a contiguous 1-D bool tensor, got ", filled.scalar_type(), " ",
+                    filled.sizes());
+  TORCH_CHECK_VALUE(count >= 0, "cnr::claim_rows_: count must be >= 0, got ", count);
+  at::Tensor offs;
+  if (offsets) {
+    TORCH_CHECK_VALUE(offsets->dim() == 1 && offsets->scalar_type() == at::kLong && offsets->numel() == count,
+                      "cnr::claim_rows_: offsets must be 1-D int64 with `count` (", count, ") entries, got ",
+                      offsets->scalar_type(), " ", offsets->sizes());
+    offs = offsets->contiguous();
+  }
+  const int64_t* op = offsets ? offs.data_ptr<int64_t>() : nullptr;
+  const int64_t rows = filled.numel();
+  lo = std::max<int64_t>(lo, 0);
+  for (int64_t p = 0; p < count; ++p) {  // check everything before claiming anything
+    const int64_t o = op ? op[p] : p;
+    TORCH_CHECK_INDEX(o < lo || o >= hi || (0 <= o + shift && o + shift < rows), "cnr::claim_rows_: stored row ", p,
+                      " (entry row ", o, ") lands on row ", o + shift, ", outside the ", rows, " rows of filled");
+  }
+  auto map = at::empty({count}, filled.options().dtype(at::kLong));
+  int64_t* mp = map.data_ptr<int64_t>();
+  bool* fp = filled.data_ptr<bool>();
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t o = op ? op[p] : p;
+    int64_t dst = -1;
+    if (lo <= o && o < hi && !fp[o + shift]) {
+      dst = o + shift;
+      fp[dst] = true;
+    }
+    mp[p] = dst;
+  }
+  return map;
 }
 
 }  // namespace
 }  // namespace cnr
 
-TORCH_LIBRARY_IMPL(cnr, CPU, m) { m.impl("scatter_rows_", &cnr::scatter_rows_cpu); }
+TORCH_LIBRARY_IMPL(cnr, CPU, m) {
+  m.impl("scatter_rows_", &cnr::scatter_rows_cpu);
+  m.impl("claim_rows_", &cnr::claim_rows_cpu);
+}
