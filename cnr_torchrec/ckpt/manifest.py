@@ -8,8 +8,10 @@ Layout under the root::
         manifest.json       written last, atomically, by rank 0: the commit marker
     index.json              committed ids, rewritten after each commit (for stores that cannot list)
 
-A manifest is ``{"format", "version", "xxh3", "body"}``; ``xxh3`` covers the body's
-canonical JSON, so an edited or bit-flipped manifest is caught even when it still parses.
+A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`` last;
+``xxh3`` covers the body's text exactly as it stands in the file, so an edited or
+bit-flipped manifest is caught even when it still parses, and checking it needs no second
+serialization of the body.
 """
 
 from __future__ import annotations
@@ -59,15 +61,21 @@ def ckpt_id_of(path: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _canonical(body: Any) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+_BODY_KEY = b'"body": '
 
 
 def seal(body: dict[str, Any]) -> bytes:
-    """The bytes of a manifest file for ``body``."""
-    return json.dumps(
-        {"format": FORMAT, "version": VERSION, "xxh3": checksum(_canonical(body)), "body": body}, indent=1
-    ).encode()
+    """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers."""
+    text = json.dumps(body, indent=1, allow_nan=False).encode()
+    head = json.dumps({"format": FORMAT, "version": VERSION, "xxh3": checksum(text)}).encode()
+    return head[:-1] + b", " + _BODY_KEY + text + b"}"
+
+
+def _body_text(raw: bytes | bytearray) -> bytes | bytearray:
+    """The body's text in a sealed manifest: from the first ``"body": `` (the header holds none) to the last brace."""
+    start = raw.find(_BODY_KEY)
+    end = raw.rfind(b"}")
+    return raw[start + len(_BODY_KEY) : end] if 0 <= start < end else b""
 
 
 def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
@@ -96,7 +104,7 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
             f"{path} has format version {version!r}; this build reads version {VERSION}: {how}.", path=path
         )
     body = doc["body"]
-    if checksum(_canonical(body)) != doc.get("xxh3"):
+    if checksum(_body_text(raw)) != doc.get("xxh3"):
         raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
     if body.get("id") != ckpt_id:
         raise CorruptCheckpointError(f"{path} describes checkpoint {body.get('id')}, not {ckpt_id}", path=path)
