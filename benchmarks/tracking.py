@@ -8,11 +8,13 @@ configurations are separate models in the same processes, measured in interleave
 rounds so that machine noise hits them alike; each figure is the median over rounds of
 the slowest rank's mean step time.
 
-overhead_cnr pairs the CheckNRunDMP model with itself, its hooks detached
-(``tracker.remove()``) for one block of each round and attached again for another:
-the same weights, memory and kernels, so the paired ratio isolates what tracking adds.
-Separate models of the same size differ by a few percent on this machine whatever they
-track (placement in memory), which the plain-DMP comparison also prints.
+Both overheads are paired on one model: overhead_cnr compares the CheckNRunDMP model with
+itself, its hooks detached (``tracker.remove()``) for one block of each round and attached
+again for another; overhead_mdt does the same with the ModelDeltaTracker model, whose
+post-lookup hook (``post_lookup_tracker_fn`` of each sharded module) is unset for one block
+and set for another. The same weights, memory and kernels, so each paired ratio isolates
+what its tracking adds. Separate models of the same size differ by a few percent on this
+machine whatever they track (placement in memory), which the plain-DMP comparisons print.
 """
 
 from __future__ import annotations
@@ -137,17 +139,29 @@ def main() -> None:
         else:
             dmp.dirty_tracker.remove()
 
-    timed_kinds = kinds + ["cnr_off"]
-    models["cnr_off"] = models["cnr"]
+    # The modules ModelDeltaTracker hooked, and their hooks, to unset and set again (same model either way).
+    mdt_hooks = [(m, m.post_lookup_tracker_fn) for m in models["mdt"][0].modules()
+                 if getattr(m, "post_lookup_tracker_fn", None) is not None]
+    assert mdt_hooks, "ModelDeltaTracker registered no post-lookup hook"
+
+    def set_mdt(on: bool) -> None:
+        for module, fn in mdt_hooks:
+            module.post_lookup_tracker_fn = fn if on else None
+
+    timed_kinds = kinds + ["cnr_off", "mdt_off"]
+    models["cnr_off"], models["mdt_off"] = models["cnr"], models["mdt"]
     step_ms = {k: [] for k in timed_kinds}
     cpu_ms = {k: [] for k in timed_kinds}  # the training thread's CPU time: blind to waiting for a core
     extract_ms = {k: [] for k in kinds if k != "none"}
     for r in range(args.rounds):
-        order = timed_kinds[r % 4:] + timed_kinds[: r % 4]  # rotate who goes first
+        n = len(timed_kinds)
+        order = timed_kinds[r % n:] + timed_kinds[: r % n]  # rotate who goes first
         for k in order:
             dmp, mdt, opt = models[k]
             if k in ("cnr", "cnr_off"):
                 set_tracking(dmp, k == "cnr")
+            if k in ("mdt", "mdt_off"):
+                set_mdt(k == "mdt")
             dist.barrier()
             t0, c0 = time.perf_counter(), time.thread_time()
             for b in batches:
@@ -165,6 +179,7 @@ def main() -> None:
     def paired(k: str, ref: str, times=step_ms) -> float:
         return statistics.median(a / b - 1 for a, b in zip(times[k], times[ref]))
 
+    set_mdt(True)
     cnr_dmp, _, cnr_opt = models["cnr"]
     set_tracking(cnr_dmp, True)
     mark_ms = slowest(mark_cost_ms(cnr_dmp, cnr_opt, batches[0]))
@@ -173,12 +188,14 @@ def main() -> None:
         "step_ms_cnr": med["cnr"],
         "step_ms_mdt": med["mdt"],
         "step_ms_cnr_detached": med["cnr_off"],
+        "step_ms_mdt_detached": med["mdt_off"],
         "overhead_cnr": paired("cnr", "cnr_off"),
-        "overhead_mdt": paired("mdt", "none"),
+        "overhead_mdt": paired("mdt", "mdt_off"),
         "overhead_cnr_vs_plain_dmp": paired("cnr", "none"),
+        "overhead_mdt_vs_plain_dmp": paired("mdt", "none"),
         "overhead_detached_vs_plain_dmp": paired("cnr_off", "none"),
         "overhead_cnr_cpu": paired("cnr", "cnr_off", cpu_ms),
-        "overhead_mdt_cpu": paired("mdt", "none", cpu_ms),
+        "overhead_mdt_cpu": paired("mdt", "mdt_off", cpu_ms),
         "mark_ms_per_step_cnr": mark_ms,
         "overhead_cnr_attributed": mark_ms / med["none"],
         "bits_per_row_cnr": models["cnr"][0].dirty_tracker.bits_per_row,
@@ -186,8 +203,11 @@ def main() -> None:
         "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
     }
     # Per-round ratio spread, to show how much of the overhead is noise.
-    ratios = sorted(c / n - 1 for c, n in zip(step_ms["cnr"], step_ms["cnr_off"]))
-    quart = (ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4])
+    def spread(k: str, ref: str) -> tuple[float, float, float, float]:
+        r = sorted(a / b - 1 for a, b in zip(step_ms[k], step_ms[ref]))
+        return r[0], r[len(r) // 4], r[(3 * len(r)) // 4], r[-1]
+
+    spreads = {"cnr": spread("cnr", "cnr_off"), "mdt": spread("mdt", "mdt_off")}
     if rank == 0:
         print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
               f"pooling {args.pooling}, {args.rounds} rounds x {args.steps} steps")
@@ -197,13 +217,16 @@ def main() -> None:
               f"{res['overhead_detached_vs_plain_dmp']:>10.2%}{'':>12s}")
         print(f"{'CheckNRunDMP (cnr)':<28s}{med['cnr']:>10.2f}{res['overhead_cnr']:>10.2%}"
               f"{res['extract_ms_cnr']:>12.2f}")
+        print(f"{'ModelDeltaTracker, hook off':<28s}{med['mdt_off']:>10.2f}{'':>10s}{'':>12s}")
         print(f"{'ModelDeltaTracker ID_ONLY':<28s}{med['mdt']:>10.2f}{res['overhead_mdt']:>10.2%}"
               f"{res['extract_ms_mdt']:>12.2f}")
-        print("overheads: cnr against the same model with its hooks off; mdt (and hooks off) against the plain DMP; "
-              f"cnr against the plain DMP: {res['overhead_cnr_vs_plain_dmp']:.2%}")
+        print("overheads: each tracker against the same model with its hooks off (hooks off against the plain DMP); "
+              f"against the plain DMP: cnr {res['overhead_cnr_vs_plain_dmp']:.2%}, "
+              f"mdt {res['overhead_mdt_vs_plain_dmp']:.2%}")
         print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
-        print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}; per-round cnr overhead: "
-              f"min {ratios[0]:.2%}, quartiles {quart[0]:.2%} .. {quart[1]:.2%}, max {ratios[-1]:.2%}")
+        print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}")
+        for k, (lo, q1, q3, hi) in spreads.items():
+            print(f"per-round {k} overhead: min {lo:.2%}, quartiles {q1:.2%} .. {q3:.2%}, max {hi:.2%}")
         print(f"cnr mark_rows work per step, replayed: {mark_ms:.3f} ms = "
               f"{res['overhead_cnr_attributed']:.3%} of a step")
         print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
