@@ -71,14 +71,14 @@ class BlobWriter:
 
 
 def read_blob(
-    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: bytes | bytearray | None = None,
+    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: Any = None,
     verified: bool = False,
 ) -> torch.Tensor:
     """Reads one blob and checks its size and checksum.
 
     Args:
         whole: the file's bytes, if the caller already read it all; else a range read. A
-            writable buffer (bytearray) is shared by the returned tensor, not copied.
+            writable buffer (a bytearray or a private mmap) is shared by the returned tensor, not copied.
         verified: ``whole`` was already checked against the file's xxh3; skip the blob's.
 
     Raises:

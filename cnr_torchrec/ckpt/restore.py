@@ -16,6 +16,7 @@ gradients whenever the new shard is a union of old ones.
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Mapping
 from typing import Any
 
@@ -62,7 +63,7 @@ class _Reader:
         self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None, whole: bool = True
     ) -> None:
         self.storage, self.report = storage, report
-        self._data: bytearray | None = None
+        self._data: bytearray | mmap.mmap | None = None
         self._stats = stats
         self._whole = whole  # False: one range read per blob (for a few small blobs of a big file)
 
@@ -77,9 +78,8 @@ class _Reader:
             self._count(int(meta["nbytes"]))
             return read_blob(self.storage, self.report["file"], meta, name)
         if self._data is None:
-            data = self.storage.read(self.report["file"])
-            # Writable, so that blobs are viewed in place rather than copied.
-            self._data = data if isinstance(data, bytearray) else bytearray(data)
+            # Writable (a private mapping of a local file), so that blobs are viewed in place rather than copied.
+            self._data = self.storage.read_mapped(self.report["file"])
             self._count(len(self._data))
         verified = self.storage.checks(self.report["file"])  # the whole file matched its xxh3 as it was read
         return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)

@@ -16,11 +16,20 @@ namespace cnr {
 namespace {
 
 // Rows i in [i0, i1) of src to out rows index[i] (negative: skipped); kBytes = 0: `bytes` a row.
+// Fixed-size rows go without a branch: a skipped row is written to a scratch slot instead.
 template <int64_t kBytes>
 void copy_rows(char* out, const char* src, const int64_t* index, int64_t out_stride, int64_t i0, int64_t i1,
                int64_t bytes = kBytes) {
-  for (int64_t i = i0; i < i1; ++i) {
-    if (index[i] >= 0) std::memcpy(out + index[i] * out_stride, src + i * bytes, kBytes ? kBytes : bytes);
+  if constexpr (kBytes > 0) {
+    alignas(16) char scratch[kBytes];
+    for (int64_t i = i0; i < i1; ++i) {
+      char* dst = index[i] >= 0 ? out + index[i] * out_stride : scratch;
+      std::memcpy(dst, src + i * kBytes, kBytes);
+    }
+  } else {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (index[i] >= 0) std::memcpy(out + index[i] * out_stride, src + i * bytes, bytes);
+    }
   }
 }
 
@@ -41,9 +50,12 @@ void scatter_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::
   const auto s = src.contiguous();
   const int64_t n = idx.numel(), rows = out.size(0);
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {  // check everything before writing anything; negative: skipped
-    TORCH_CHECK_INDEX(ip[i] < rows, "cnr::scatter_rows_: index ", ip[i], " at position ", i, " is outside out's ",
-                      rows, " rows");
+  int64_t top = -1;  // check everything before writing anything (negative: skipped); a max vectorizes
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, ip[i]);
+  if (top >= rows) {
+    const int64_t i = std::find_if(ip, ip + n, [&](int64_t v) { return v >= rows; }) - ip;
+    TORCH_CHECK_INDEX(false, "cnr::scatter_rows_: index ", ip[i], " at position ", i, " is outside out's ", rows,
+                      " rows");
   }
   if (n == 0 || out.size(1) == 0) return;
   const int64_t item = out.element_size();
@@ -75,22 +87,27 @@ at::Tensor claim_rows_cpu(const at::Tensor& filled, const std::optional<at::Tens
   const int64_t* op = offsets ? offs.data_ptr<int64_t>() : nullptr;
   const int64_t rows = filled.numel();
   lo = std::max<int64_t>(lo, 0);
-  for (int64_t p = 0; p < count; ++p) {  // check everything before claiming anything
-    const int64_t o = op ? op[p] : p;
-    TORCH_CHECK_INDEX(o < lo || o >= hi || (0 <= o + shift && o + shift < rows), "cnr::claim_rows_: stored row ", p,
-                      " (entry row ", o, ") lands on row ", o + shift, ", outside the ", rows, " rows of filled");
-  }
   auto map = at::empty({count}, filled.options().dtype(at::kLong));
   int64_t* mp = map.data_ptr<int64_t>();
   bool* fp = filled.data_ptr<bool>();
+  // One pass; the only data-dependent choice (already filled or not) is a select, not a branch.
   for (int64_t p = 0; p < count; ++p) {
     const int64_t o = op ? op[p] : p;
-    int64_t dst = -1;
-    if (lo <= o && o < hi && !fp[o + shift]) {
-      dst = o + shift;
-      fp[dst] = true;
+    if (o < lo || o >= hi) {
+      mp[p] = -1;
+      continue;
     }
-    mp[p] = dst;
+    const int64_t dst = o + shift;
+    if (static_cast<uint64_t>(dst) >= static_cast<uint64_t>(rows)) {
+      for (int64_t q = 0; q < p; ++q) {  // give back what this call claimed: nothing changes on an error
+        if (mp[q] >= 0) fp[mp[q]] = false;
+      }
+      TORCH_CHECK_INDEX(false, "cnr::claim_rows_: stored row ", p, " (entry row ", o, ") lands on row ", dst,
+                        ", outside the ", rows, " rows of filled");
+    }
+    const bool was = fp[dst];
+    fp[dst] = true;
+    mp[p] = was ? -1 : dst;
   }
   return map;
 }
