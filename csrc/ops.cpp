@@ -71,7 +71,7 @@ TORCH_LIBRARY(cnr, m) {
   // scatter_rows_. A shard row outside `filled` raises before anything changes.
   m.def("claim_rows_(Tensor(a!) filled, Tensor? offsets, int count, int lo, int hi, int shift) -> Tensor", tags);
 
-  // ---- row codecs (cpu/codecs.cpp, cuda/codecs.cu) --------------------------
+  // ---- row codecs (cpu/codecs*.cpp, cuda/codecs.cu) -------------------------
   // CODEC-SCHEMAS-BEGIN
   // Rows are float32 [N, D]. Codes of `bits` in {2, 3, 4, 8} are packed per row
   // as an LSB-first bit stream padded to a byte: ceil(D * bits / 8) bytes (eight
