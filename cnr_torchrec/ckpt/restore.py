@@ -3,10 +3,11 @@
 Every stored entry carries the global row range and column range of the shard that
 wrote it, and its rows carry offsets into that range. A rank therefore reads only the
 entries that overlap its current shards and writes the overlapping rows and columns
-into its TBE views (decoded in place, or ``torch.ops.cnr.scatter_rows_``: ``index_copy_`` by whole rows),
-whatever the world size and plan were at save time. The chain is applied newest
-checkpoint first, and a row already restored from a newer checkpoint is skipped
-(``torch.ops.cnr.claim_rows_``), so each row is decoded and written once; the walk stops early once every row is restored.
+into its TBE views (decoded in place, or written by ``torch.ops.cnr.scatter_rows_``,
+``index_copy_`` by whole rows), whatever the world size and plan were at save time.
+The chain is applied newest checkpoint first, and a row already restored from a newer
+checkpoint is skipped (``torch.ops.cnr.claim_rows_``), so each row is decoded and
+written once; the walk stops early once every row is restored.
 Row-wise optimizer state (one value per row of a column shard) is mapped by
 column overlap: when a shard now spans columns that several shards held, its value is
 their column-weighted mean, which is exact for row-wise Adagrad's mean of squared
@@ -222,7 +223,7 @@ class _Applier:
                     vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
                     for seg, m in zip(segs, maps):
                         self._scatter(target, target.weights, seg, cols, m.index_select(0, sel), vals)
-            for (rowwise, saved), j in zip(states, range(len(states))):
+            for j, (rowwise, saved) in enumerate(states):
                 if not rowwise:  # per-column state: where the weights went
                     live = target.states[j].reshape(shard.num_rows, -1)
                     for seg, m in zip(segs, maps):
