@@ -3,18 +3,25 @@
 Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py [--json PATH]
 
 Workload (issue 2): 8 tables x 200k rows x 32 dim, half row_wise and half table_wise,
-batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD. The three
-configurations are separate models in the same processes, measured in interleaved
-rounds so that machine noise hits them alike; each figure is the median over rounds of
-the slowest rank's mean step time.
+batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD.
 
-Both overheads are paired on one model: overhead_cnr compares the CheckNRunDMP model with
-itself, its hooks detached (``tracker.remove()``) for one block of each round and attached
-again for another; overhead_mdt does the same with the ModelDeltaTracker model, whose
-post-lookup hook (``post_lookup_tracker_fn`` of each sharded module) is unset for one block
-and set for another. The same weights, memory and kernels, so each paired ratio isolates
-what its tracking adds. Separate models of the same size differ by a few percent on this
-machine whatever they track (placement in memory), which the plain-DMP comparisons print.
+Design, for a machine whose step time wanders by ~15% from one step to the next:
+
+* Both overheads are paired on one model. overhead_cnr compares the CheckNRunDMP model
+  with itself, its hooks detached (``tracker.remove()``) or attached; overhead_mdt does the
+  same with the ModelDeltaTracker model, its post-lookup hook (``post_lookup_tracker_fn``
+  of each sharded module) unset or set. Separate models of the same size differ by a few
+  percent whatever they track (placement in memory); the plain-DMP comparisons print that.
+* The configurations are interleaved step by step: each batch runs once in every
+  configuration, back to back, in an order that rotates. Each paired ratio compares two
+  runs of the same batch a few tens of ms apart, so slow drifts in machine load cancel.
+  Every timed step starts after a barrier and counts the slowest rank.
+* Each rank is pinned to its own core, which cuts the scheduler's share of the noise.
+* The overheads are medians of the per-step paired ratios; their spread is printed.
+
+The CheckNRunDMP hooks also stand in for FBGEMM's own bounds check of the lookups they
+mark (see DirtyRowTracker), so its overhead can be below zero: the benchmark replays both
+passes on one step's real inputs to show where the time goes.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import time
 import warnings
@@ -29,6 +37,7 @@ import warnings
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torchrec.distributed import DistributedModelParallel
 from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 from torchrec.distributed.types import ShardingEnv
@@ -69,11 +78,11 @@ def extract(kind: str, dmp, mdt) -> None:
         mdt.get_unique_ids()
 
 
-def mark_cost_ms(dmp, opt, batch, repeats: int = 20) -> float:
-    """Time of the tracking hooks' work for one step, replayed on that step's real TBE inputs.
+def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
+    """One step's marking pass, and FBGEMM's bounds check of the same lookups, replayed.
 
-    Step-time differences of ~1% drown in the noise of a shared 2-core machine; this
-    isolates the cost that tracking adds.
+    Both run on that step's real TBE inputs, away from the noise of whole steps.
+    Returns (mark_rows ms, bounds_check_indices ms) per step.
     """
     from cnr_torchrec import ops
 
@@ -82,10 +91,9 @@ def mark_cost_ms(dmp, opt, batch, repeats: int = 20) -> float:
     for state in dmp.dirty_tracker._kernels:  # noqa: SLF001
         if state.info.data_parallel:
             continue
-        hsc = state.info.tbe.hash_size_cumsum
 
-        def grab(module, args, kwargs, state=state, hsc=hsc):
-            captured.append((kwargs["indices"].clone(), kwargs["offsets"].clone(), hsc, state.bitmap.clone()))
+        def grab(module, args, kwargs, state=state):
+            captured.append((module, kwargs["indices"].clone(), kwargs["offsets"].clone(), state.bitmap.clone()))
 
         handles.append(state.info.tbe.register_forward_pre_hook(grab, with_kwargs=True))
     step(dmp, opt, batch)
@@ -93,15 +101,30 @@ def mark_cost_ms(dmp, opt, batch, repeats: int = 20) -> float:
         h.remove()
     t0 = time.perf_counter()
     for _ in range(repeats):
-        for indices, offsets, hsc, bitmap in captured:
-            ops.mark_rows(indices, offsets, hsc, bitmap)
-    return (time.perf_counter() - t0) * 1e3 / repeats
+        for tbe, indices, offsets, bitmap in captured:
+            ops.mark_rows(indices, offsets, tbe.hash_size_cumsum, bitmap)
+    mark = (time.perf_counter() - t0) * 1e3 / repeats
+    warning = BoundsCheckMode.WARNING.value  # FBGEMM's default; valid ids are left as they are
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for tbe, indices, offsets, _ in captured:
+            torch.ops.fbgemm.bounds_check_indices(tbe.rows_per_table, indices, offsets, warning,
+                                                  tbe.bounds_check_warning, None)
+    return mark, (time.perf_counter() - t0) * 1e3 / repeats
 
 
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def pin_to_own_core() -> None:
+    """Pins this rank (and the threads it starts later) to one core of its own, where there are enough."""
+    cores = sorted(os.sched_getaffinity(0))
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if len(cores) >= local_world:
+        os.sched_setaffinity(0, {cores[local_rank]})
 
 
 def main() -> None:
@@ -111,13 +134,15 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--pooling", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=60)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration per round")
+    parser.add_argument("--rounds", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=8, help="batches per round, each timed once per configuration")
+    parser.add_argument("--extractions", type=int, default=10, help="timed extractions per tracker")
     parser.add_argument("--json", type=str, default=None)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
+    pin_to_own_core()  # before gloo starts its threads, so that they stay on this rank's core too
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
@@ -133,11 +158,10 @@ def main() -> None:
         extract(k, dmp, mdt)
 
     def set_tracking(dmp, on: bool) -> None:
-        """Detaches CheckNRunDMP's hooks, or attaches a fresh tracker (same model either way)."""
+        """Detaches CheckNRunDMP's hooks, then attaches a fresh tracker if ``on`` (same model either way)."""
+        dmp.dirty_tracker.remove()
         if on:
             dmp.dirty_tracker = DirtyRowTracker(dmp)
-        else:
-            dmp.dirty_tracker.remove()
 
     # The modules ModelDeltaTracker hooked, and their hooks, to unset and set again (same model either way).
     mdt_hooks = [(m, m.post_lookup_tracker_fn) for m in models["mdt"][0].modules()
@@ -150,39 +174,58 @@ def main() -> None:
 
     timed_kinds = kinds + ["cnr_off", "mdt_off"]
     models["cnr_off"], models["mdt_off"] = models["cnr"], models["mdt"]
-    step_ms = {k: [] for k in timed_kinds}
-    cpu_ms = {k: [] for k in timed_kinds}  # the training thread's CPU time: blind to waiting for a core
+    n = len(timed_kinds)
+    # Per (round, batch, configuration): wall ms and training-thread CPU ms of one step on this rank.
+    wall = torch.zeros(args.rounds, len(batches), n, dtype=torch.float64)
+    cpu = torch.zeros_like(wall)
     extract_ms = {k: [] for k in kinds if k != "none"}
     for r in range(args.rounds):
-        n = len(timed_kinds)
-        order = timed_kinds[r % n:] + timed_kinds[: r % n]  # rotate who goes first
-        for k in order:
+        for i, b in enumerate(batches):
+            rot = (r * len(batches) + i) % n  # rotate who goes first
+            for j in list(range(rot, n)) + list(range(rot)):
+                k = timed_kinds[j]
+                dmp, mdt, opt = models[k]
+                if k in ("cnr", "cnr_off"):
+                    set_tracking(dmp, k == "cnr")
+                if k in ("mdt", "mdt_off"):
+                    set_mdt(k == "mdt")
+                dist.barrier()
+                t0, c0 = time.perf_counter(), time.thread_time()
+                step(dmp, opt, b)
+                wall[r, i, j], cpu[r, i, j] = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
+        extract("mdt", *models["mdt"][:2])  # untimed: ModelDeltaTracker keeps every step's ids until then
+    # Extraction, apart from the timed steps: each tracker first records a round of batches.
+    set_mdt(True)
+    set_tracking(models["cnr"][0], True)
+    for _ in range(args.extractions):
+        for k in extract_ms:
             dmp, mdt, opt = models[k]
-            if k in ("cnr", "cnr_off"):
-                set_tracking(dmp, k == "cnr")
-            if k in ("mdt", "mdt_off"):
-                set_mdt(k == "mdt")
-            dist.barrier()
-            t0, c0 = time.perf_counter(), time.thread_time()
             for b in batches:
                 step(dmp, opt, b)
-            step_ms[k].append(slowest((time.perf_counter() - t0) * 1e3 / len(batches)))
-            cpu_ms[k].append(slowest((time.thread_time() - c0) * 1e3 / len(batches)))
-            if k in extract_ms:
-                dist.barrier()
-                t0 = time.perf_counter()
-                extract(k, dmp, mdt)
-                extract_ms[k].append(slowest((time.perf_counter() - t0) * 1e3))
+            dist.barrier()
+            t0 = time.perf_counter()
+            extract(k, dmp, mdt)
+            extract_ms[k].append(slowest((time.perf_counter() - t0) * 1e3))
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    cpu_mean = cpu.clone()
+    dist.all_reduce(cpu_mean)  # CPU time: the ranks' mean
+    cpu_mean /= world
+    col = {k: j for j, k in enumerate(timed_kinds)}
+    med = {k: float(wall[..., col[k]].median()) for k in timed_kinds}
 
-    med = {k: statistics.median(v) for k, v in step_ms.items()}
-    # Overheads are medians of per-round paired ratios, robust to slow drifts in machine load.
-    def paired(k: str, ref: str, times=step_ms) -> float:
-        return statistics.median(a / b - 1 for a, b in zip(times[k], times[ref]))
+    def ratios(k: str, ref: str, times: torch.Tensor = wall) -> torch.Tensor:
+        return (times[..., col[k]] / times[..., col[ref]] - 1).flatten()
 
-    set_mdt(True)
+    def paired(k: str, ref: str, times: torch.Tensor = wall) -> float:
+        return float(ratios(k, ref, times).median())
+
+    def stderr(k: str, ref: str) -> float:
+        """Standard error of the median paired ratio (normal approximation: 1.2533 sd / sqrt(n))."""
+        x = ratios(k, ref)
+        return float(1.2533 * x.std() / x.numel() ** 0.5)
+
     cnr_dmp, _, cnr_opt = models["cnr"]
-    set_tracking(cnr_dmp, True)
-    mark_ms = slowest(mark_cost_ms(cnr_dmp, cnr_opt, batches[0]))
+    mark_ms, fbgemm_check_ms = (slowest(x) for x in replayed_ms(cnr_dmp, cnr_opt, batches[0]))
     res = {
         "step_ms_none": med["none"],
         "step_ms_cnr": med["cnr"],
@@ -191,44 +234,49 @@ def main() -> None:
         "step_ms_mdt_detached": med["mdt_off"],
         "overhead_cnr": paired("cnr", "cnr_off"),
         "overhead_mdt": paired("mdt", "mdt_off"),
+        "overhead_cnr_stderr": stderr("cnr", "cnr_off"),
+        "overhead_mdt_stderr": stderr("mdt", "mdt_off"),
         "overhead_cnr_vs_plain_dmp": paired("cnr", "none"),
         "overhead_mdt_vs_plain_dmp": paired("mdt", "none"),
         "overhead_detached_vs_plain_dmp": paired("cnr_off", "none"),
-        "overhead_cnr_cpu": paired("cnr", "cnr_off", cpu_ms),
-        "overhead_mdt_cpu": paired("mdt", "mdt_off", cpu_ms),
+        "overhead_cnr_cpu": paired("cnr", "cnr_off", cpu_mean),
+        "overhead_mdt_cpu": paired("mdt", "mdt_off", cpu_mean),
         "mark_ms_per_step_cnr": mark_ms,
-        "overhead_cnr_attributed": mark_ms / med["none"],
+        "fbgemm_bounds_check_ms_per_step": fbgemm_check_ms,
+        "overhead_cnr_attributed": (mark_ms - fbgemm_check_ms) / med["none"],
         "bits_per_row_cnr": models["cnr"][0].dirty_tracker.bits_per_row,
         "extract_ms_cnr": statistics.median(extract_ms["cnr"]),
         "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
+        "paired_steps": int(wall.shape[0] * wall.shape[1]),
     }
-    # Per-round ratio spread, to show how much of the overhead is noise.
-    def spread(k: str, ref: str) -> tuple[float, float, float, float]:
-        r = sorted(a / b - 1 for a, b in zip(step_ms[k], step_ms[ref]))
-        return r[0], r[len(r) // 4], r[(3 * len(r)) // 4], r[-1]
 
-    spreads = {"cnr": spread("cnr", "cnr_off"), "mdt": spread("mdt", "mdt_off")}
+    def quartiles(k: str, ref: str) -> tuple[float, float]:
+        x = ratios(k, ref)
+        return float(x.quantile(0.25)), float(x.quantile(0.75))
+
     if rank == 0:
         print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
-              f"pooling {args.pooling}, {args.rounds} rounds x {args.steps} steps")
-        print(f"{'config':<28s}{'step ms':>10s}{'overhead':>10s}{'extract ms':>12s}")
-        print(f"{'no tracking (plain DMP)':<28s}{med['none']:>10.2f}{'':>10s}{'':>12s}")
-        print(f"{'CheckNRunDMP, hooks off':<28s}{med['cnr_off']:>10.2f}"
-              f"{res['overhead_detached_vs_plain_dmp']:>10.2%}{'':>12s}")
+              f"pooling {args.pooling}; {args.rounds} rounds x {args.steps} batches, each batch timed once per "
+              f"configuration ({res['paired_steps']} paired steps)")
+        print(f"{'config':<28s}{'step ms':>10s}{'overhead':>10s}{'+/- se':>9s}{'extract ms':>12s}")
+        print(f"{'no tracking (plain DMP)':<28s}{med['none']:>10.2f}")
+        print(f"{'CheckNRunDMP, hooks off':<28s}{med['cnr_off']:>10.2f}{res['overhead_detached_vs_plain_dmp']:>10.2%}")
         print(f"{'CheckNRunDMP (cnr)':<28s}{med['cnr']:>10.2f}{res['overhead_cnr']:>10.2%}"
-              f"{res['extract_ms_cnr']:>12.2f}")
-        print(f"{'ModelDeltaTracker, hook off':<28s}{med['mdt_off']:>10.2f}{'':>10s}{'':>12s}")
+              f"{res['overhead_cnr_stderr']:>9.2%}{res['extract_ms_cnr']:>12.2f}")
+        print(f"{'ModelDeltaTracker, hook off':<28s}{med['mdt_off']:>10.2f}")
         print(f"{'ModelDeltaTracker ID_ONLY':<28s}{med['mdt']:>10.2f}{res['overhead_mdt']:>10.2%}"
-              f"{res['extract_ms_mdt']:>12.2f}")
-        print("overheads: each tracker against the same model with its hooks off (hooks off against the plain DMP); "
-              f"against the plain DMP: cnr {res['overhead_cnr_vs_plain_dmp']:.2%}, "
+              f"{res['overhead_mdt_stderr']:>9.2%}{res['extract_ms_mdt']:>12.2f}")
+        print("overheads: medians of per-step ratios, each tracker against the same model with its hooks off "
+              f"(hooks off against the plain DMP); against the plain DMP: cnr {res['overhead_cnr_vs_plain_dmp']:.2%}, "
               f"mdt {res['overhead_mdt_vs_plain_dmp']:.2%}")
+        for k, ref in (("cnr", "cnr_off"), ("mdt", "mdt_off")):
+            q1, q3 = quartiles(k, ref)
+            print(f"per-step {k} ratio quartiles: {q1:.2%} .. {q3:.2%}")
         print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
+        print(f"replayed per step: cnr mark_rows {mark_ms:.3f} ms, FBGEMM's bounds check of the same lookups "
+              f"{fbgemm_check_ms:.3f} ms (skipped for the lookups cnr marks): net {res['overhead_cnr_attributed']:.2%} "
+              "of a step")
         print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}")
-        for k, (lo, q1, q3, hi) in spreads.items():
-            print(f"per-round {k} overhead: min {lo:.2%}, quartiles {q1:.2%} .. {q3:.2%}, max {hi:.2%}")
-        print(f"cnr mark_rows work per step, replayed: {mark_ms:.3f} ms = "
-              f"{res['overhead_cnr_attributed']:.3%} of a step")
         print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
         if args.json:
             with open(args.json, "w") as f:

@@ -4,6 +4,7 @@ __all__ = [
     "CnrError",
     "UnsupportedShardingError",
     "RowIdOutOfRangeError",
+    "MalformedLookupError",
     "UnknownTableError",
     "TrackingNotEnabledError",
     "ConfigError",
@@ -26,6 +27,10 @@ class UnsupportedShardingError(CnrError, ValueError):
 
 class RowIdOutOfRangeError(CnrError, IndexError):
     """A training batch looked up an id outside its table."""
+
+
+class MalformedLookupError(CnrError, ValueError):
+    """A training lookup whose offsets or per-sample weights do not fit its ids."""
 
 
 class UnknownTableError(CnrError, KeyError):

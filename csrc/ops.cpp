@@ -45,6 +45,9 @@ TORCH_LIBRARY(cnr, m) {
   // layout. B_offsets (T+1) gives each feature's first bag for variable batch
   // sizes; without it every feature has (offsets.numel() - 1) / T bags.
   // `counts` (int32, one per row) is incremented per lookup and saturates.
+  // Raises IndexError for an id outside its table and ValueError for offsets
+  // that are negative, decrease, or run past the indices (checked before any
+  // lookup reads them, so a tracked lookup needs no other bounds check).
   m.def(
       "mark_rows(Tensor indices, Tensor offsets, Tensor hash_size_cumsum, Tensor(a!) bitmap, "
       "Tensor(b!)? counts=None, Tensor? B_offsets=None) -> ()",

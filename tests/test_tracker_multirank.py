@@ -136,7 +136,9 @@ def test_tracked_rows_equal_changed_rows_and_model_delta_tracker(optimizer):
 def _counts_baseline_errors_worker(rank, world_size):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from cnr_torchrec import RowIdOutOfRangeError
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+    from cnr_torchrec import MalformedLookupError, RowIdOutOfRangeError
     from cnr_torchrec.toy import zipf_batch
 
     dmp, specs = _build(world_size, EmbOptimType.EXACT_ROWWISE_ADAGRAD, count_updates=True, baseline_view=True)
@@ -187,6 +189,36 @@ def _counts_baseline_errors_worker(rank, world_size):
     bad = KeyedJaggedTensor(keys=bad.keys(), values=values, lengths=bad.lengths())
     with pytest.raises(RowIdOutOfRangeError, match="b_column_wise"):
         dmp(bad)
+
+    # The marking pass is the lookup's bounds check: FBGEMM's own is off for the lookups the
+    # tracker marks, on for the others, and back as configured once the tracker is removed.
+    (kernel, _), *_ = tracker.shards("b_column_wise")
+    tbe = kernel.tbe
+    configured = BoundsCheckMode.WARNING.value  # FBGEMM's default, which torchrec keeps
+    seen = []
+    probe = tbe.register_forward_pre_hook(lambda m, a, kw: seen.append(m.bounds_check_mode_int), with_kwargs=True)
+    T = len(tbe.feature_table_map)
+    ok = dict(indices=torch.zeros(T, dtype=torch.int64), offsets=torch.arange(T + 1, dtype=torch.int64))
+    with torch.no_grad():
+        tbe(**ok)
+    tbe(**ok)
+    with torch.no_grad():
+        tbe(**ok)
+    assert seen == [configured, BoundsCheckMode.NONE.value, configured]
+    # So the pass rejects what FBGEMM's check would catch, before the lookup reads it.
+    backwards = dict(indices=ok["indices"], offsets=ok["offsets"].flip(0))
+    with pytest.raises(MalformedLookupError, match="never decrease"):
+        tbe(**backwards)
+    with pytest.raises(MalformedLookupError, match="per-sample weights"):
+        tbe(**ok, per_sample_weights=torch.ones(T + 1))
+    # A lookup the tracker does not mark keeps FBGEMM's behaviour: WARNING mode zeroes a bad id in place.
+    with torch.no_grad():
+        wild = torch.full((T,), ROWS + 5, dtype=torch.int64)
+        tbe(indices=wild, offsets=ok["offsets"])
+    assert not wild.any()
+    probe.remove()
+    tracker.remove()
+    assert tbe.bounds_check_mode_int == configured
 
 
 def _unsupported_kernel_worker(rank, world_size):

@@ -112,6 +112,22 @@ def test_mark_rows_rejects_bad_layout():
         ops.mark_rows(torch.tensor([0]), torch.tensor([0, 1, 1]), torch.tensor([0, 100, 200]), _bitmap(15))
 
 
+@pytest.mark.parametrize(
+    "offsets,match",
+    [([-1, 1, 3], "start at -1"), ([0, 2, 1], "decrease at bag 1 \\(2 then 1\\)"), ([0, 1, 4], "end at 4")],
+)
+def test_mark_rows_rejects_a_bad_bag_layout_before_marking(offsets, match):
+    # The pass is a full bounds check of the lookup: offsets the TBE would read out of bounds are errors.
+    hsc = torch.tensor([0, 5, 15], dtype=torch.int64)
+    for dtype in (torch.int32, torch.int64):
+        bitmap = _bitmap(15)
+        with pytest.raises(ValueError, match=match):
+            ops.mark_rows(torch.tensor([0, 3, 4]), torch.tensor(offsets, dtype=dtype), hsc, bitmap)
+        assert not bitmap.any()  # nothing marked
+    with pytest.raises(RuntimeError, match="B_offsets must start at 0"):
+        ops.mark_rows(torch.tensor([0, 3, 4]), torch.tensor([0, 1, 3]), hsc, _bitmap(15), None, torch.tensor([1, 0, 2]))
+
+
 @pytest.mark.parametrize("start,end", [(0, 0), (0, 1000), (3, 64), (64, 128), (5, 6), (63, 65), (100, 999)])
 def test_bitmap_to_rows_count_and_clear(start, end):
     gen = torch.Generator().manual_seed(start * 1000 + end)

@@ -11,7 +11,15 @@ import torch.distributed as dist
 from torch import nn
 
 from cnr_torchrec import ops
-from cnr_torchrec.errors import ConfigError, RowIdOutOfRangeError, TrackingNotEnabledError, UnknownTableError
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
+
+from cnr_torchrec.errors import (
+    ConfigError,
+    MalformedLookupError,
+    RowIdOutOfRangeError,
+    TrackingNotEnabledError,
+    UnknownTableError,
+)
 from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
 
 __all__ = ["DirtyRowTracker"]
@@ -37,6 +45,10 @@ class _KernelState:
         # Names of the tables behind each feature, for error messages only.
         ftm = getattr(info.tbe, "feature_table_map", None) or list(range(len(info.shards)))
         self.feature_tables = [info.shards[t].table for t in ftm]
+        # FBGEMM's bounds-check mode of the TBE as configured, when the marking pass takes that
+        # check over for the lookups it marks (CPU TBEs that read bounds_check_mode_int per call).
+        mode = getattr(info.tbe, "bounds_check_mode_int", None)
+        self.fbgemm_bounds_check = mode if device.type == "cpu" and isinstance(mode, int) else None
 
 
 def _sample_positions(n: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -89,6 +101,16 @@ class DirtyRowTracker:
     optimizers FBGEMM supports, the rows a step changes are a subset of the rows it
     looks up, so the bitmap is exactly what a differential checkpoint must save.
 
+    That pass reads every id and bag offset the lookup will read, and rejects any id
+    outside its table (RowIdOutOfRangeError) and any offsets that are negative,
+    decrease or run past the ids (MalformedLookupError) before the lookup runs. It is
+    therefore a complete bounds check, so on CPU the TBE's own pass
+    (``bounds_check_indices``, which costs about three times as much) is skipped for
+    the lookups the tracker marks: the hook sets ``bounds_check_mode_int`` to NONE for
+    those calls and restores the configured mode for the others (eval, no-grad) and
+    on :meth:`remove`. In training this is stricter than FBGEMM's default WARNING
+    mode, which would replace a bad id by row 0 and go on.
+
     Two views are kept:
 
     * "since reset": rows looked up since the last :meth:`reset` (consecutive deltas);
@@ -139,11 +161,22 @@ class DirtyRowTracker:
         bitmap = state.bitmap
         hsc = state.info.tbe.hash_size_cumsum
 
+        fbgemm_mode = state.fbgemm_bounds_check
+
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if not (module.training and torch.is_grad_enabled()):
+                if fbgemm_mode is not None:
+                    module.bounds_check_mode_int = fbgemm_mode  # a lookup we do not check: FBGEMM does
                 return
             indices = kwargs["indices"] if "indices" in kwargs else args[0]
             offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
+            weights = kwargs["per_sample_weights"] if "per_sample_weights" in kwargs else \
+                (args[2] if len(args) > 2 else None)
+            if weights is not None and weights.numel() != indices.numel():
+                raise MalformedLookupError(
+                    f"a lookup of {self._tables_of(state)} has {weights.numel()} per-sample weights for "
+                    f"{indices.numel()} ids; give one weight per id"
+                )
             vbe = kwargs.get("batch_size_per_feature_per_rank")
             b_offsets = None
             if vbe is not None:
@@ -156,6 +189,14 @@ class DirtyRowTracker:
                 ops.mark_rows(indices, offsets, hsc, bitmap, None if sampled else counts, b_offsets)
             except IndexError as e:
                 raise self._out_of_range(state, indices, offsets, b_offsets) from e
+            except ValueError as e:
+                raise MalformedLookupError(
+                    f"a lookup of {self._tables_of(state)} has a bad bag layout: {e}; offsets must start at 0 or "
+                    "more, never decrease, and end within the ids"
+                ) from e
+            if fbgemm_mode is not None:
+                # Every id and offset the lookup reads passed the checks above.
+                module.bounds_check_mode_int = BoundsCheckMode.NONE.value
             if sampled:
                 # The sample's rows are already set in the bitmap, so this pass only bumps counters
                 # (re-setting a set bit changes nothing); its ids passed the range check above.
@@ -163,6 +204,10 @@ class DirtyRowTracker:
                 ops.mark_rows(kept, kept_offsets, hsc, bitmap, counts, b_offsets)
 
         return hook
+
+    @staticmethod
+    def _tables_of(state: _KernelState) -> str:
+        return ", ".join(f"'{t}'" for t in dict.fromkeys(state.feature_tables))
 
     def _out_of_range(self, state, indices, offsets, b_offsets) -> RowIdOutOfRangeError:
         # Error path only: locate the offending feature with the pure-torch reference logic.
@@ -409,10 +454,13 @@ class DirtyRowTracker:
         return all(k.baseline is not None for k in self._kernels)
 
     def remove(self) -> None:
-        """Detaches the hooks."""
+        """Detaches the hooks, and gives the TBEs back their configured bounds checks."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for k in self._kernels:
+            if k.fbgemm_bounds_check is not None:
+                k.info.tbe.bounds_check_mode_int = k.fbgemm_bounds_check
 
     # ------------------------------------------------------------------ internals
 

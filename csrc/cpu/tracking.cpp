@@ -82,6 +82,22 @@ int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, con
   return bad;
 }
 
+// Bag b reads indices [offsets[b], offsets[b + 1]). A TBE lookup trusts that
+// layout, and the ids checked here are those between the first and last offsets,
+// so the layout is checked too: that makes this pass a full bounds check of the
+// lookup (FBGEMM's bounds_check_indices in FATAL mode, pruned -1 ids excepted).
+template <typename offset_t>
+void check_bag_layout(const offset_t* offsets, int64_t num_bags, int64_t num_indices) {
+  TORCH_CHECK_VALUE(offsets[0] >= 0, "cnr::mark_rows: offsets start at ", offsets[0],
+                    "; bag offsets must be non-negative");
+  const offset_t* end = offsets + num_bags + 1;
+  const offset_t* drop = std::is_sorted_until(offsets, end);
+  TORCH_CHECK_VALUE(drop == end, "cnr::mark_rows: offsets decrease at bag ", drop - offsets - 1, " (",
+                    drop[-1], " then ", drop[0], "); bag offsets must never decrease");
+  TORCH_CHECK_VALUE(offsets[num_bags] <= num_indices, "cnr::mark_rows: offsets end at ", offsets[num_bags],
+                    " but there are only ", num_indices, " indices");
+}
+
 template <typename index_t, typename offset_t>
 void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
                       const int64_t* hsc, uint64_t* words, int32_t* counts, int64_t* first_bad) {
@@ -132,6 +148,8 @@ void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const a
     std::copy_n(b.data_ptr<int64_t>(), T + 1, feature_bags.begin());
     TORCH_CHECK(feature_bags[T] == num_bags, "cnr::mark_rows: B_offsets ends at ", feature_bags[T], " but offsets has ",
                 num_bags, " bags");
+    TORCH_CHECK(feature_bags[0] == 0 && std::is_sorted(feature_bags.begin(), feature_bags.end()),
+                "cnr::mark_rows: B_offsets must start at 0 and never decrease");
   } else {
     if (num_bags <= 0) return;  // empty batch
     TORCH_CHECK(num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
@@ -147,8 +165,7 @@ void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const a
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "cnr::mark_rows", [&] {
     using id_t = index_t;
     AT_DISPATCH_INDEX_TYPES(off.scalar_type(), "cnr::mark_rows", [&] {
-      TORCH_CHECK(off.data_ptr<index_t>()[num_bags] <= idx.numel(), "cnr::mark_rows: offsets end at ",
-                  off.data_ptr<index_t>()[num_bags], " but there are only ", idx.numel(), " indices");
+      check_bag_layout(off.data_ptr<index_t>(), num_bags, idx.numel());
       mark_rows_kernel<id_t, index_t>(idx.data_ptr<id_t>(), off.data_ptr<index_t>(), feature_bags, hsc,
                                       words_of(bitmap), counts_ptr, &first_bad);
     });

@@ -22,7 +22,15 @@ __global__ void mark_rows_kernel(const index_t* __restrict__ indices, const offs
                                  int32_t* __restrict__ counts, unsigned long long* __restrict__ invalid,
                                  int64_t num_indices) {
   const int64_t bags_per_feature = B_offsets ? 0 : num_bags / T;
-  const int64_t first = static_cast<int64_t>(offsets[0]);
+  // The bag layout: offsets start at >= 0, never decrease, and end within the indices.
+  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b <= num_bags;
+       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = static_cast<int64_t>(offsets[b]);
+    const bool bad = (b == 0 && at < 0) || (b < num_bags && static_cast<int64_t>(offsets[b + 1]) < at) ||
+                     (b == num_bags && at > num_indices);
+    if (bad) atomicAdd(invalid + 2, 1ull);
+  }
+  const int64_t first = static_cast<int64_t>(offsets[0]) < 0 ? 0 : static_cast<int64_t>(offsets[0]);
   for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_indices;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     // Binary search for the feature whose index segment holds position i.

@@ -32,7 +32,7 @@ void mark_rows_cuda(const at::Tensor& indices, const at::Tensor& offsets, const 
   TORCH_CHECK(b || num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
               " features; pass B_offsets for variable batch sizes");
   if (counts) TORCH_CHECK(counts->dtype() == at::kInt && counts->is_contiguous(), "cnr::mark_rows: counts must be int32");
-  auto invalid = at::tensor({0LL, static_cast<long long>(INT64_MAX)}, bitmap.options());
+  auto invalid = at::tensor({0LL, static_cast<long long>(INT64_MAX), 0LL}, bitmap.options());
   cuda::mark_rows(idx.data_ptr(), idx.scalar_type() == at::kLong, off.data_ptr(), off.scalar_type() == at::kLong,
                   num_bags, b ? b->data_ptr<int64_t>() : nullptr, T, hsc.data_ptr<int64_t>(), words_of(bitmap),
                   counts ? counts->data_ptr<int32_t>() : nullptr,
@@ -40,6 +40,9 @@ void mark_rows_cuda(const at::Tensor& indices, const at::Tensor& offsets, const 
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // One small device-to-host copy per lookup keeps out-of-range ids a hard error.
   const auto host = invalid.cpu();
+  TORCH_CHECK_VALUE(host[2].item<int64_t>() == 0, "cnr::mark_rows: ", host[2].item<int64_t>(),
+                    " bag offsets are negative, decrease, or run past the ", idx.numel(),
+                    " indices; bag offsets must never decrease");
   if (host[0].item<int64_t>() != 0) {
     TORCH_CHECK_INDEX(false, "cnr::mark_rows: ", host[0].item<int64_t>(), " looked-up ids are outside their tables",
                       " (first at position ", host[1].item<int64_t>(), "); check the input ids against num_embeddings");
