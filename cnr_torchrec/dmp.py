@@ -18,7 +18,10 @@ class CheckNRunDMP(DistributedModelParallel):
     It takes the same arguments as DistributedModelParallel, plus two keyword-only
     tracking options, and owns a :class:`~cnr_torchrec.track.DirtyRowTracker` as
     ``model.dirty_tracker``. Tracking happens inside the TBE lookups, so it also works
-    when the model is driven by ``TrainPipelineSparseDist``.
+    when the model is driven by ``TrainPipelineSparseDist``. The tracker's pass over a
+    training lookup's ids is also its bounds check, so on CPU FBGEMM's own check is
+    skipped for those lookups; an out-of-range id or a malformed bag layout raises a
+    named error before the lookup runs.
 
     Args:
         module, env, device, plan, sharders, init_data_parallel, init_parameters,
@@ -29,6 +32,8 @@ class CheckNRunDMP(DistributedModelParallel):
     Raises:
         UnsupportedShardingError: a table whose kernel is not an FBGEMM TBE, or whose
             compute kernel is not a fused one (data_parallel tables excepted).
+        RowIdOutOfRangeError, MalformedLookupError: from a training forward, for a batch
+            with an id outside its table or offsets that do not fit its ids.
     """
 
     def __init__(
