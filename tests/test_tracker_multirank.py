@@ -138,7 +138,7 @@ def _counts_baseline_errors_worker(rank, world_size):
 
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
-    from cnr_torchrec import MalformedLookupError, RowIdOutOfRangeError
+    from cnr_torchrec import DirtyRowTracker, MalformedLookupError, RowIdOutOfRangeError
     from cnr_torchrec.toy import zipf_batch
 
     dmp, specs = _build(world_size, EmbOptimType.EXACT_ROWWISE_ADAGRAD, count_updates=True, baseline_view=True)
@@ -205,6 +205,17 @@ def _counts_baseline_errors_worker(rank, world_size):
     with torch.no_grad():
         tbe(**ok)
     assert seen == [configured, BoundsCheckMode.NONE.value, configured]
+    # A training lookup leaves the mode at NONE; a second tracker must not take that for the configured one.
+    tbe(**ok)
+    second = DirtyRowTracker(dmp)
+    late = []
+    probe_late = tbe.register_forward_pre_hook(lambda m, a, kw: late.append(m.bounds_check_mode_int),
+                                               with_kwargs=True)
+    with torch.no_grad():
+        tbe(**ok)
+    assert late == [configured]
+    probe_late.remove()
+    second.remove()
     # So the pass rejects what FBGEMM's check would catch, before the lookup reads it.
     backwards = dict(indices=ok["indices"], offsets=ok["offsets"].flip(0))
     with pytest.raises(MalformedLookupError, match="never decrease"):

@@ -8,11 +8,10 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
 from cnr_torchrec import ops
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-
 from cnr_torchrec.errors import (
     ConfigError,
     MalformedLookupError,
@@ -27,6 +26,7 @@ __all__ = ["DirtyRowTracker"]
 log = logging.getLogger(__name__)
 
 _COUNT_MODES = ("mfu", "ssu")
+_CONFIGURED_CHECK = "_cnr_configured_bounds_check_mode"  # TBE attribute: its bounds_check_mode_int as built
 
 
 class _KernelState:
@@ -47,8 +47,12 @@ class _KernelState:
         self.feature_tables = [info.shards[t].table for t in ftm]
         # FBGEMM's bounds-check mode of the TBE as configured, when the marking pass takes that
         # check over for the lookups it marks (CPU TBEs that read bounds_check_mode_int per call).
-        mode = getattr(info.tbe, "bounds_check_mode_int", None)
+        # Kept on the TBE, so that a second tracker of the same model reads the configured mode
+        # and not the NONE that the first one set for a training lookup.
+        mode = getattr(info.tbe, _CONFIGURED_CHECK, getattr(info.tbe, "bounds_check_mode_int", None))
         self.fbgemm_bounds_check = mode if device.type == "cpu" and isinstance(mode, int) else None
+        if self.fbgemm_bounds_check is not None:
+            setattr(info.tbe, _CONFIGURED_CHECK, mode)
 
 
 def _sample_positions(n: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -160,7 +164,6 @@ class DirtyRowTracker:
     def _make_hook(self, state: _KernelState):
         bitmap = state.bitmap
         hsc = state.info.tbe.hash_size_cumsum
-
         fbgemm_mode = state.fbgemm_bounds_check
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
