@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 
 _COUNT_MODES = ("mfu", "ssu")
 _CONFIGURED_CHECK = "_cnr_configured_bounds_check_mode"  # TBE attribute: its bounds_check_mode_int as built
+_NO_BOUNDS_CHECK = BoundsCheckMode.NONE.value
 
 
 class _KernelState:
@@ -199,7 +200,7 @@ class DirtyRowTracker:
                 ) from e
             if fbgemm_mode is not None:
                 # Every id and offset the lookup reads passed the checks above.
-                module.bounds_check_mode_int = BoundsCheckMode.NONE.value
+                module.bounds_check_mode_int = _NO_BOUNDS_CHECK
             if sampled:
                 # The sample's rows are already set in the bitmap, so this pass only bumps counters
                 # (re-setting a set bit changes nothing); its ids passed the range check above.

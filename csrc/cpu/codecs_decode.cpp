@@ -233,30 +233,44 @@ void dequantize_rows(const DequantArgs& a, int64_t r0, int64_t r1) {
 }
 CNR_LANE_VARIANTS(dequantize_rows, (const DequantArgs& a, int64_t r0, int64_t r1), (a, r0, r1))
 
+// The inputs of a uniform decode, checked and made contiguous; args() points into them.
+struct UniformInputs {
+  at::Tensor payload, scale, bias;  // bias undefined: symmetric codes
+  int64_t n, dim, bits, nb;
+
+  DequantArgs args(float* out) const {
+    return DequantArgs{payload.data_ptr<uint8_t>(),
+                       dim,
+                       bits,
+                       nb,
+                       scale.data_ptr(),
+                       bias.defined() ? bias.data_ptr() : nullptr,
+                       scale.scalar_type(),
+                       bias.defined() ? bias.scalar_type() : at::kFloat,
+                       out};
+  }
+};
+
+UniformInputs uniform_inputs(const at::Tensor& payload, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
+                             int64_t bits, int64_t dim, const char* op) {
+  check_bits(bits, op);
+  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte, "cnr::", op,
+                    ": payload must be a 2-D uint8 tensor");
+  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
+  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::", op, ": ", dim, " codes of ", bits, " bits need rows of ", nb,
+                    " bytes, got ", payload.size(1));
+  check_params(scale, n, "scale", op);
+  if (bias) check_params(*bias, n, "bias", op);
+  return UniformInputs{payload.contiguous(), scale.contiguous(), bias ? bias->contiguous() : at::Tensor(), n, dim, bits,
+                       nb};
+}
+
 at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& bias, int64_t bits, int64_t dim) {
-  check_bits(bits, "dequantize_uniform");
-  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
-                    "cnr::dequantize_uniform: payload must be a 2-D uint8 tensor");
-  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_uniform: ", dim, " codes of ", bits,
-                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
-  check_params(scale, n, "scale", "dequantize_uniform");
-  if (bias) check_params(*bias, n, "bias", "dequantize_uniform");
-  const auto p = payload.contiguous();
-  const auto s = scale.contiguous();
-  const auto b = bias ? bias->contiguous() : at::Tensor();
-  auto out = at::empty({n, dim}, payload.options().dtype(at::kFloat));
-  const DequantArgs a{p.data_ptr<uint8_t>(),
-                      dim,
-                      bits,
-                      nb,
-                      s.data_ptr(),
-                      bias ? b.data_ptr() : nullptr,
-                      s.scalar_type(),
-                      bias ? b.scalar_type() : at::kFloat,
-                      out.data_ptr<float>()};
-  at::parallel_for(0, n, row_grain(dim),
+  const auto in = uniform_inputs(payload, scale, bias, bits, dim, "dequantize_uniform");
+  auto out = at::empty({in.n, dim}, payload.options().dtype(at::kFloat));
+  const DequantArgs a = in.args(out.data_ptr<float>());
+  at::parallel_for(0, in.n, row_grain(dim),
                    [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_rows, (a, r0, r1)); });
   return out;
 }
@@ -271,13 +285,8 @@ void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& sc
                     "cnr::dequantize_uniform_into_: out must be a 2-D float32 tensor with contiguous columns, got ",
                     out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
   const int64_t dim = out.size(1);
-  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
-                    "cnr::dequantize_uniform_into_: payload must be a 2-D uint8 tensor");
-  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_uniform_into_: ", dim, " codes of ", bits,
-                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
-  check_params(scale, n, "scale", "dequantize_uniform_into_");
-  if (bias) check_params(*bias, n, "bias", "dequantize_uniform_into_");
+  const auto in = uniform_inputs(payload, scale, bias, bits, dim, "dequantize_uniform_into_");
+  const int64_t n = in.n;
   TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.numel() == n,
                     "cnr::dequantize_uniform_into_: rows must be 1-D int64 with one entry per payload row (", n,
                     "), got ", rows.scalar_type(), " ", rows.sizes());
@@ -289,18 +298,7 @@ void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& sc
                       " is outside out's ", out_rows, " rows");
   }
   if (n == 0 || dim == 0) return;
-  const auto p = payload.contiguous();
-  const auto s = scale.contiguous();
-  const auto b = bias ? bias->contiguous() : at::Tensor();
-  DequantArgs a{p.data_ptr<uint8_t>(),
-                dim,
-                bits,
-                nb,
-                s.data_ptr(),
-                bias ? b.data_ptr() : nullptr,
-                s.scalar_type(),
-                bias ? b.scalar_type() : at::kFloat,
-                out.data_ptr<float>()};
+  DequantArgs a = in.args(out.data_ptr<float>());
   a.rows = ip;
   a.out_stride = out.stride(0);
   const int64_t line = kLineBytes / static_cast<int64_t>(sizeof(float));
