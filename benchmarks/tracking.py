@@ -102,7 +102,7 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
     t0 = time.perf_counter()
     for _ in range(repeats):
         for tbe, indices, offsets, bitmap in captured:
-            ops.mark_rows(indices, offsets, tbe.hash_size_cumsum, bitmap)
+            ops.mark_rows(indices, offsets, tbe.hash_size_cumsum, tbe.rows_per_table, bitmap)
     mark = (time.perf_counter() - t0) * 1e3 / repeats
     warning = BoundsCheckMode.WARNING.value  # FBGEMM's default; valid ids are left as they are
     t0 = time.perf_counter()

@@ -15,19 +15,24 @@ __all__ = ["CheckNRunDMP"]
 class CheckNRunDMP(DistributedModelParallel):
     """A drop-in :class:`~torchrec.distributed.DistributedModelParallel` that tracks dirty rows.
 
-    It takes the same arguments as DistributedModelParallel, plus two keyword-only
+    It takes the same arguments as DistributedModelParallel, plus keyword-only
     tracking options, and owns a :class:`~cnr_torchrec.track.DirtyRowTracker` as
     ``model.dirty_tracker``. Tracking happens inside the TBE lookups, so it also works
-    when the model is driven by ``TrainPipelineSparseDist``. The tracker's pass over a
-    training lookup's ids is also its bounds check, so on CPU FBGEMM's own check is
-    skipped for those lookups; an out-of-range id or a malformed bag layout raises a
-    named error before the lookup runs.
+    when a TorchRec training pipeline drives the model, including pipelines that look
+    up the next batch before the current one's update. The tracker's pass over a
+    training lookup's ids is also a full bounds check: an out-of-range id or a
+    malformed bag layout raises a named error before the lookup runs. On CPU, where
+    the user left FBGEMM's bounds-check mode at its default, FBGEMM's own check is
+    skipped for those lookups.
 
     Args:
         module, env, device, plan, sharders, init_data_parallel, init_parameters,
         data_parallel_wrapper, model_tracker_configs: as for DistributedModelParallel.
         count_updates: keep an int32 lookup counter per row (for MFU prioritisation).
         baseline_view: also keep the "dirty since the last baseline" view.
+        fuse_bounds_check: let the marking pass stand in for FBGEMM's bounds check on
+            CPU (default). A mode set through ``FBGEMM_TBE_BOUNDS_CHECK_MODE``, the
+            sharder's ``fused_params`` or the plan is respected either way.
 
     Raises:
         UnsupportedShardingError: a table whose kernel is not an FBGEMM TBE, or whose
@@ -50,6 +55,7 @@ class CheckNRunDMP(DistributedModelParallel):
         *,
         count_updates: bool = False,
         baseline_view: bool = False,
+        fuse_bounds_check: bool = True,
     ) -> None:
         super().__init__(
             module,
@@ -62,4 +68,6 @@ class CheckNRunDMP(DistributedModelParallel):
             data_parallel_wrapper=data_parallel_wrapper,
             model_tracker_configs=model_tracker_configs,
         )
-        self.dirty_tracker = DirtyRowTracker(self, count_updates=count_updates, baseline_view=baseline_view)
+        self.dirty_tracker = DirtyRowTracker(
+            self, count_updates=count_updates, baseline_view=baseline_view, fuse_bounds_check=fuse_bounds_check
+        )

@@ -32,25 +32,32 @@ def mark_rows(
     indices: torch.Tensor,
     offsets: torch.Tensor,
     hash_size_cumsum: torch.Tensor,
+    rows_per_table: torch.Tensor,
     bitmap: torch.Tensor,
     counts: torch.Tensor | None = None,
     B_offsets: torch.Tensor | None = None,
 ) -> None:
     """Sets the bit of every row a TBE lookup touches, in place.
 
+    ``hash_size_cumsum`` and ``rows_per_table`` are the TBE's own buffers of the same
+    names, both per feature: features that share a table have equal entries in each.
+
     Args:
         indices: int32 or int64 ids, local to each feature's table, feature-major.
         offsets: T·B+1 bag offsets into ``indices`` (or ``B_offsets[-1]``+1 with VBE).
         hash_size_cumsum: int64 [T+1]; flat row of id ``i`` of feature ``f`` is
             ``hash_size_cumsum[f] + i``.
+        rows_per_table: int64 [T]; the rows of feature ``f``'s table.
         bitmap: int64 words, one bit per flat row; updated in place.
         counts: optional int32 per-row lookup counters, incremented and saturating.
         B_offsets: optional int64 [T+1], the first bag of each feature (variable batch).
 
     Raises:
-        IndexError: an id is negative or not below its table's row count.
+        IndexError: an id other than -1 (a pruned row, skipped) is negative or not
+            below its table's row count.
+        ValueError: offsets that are negative, decrease or run past the ids.
     """
-    _ops.mark_rows(indices, offsets, hash_size_cumsum, bitmap, counts, B_offsets)
+    _ops.mark_rows(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets)
 
 
 def bitmap_to_rows(bitmap: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -119,19 +126,31 @@ def _feature_of_positions(offsets: torch.Tensor, bag_starts: torch.Tensor, n: in
 def reference_mark_rows(
     indices: torch.Tensor,
     offsets: torch.Tensor,
-    hash_size_cumsum: torch.Tensor,
-    num_rows: int,
+    table_rows: list[int],
+    feature_table_map: list[int],
     B_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pure-torch reference of :func:`mark_rows` on an empty bitmap.
+    """Pure-torch reference of :func:`mark_rows` on an empty bitmap, from a TBE's spec.
+
+    Built from FBGEMM's definitions, not from our kernel's inputs: a TBE lays its
+    tables out one after another (table ``t`` starts at the sum of the rows before
+    it), feature ``f`` reads table ``feature_table_map[f]``, and its id ``i`` is
+    that table's row ``i``. An id of -1 is a pruned row, which the lookup skips.
+
+    Args:
+        indices, offsets, B_offsets: the lookup, as for :func:`mark_rows`.
+        table_rows: rows of each table, as in the TBE's embedding specs.
+        feature_table_map: table of each feature.
 
     Returns:
-        (bool mask of dirty rows [num_rows], int64 lookup count per row [num_rows]).
+        (bool mask of dirty rows [sum(table_rows)], int64 lookup count per row).
 
     Raises:
-        IndexError: an id is outside its feature's table.
+        IndexError: an id other than -1 is outside its feature's table.
     """
-    T = hash_size_cumsum.numel() - 1
+    num_rows = sum(table_rows)
+    table_start = torch.tensor([0] + list(table_rows), dtype=torch.int64).cumsum(0)
+    T = len(feature_table_map)
     num_bags = offsets.numel() - 1
     if B_offsets is None:
         if num_bags <= 0:
@@ -139,13 +158,14 @@ def reference_mark_rows(
         B_offsets = torch.arange(T + 1, dtype=torch.int64) * (num_bags // T)
     end = int(offsets[-1])
     feature = _feature_of_positions(offsets, B_offsets.long(), end)
+    table = torch.tensor(feature_table_map, dtype=torch.int64)[feature]
     ids = indices[:end].long()
-    hsc = hash_size_cumsum.long()
-    sizes = hsc[1:] - hsc[:-1]
-    bad = (ids < 0) | (ids >= sizes[feature])
+    kept = ids != -1
+    ids, table = ids[kept], table[kept]
+    bad = (ids < 0) | (ids >= torch.tensor(table_rows, dtype=torch.int64)[table])
     if bool(bad.any()):
-        raise IndexError(f"id out of range in feature {int(feature[bad][0])}")
-    rows = hsc[feature] + ids
+        raise IndexError(f"id {int(ids[bad][0])} out of range in table {int(table[bad][0])}")
+    rows = table_start[table] + ids
     counts = torch.bincount(rows, minlength=num_rows)
     return counts > 0, counts
 

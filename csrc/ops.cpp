@@ -15,6 +15,7 @@ void mark_rows_meta(
     const at::Tensor& /*indices*/,
     const at::Tensor& /*offsets*/,
     const at::Tensor& /*hash_size_cumsum*/,
+    const at::Tensor& /*rows_per_table*/,
     const at::Tensor& /*bitmap*/,
     const std::optional<at::Tensor>& /*counts*/,
     const std::optional<at::Tensor>& /*B_offsets*/) {}
@@ -42,14 +43,18 @@ TORCH_LIBRARY(cnr, m) {
   // ---- dirty-row tracking (cpu/tracking.cpp, cuda/tracking.cu) -------------
   // Sets bit (hash_size_cumsum[f] + indices[i]) of `bitmap` (int64 words, 1 bit
   // per flat TBE row) for every index i of feature f, in the TBE's feature-major
-  // layout. B_offsets (T+1) gives each feature's first bag for variable batch
-  // sizes; without it every feature has (offsets.numel() - 1) / T bags.
-  // `counts` (int32, one per row) is incremented per lookup and saturates.
-  // Raises IndexError for an id outside its table and ValueError for offsets
+  // layout. hash_size_cumsum (T+1) and rows_per_table (T) are the TBE's own
+  // per-feature buffers: feature f's table starts at flat row hash_size_cumsum[f]
+  // and holds rows_per_table[f] rows, so features that share a table mark the
+  // same rows. An id of -1 is a pruned row and is skipped, as FBGEMM does.
+  // B_offsets (T+1) gives each feature's first bag for variable batch sizes;
+  // without it every feature has (offsets.numel() - 1) / T bags. `counts`
+  // (int32, one per row) is incremented per lookup and saturates. Raises
+  // IndexError for any other id outside its table and ValueError for offsets
   // that are negative, decrease, or run past the indices (checked before any
   // lookup reads them, so a tracked lookup needs no other bounds check).
   m.def(
-      "mark_rows(Tensor indices, Tensor offsets, Tensor hash_size_cumsum, Tensor(a!) bitmap, "
+      "mark_rows(Tensor indices, Tensor offsets, Tensor hash_size_cumsum, Tensor rows_per_table, Tensor(a!) bitmap, "
       "Tensor(b!)? counts=None, Tensor? B_offsets=None) -> ()",
       tags);
   // Sorted int64 ids of the set bits in rows [start, end).

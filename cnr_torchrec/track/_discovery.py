@@ -85,7 +85,12 @@ def plan_table_shapes(dmp: nn.Module) -> dict[str, dict[str, object]]:
                     f"table '{table}' appears in both '{tables[table]['module']}' and '{module_fqn}'; "
                     "give every embedding table a unique name so checkpoints can address it"
                 )
-            tables[table] = {"module": module_fqn, "sharding_type": ps.sharding_type, "compute_kernel": ps.compute_kernel}
+            tables[table] = {
+                "module": module_fqn,
+                "sharding_type": ps.sharding_type,
+                "compute_kernel": ps.compute_kernel,
+                "bounds_check_mode": getattr(ps, "bounds_check_mode", None),
+            }
             dp = ps.sharding_type == ShardingType.DATA_PARALLEL.value
             if not dp and ps.compute_kernel not in _FUSED_KERNELS:
                 bad.append(f"'{table}' ({ps.sharding_type}, compute_kernel={ps.compute_kernel!r})")
@@ -119,6 +124,13 @@ def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
             continue
         if not isinstance(module, _SHARDED_TYPES):
             tables = ", ".join(sorted(dmp.plan.plan[fqn].keys()))
+            if "ManagedCollision" in type(module).__name__:
+                raise UnsupportedShardingError(
+                    f"module '{fqn}' (tables {tables}) is a {type(module).__name__}: its managed-collision modules "
+                    "remap ids with state kept beside the tables, which a checkpoint of the tables alone would not "
+                    "restore. Use a plain EmbeddingBagCollection / EmbeddingCollection with ids hashed into range "
+                    "before the lookup, or checkpoint this model with torch.distributed.checkpoint"
+                )
             raise UnsupportedShardingError(
                 f"module '{fqn}' (tables {tables}) was sharded as {type(module).__name__}; CheckNRunDMP tracks "
                 "EmbeddingBagCollection and EmbeddingCollection only"
@@ -152,13 +164,19 @@ def _describe(fqn: str, sharding_type: str, kernel: nn.Module, tbe: nn.Module) -
         )
         flat += t.local_rows
     hsc = getattr(tbe, "hash_size_cumsum", None)
+    rows = getattr(tbe, "rows_per_table", None)
     ftm = getattr(tbe, "feature_table_map", None)
-    if hsc is not None and ftm is not None:
-        # The hook maps ids through hash_size_cumsum; it must agree with our shard layout.
+    if ftm is not None and hsc is not None:
+        # The hook maps ids through the TBE's per-feature hash_size_cumsum and rows_per_table
+        # (features of a shared table repeat its entries); both must agree with our shard layout.
         starts = torch.tensor([shards[t].flat_start for t in ftm] + [flat], dtype=torch.int64)
-        if not torch.equal(hsc.detach().cpu().long(), starts):
+        sizes = torch.tensor([shards[t].num_rows for t in ftm], dtype=torch.int64)
+        if not torch.equal(hsc.detach().cpu().long(), starts) or (
+            rows is not None and not torch.equal(rows.detach().cpu().long(), sizes)
+        ):
             raise UnsupportedShardingError(
                 f"unexpected TBE row layout for tables {[s.table for s in shards]} in '{fqn}': "
-                f"hash_size_cumsum={hsc.tolist()} does not match the shard sizes"
+                f"hash_size_cumsum={hsc.tolist()} and rows_per_table="
+                f"{None if rows is None else rows.tolist()} do not match the shard sizes"
             )
     return TrackedKernel(fqn, sharding_type, kernel, tbe, flat, shards)

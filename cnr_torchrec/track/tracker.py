@@ -8,7 +8,6 @@ from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
-from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 from torch import nn
 
 from cnr_torchrec import ops
@@ -19,15 +18,15 @@ from cnr_torchrec.errors import (
     TrackingNotEnabledError,
     UnknownTableError,
 )
+from cnr_torchrec.track._bounds import NO_CHECK, restore_configured_mode, takeover_mode, why_not_taken_over
 from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
+from cnr_torchrec.track._inflight import InFlight, Lookup
 
 __all__ = ["DirtyRowTracker"]
 
 log = logging.getLogger(__name__)
 
 _COUNT_MODES = ("mfu", "ssu")
-_CONFIGURED_CHECK = "_cnr_configured_bounds_check_mode"  # TBE attribute: its bounds_check_mode_int as built
-_NO_BOUNDS_CHECK = BoundsCheckMode.NONE.value
 
 
 class _KernelState:
@@ -46,14 +45,18 @@ class _KernelState:
         # Names of the tables behind each feature, for error messages only.
         ftm = getattr(info.tbe, "feature_table_map", None) or list(range(len(info.shards)))
         self.feature_tables = [info.shards[t].table for t in ftm]
-        # FBGEMM's bounds-check mode of the TBE as configured, when the marking pass takes that
-        # check over for the lookups it marks (CPU TBEs that read bounds_check_mode_int per call).
-        # Kept on the TBE, so that a second tracker of the same model reads the configured mode
-        # and not the NONE that the first one set for a training lookup.
-        mode = getattr(info.tbe, _CONFIGURED_CHECK, getattr(info.tbe, "bounds_check_mode_int", None))
-        self.fbgemm_bounds_check = mode if device.type == "cpu" and isinstance(mode, int) else None
-        if self.fbgemm_bounds_check is not None:
-            setattr(info.tbe, _CONFIGURED_CHECK, mode)
+        # FBGEMM's bounds-check mode of the TBE as configured, where the marking pass takes
+        # that check over for the lookups it marks (see _bounds.py); None where it does not.
+        self.fbgemm_bounds_check: int | None = None
+        # Marked lookups whose update has not run yet, and the one the pre-hook just marked.
+        self.in_flight = InFlight()
+        self.marked: Lookup | None = None
+
+    def mark(self, lookup: Lookup, counts: torch.Tensor | None = None) -> None:
+        """Marks the rows of ``lookup`` with the TBE's own row layout."""
+        tbe = self.info.tbe
+        ops.mark_rows(lookup.indices, lookup.offsets, tbe.hash_size_cumsum, tbe.rows_per_table, self.bitmap, counts,
+                      lookup.B_offsets)
 
 
 def _sample_positions(n: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
@@ -140,13 +143,21 @@ class DirtyRowTracker:
         UnsupportedShardingError: a table is not on an FBGEMM TBE with a fused optimizer.
     """
 
-    def __init__(self, dmp: nn.Module, *, count_updates: bool = False, baseline_view: bool = False) -> None:
+    def __init__(
+        self,
+        dmp: nn.Module,
+        *,
+        count_updates: bool = False,
+        baseline_view: bool = False,
+        fuse_bounds_check: bool = True,
+    ) -> None:
         self._plan_tables = plan_table_shapes(dmp)
         self._kernels: list[_KernelState] = []
         self._shards: dict[str, list[tuple[_KernelState, ShardSlice]]] = {t: [] for t in self._plan_tables}
         self._num_embeddings: dict[str, int] = {}
         self._dims: dict[str, int] = {}
         self._handles = []
+        plan_modes = {t: e["bounds_check_mode"] for t, e in self._plan_tables.items()}
         for info in find_kernels(dmp):
             # Bitmaps live where the TBE keeps its row offsets, so the hook never copies.
             state = _KernelState(info, info.tbe.hash_size_cumsum.device, count_updates)
@@ -157,42 +168,42 @@ class DirtyRowTracker:
                 self._shards[shard.table].append((state, shard))
                 self._num_embeddings[shard.table] = int(cfg.num_embeddings)
                 self._dims[shard.table] = int(cfg.embedding_dim)
-            if not info.data_parallel:
-                self._handles.append(info.tbe.register_forward_pre_hook(self._make_hook(state), with_kwargs=True))
+            if info.data_parallel:
+                continue
+            reason = why_not_taken_over(info, plan_modes, fuse_bounds_check)
+            if reason is None:
+                state.fbgemm_bounds_check = takeover_mode(info)
+            else:
+                restore_configured_mode(info)  # in case an earlier tracker of this model left NONE set
+                log.debug("FBGEMM keeps the bounds check of %s: %s", self._tables_of(state), reason)
+            tbe = info.tbe
+            self._handles.append(tbe.register_forward_pre_hook(self._make_hook(state), with_kwargs=True))
+            self._handles.append(tbe.register_forward_hook(self._make_post_hook(state)))
+
+    @property
+    def fused_bounds_check(self) -> bool:
+        """Whether the marking pass stands in for FBGEMM's bounds check on any TBE of this rank."""
+        return any(k.fbgemm_bounds_check is not None for k in self._kernels)
 
     # ------------------------------------------------------------------ hook
 
     def _make_hook(self, state: _KernelState):
-        bitmap = state.bitmap
-        hsc = state.info.tbe.hash_size_cumsum
         fbgemm_mode = state.fbgemm_bounds_check
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            state.marked = None
             if not (module.training and torch.is_grad_enabled()):
                 if fbgemm_mode is not None:
                     module.bounds_check_mode_int = fbgemm_mode  # a lookup we do not check: FBGEMM does
                 return
-            indices = kwargs["indices"] if "indices" in kwargs else args[0]
-            offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
-            weights = kwargs["per_sample_weights"] if "per_sample_weights" in kwargs else \
-                (args[2] if len(args) > 2 else None)
-            if weights is not None and weights.numel() != indices.numel():
-                raise MalformedLookupError(
-                    f"a lookup of {self._tables_of(state)} has {weights.numel()} per-sample weights for "
-                    f"{indices.numel()} ids; give one weight per id"
-                )
-            vbe = kwargs.get("batch_size_per_feature_per_rank")
-            b_offsets = None
-            if vbe is not None:
-                per_feature = [sum(b) for b in vbe]
-                b_offsets = torch.tensor([0] + per_feature, dtype=torch.int64).cumsum(0).to(bitmap.device)
+            lookup = self._lookup_of(state, args, kwargs)
             # Read at call time: counters may be enabled after the hook was registered.
             counts, rate = state.counts, state.sample_rate
             sampled = counts is not None and rate is not None and rate < 1.0  # rate 1: count all, in one pass
             try:
-                ops.mark_rows(indices, offsets, hsc, bitmap, None if sampled else counts, b_offsets)
+                state.mark(lookup, None if sampled else counts)
             except IndexError as e:
-                raise self._out_of_range(state, indices, offsets, b_offsets) from e
+                raise self._out_of_range(state, lookup) from e
             except ValueError as e:
                 raise MalformedLookupError(
                     f"a lookup of {self._tables_of(state)} has a bad bag layout: {e}; offsets must start at 0 or "
@@ -200,31 +211,59 @@ class DirtyRowTracker:
                 ) from e
             if fbgemm_mode is not None:
                 # Every id and offset the lookup reads passed the checks above.
-                module.bounds_check_mode_int = _NO_BOUNDS_CHECK
+                module.bounds_check_mode_int = NO_CHECK
             if sampled:
                 # The sample's rows are already set in the bitmap, so this pass only bumps counters
                 # (re-setting a set bit changes nothing); its ids passed the range check above.
-                kept, kept_offsets = _sample_lookups(indices, offsets, rate, state.generator)
-                ops.mark_rows(kept, kept_offsets, hsc, bitmap, counts, b_offsets)
+                kept, kept_offsets = _sample_lookups(lookup.indices, lookup.offsets, rate, state.generator)
+                state.mark(Lookup(kept, kept_offsets, lookup.B_offsets), counts)
+            state.marked = lookup
 
         return hook
+
+    @staticmethod
+    def _make_post_hook(state: _KernelState):
+        def post_hook(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+            if state.marked is not None:
+                state.in_flight.add(state.marked, output)
+                state.marked = None
+
+        return post_hook
+
+    def _lookup_of(self, state: _KernelState, args: tuple, kwargs: dict) -> Lookup:
+        indices = kwargs["indices"] if "indices" in kwargs else args[0]
+        offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
+        weights = kwargs["per_sample_weights"] if "per_sample_weights" in kwargs else \
+            (args[2] if len(args) > 2 else None)
+        if weights is not None and weights.numel() != indices.numel():
+            raise MalformedLookupError(
+                f"a lookup of {self._tables_of(state)} has {weights.numel()} per-sample weights for "
+                f"{indices.numel()} ids; give one weight per id"
+            )
+        vbe = kwargs.get("batch_size_per_feature_per_rank")
+        b_offsets = None
+        if vbe is not None:
+            per_feature = [sum(b) for b in vbe]
+            b_offsets = torch.tensor([0] + per_feature, dtype=torch.int64).cumsum(0).to(state.bitmap.device)
+        return Lookup(indices, offsets, b_offsets)
 
     @staticmethod
     def _tables_of(state: _KernelState) -> str:
         return ", ".join(f"'{t}'" for t in dict.fromkeys(state.feature_tables))
 
-    def _out_of_range(self, state, indices, offsets, b_offsets) -> RowIdOutOfRangeError:
-        # Error path only: locate the offending feature with the pure-torch reference logic.
-        hsc = state.info.tbe.hash_size_cumsum.cpu().long()
-        T = hsc.numel() - 1
-        offsets = offsets.cpu().long()
+    def _out_of_range(self, state: _KernelState, lookup: Lookup) -> RowIdOutOfRangeError:
+        # Error path only: locate the offending feature.
+        rows = state.info.tbe.rows_per_table.cpu().long()
+        T = rows.numel()
+        offsets = lookup.offsets.cpu().long()
+        b_offsets = lookup.B_offsets
         if b_offsets is None:
             b_offsets = torch.arange(T + 1) * ((offsets.numel() - 1) // T)
         starts = offsets[b_offsets.cpu()]
         for f in range(T):
-            ids = indices[int(starts[f]) : int(starts[f + 1])].cpu().long()
-            size = int(hsc[f + 1] - hsc[f])
-            bad = ids[(ids < 0) | (ids >= size)]
+            ids = lookup.indices[int(starts[f]) : int(starts[f + 1])].cpu().long()
+            size = int(rows[f])
+            bad = ids[((ids < 0) & (ids != -1)) | (ids >= size)]
             if bad.numel():
                 return RowIdOutOfRangeError(
                     f"table '{state.feature_tables[f]}' was looked up with id {int(bad[0])}, outside the "
@@ -406,9 +445,12 @@ class DirtyRowTracker:
                 # Re-mark the kept rows as one feature over the TBE's whole flat row space.
                 offsets = torch.tensor([0, rows.numel()], dtype=torch.int64, device=k.bitmap.device)
                 space = torch.tensor([0, k.info.num_rows], dtype=torch.int64, device=k.bitmap.device)
-                ops.mark_rows(rows, offsets, space, k.bitmap)
+                ops.mark_rows(rows, offsets, space, space[1:], k.bitmap)
                 if saved is not None:
                     k.counts.index_copy_(0, rows, saved)
+            for lookup in k.in_flight:
+                # Looked up but not yet updated: the update lands in the new interval.
+                k.mark(lookup)
 
     def enable_counting(self, mode: str, rate: float = 1.0, seed: int = 0) -> None:
         """Starts per-row lookup counters (int32, 32 bits per row) for priority-ordered saves.
@@ -465,6 +507,7 @@ class DirtyRowTracker:
         for k in self._kernels:
             if k.fbgemm_bounds_check is not None:
                 k.info.tbe.bounds_check_mode_int = k.fbgemm_bounds_check
+                k.fbgemm_bounds_check = None
 
     # ------------------------------------------------------------------ internals
 

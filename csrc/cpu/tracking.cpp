@@ -10,6 +10,8 @@
 #include <atomic>
 #include <climits>
 
+#include "../tracking_checks.h"
+
 namespace cnr {
 namespace {
 
@@ -50,21 +52,24 @@ inline void bump_saturating(int32_t* counter) {
 }
 
 // Marks positions [lo, hi) of the feature-major index array. Each feature's run is
-// handled with its base and size in registers. With kAtomic, concurrent chunks
-// share words: a plain load skips the atomic OR for rows already marked.
+// handled with its base row and its table's size in registers. An id of -1 is a
+// pruned row, which FBGEMM's lookups skip: it is skipped here too, in the branch
+// that catches bad ids, so the common path has no extra test. With kAtomic,
+// concurrent chunks share words: a plain load skips the atomic OR for rows
+// already marked.
 template <bool kAtomic, typename index_t>
-int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, const int64_t* hsc, uint64_t* words,
-                  int32_t* counts, int64_t lo, int64_t hi) {
+int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, const int64_t* hsc,
+                  const int64_t* rows_per_table, uint64_t* words, int32_t* counts, int64_t lo, int64_t hi) {
   int64_t bad = INT64_MAX;
   int64_t f = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
   for (int64_t i = lo; i < hi; ++f) {
     const int64_t stop = std::min(hi, begin[f + 1]);
     const int64_t base = hsc[f];
-    const uint64_t size = static_cast<uint64_t>(hsc[f + 1] - base);
+    const uint64_t size = static_cast<uint64_t>(rows_per_table[f]);
     for (; i < stop; ++i) {
       const int64_t id = static_cast<int64_t>(indices[i]);
       if (static_cast<uint64_t>(id) >= size) {  // also catches negative ids
-        bad = std::min(bad, i);
+        if (id != -1) bad = std::min(bad, i);
         continue;
       }
       const int64_t row = base + id;
@@ -85,7 +90,7 @@ int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, con
 // Bag b reads indices [offsets[b], offsets[b + 1]). A TBE lookup trusts that
 // layout, and the ids checked here are those between the first and last offsets,
 // so the layout is checked too: that makes this pass a full bounds check of the
-// lookup (FBGEMM's bounds_check_indices in FATAL mode, pruned -1 ids excepted).
+// lookup, with the verdicts of FBGEMM's bounds_check_indices in FATAL mode.
 template <typename offset_t>
 void check_bag_layout(const offset_t* offsets, int64_t num_bags, int64_t num_indices) {
   TORCH_CHECK_VALUE(offsets[0] >= 0, "cnr::mark_rows: offsets start at ", offsets[0],
@@ -100,7 +105,8 @@ void check_bag_layout(const offset_t* offsets, int64_t num_bags, int64_t num_ind
 
 template <typename index_t, typename offset_t>
 void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
-                      const int64_t* hsc, uint64_t* words, int32_t* counts, int64_t* first_bad) {
+                      const int64_t* hsc, const int64_t* rows_per_table, uint64_t* words, int32_t* counts,
+                      int64_t* first_bad) {
   const int64_t T = static_cast<int64_t>(feature_bags.size()) - 1;
   // Index positions where each feature starts; T is small, so this is cheap.
   std::vector<int64_t> begin(T + 1);
@@ -108,12 +114,12 @@ void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std
   const int64_t lo = begin[0], hi = begin[T];
   if (hi - lo <= kGrain || at::get_num_threads() == 1) {
     // One chunk: no other thread touches the words, so plain ORs suffice.
-    *first_bad = mark_span<false>(indices, begin, hsc, words, counts, lo, hi);
+    *first_bad = mark_span<false>(indices, begin, hsc, rows_per_table, words, counts, lo, hi);
     return;
   }
   std::atomic<int64_t> bad{INT64_MAX};
   at::parallel_for(lo, hi, kGrain, [&](int64_t c0, int64_t c1) {
-    const int64_t local_bad = mark_span<true>(indices, begin, hsc, words, counts, c0, c1);
+    const int64_t local_bad = mark_span<true>(indices, begin, hsc, rows_per_table, words, counts, c0, c1);
     int64_t seen = bad.load();
     while (local_bad < seen && !bad.compare_exchange_weak(seen, local_bad)) {
     }
@@ -122,28 +128,25 @@ void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std
 }
 
 void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& hash_size_cumsum,
-                   const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
+                   const at::Tensor& rows_per_table, const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
                    const std::optional<at::Tensor>& B_offsets) {
-  check_bitmap(bitmap, "mark_rows");
-  TORCH_CHECK(indices.dim() == 1 && offsets.dim() == 1, "cnr::mark_rows: indices and offsets must be 1-D");
-  TORCH_CHECK(hash_size_cumsum.dtype() == at::kLong && hash_size_cumsum.dim() == 1 && hash_size_cumsum.numel() >= 2,
-              "cnr::mark_rows: hash_size_cumsum must be a 1-D int64 tensor with one entry per feature plus one");
+  const MarkRowsShape shape =
+      check_mark_rows_args(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets);
+  const int64_t T = shape.num_features, num_bags = shape.num_bags;
   const auto hsc_t = hash_size_cumsum.contiguous();
+  const auto rows_t = rows_per_table.contiguous();
   const int64_t* hsc = hsc_t.data_ptr<int64_t>();
-  const int64_t T = hsc_t.numel() - 1;
-  const int64_t total_rows = hsc[T];
-  TORCH_CHECK(bitmap.numel() * 64 >= total_rows, "cnr::mark_rows: bitmap holds ", bitmap.numel() * 64,
-              " rows but the tables have ", total_rows);
-  if (counts) {
-    TORCH_CHECK(counts->dtype() == at::kInt && counts->is_contiguous() && counts->numel() >= total_rows,
-                "cnr::mark_rows: counts must be a contiguous int32 tensor with one entry per row (", total_rows, ")");
+  const int64_t* rows = rows_t.data_ptr<int64_t>();
+  // Features of one table share its base row and size; every feature's table must fit the bitmap.
+  for (int64_t f = 0; f < T; ++f) {
+    TORCH_CHECK(hsc[f] >= 0 && rows[f] >= 0 && hsc[f] + rows[f] <= shape.row_limit, "cnr::mark_rows: feature ", f,
+                "'s table spans rows [", hsc[f], ", ", hsc[f] + rows[f], ") but the bitmap",
+                counts ? " and counts hold " : " holds ", shape.row_limit,
+                " rows; pass the TBE's own hash_size_cumsum and rows_per_table");
   }
 
-  const int64_t num_bags = offsets.numel() - 1;
   std::vector<int64_t> feature_bags(T + 1);
   if (B_offsets) {
-    TORCH_CHECK(B_offsets->numel() == T + 1, "cnr::mark_rows: B_offsets needs ", T + 1, " entries, got ",
-                B_offsets->numel());
     const auto b = B_offsets->to(at::kLong).contiguous();
     std::copy_n(b.data_ptr<int64_t>(), T + 1, feature_bags.begin());
     TORCH_CHECK(feature_bags[T] == num_bags, "cnr::mark_rows: B_offsets ends at ", feature_bags[T], " but offsets has ",
@@ -166,7 +169,7 @@ void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const a
     using id_t = index_t;
     AT_DISPATCH_INDEX_TYPES(off.scalar_type(), "cnr::mark_rows", [&] {
       check_bag_layout(off.data_ptr<index_t>(), num_bags, idx.numel());
-      mark_rows_kernel<id_t, index_t>(idx.data_ptr<id_t>(), off.data_ptr<index_t>(), feature_bags, hsc,
+      mark_rows_kernel<id_t, index_t>(idx.data_ptr<id_t>(), off.data_ptr<index_t>(), feature_bags, hsc, rows,
                                       words_of(bitmap), counts_ptr, &first_bad);
     });
   });
@@ -180,7 +183,7 @@ void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const a
       return g;
     }();
     TORCH_CHECK_INDEX(false, "cnr::mark_rows: id ", idx.to(at::kLong)[first_bad].item<int64_t>(),
-                      " looked up in feature ", f, " is outside its ", hsc[f + 1] - hsc[f],
+                      " looked up in feature ", f, " is outside its table's ", rows[f],
                       " local rows; check the input ids against the table's num_embeddings");
   }
 }

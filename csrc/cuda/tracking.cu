@@ -18,7 +18,8 @@ __device__ __forceinline__ unsigned long long range_mask(int64_t w, int64_t star
 template <typename index_t, typename offset_t>
 __global__ void mark_rows_kernel(const index_t* __restrict__ indices, const offset_t* __restrict__ offsets,
                                  int64_t num_bags, const int64_t* __restrict__ B_offsets, int64_t T,
-                                 const int64_t* __restrict__ hsc, unsigned long long* __restrict__ words,
+                                 const int64_t* __restrict__ hsc, const int64_t* __restrict__ rows_per_table,
+                                 int64_t row_limit, unsigned long long* __restrict__ words,
                                  int32_t* __restrict__ counts, unsigned long long* __restrict__ invalid,
                                  int64_t num_indices) {
   const int64_t bags_per_feature = B_offsets ? 0 : num_bags / T;
@@ -41,13 +42,14 @@ __global__ void mark_rows_kernel(const index_t* __restrict__ indices, const offs
       if (static_cast<int64_t>(offsets[bag]) <= i) lo = mid; else hi = mid;
     }
     const int64_t id = static_cast<int64_t>(indices[i]);
-    const int64_t base = hsc[lo];
-    if (id < 0 || id >= hsc[lo + 1] - base) {
+    if (id == -1) continue;  // a pruned row: FBGEMM's lookups skip it
+    const int64_t row = hsc[lo] + id;
+    // Features of one table share its base and size; the row must also fit the bitmap.
+    if (id < 0 || id >= rows_per_table[lo] || row >= row_limit) {
       atomicAdd(invalid, 1ull);
       atomicMin(invalid + 1, static_cast<unsigned long long>(i));
       continue;
     }
-    const int64_t row = base + id;
     const unsigned long long mask = 1ull << (row & 63);
     unsigned long long* word = words + (row >> 6);
     if (!(*word & mask)) atomicOr(word, mask);
@@ -119,16 +121,17 @@ int blocks_for(int64_t n) {
 
 template <typename index_t>
 void launch_mark(const index_t* indices, const void* offsets, bool offsets_are_int64, int64_t num_bags,
-                 const int64_t* B_offsets, int64_t T, const int64_t* hsc, unsigned long long* words,
-                 int32_t* counts, unsigned long long* invalid, int64_t num_indices, cudaStream_t stream) {
+                 const int64_t* B_offsets, int64_t T, const int64_t* hsc, const int64_t* rows_per_table,
+                 int64_t row_limit, unsigned long long* words, int32_t* counts, unsigned long long* invalid,
+                 int64_t num_indices, cudaStream_t stream) {
   if (offsets_are_int64) {
     mark_rows_kernel<<<blocks_for(num_indices), kThreads, 0, stream>>>(
-        indices, static_cast<const int64_t*>(offsets), num_bags, B_offsets, T, hsc, words, counts, invalid,
-        num_indices);
+        indices, static_cast<const int64_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
+        counts, invalid, num_indices);
   } else {
     mark_rows_kernel<<<blocks_for(num_indices), kThreads, 0, stream>>>(
-        indices, static_cast<const int32_t*>(offsets), num_bags, B_offsets, T, hsc, words, counts, invalid,
-        num_indices);
+        indices, static_cast<const int32_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
+        counts, invalid, num_indices);
   }
 }
 
@@ -136,15 +139,15 @@ void launch_mark(const index_t* indices, const void* offsets, bool offsets_are_i
 
 void mark_rows(const void* indices, bool indices_are_int64, const void* offsets, bool offsets_are_int64,
                int64_t num_bags, const int64_t* B_offsets, int64_t num_features, const int64_t* hash_size_cumsum,
-               unsigned long long* words, int32_t* counts, unsigned long long* invalid, int64_t num_indices,
-               cudaStream_t stream) {
+               const int64_t* rows_per_table, int64_t row_limit, unsigned long long* words, int32_t* counts,
+               unsigned long long* invalid, int64_t num_indices, cudaStream_t stream) {
   if (num_indices == 0 || num_bags == 0) return;
   if (indices_are_int64) {
     launch_mark(static_cast<const int64_t*>(indices), offsets, offsets_are_int64, num_bags, B_offsets, num_features,
-                hash_size_cumsum, words, counts, invalid, num_indices, stream);
+                hash_size_cumsum, rows_per_table, row_limit, words, counts, invalid, num_indices, stream);
   } else {
     launch_mark(static_cast<const int32_t*>(indices), offsets, offsets_are_int64, num_bags, B_offsets, num_features,
-                hash_size_cumsum, words, counts, invalid, num_indices, stream);
+                hash_size_cumsum, rows_per_table, row_limit, words, counts, invalid, num_indices, stream);
   }
 }
 

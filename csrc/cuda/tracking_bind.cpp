@@ -5,6 +5,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "../tracking_checks.h"
 #include "tracking.cuh"
 
 namespace cnr {
@@ -17,36 +18,36 @@ unsigned long long* words_of(const at::Tensor& bitmap) {
 }
 
 void mark_rows_cuda(const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& hash_size_cumsum,
-                    const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
+                    const at::Tensor& rows_per_table, const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
                     const std::optional<at::Tensor>& B_offsets) {
+  const MarkRowsShape shape =
+      check_mark_rows_args(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets);
   const c10::cuda::CUDAGuard guard(bitmap.device());
   const auto stream = c10::cuda::getCurrentCUDAStream();
   const auto idx = indices.contiguous();
   const auto off = offsets.contiguous();
-  const auto hsc = hash_size_cumsum.to(bitmap.device(), at::kLong).contiguous();
-  const int64_t T = hsc.numel() - 1;
-  const int64_t num_bags = off.numel() - 1;
+  const auto hsc = hash_size_cumsum.to(bitmap.device()).contiguous();
+  const auto rows = rows_per_table.to(bitmap.device()).contiguous();
+  const int64_t T = shape.num_features, num_bags = shape.num_bags;
   std::optional<at::Tensor> b;
   if (B_offsets) b = B_offsets->to(bitmap.device(), at::kLong).contiguous();
   if (num_bags <= 0 || idx.numel() == 0) return;
   TORCH_CHECK(b || num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
               " features; pass B_offsets for variable batch sizes");
-  if (counts) TORCH_CHECK(counts->dtype() == at::kInt && counts->is_contiguous(), "cnr::mark_rows: counts must be int32");
-  auto invalid = at::tensor({0LL, static_cast<long long>(INT64_MAX), 0LL}, bitmap.options());
+  auto invalid = at::zeros({3}, bitmap.options());
+  invalid.select(0, 1).fill_(INT64_MAX);
   cuda::mark_rows(idx.data_ptr(), idx.scalar_type() == at::kLong, off.data_ptr(), off.scalar_type() == at::kLong,
-                  num_bags, b ? b->data_ptr<int64_t>() : nullptr, T, hsc.data_ptr<int64_t>(), words_of(bitmap),
-                  counts ? counts->data_ptr<int32_t>() : nullptr,
+                  num_bags, b ? b->data_ptr<int64_t>() : nullptr, T, hsc.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
+                  shape.row_limit, words_of(bitmap), counts ? counts->data_ptr<int32_t>() : nullptr,
                   reinterpret_cast<unsigned long long*>(invalid.data_ptr<int64_t>()), idx.numel(), stream);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   // One small device-to-host copy per lookup keeps out-of-range ids a hard error.
   const auto host = invalid.cpu();
-  TORCH_CHECK_VALUE(host[2].item<int64_t>() == 0, "cnr::mark_rows: ", host[2].item<int64_t>(),
-                    " bag offsets are negative, decrease, or run past the ", idx.numel(),
-                    " indices; bag offsets must never decrease");
-  if (host[0].item<int64_t>() != 0) {
-    TORCH_CHECK_INDEX(false, "cnr::mark_rows: ", host[0].item<int64_t>(), " looked-up ids are outside their tables",
-                      " (first at position ", host[1].item<int64_t>(), "); check the input ids against num_embeddings");
-  }
+  const int64_t* h = host.data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(h[2] == 0, "cnr::mark_rows: ", h[2], " bag offsets are negative, decrease, or run past the ",
+                    idx.numel(), " indices; bag offsets must never decrease");
+  TORCH_CHECK_INDEX(h[0] == 0, "cnr::mark_rows: ", h[0], " looked-up ids are outside their tables (first at position ",
+                    h[1], "); check the input ids against num_embeddings");
 }
 
 at::Tensor bitmap_to_rows_cuda(const at::Tensor& bitmap, int64_t start, int64_t end) {
