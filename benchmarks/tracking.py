@@ -8,7 +8,9 @@ batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD.
 Design, for a machine whose step time wanders by ~15% from one step to the next:
 
 * Both overheads are paired on one model. overhead_cnr compares the CheckNRunDMP model
-  with itself, its hooks detached (``tracker.remove()``) or attached; overhead_mdt does the
+  with itself, its hooks detached (``tracker.remove()``) or attached; overhead_cnr_no_takeover
+  does the same with a tracker that leaves FBGEMM's bounds check on
+  (``fuse_bounds_check=False``), the cost of tracking alone; overhead_mdt does the
   same with the ModelDeltaTracker model, its post-lookup hook (``post_lookup_tracker_fn``
   of each sharded module) unset or set. Separate models of the same size differ by a few
   percent whatever they track (placement in memory); the plain-DMP comparisons print that.
@@ -19,9 +21,9 @@ Design, for a machine whose step time wanders by ~15% from one step to the next:
 * Each rank is pinned to its own core, which cuts the scheduler's share of the noise.
 * The overheads are medians of the per-step paired ratios; their spread is printed.
 
-The CheckNRunDMP hooks also stand in for FBGEMM's own bounds check of the lookups they
-mark (see DirtyRowTracker), so its overhead can be below zero: the benchmark replays both
-passes on one step's real inputs to show where the time goes.
+By default the CheckNRunDMP hooks also stand in for FBGEMM's own bounds check of the
+lookups they mark (see DirtyRowTracker), so overhead_cnr can be below zero: the benchmark
+replays both passes on one step's real inputs to show where the time goes.
 """
 
 from __future__ import annotations
@@ -157,11 +159,12 @@ def main() -> None:
             step(dmp, opt, b)
         extract(k, dmp, mdt)
 
-    def set_tracking(dmp, on: bool) -> None:
-        """Detaches CheckNRunDMP's hooks, then attaches a fresh tracker if ``on`` (same model either way)."""
+    def set_tracking(dmp, kind: str) -> None:
+        """Detaches CheckNRunDMP's hooks, then attaches a fresh tracker for ``cnr`` (bounds check taken
+        over) or ``cnr_nt`` (FBGEMM's check left on); the same model either way."""
         dmp.dirty_tracker.remove()
-        if on:
-            dmp.dirty_tracker = DirtyRowTracker(dmp)
+        if kind != "cnr_off":
+            dmp.dirty_tracker = DirtyRowTracker(dmp, fuse_bounds_check=kind == "cnr")
 
     # The modules ModelDeltaTracker hooked, and their hooks, to unset and set again (same model either way).
     mdt_hooks = [(m, m.post_lookup_tracker_fn) for m in models["mdt"][0].modules()
@@ -172,8 +175,9 @@ def main() -> None:
         for module, fn in mdt_hooks:
             module.post_lookup_tracker_fn = fn if on else None
 
-    timed_kinds = kinds + ["cnr_off", "mdt_off"]
-    models["cnr_off"], models["mdt_off"] = models["cnr"], models["mdt"]
+    timed_kinds = kinds + ["cnr_nt", "cnr_off", "mdt_off"]
+    models["cnr_nt"] = models["cnr_off"] = models["cnr"]
+    models["mdt_off"] = models["mdt"]
     n = len(timed_kinds)
     # Per (round, batch, configuration): wall ms and training-thread CPU ms of one step on this rank.
     wall = torch.zeros(args.rounds, len(batches), n, dtype=torch.float64)
@@ -185,8 +189,8 @@ def main() -> None:
             for j in list(range(rot, n)) + list(range(rot)):
                 k = timed_kinds[j]
                 dmp, mdt, opt = models[k]
-                if k in ("cnr", "cnr_off"):
-                    set_tracking(dmp, k == "cnr")
+                if k in ("cnr", "cnr_nt", "cnr_off"):
+                    set_tracking(dmp, k)
                 if k in ("mdt", "mdt_off"):
                     set_mdt(k == "mdt")
                 dist.barrier()
@@ -196,7 +200,7 @@ def main() -> None:
         extract("mdt", *models["mdt"][:2])  # untimed: ModelDeltaTracker keeps every step's ids until then
     # Extraction, apart from the timed steps: each tracker first records a round of batches.
     set_mdt(True)
-    set_tracking(models["cnr"][0], True)
+    set_tracking(models["cnr"][0], "cnr")
     for _ in range(args.extractions):
         for k in extract_ms:
             dmp, mdt, opt = models[k]
@@ -230,16 +234,20 @@ def main() -> None:
         "step_ms_none": med["none"],
         "step_ms_cnr": med["cnr"],
         "step_ms_mdt": med["mdt"],
+        "step_ms_cnr_no_takeover": med["cnr_nt"],
         "step_ms_cnr_detached": med["cnr_off"],
         "step_ms_mdt_detached": med["mdt_off"],
         "overhead_cnr": paired("cnr", "cnr_off"),
         "overhead_mdt": paired("mdt", "mdt_off"),
+        "overhead_cnr_no_takeover": paired("cnr_nt", "cnr_off"),
         "overhead_cnr_stderr": stderr("cnr", "cnr_off"),
+        "overhead_cnr_no_takeover_stderr": stderr("cnr_nt", "cnr_off"),
         "overhead_mdt_stderr": stderr("mdt", "mdt_off"),
         "overhead_cnr_vs_plain_dmp": paired("cnr", "none"),
         "overhead_mdt_vs_plain_dmp": paired("mdt", "none"),
         "overhead_detached_vs_plain_dmp": paired("cnr_off", "none"),
         "overhead_cnr_cpu": paired("cnr", "cnr_off", cpu_mean),
+        "overhead_cnr_no_takeover_cpu": paired("cnr_nt", "cnr_off", cpu_mean),
         "overhead_mdt_cpu": paired("mdt", "mdt_off", cpu_mean),
         "mark_ms_per_step_cnr": mark_ms,
         "fbgemm_bounds_check_ms_per_step": fbgemm_check_ms,
@@ -263,16 +271,19 @@ def main() -> None:
         print(f"{'CheckNRunDMP, hooks off':<28s}{med['cnr_off']:>10.2f}{res['overhead_detached_vs_plain_dmp']:>10.2%}")
         print(f"{'CheckNRunDMP (cnr)':<28s}{med['cnr']:>10.2f}{res['overhead_cnr']:>10.2%}"
               f"{res['overhead_cnr_stderr']:>9.2%}{res['extract_ms_cnr']:>12.2f}")
+        print(f"{'  FBGEMM check left on':<28s}{med['cnr_nt']:>10.2f}{res['overhead_cnr_no_takeover']:>10.2%}"
+              f"{res['overhead_cnr_no_takeover_stderr']:>9.2%}")
         print(f"{'ModelDeltaTracker, hook off':<28s}{med['mdt_off']:>10.2f}")
         print(f"{'ModelDeltaTracker ID_ONLY':<28s}{med['mdt']:>10.2f}{res['overhead_mdt']:>10.2%}"
               f"{res['overhead_mdt_stderr']:>9.2%}{res['extract_ms_mdt']:>12.2f}")
         print("overheads: medians of per-step ratios, each tracker against the same model with its hooks off "
               f"(hooks off against the plain DMP); against the plain DMP: cnr {res['overhead_cnr_vs_plain_dmp']:.2%}, "
               f"mdt {res['overhead_mdt_vs_plain_dmp']:.2%}")
-        for k, ref in (("cnr", "cnr_off"), ("mdt", "mdt_off")):
+        for k, ref in (("cnr", "cnr_off"), ("cnr_nt", "cnr_off"), ("mdt", "mdt_off")):
             q1, q3 = quartiles(k, ref)
             print(f"per-step {k} ratio quartiles: {q1:.2%} .. {q3:.2%}")
-        print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
+        print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, cnr with FBGEMM's check on "
+              f"{res['overhead_cnr_no_takeover_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
         print(f"replayed per step: cnr mark_rows {mark_ms:.3f} ms, FBGEMM's bounds check of the same lookups "
               f"{fbgemm_check_ms:.3f} ms (skipped for the lookups cnr marks): net {res['overhead_cnr_attributed']:.2%} "
               "of a step")

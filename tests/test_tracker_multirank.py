@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
 from _dist import run_ranks
 
@@ -136,7 +137,6 @@ def test_tracked_rows_equal_changed_rows_and_model_delta_tracker(optimizer):
 def _counts_baseline_errors_worker(rank, world_size):
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
     from cnr_torchrec import DirtyRowTracker, MalformedLookupError, RowIdOutOfRangeError
     from cnr_torchrec.toy import zipf_batch
@@ -317,3 +317,71 @@ def _pipeline_worker(rank, world_size):
 @pytest.mark.timeout(200)
 def test_tracking_under_train_pipeline_sparse_dist():
     run_ranks(_pipeline_worker, world_size=2, timeout=150)
+
+
+def _takeover_options_worker(rank, world_size):
+    import os
+
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingEnv
+
+    from cnr_torchrec import CheckNRunDMP
+    from cnr_torchrec.errors import RowIdOutOfRangeError
+    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+    specs = [TableSpec(f"o_{st}", ROWS, DIM, st) for st in ("row_wise", "table_wise", "column_wise")]
+
+    def build(sharders=None, **kwargs):
+        torch.manual_seed(0)
+        model = ToyModel(specs)
+        sharders = sharders or sharders_for()
+        plan = build_plan(model, sharders, world_size)
+        return CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                            plan=plan, sharders=sharders, **kwargs)
+
+    def modes_seen_in_training(dmp) -> set[int]:
+        """FBGEMM's bounds-check mode as each TBE runs a training lookup (read after our pre-hook)."""
+        seen, probes = set(), []
+        for tbe in dmp.dirty_tracker.tbes():
+            # Registered after the tracker's hook, so it sees the mode the lookup runs with.
+            probes.append(tbe.register_forward_pre_hook(lambda m, a, kw: seen.add(m.bounds_check_mode_int),
+                                                        with_kwargs=True))
+        dmp(zipf_batch(specs, 4, 2, torch.Generator().manual_seed(rank))).backward()
+        for p in probes:
+            p.remove()
+        return seen
+
+    def out_of_range_batch():
+        # Both ranks hold a column shard of o_column_wise, so both fail at the same lookup.
+        batch = zipf_batch(specs, 2, 1, torch.Generator().manual_seed(3))
+        values = batch.values().clone()
+        values[batch.keys().index("o_column_wise_f") * 2] = ROWS + 7
+        return type(batch)(keys=batch.keys(), values=values, lengths=batch.lengths())
+
+    warning, fatal, none = (BoundsCheckMode.WARNING.value, BoundsCheckMode.FATAL.value, BoundsCheckMode.NONE.value)
+    # Default: the marking pass stands in for FBGEMM's check of training lookups.
+    dmp = build()
+    assert dmp.dirty_tracker.fused_bounds_check and modes_seen_in_training(dmp) == {none}
+    # Switched off: FBGEMM checks as configured, and the marking pass still rejects bad ids by name.
+    dmp = build(fuse_bounds_check=False)
+    assert not dmp.dirty_tracker.fused_bounds_check and modes_seen_in_training(dmp) == {warning}
+    with pytest.raises(RowIdOutOfRangeError):
+        dmp(out_of_range_batch())
+    # A mode the user chose is respected: through FBGEMM's environment variable ...
+    os.environ["FBGEMM_TBE_BOUNDS_CHECK_MODE"] = str(fatal)
+    try:
+        dmp = build()
+    finally:
+        del os.environ["FBGEMM_TBE_BOUNDS_CHECK_MODE"]
+    assert not dmp.dirty_tracker.fused_bounds_check and modes_seen_in_training(dmp) == {fatal}
+    # ... or the sharder's fused_params.
+    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05,
+             "bounds_check_mode": BoundsCheckMode.FATAL}
+    sharders = [EmbeddingBagCollectionSharder(fused_params=fused), sharders_for()[1]]
+    dmp = build(sharders)
+    assert not dmp.dirty_tracker.fused_bounds_check and modes_seen_in_training(dmp) == {fatal}
+
+
+@pytest.mark.timeout(200)
+def test_bounds_check_takeover_respects_the_users_mode_and_can_be_switched_off():
+    run_ranks(_takeover_options_worker, world_size=2, timeout=150)
