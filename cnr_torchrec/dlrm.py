@@ -24,7 +24,7 @@ from cnr_torchrec.data import NUM_DENSE
 from cnr_torchrec.errors import ConfigError
 
 __all__ = ["EBC_FQN", "EMBEDDING_OPTIMIZERS", "ModelConfig", "build_model", "build_plan", "dense_parameters",
-           "make_sharder", "plan_assignment", "table_name"]
+           "make_sharder", "plan_assignment", "table_features", "table_name"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,10 @@ class ModelConfig:
         over_arch_layer_sizes: the top MLP over the feature interactions; the last size must be 1.
         row_wise_min_rows: tables with at least this many rows are sharded row_wise, the others table_wise.
         init_seed: seed of the initial weights.
+        shared_tables: groups of features that look up one table between them, e.g.
+            ``[[cat_0, cat_1]]``. A group's table is named after its first feature and has as
+            many rows as the largest of its features' cardinalities; every other feature keeps
+            a table of its own.
     """
 
     embedding_dim: int = 16
@@ -56,6 +60,7 @@ class ModelConfig:
     over_arch_layer_sizes: tuple[int, ...] = (128, 64, 1)
     row_wise_min_rows: int = 10_000
     init_seed: int = 0
+    shared_tables: tuple[tuple[str, ...], ...] = ()
 
     def __post_init__(self) -> None:
         if self.embedding_dim < 1:
@@ -76,6 +81,39 @@ class ModelConfig:
             )
         if self.row_wise_min_rows < 1:
             raise ConfigError(f"row_wise_min_rows: must be at least 1, got {self.row_wise_min_rows}")
+        seen: set[str] = set()
+        for group in self.shared_tables:
+            if len(group) < 2:
+                raise ConfigError(f"shared_tables: a group needs at least two features, got {list(group)}")
+            twice = sorted(seen.intersection(group)) or sorted(f for f in group if group.count(f) > 1)
+            if twice:
+                raise ConfigError(f"shared_tables: feature {twice[0]!r} is in more than one place; a feature "
+                                  "looks up exactly one table")
+            seen.update(group)
+
+
+def table_features(config: ModelConfig, table_rows: list[int], features: list[str]) -> dict[str, tuple[int, list[str]]]:
+    """Each table of the model: its rows and the features that look it up, in feature order.
+
+    Raises:
+        ConfigError: ``shared_tables`` names a feature the data does not have.
+    """
+    rows_of = dict(zip(features, table_rows))
+    group_of: dict[str, tuple[str, ...]] = {}
+    for group in config.shared_tables:
+        unknown = [f for f in group if f not in rows_of]
+        if unknown:
+            raise ConfigError(f"model.shared_tables: unknown feature {unknown[0]!r}; the features are "
+                              f"{features[0]} .. {features[-1]}")
+        for f in group:
+            group_of[f] = group
+    tables: dict[str, tuple[int, list[str]]] = {}
+    for f in features:
+        group = group_of.get(f, (f,))
+        name = table_name(group[0])
+        if name not in tables:
+            tables[name] = (max(rows_of[g] for g in group), [g for g in features if g in group])
+    return tables
 
 
 def table_name(feature: str) -> str:
@@ -88,12 +126,15 @@ def build_model(config: ModelConfig, table_rows: list[int], features: list[str],
     """An unsharded DLRMTrain whose tables live on the meta device (the DMP allocates their shards).
 
     The dense layers are initialized from ``config.init_seed`` on every rank alike.
+
+    Raises:
+        ConfigError: ``config.shared_tables`` names a feature not in ``features``.
     """
     ebc = EmbeddingBagCollection(
         tables=[
-            EmbeddingBagConfig(name=table_name(f), embedding_dim=config.embedding_dim, num_embeddings=rows,
-                               feature_names=[f])
-            for f, rows in zip(features, table_rows)
+            EmbeddingBagConfig(name=name, embedding_dim=config.embedding_dim, num_embeddings=rows,
+                               feature_names=names)
+            for name, (rows, names) in table_features(config, table_rows, features).items()
         ],
         device=torch.device("meta"),
     )

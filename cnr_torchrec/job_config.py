@@ -97,11 +97,28 @@ def _int_sequence(value: Any, where: str) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _name_groups(value: Any, where: str) -> tuple[tuple[str, ...], ...]:
+    def is_list(v: Any) -> bool:
+        return isinstance(v, Sequence) and not isinstance(v, (str, bytes))
+
+    if not is_list(value) or not all(is_list(g) and all(isinstance(n, str) for n in g) for g in value):
+        raise ConfigError(f"{where}: expected a list of lists of feature names, e.g. [[cat_0, cat_1]], got {value!r}")
+    return tuple(tuple(g) for g in value)
+
+
+def _convert_sequence(tp: Any, value: Any, where: str) -> tuple:
+    args = typing.get_args(tp)
+    if args and typing.get_origin(args[0]) in (tuple, list):
+        return _name_groups(value, where)
+    return _int_sequence(value, where)
+
+
 def _build_section(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """``ckpt.config._build`` for a section whose dataclass also has integer-list fields.
+    """``ckpt.config._build`` for a section whose dataclass also has list fields.
 
     Same checks and messages (unknown keys with a did-you-mean, required keys, types via
-    ``_convert``); ``_convert`` has no list type, so those fields are converted here.
+    ``_convert``); ``_convert`` has no list type, so those fields (lists of integers, and
+    lists of lists of names) are converted here.
     """
     hints = typing.get_type_hints(cls)
     if not any(_is_sequence_type(tp) for tp in hints.values()):
@@ -113,7 +130,8 @@ def _build_section(cls: type, data: Mapping[str, Any], where: str) -> Any:
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(f"{where}: unknown key '{key}'{hint}; valid keys are {sorted(names)}")
     kwargs = {
-        k: _int_sequence(v, f"{where}: {k}") if _is_sequence_type(hints[k]) else _convert(hints[k], v, f"{where}: {k}")
+        k: _convert_sequence(hints[k], v, f"{where}: {k}") if _is_sequence_type(hints[k])
+        else _convert(hints[k], v, f"{where}: {k}")
         for k, v in data.items()
     }
     try:

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.dlrm import build_model, build_plan, dense_parameters, make_sharder
+from cnr_torchrec.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
 from cnr_torchrec.job_config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 
@@ -299,7 +299,9 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[
     rank, world = dist.get_rank(), dist.get_world_size()
     tc = cfg.train
     stream = SyntheticCriteo(cfg.data)
-    total_rows = sum(stream.table_rows)
+    # Rows of each table of the model (a table shared by several features counted once).
+    model_rows = [rows for rows, _ in table_features(cfg.model, stream.table_rows, stream.keys).values()]
+    total_rows = sum(model_rows)
     model = build_model(cfg.model, stream.table_rows, stream.keys, device)
     sharder = make_sharder(tc.embedding_optimizer, tc.embedding_lr)
     plan = build_plan(model, sharder, world, cfg.model.row_wise_min_rows, device.type)
@@ -367,7 +369,7 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[
     if args.dump_state:
         os.makedirs(args.dump_state, exist_ok=True)
         torch.save(_local_state(dmp, dense, dense_opt), os.path.join(args.dump_state, f"rank-{rank:05d}.pt"))
-    snapshot = full_snapshot_nbytes(stream.table_rows, cfg.model.embedding_dim, tc.embedding_optimizer,
+    snapshot = full_snapshot_nbytes(model_rows, cfg.model.embedding_dim, tc.embedding_optimizer,
                                     [p for _, p in dense], dense_opt)
     ckpt.close()
     if rank != 0:

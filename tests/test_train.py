@@ -31,6 +31,13 @@ def _write(tmp_path, doc) -> str:
 # ---------------------------------------------------------------------- config
 
 
+def test_shared_tables_naming_an_unknown_feature_fail_before_training():
+    cfg = load_job_config({"model": {"shared_tables": [["cat_0", "cat_99"]]}, "checkpoint": {"root": "/x"}})
+    with pytest.raises(ConfigError, match="model.shared_tables: unknown feature 'cat_99'"):
+        build_model(cfg.model, DataConfig(**TINY["data"]).table_rows(), [f"cat_{i}" for i in range(26)],
+                    torch.device("cpu"))
+
+
 @pytest.mark.timeout(60)
 def test_demo_config_loads_and_sets_every_section():
     cfg = load_job_config(os.path.join(ROOT, "configs", "demo.yaml"))
@@ -68,6 +75,12 @@ def test_demo_config_loads_and_sets_every_section():
          r"model: dense_arch_layer_sizes: the last size \(16\) must equal embedding_dim \(8\)"),
         ({"model": {"over_arch_layer_sizes": [8, 2]}, "checkpoint": {"root": "/x"}}, r"last size must be 1"),
         ({"data": {"zipf": -1.0}, "checkpoint": {"root": "/x"}}, r"data: zipf: must be"),
+        ({"model": {"shared_tables": ["cat_0", "cat_1"]}, "checkpoint": {"root": "/x"}},
+         r"model: shared_tables: expected a list of lists of feature names"),
+        ({"model": {"shared_tables": [["cat_0"]]}, "checkpoint": {"root": "/x"}},
+         r"model: shared_tables: a group needs at least two features"),
+        ({"model": {"shared_tables": [["cat_0", "cat_1"], ["cat_1", "cat_2"]]}, "checkpoint": {"root": "/x"}},
+         r"model: shared_tables: feature 'cat_1' is in more than one place"),
         ({"train": {"checkpoint_interval": 0}, "checkpoint": {"root": "/x"}}, r"train: checkpoint_interval"),
         ({"data": 3, "checkpoint": {"root": "/x"}}, r"data: expected a mapping"),
         ({"train": {"checkpoint_interval": 5}, "checkpoint": {"root": "/x", "interval": "auto"}},
@@ -168,8 +181,9 @@ def test_plan_splits_big_tables_by_rows_and_balances_the_rest():
 
 TINY = {
     "data": {"scale": 0.0005, "min_rows": 16, "batch_size": 64},
+    # Two tables shared by several features (two, then three), as TorchRec users configure them.
     "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1],
-              "row_wise_min_rows": 1000},
+              "row_wise_min_rows": 1000, "shared_tables": [["cat_0", "cat_1"], ["cat_2", "cat_3", "cat_4"]]},
     "train": {"steps": 12, "checkpoint_interval": 4, "eval_batches": 2},
     "checkpoint": {"policy": "consecutive", "quantization": {"method": "none"}},
 }
@@ -231,10 +245,16 @@ def test_killed_job_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert ids == sorted(ids) and len(set(ids)) == 3
 
     # Sizes against an independent count and against the manifests on disk.
-    rows = DataConfig(**TINY["data"]).table_rows()
+    # Rows of the model's tables, counted here from the config: a shared table has as many rows as the
+    # largest cardinality among its features, and counts once.
+    feature_rows = dict(zip([f"cat_{i}" for i in range(26)], DataConfig(**TINY["data"]).table_rows()))
+    groups = TINY["model"]["shared_tables"]
+    shared = {f for g in groups for f in g}
+    rows = [max(feature_rows[f] for f in g) for g in groups] + [r for f, r in feature_rows.items() if f not in shared]
     dim = TINY["model"]["embedding_dim"]
     expected_full = sum(rows) * dim * 4 + sum(rows) * 4 + _dense_snapshot_bytes(
-        ModelConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in TINY["model"].items()}))
+        ModelConfig(**{k: tuple(map(tuple, v)) if k == "shared_tables" else tuple(v) if isinstance(v, list) else v
+                       for k, v in TINY["model"].items()}))
     assert report["full_snapshot_nbytes"] == expected_full == ref["full_snapshot_nbytes"]
     storage = Storage(str(tmp_path / "ck_fail"))
     try:
@@ -260,6 +280,6 @@ def test_killed_job_resumes_and_matches_an_uninterrupted_run(tmp_path):
         assert not unequal, f"rank {rank}: {unequal[:5]}"
         seen_tables |= {k.split("/")[1] for k in a if k.startswith("emb/")}
         assert any(k.startswith("dense_opt/") for k in a) and any(k.startswith("emb_state0/") for k in a)
-    assert seen_tables == {f"t_cat_{i}" for i in range(26)}
+    assert seen_tables == {"t_cat_0", "t_cat_2"} | {f"t_{f}" for f in feature_rows if f not in shared}
     assert report["eval"] == ref["eval"]
     assert report["last_loss"] == ref["last_loss"]
