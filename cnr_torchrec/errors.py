@@ -13,6 +13,7 @@ __all__ = [
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "SaveFailedError",
+    "StorageError",
     "UnsafeCheckpointError",
 ]
 
@@ -74,6 +75,14 @@ class IncompatibleCheckpointError(CheckpointError, ValueError):
 
 class SaveFailedError(CheckpointError, RuntimeError):
     """A save did not commit. The previous checkpoint is untouched."""
+
+
+class StorageError(CheckpointError, OSError):
+    """The storage under the checkpoint root failed: an I/O error, or an object store's error (an S3 ``ClientError``).
+
+    Raised on every rank alike, with a message naming the rank it happened on and the
+    original error. Nothing under the root was changed by the step that raised it.
+    """
 
 
 class UnsafeCheckpointError(CheckpointError, ValueError):

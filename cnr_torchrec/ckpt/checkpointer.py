@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
@@ -22,11 +22,11 @@ from cnr_torchrec.ckpt.partial import RecoveryInfo, recover
 from cnr_torchrec.ckpt.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore import restore_chain
-from cnr_torchrec.ckpt.save import stage
+from cnr_torchrec.ckpt.save import Staged, stage
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import (
-    CheckpointError,
     CheckpointNotFoundError,
+    CnrError,
     ConfigError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
@@ -134,16 +134,23 @@ class Checkpointer(CommitProtocol):
                 )
             tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
 
-        self._dist = dist.is_available() and dist.is_initialized()
-        self.rank = dist.get_rank() if self._dist else 0
-        self.world_size = dist.get_world_size() if self._dist else 1
+        self._ranks = Ranks()
+        self._dist = self._ranks.distributed
+        self.rank = self._ranks.rank
+        self.world_size = self._ranks.world_size
         self._storage = Storage(config.root, config.storage_options)
         self._bg_storage: Storage | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
         self._inflight: SaveHandle | None = None
-        self._store, self._token = self._make_store()
-        ids = existing_dir_ids(self._storage) if self.rank == 0 else []
-        self._state = ChainState(next_id=self._agree(max(ids, default=-1) + 1))
+        # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
+        # os.urandom, not torch's RNG, which belongs to the training job.
+        token, next_id = self._ranks.from_rank0(
+            lambda: [int.from_bytes(os.urandom(7), "little"), self._next_id(-1)],
+            what=f"listing the checkpoints under {config.root}",
+        )
+        self._store = self._make_store(token)
+        self._token = token
+        self._state = ChainState(next_id=next_id)
         self._force_baseline = ""
         self._state_if_failed = self._state
         self._lock = threading.Lock()
@@ -177,7 +184,14 @@ class Checkpointer(CommitProtocol):
         """Takes a checkpoint of ``step``. Returns at once; ``handle.wait()`` waits for the commit.
 
         Every rank must call it at the same step. Blocks only for the collective
-        decision and the copy of the dirty rows to host memory.
+        decision and the copy of the dirty rows to host memory. A failure on one rank
+        after the decision (copying its state, writing, rank 0's commit) fails the save on
+        every rank alike: each ``handle.wait()`` raises SaveFailedError naming that rank and
+        the cause, and the previous checkpoint stays as it was.
+
+        Raises:
+            ConfigError: the config asks for something this save cannot do (raised on every rank,
+                before anything is staged).
         """
         t0 = time.perf_counter()
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
@@ -199,22 +213,22 @@ class Checkpointer(CommitProtocol):
             dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
             force_baseline=self._force_baseline,
         )
-        staged = stage(
-            decision, model=self.model, tracker=self.tracker, rank=self.rank, world_size=self.world_size,
-            dense_optimizer=self.dense_optimizer, extra_state=self.extra_state, budget=self.config.budget,
-        )
-        # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
-        self.tracker.reset(baseline=decision.kind == "baseline", keep=staged.left_out)
+        staged, stage_error = self._stage(decision)
+        if staged is not None:
+            # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
+            # (A rank that could not stage keeps every row dirty: the next save is a baseline anyway.)
+            self.tracker.reset(baseline=decision.kind == "baseline", keep=staged.left_out)
         self._force_baseline = ""
         # Until the outcome is known, assume failure: the interval's rows are gone from the tracker.
         self._state_if_failed = self._state.failed(decision)
         stall = (time.perf_counter() - t0) * 1e3
-        staged.stall_ms = stall
+        if staged is not None:
+            staged.stall_ms = stall
         self._last_stall_s = stall / 1e3
         self._timer.exclude_pause(stall / 1e3)
         log.info("save %d at step %d: %s (%s), stall %.1f ms", decision.ckpt_id, step, decision.kind,
                  decision.reason, stall)
-        handle = SaveHandle(step, decision, self._executor.submit(self._write, staged), stall)
+        handle = SaveHandle(step, decision, self._executor.submit(self._write, decision, staged, stage_error), stall)
         self._inflight = handle
         return handle
 
@@ -227,8 +241,20 @@ class Checkpointer(CommitProtocol):
         return handle.wait()
 
     def list(self) -> list[CheckpointInfo]:
-        """Committed checkpoints, oldest first, with their metadata."""
-        return [CheckpointInfo.from_manifest(load_manifest(self._storage, i)) for i in committed_ids(self._storage)]
+        """Committed checkpoints, oldest first, with their metadata. Not collective: any rank may call it.
+
+        Raises:
+            CorruptCheckpointError: a manifest does not load or match its checksum.
+            StorageError: the storage failed while listing or reading (an S3 ``ClientError``, an
+                ``OSError``); the message names this rank and the original error.
+        """
+        try:
+            ids = committed_ids(self._storage)
+            return [CheckpointInfo.from_manifest(load_manifest(self._storage, i)) for i in ids]
+        except CnrError:
+            raise
+        except Exception as e:
+            raise as_named_error(e, self.rank, f"listing the checkpoints under {self.config.root}") from e
 
     def restore(self, step: int | None = None, *, per_rank_state: str = "strict") -> int:
         """Restores the newest committed checkpoint (or the newest one of ``step``). Returns its step.
@@ -261,6 +287,9 @@ class Checkpointer(CommitProtocol):
                 or nothing sound is left after falling back (the message lists what was skipped).
             CorruptCheckpointError: ``on_corrupt: fail`` and a file of the chosen chain fails its
                 checks; ``.path`` names it, on every rank.
+            StorageError: the storage failed on some rank (a listing, a read: an S3 ``ClientError``,
+                an ``OSError``); every rank raises it alike, naming that rank and the original error.
+                Nothing under the root was changed; try again once the storage answers.
             IncompatibleCheckpointError: the checkpoint is of another model, or per-rank state
                 cannot be mapped onto this world size under ``per_rank_state="strict"``.
             UnsafeCheckpointError: a manifest names a file outside its checkpoint's directory,
@@ -272,10 +301,8 @@ class Checkpointer(CommitProtocol):
         if self._inflight is not None:
             self._settle(self._inflight)
 
-        exchange, rebuild = self._exchange, self._rebuild
-
         def attempt(ids: list[int], chain: list[dict[str, Any]] | None):
-            """Applies the chain on this rank. Returns (status for the others, own exception, chain)."""
+            """Applies the chain on this rank. Returns (failure for the others, own exception, chain)."""
             try:
                 if chain is None:
                     chain = [load_manifest(self._storage, i) for i in ids]
@@ -298,17 +325,16 @@ class Checkpointer(CommitProtocol):
                     )
                 finally:
                     self._storage.expect(None)
-            except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # not found: a file vanished since
-                return {"kind": "corrupt", "message": str(e), "path": getattr(e, "path", "")}, e, chain
             except Exception as e:  # another rank must hear of it, or it waits in the exchange below
-                return {"kind": "error", "type": type(e).__name__, "message": str(e)}, e, chain
+                # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
+                return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain
             return None, None, chain
 
         # The whole model's table shapes: a rank knows only the tables it holds shards of, and every rank
         # must refuse another model's checkpoint before it changes anything.
         model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
-        for part in exchange({t: list(shape) for t in model_tables
-                              if (shape := self.tracker.table_shape(t)) is not None}):
+        for part in self._ranks.exchange({t: list(shape) for t in model_tables
+                                          if (shape := self.tracker.table_shape(t)) is not None}):
             model_tables.update(part)
 
         def check_model(target: dict[str, Any]) -> None:
@@ -337,19 +363,7 @@ class Checkpointer(CommitProtocol):
 
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
-            # Every rank resolves at once (manifests and file sizes); rank 0's pick is the one taken, and a rank
-            # whose own pick matches it keeps the manifests it has loaded.
-            try:
-                mine, chain = self._resolve(step, bad if self.rank == 0 else dict(bad), quiet=self.rank != 0)
-            except Exception:
-                if self.rank == 0:
-                    raise
-                mine, chain = {}, None  # only a speed-up elsewhere: rank 0's pick decides
-            pick = exchange(mine if self.rank == 0 else None)[0]
-            if mine.get("chain") != pick.get("chain"):
-                chain = None
-            if "error" in pick:
-                raise rebuild(pick["error"])
+            pick, chain = self._agree_on_pick(step, bad, local=True)
             for i, why in pick["skipped"]:
                 if self.rank != 0:  # rank 0 logged them as it found them; every rank's log should say
                     log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
@@ -360,29 +374,25 @@ class Checkpointer(CommitProtocol):
                                                                         else ""))
             ids = pick["chain"]
             status, own, chain = attempt(ids, chain)
-            statuses = exchange(status)
-            failed = [(r, s) for r, s in enumerate(statuses) if s is not None]
+            failed = self._ranks.failures(status)
             if not failed:
                 break
-            errors_seen = [(r, s) for r, s in failed if s["kind"] != "corrupt"]
-            if errors_seen:
-                if own is not None and status["kind"] != "corrupt":
-                    raise own
-                raise rebuild(*errors_seen[0][::-1])
-            r, s = failed[0]
-            path = s["path"]
+            errors_seen = [f for f in failed if not f.file_problem]
+            if errors_seen:  # the same error on every rank; the rank it happened on chains its own
+                raise errors_seen[0].error() from (own if errors_seen[0].rank == self.rank else None)
+            f = failed[0]
             if self.config.on_corrupt == "fail":
                 raise CorruptCheckpointError(
-                    f"{s['message']} (rank {r}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
+                    f"{f.message} (rank {f.rank}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
                     "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
                     "The model is partly overwritten: restore again before training.",
-                    path=path,
-                )
-            owner = ckpt_id_of(path)
+                    path=f.path,
+                ) from (own if f.rank == self.rank else None)
+            owner = ckpt_id_of(f.path)
             culprit = owner if owner in ids else ids[-1]
-            bad[culprit] = f"{path or 'a file'} failed its checks on rank {r}: {s['message']}"
+            bad[culprit] = f"{f.path or 'a file'} failed its checks on rank {f.rank}: {f.message}"
             log.warning("restore: checkpoint %d cannot be restored: %s (rank %d: %s); falling back to an older "
-                        "checkpoint (on_corrupt: fallback)", ids[-1], path or "a file", r, s["message"])
+                        "checkpoint (on_corrupt: fallback)", ids[-1], f.path or "a file", f.rank, f.message)
 
         m = chain[-1]
         self.tracker.reset(baseline=True)
@@ -425,6 +435,56 @@ class Checkpointer(CommitProtocol):
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.resolve.resolve_chain`)."""
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
 
+    def _agree_on_pick(
+        self, step: int | None, bad: dict[int, str], *, local: bool
+    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        """Rank 0's pick for a restore, on every rank, and the pick's manifests where this rank has them.
+
+        Collective. Rank 0 resolves (and adds what it finds unsound to ``bad``); if it
+        raises, every rank raises the same named error (StorageError for a listing or read
+        that failed). With ``local``, the other ranks resolve too, at the same time, without
+        touching ``bad``: only a speed-up, so that a rank whose pick matches rank 0's keeps
+        the manifests it has loaded; its own failures are rank 0's to report.
+        """
+        mine: dict[str, Any] = {}
+        chain: list[dict[str, Any]] | None = None
+        if local and self.rank != 0:
+            try:
+                mine, chain = self._resolve(step, dict(bad), quiet=True)
+            except Exception:  # noqa: BLE001 - rank 0's pick decides, and rank 0 reports its own failures
+                mine, chain = {}, None
+
+        def resolve_on_rank0() -> dict[str, Any]:
+            nonlocal mine, chain
+            mine, chain = self._resolve(step, bad)
+            return mine
+
+        pick = self._ranks.from_rank0(resolve_on_rank0, what="choosing the checkpoint to restore")
+        if mine.get("chain") != pick["chain"]:
+            chain = None
+        return pick, chain
+
+    def _stage(self, decision: Decision) -> tuple[Staged | None, str]:
+        """``stage()`` of ``decision``: (staged, "") or, if this rank failed, (None, why).
+
+        A failure is not raised here: the other ranks have staged and will wait for rank 0's
+        verdict, so it goes to the commit protocol as this rank's report, and the save then
+        fails on every rank alike. A ConfigError depends only on the decision and config, so
+        every rank raises it at once, before anything is staged.
+        """
+        try:
+            staged = stage(
+                decision, model=self.model, tracker=self.tracker, rank=self.rank, world_size=self.world_size,
+                dense_optimizer=self.dense_optimizer, extra_state=self.extra_state, budget=self.config.budget,
+            )
+        except ConfigError:
+            raise
+        except Exception as e:  # reported through the commit protocol, so that no rank waits for it
+            log.error("save %d: rank %d could not copy its state to host memory", decision.ckpt_id, self.rank,
+                      exc_info=True)
+            return None, f"could not copy its state to host memory: {type(e).__name__}: {e}"
+        return staged, ""
+
     def _settle(self, handle: SaveHandle) -> None:
         """Waits for ``handle`` and folds its outcome into the chain state (once)."""
         try:
@@ -442,30 +502,16 @@ class Checkpointer(CommitProtocol):
             else:
                 self._state = self._state.committed(handle.decision, info.nbytes)
 
-    def _make_store(self):
+    def _make_store(self, token: int) -> Any:
+        """The c10d store, under keys namespaced by ``token`` (the same on every rank)."""
         if not self._dist:
-            return None, 0
-        store = dist.distributed_c10d._get_default_store()
+            return None
         # Keys are namespaced per Checkpointer: a stale report of an earlier one must never be read.
-        # os.urandom, not torch's RNG, which belongs to the training job.
-        token = self._agree(int.from_bytes(os.urandom(7), "little") if self.rank == 0 else 0)
-        return dist.PrefixStore(f"cnr/{token}", store), token
+        return dist.PrefixStore(f"cnr/{token}", dist.distributed_c10d._get_default_store())
 
-    def _collective_device(self) -> torch.device:
-        if self._dist and dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        t = t.to(self._collective_device())
-        dist.broadcast(t, src=0)
-        return t.cpu()
-
-    def _agree(self, value: int) -> int:
-        """Rank 0's ``value`` on every rank."""
-        if not self._dist:
-            return value
-        return int(self._broadcast(torch.tensor([value], dtype=torch.int64)).item())
+    def _next_id(self, newest: int) -> int:
+        """The id after every checkpoint directory under the root and after ``newest`` (rank 0 lists)."""
+        return max(existing_dir_ids(self._storage) + [newest]) + 1
 
     def _gather_counts(self, busy: bool):
         """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.
@@ -481,7 +527,7 @@ class Checkpointer(CommitProtocol):
         row = [prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing + [int(busy)]
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
-            dev = self._collective_device()
+            dev = self._ranks.device
             out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=dev)
             dist.all_gather_into_tensor(out, local.to(dev))
             rows = out.view(self.world_size, -1).cpu()
@@ -507,10 +553,13 @@ class Checkpointer(CommitProtocol):
         return codec
 
     def _continue_chain(self, chain: list[dict[str, Any]]) -> None:
-        """Chain state after a restore of ``chain``: consecutive goes on from its tip; others take a baseline."""
+        """Chain state after a restore of ``chain``: consecutive goes on from its tip; others take a baseline.
+
+        Collective: rank 0 lists the root, and a failure raises StorageError on every rank.
+        """
         m = chain[-1]
-        ids = existing_dir_ids(self._storage) if self.rank == 0 else []
-        next_id = self._agree(max(ids + [m["id"]]) + 1)
+        next_id = self._ranks.from_rank0(lambda: self._next_id(m["id"]),
+                                         what=f"listing the checkpoints under {self.config.root}")
         if self.config.policy == "consecutive":
             self._state = ChainState(next_id, tuple(m["chain"]), chain[0]["nbytes"],
                                      tuple(c["nbytes"] for c in chain[1:]))
@@ -518,34 +567,6 @@ class Checkpointer(CommitProtocol):
             # The rows dirty between the baseline and this point are not in the tracker any more.
             self._state = ChainState(next_id)
             self._force_baseline = "after restore"
-
-    def _exchange(self, obj: Any) -> list[Any]:
-        """Every rank's JSON-able ``obj``, on every rank (tensors, not pickle)."""
-        if not self._dist:
-            return [obj]
-        dev = self._collective_device()
-        data = json.dumps(obj).encode()
-        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
-        sizes = sizes.cpu()
-        width = int(sizes.max())
-        mine = torch.zeros(width, dtype=torch.uint8)
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
-        dist.all_gather_into_tensor(out, mine.to(dev))
-        rows = out.cpu().view(self.world_size, width)
-        return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
-
-    @staticmethod
-    def _rebuild(s: dict[str, Any], rank: int | None = None) -> Exception:
-        """The named error another rank (or rank 0's pick) reported, raised here too."""
-        import cnr_torchrec.errors as errors
-
-        cls = getattr(errors, s.get("type", ""), None)
-        if not (isinstance(cls, type) and issubclass(cls, errors.CnrError)):
-            cls = CheckpointError
-        msg = s["message"] if rank is None else f"rank {rank}: {s['message']}"
-        return cls(msg, path=s.get("path", "")) if issubclass(cls, CorruptCheckpointError) else cls(msg)
 
     def _count_restore(self, manifest: dict[str, Any]) -> None:
         """After a restore: one more restore for this job, and maybe wider codes (bits: auto)."""

@@ -70,17 +70,25 @@ class CommitProtocol:
     """The background half of :class:`~cnr_torchrec.ckpt.Checkpointer` (a mixin: it uses the
     Checkpointer's config, codec, rank, store and tracker)."""
 
-    def _write(self, staged: Staged) -> CheckpointInfo:
-        d = staged.decision
-        if self._bg_storage is None:
-            self._bg_storage = Storage(self.config.root, self.config.storage_options)
-        storage = self._bg_storage
-        try:
-            report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
-            faults.hit("write.after")
-        except Exception as e:  # reported to rank 0, which will not commit
-            log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
-            report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+    def _write(self, d: Decision, staged: Staged | None, stage_error: str = "") -> CheckpointInfo:
+        """Writes this rank's payload (``staged``; None if staging failed with ``stage_error``) and commits.
+
+        Every rank reaches rank 0's verdict, whatever failed where: a rank that could not
+        stage, open its storage or write reports the failure instead of raising, and rank 0
+        publishes the outcome of its commit (a failed manifest write included). Each rank
+        then raises the same SaveFailedError, naming the rank and the cause.
+        """
+        storage: Storage | None = None
+        if staged is None:
+            report = {"rank": self.rank, "ok": False, "error": stage_error}
+        else:
+            try:
+                storage = self._background_storage()
+                report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
+                faults.hit("write.after")
+            except Exception as e:  # reported to rank 0, which will not commit
+                log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
+                report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
         if self.rank == 0:
             result = self._commit(d, report, storage)
         else:
@@ -92,6 +100,12 @@ class CommitProtocol:
                 f"The previous checkpoint is intact; the next save writes a new baseline."
             )
         return CheckpointInfo.from_manifest(result["manifest"]) if "manifest" in result else self._info(d, result)
+
+    def _background_storage(self) -> Storage:
+        """The save thread's own Storage (Storage is not thread-safe), opened on first use."""
+        if self._bg_storage is None:
+            self._bg_storage = Storage(self.config.root, self.config.storage_options)
+        return self._bg_storage
 
     def _info(self, d: Decision, result: dict[str, Any]) -> CheckpointInfo:
         return CheckpointInfo(
@@ -125,7 +139,12 @@ class CommitProtocol:
             return reports + [{"rank": r, "ok": False, "error": f"no report within {timeout} ({e})"} for r in missing]
         return reports + [json.loads(self._store.get(k)) for k in keys]
 
-    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage) -> dict[str, Any]:
+    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None) -> dict[str, Any]:
+        """Rank 0: gathers the reports, writes the manifest if all are good, and publishes the outcome.
+
+        Never raises: whatever fails here (the manifest write, the store) becomes the
+        outcome every rank hears. ``storage`` is None only when ``own`` is a failure.
+        """
         try:
             reports = self._gather_reports(d, own)
             bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
@@ -138,17 +157,35 @@ class CommitProtocol:
                 faults.hit("commit.after_manifest")
                 result = {"ok": True, "manifest": manifest}
         except Exception as e:
+            log.error("save %d: rank 0 could not commit", d.ckpt_id, exc_info=True)
             result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
-        if self._dist:
-            slim = {k: v for k, v in result.items() if k != "manifest"}
-            if result["ok"]:
-                info = CheckpointInfo.from_manifest(result["manifest"])
-                slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=info.codec,
-                            stall_ms=info.stall_ms, write_ms=info.write_ms)
-            self._store.set(self._key(d, "result"), json.dumps(slim))
+        result = self._publish(d, result)
         if result["ok"]:
             faults.hit("gc.before")
             self._after_commit(storage)
+        return result
+
+    def _publish(self, d: Decision, result: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0 tells the other ranks ``result``. Returns it, or a failure if they could not be told.
+
+        A commit the others never hear of counts as failed on every rank (they give up
+        after ``save_timeout_s``); the caller then removes it like any failed save, so that
+        no rank's chain state disagrees with what is on storage.
+        """
+        if not self._dist:
+            return result
+        slim = {k: v for k, v in result.items() if k != "manifest"}
+        if result["ok"]:
+            info = CheckpointInfo.from_manifest(result["manifest"])
+            slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=info.codec,
+                        stall_ms=info.stall_ms, write_ms=info.write_ms)
+        try:
+            self._store.set(self._key(d, "result"), json.dumps(slim))
+        except Exception as e:
+            log.error("save %d: rank 0 could not tell the other ranks the outcome: %s: %s", d.ckpt_id,
+                      type(e).__name__, e)
+            return {"ok": False, "error": f"rank 0 could not tell the other ranks the outcome ({type(e).__name__}: "
+                                          f"{e})"}
         return result
 
     def _manifest(self, d: Decision, reports: list[dict[str, Any]]) -> dict[str, Any]:
@@ -199,9 +236,16 @@ class CommitProtocol:
         except Exception as e:
             log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
 
-    def _cleanup(self, d: Decision, storage: Storage) -> None:
-        """Removes this rank's partial payload of a save that did not commit."""
+    def _cleanup(self, d: Decision, storage: Storage | None) -> None:
+        """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too).
+
+        Rank 0 deletes the manifest first, in case it was written but the other ranks could
+        not be told: a checkpoint they count as failed must not stay committed.
+        """
         try:
+            storage = storage or self._background_storage()
+            if self.rank == 0:
+                storage.delete(manifest_path(d.ckpt_id))
             storage.delete(rank_file(d.ckpt_id, self.rank))
             if self.rank == 0:
                 storage.remove_dir(ckpt_dir(d.ckpt_id), [])

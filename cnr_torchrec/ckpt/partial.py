@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cnr_torchrec.ckpt._collective import Failure
 from cnr_torchrec.ckpt.manifest import load_manifest
 from cnr_torchrec.ckpt.restore import restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.save import dense_named_state
@@ -117,8 +118,9 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
     Raises:
         ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
             (nothing survives: use ``Checkpointer.restore``).
-        CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError: as for restore,
-            on every rank alike.
+        CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError, StorageError:
+            as for restore, on every rank alike, naming the rank where it happened (rank 0 for
+            the choice of checkpoint, a failed rank for its reads).
     """
     failed = sorted({int(r) for r in failed_ranks})
     if not failed or failed[0] < 0 or failed[-1] >= ck.world_size:
@@ -129,14 +131,12 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
         raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
     if ck._inflight is not None:
         ck._settle(ck._inflight)
-    pick, chain = ck._resolve(step, {}) if ck.rank == 0 else (None, None)
-    pick = ck._exchange(pick)[0]
-    if "error" in pick:
-        raise ck._rebuild(pick["error"])
+    # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
+    pick, chain = ck._agree_on_pick(step, {}, local=False)
     if not pick["chain"]:
         raise CheckpointNotFoundError(ck._not_found(step))
     stats: dict[str, int] = {}
-    status = None
+    failure, cause = None, None
     try:
         chain = chain or [load_manifest(ck._storage, i) for i in pick["chain"]]
         if ck.rank in failed:
@@ -153,11 +153,8 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
             finally:
                 ck._storage.expect(None)
     except Exception as e:  # the other ranks must hear of it before any broadcast
-        status = {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}
-    statuses = ck._exchange(status)
-    for r, s in enumerate(statuses):
-        if s is not None:
-            raise ck._rebuild(s, r)
+        failure, cause = Failure.of(e, ck.rank, f"recovering from checkpoint {pick['chain'][-1]}"), e
+    ck._ranks.raise_any(failure, cause)
     sent = sync_from_survivor(ck.model, ck.tracker, ck.dense_optimizer, src=survivors[0])
     m = chain[-1]
     if ck.rank in failed:

@@ -13,7 +13,7 @@ from typing import Any
 from cnr_torchrec.ckpt.manifest import ckpt_dir, ckpt_id_of, committed_ids, load_manifest, manifest_path
 from cnr_torchrec.ckpt.payload import _DTYPES
 from cnr_torchrec.ckpt.storage import Storage, check_relative
-from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["resolve_chain"]
 
@@ -32,10 +32,19 @@ def resolve_chain(
     unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
     ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's).
 
+    Rank 0 calls it through :meth:`~cnr_torchrec.ckpt._collective.Ranks.from_rank0`, which
+    raises what it raises on every rank.
+
     Returns:
-        ``({"chain": ids}, manifests)`` for the pick; ``({"chain": [], "skipped": ...}, None)``
-        when none is left; ``({"error": ...}, None)`` when restore must raise on every rank
-        (corruption under ``on_corrupt: fail``, a manifest naming an unsafe path).
+        ``({"chain": ids, "skipped": ...}, manifests)`` for the pick;
+        ``({"chain": [], "skipped": ...}, None)`` when none is left.
+
+    Raises:
+        CorruptCheckpointError: under ``on_corrupt: fail``, a checkpoint it looks at is unsound
+            (the catalog index.json included).
+        UnsafeCheckpointError: a manifest names a file outside its checkpoint, or a dtype never written.
+        Exception: whatever the storage raises while listing or reading (an S3 ``ClientError``,
+            an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
     skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
 
@@ -44,9 +53,6 @@ def resolve_chain(
         skipped.append([cid, why])
         if not quiet:
             log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
-
-    def refuse(e: Exception) -> tuple[dict[str, Any], None]:
-        return {"error": {"type": type(e).__name__, "message": str(e), "path": getattr(e, "path", "")}}, None
 
     loaded: dict[int, dict[str, Any]] = {}
 
@@ -109,10 +115,7 @@ def resolve_chain(
             check_files(c)
         return chain
 
-    try:
-        ids = committed_ids(storage)
-    except CheckpointError as e:  # index.json, on stores that cannot list
-        return refuse(e)
+    ids = committed_ids(storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
     for cid in reversed(ids):
         if cid in bad:
             continue
@@ -122,7 +125,7 @@ def resolve_chain(
             continue  # collected since it was listed
         except CorruptCheckpointError as e:
             if fail:
-                return refuse(e)
+                raise
             skip(cid, str(e))
             continue
         if step is not None and m.get("step") != step:
@@ -134,11 +137,11 @@ def resolve_chain(
             continue
         try:
             chain = sound_chain(m)
-        except UnsafeCheckpointError as e:
-            return refuse(e)
+        except UnsafeCheckpointError:  # a ValueError, but refused, never skipped
+            raise
         except CorruptCheckpointError as e:
             if fail:
-                return refuse(e)
+                raise
             owner = ckpt_id_of(e.path)
             skip(owner if owner is not None else cid, str(e))
             continue
@@ -146,7 +149,7 @@ def resolve_chain(
             err = CorruptCheckpointError(f"{manifest_path(cid)} (or a manifest of its chain) is malformed: "
                                          f"{type(e).__name__}: {e}", path=manifest_path(cid))
             if fail:
-                return refuse(err)
+                raise err from e
             skip(cid, str(err))
             continue
         return {"chain": list(m["chain"]), "skipped": skipped}, chain
