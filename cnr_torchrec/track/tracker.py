@@ -105,19 +105,24 @@ class DirtyRowTracker:
     """Records which embedding rows each training step looks up, per shard, at 1 bit per row.
 
     A forward pre-hook on every TBE (``kernel.emb_module``) passes the lookup's
-    ``indices``/``offsets`` to ``torch.ops.cnr.mark_rows``. Under the fused
-    optimizers FBGEMM supports, the rows a step changes are a subset of the rows it
-    looks up, so the bitmap is exactly what a differential checkpoint must save.
+    ``indices``/``offsets`` to ``torch.ops.cnr.mark_rows``, with the TBE's own
+    per-feature ``hash_size_cumsum`` and ``rows_per_table`` (so features that share a
+    table mark the same rows). Under the fused optimizers FBGEMM supports, the rows a
+    step changes are a subset of the rows it looks up, so the bitmap is exactly what a
+    differential checkpoint must save. A lookup whose backward (and so its update) has
+    not run yet stays dirty across :meth:`reset` (see ``_inflight.py``), so pipelines
+    that look up the next batch before the current one's update lose nothing.
 
     That pass reads every id and bag offset the lookup will read, and rejects any id
     outside its table (RowIdOutOfRangeError) and any offsets that are negative,
     decrease or run past the ids (MalformedLookupError) before the lookup runs. It is
     therefore a complete bounds check, so on CPU the TBE's own pass
     (``bounds_check_indices``, which costs about three times as much) is skipped for
-    the lookups the tracker marks: the hook sets ``bounds_check_mode_int`` to NONE for
-    those calls and restores the configured mode for the others (eval, no-grad) and
-    on :meth:`remove`. In training this is stricter than FBGEMM's default WARNING
-    mode, which would replace a bad id by row 0 and go on.
+    the lookups the tracker marks, unless the user chose a mode or passed
+    ``fuse_bounds_check=False`` (see ``_bounds.py``): the hook sets
+    ``bounds_check_mode_int`` to NONE for those calls and restores the configured mode
+    for the others (eval, no-grad) and on :meth:`remove`. In training this is stricter
+    than FBGEMM's default WARNING mode, which would replace a bad id by row 0 and go on.
 
     Two views are kept:
 
@@ -138,9 +143,12 @@ class DirtyRowTracker:
         count_updates: also keep an int32 lookup counter per row (32 more bits per row),
             counting every lookup (MFU); the same as ``enable_counting("mfu")``.
         baseline_view: allocate the "since baseline" view from the start.
+        fuse_bounds_check: let the marking pass stand in for FBGEMM's bounds check on CPU
+            where the user left FBGEMM's mode at its default.
 
     Raises:
-        UnsupportedShardingError: a table is not on an FBGEMM TBE with a fused optimizer.
+        UnsupportedShardingError: a table is not on an FBGEMM TBE with a fused optimizer,
+            or sits in a managed-collision module.
     """
 
     def __init__(
@@ -414,6 +422,8 @@ class DirtyRowTracker:
 
     def reset(self, *, baseline: bool = False, keep: Mapping[str, torch.Tensor] | None = None) -> None:
         """Starts a new tracking interval.
+
+        Lookups whose update is still to come (in flight) stay dirty in the new interval.
 
         Args:
             baseline: also restart the "since baseline" view (a full checkpoint was
