@@ -31,7 +31,9 @@ from cnr_torchrec.ckpt.storage import Storage, check_relative, checksum
 from cnr_torchrec.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    ConfigError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     UnsafeCheckpointError,
 )
 
@@ -738,3 +740,47 @@ def test_rng_state_round_trip(storage, through_storage):
     _draws()
     set_rng_state(state)
     assert _draws() == first
+
+
+# ---------------------------------------------------------------------- dense optimizer by name
+
+
+def _adam_after_a_step(model):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_dense_optimizer_state_follows_parameter_names():
+    from cnr_torchrec.ckpt.dense_optim import load_named_state, named_state
+
+    torch.manual_seed(0)
+    saved_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    saved = named_state(saved_model, _adam_after_a_step(saved_model))
+    assert saved["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    # The same parameters in another order, and one the checkpoint does not know.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model.extra = torch.nn.Parameter(torch.zeros(5))
+    opt = torch.optim.Adam([model[1].weight, model.extra, model[0].bias, model[0].weight, model[1].bias], lr=0.5)
+    load_named_state(model, opt, saved, "checkpoint 1")
+    by_name = dict(zip(saved["param_names"], range(4)))
+    for name, p in [("1.weight", model[1].weight), ("0.bias", model[0].bias), ("0.weight", model[0].weight)]:
+        assert torch.equal(opt.state[p]["exp_avg"], saved["state"][by_name[name]]["exp_avg"]), name
+    assert model.extra not in opt.state  # fresh
+    assert opt.param_groups[0]["lr"] == 0.01  # the saved group's hyperparameters
+
+
+def test_dense_optimizer_state_errors_are_named():
+    from cnr_torchrec.ckpt.dense_optim import load_named_state, named_state, param_names
+
+    model = torch.nn.Linear(3, 4)
+    saved = named_state(model, _adam_after_a_step(model))
+    other = torch.nn.Linear(3, 5)  # same names, other shapes
+    with pytest.raises(IncompatibleCheckpointError, match="'weight' is \\[4, 3\\] in the checkpoint"):
+        load_named_state(other, torch.optim.Adam(other.parameters()), saved, "checkpoint 1")
+    positional = {k: v for k, v in saved.items() if k != "param_names"}  # a checkpoint written before the names
+    with pytest.raises(IncompatibleCheckpointError, match="does not match the one saved"):
+        load_named_state(other, torch.optim.Adam([other.weight]), positional, "checkpoint 1")
+    with pytest.raises(ConfigError, match="not in the model"):
+        param_names(model, torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))

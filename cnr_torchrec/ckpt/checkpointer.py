@@ -16,6 +16,7 @@ import torch.distributed as dist
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
 from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.dense_optim import param_names
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.manifest import ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.partial import RecoveryInfo, recover
@@ -113,6 +114,8 @@ class Checkpointer(CommitProtocol):
         for name, obj in (extra_state or {}).items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
                 raise ConfigError(f"extra_state[{name!r}] has no state_dict()/load_state_dict(); pass a Stateful object")
+        if dense_optimizer is not None:
+            param_names(model, dense_optimizer)  # its state is saved by parameter name: every one must have one
         self.model = model
         self.tracker = tracker
         self.config = config

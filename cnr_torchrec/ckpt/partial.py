@@ -149,7 +149,7 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
                     extra_state=ck.extra_state if same_world else {},
                 )
                 if ck.dense_optimizer is not None:  # its layout; the survivor's values follow
-                    restore_dense_optimizer(chain[-1], ck._storage, ck.dense_optimizer, stats)
+                    restore_dense_optimizer(chain[-1], ck._storage, ck.model, ck.dense_optimizer, stats)
             finally:
                 ck._storage.expect(None)
     except Exception as e:  # the other ranks must hear of it before any broadcast

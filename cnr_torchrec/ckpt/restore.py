@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from cnr_torchrec.ckpt.dense_optim import load_named_state
 from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.ckpt.storage import Storage
@@ -390,7 +391,7 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
                 )
             t.copy_(saved)
     if dense_optimizer is not None:
-        restore_dense_optimizer(target, storage, dense_optimizer, stats)
+        restore_dense_optimizer(target, storage, model, dense_optimizer, stats)
 
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
@@ -398,13 +399,15 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
             it.fill_(max(int(r["tbe_iter"]) for r in target["ranks"]))
 
 
-def restore_dense_optimizer(target: Mapping[str, Any], storage: Storage, dense_optimizer: Any,
+def restore_dense_optimizer(target: Mapping[str, Any], storage: Storage, model: nn.Module, dense_optimizer: Any,
                             stats: dict[str, int] | None = None) -> None:
-    """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout)."""
+    """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
+    each parameter's by its name (see dense_optim.py)."""
     first = {r["rank"]: r for r in target["ranks"]}[0]
     if first["dense_optimizer"] is None:
         raise IncompatibleCheckpointError(
             f"checkpoint {target['id']} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
     load0 = _Reader(storage, first, stats, whole=False)
-    dense_optimizer.load_state_dict(unflatten_state(first["dense_optimizer"], load0))
+    saved = unflatten_state(first["dense_optimizer"], load0)
+    load_named_state(model, dense_optimizer, saved, f"checkpoint {target['id']}")

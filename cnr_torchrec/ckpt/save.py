@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
+from cnr_torchrec.ckpt.dense_optim import named_state
 from cnr_torchrec.ckpt.manifest import rank_file
 from cnr_torchrec import ops
 from cnr_torchrec.ckpt.payload import BlobWriter, checksum, flatten_state
@@ -218,7 +219,7 @@ def stage(
     if rank == 0:
         out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker).items()}
         if dense_optimizer is not None:
-            out.dense_optimizer = _clone_tree(dense_optimizer.state_dict())
+            out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
     out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
     out.rng = _clone_tree(rng_state())
     if torch.cuda.is_available() and torch.cuda.is_initialized():
