@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint bench-cpr accuracy nvcc-check clean reliability
+.PHONY: install test demo bench bench-checkpoint bench-cpr accuracy nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -27,6 +27,19 @@ nvcc-check:
 	    echo "nvcc -c $$f"; nvcc -std=c++17 -O2 -c $$f -o /tmp/cnr-nvcc-check.o || exit 1; \
 	  done; \
 	else echo "nvcc not found: CUDA compile-check skipped"; fi
+
+# The CUDA build, on any machine with the CUDA toolkit (no GPU needed): a second venv with the CUDA
+# builds of torch and fbgemm-gpu, the whole extension built in a copy of the tree, a check that every
+# op on the training, save and restore paths has a CUDA kernel, then the test suite against it.
+CUDA_VENV ?= .venv-cuda
+CUDA_DEPS := $(CUDA_VENV)/.deps-stamp
+
+$(CUDA_DEPS): requirements.txt scripts/install_cuda.sh scripts/nvml_stub.c
+	bash scripts/install_cuda.sh $(CUDA_VENV)
+	@touch $@
+
+cuda-check: $(CUDA_DEPS)
+	bash scripts/cuda_check.sh $(CUDA_VENV) .cuda-build $(PYTEST_ARGS)
 
 test: install nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
@@ -49,7 +62,7 @@ accuracy: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --json accuracy.json --markdown accuracy.md
 
 clean:
-	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT)
+	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build
 
 # 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto); see docs/reliability.md.
 reliability: install

@@ -3,16 +3,47 @@
 CPU kernels are always built. CUDA kernels (``csrc/cuda/*.cu`` plus their
 ``*_bind.cpp`` bindings) are added only when torch itself is a CUDA build and a
 CUDA toolkit is found, because a CPU build of torch cannot build CUDAExtension.
+
+A machine with the toolkit and no GPU builds them too: without ``CUDA_HOME`` the
+toolkit is looked for where its headers are (torch's own guess, the folder above
+``nvcc``, takes a wrapper script on the PATH for the toolkit), and without
+``TORCH_CUDA_ARCH_LIST`` (torch would ask the absent GPU) the kernels are built
+for sm_80 and sm_90.
 """
 
 import glob
 import os
-
-import torch
-from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+import shutil
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_CUDA_ARCHS = "8.0;9.0"
+
+
+def _find_cuda_home() -> str | None:
+    """The first CUDA toolkit root that has ``include/cuda_runtime.h``."""
+    nvcc = shutil.which("nvcc")
+    candidates = [os.environ.get("CUDA_PATH")]
+    if nvcc:
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(nvcc))))
+    candidates += ["/usr/local/cuda"] + sorted(glob.glob("/usr/local/cuda-*"), reverse=True)
+    for root in candidates:
+        if root and os.path.isfile(os.path.join(root, "include", "cuda_runtime.h")):
+            return root
+    return None
+
+
+# Both are read by torch.utils.cpp_extension at import, so they are settled before it.
+if not os.environ.get("CUDA_HOME"):
+    found = _find_cuda_home()
+    if found:
+        os.environ["CUDA_HOME"] = found
+
+import torch  # noqa: E402
+from setuptools import find_packages, setup  # noqa: E402
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+
+if torch.version.cuda is not None and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+    os.environ["TORCH_CUDA_ARCH_LIST"] = DEFAULT_CUDA_ARCHS
 
 
 def _sources(pattern: str) -> list[str]:

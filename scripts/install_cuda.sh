@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) a second virtualenv with the CUDA builds of the pinned stack, for
+# `make cuda-check` on a machine that has the CUDA toolkit (a GPU is not needed).
+# Usage: scripts/install_cuda.sh VENV_DIR
+set -euo pipefail
+venv=${1:-.venv-cuda}
+python=${PYTHON:-python3}
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+# --isolated: this machine's pip configuration prefers a local CPU-only torch wheel; the CUDA
+# builds (torch 2.13.0+cu130 and its nvidia-* packages, about 7 GB) come from the registry.
+pip() { "$venv/bin/python" -m pip --isolated --disable-pip-version-check -q "$@"; }
+
+pip install torch==2.13.0 fbgemm-gpu==1.8.0
+"$venv/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else "torch is not a CUDA build")'
+pip install --no-deps torchrec==1.8.0
+pip install -r requirements.txt
+# fbgemm-gpu's CUDA build needs the driver's NVML to import; without a GPU, a stub answers
+# "driver not loaded" (see scripts/nvml_stub.c). It lives in the venv and is found through
+# LD_LIBRARY_PATH in `make cuda-check` only.
+cc -shared -fPIC -O2 -o "$venv/lib/libnvidia-ml.so.1" scripts/nvml_stub.c
