@@ -4,11 +4,11 @@ CPU kernels are always built. CUDA kernels (``csrc/cuda/*.cu`` plus their
 ``*_bind.cpp`` bindings) are added only when torch itself is a CUDA build and a
 CUDA toolkit is found, because a CPU build of torch cannot build CUDAExtension.
 
-A machine with the toolkit and no GPU builds them too: without ``CUDA_HOME`` the
-toolkit is looked for where its headers are (torch's own guess, the folder above
-``nvcc``, takes a wrapper script on the PATH for the toolkit), and without
-``TORCH_CUDA_ARCH_LIST`` (torch would ask the absent GPU) the kernels are built
-for sm_80 and sm_90.
+A machine with the toolkit and no GPU builds them too. Without ``CUDA_HOME``, the
+toolkit is the first candidate root that holds its headers: torch's own guess, the
+folder above the first ``nvcc`` on the PATH, is wrong when that ``nvcc`` is a
+wrapper script. Without ``TORCH_CUDA_ARCH_LIST``, which torch would read from the
+absent GPU, the kernels are built for sm_80 and sm_90.
 """
 
 import glob
