@@ -98,6 +98,18 @@ def _assert_state(dmp, want, keys=None) -> None:
         assert torch.equal(got[key], want[key]), key
 
 
+def _saved_then_moved_on(rank, root):
+    """A model checkpointed at step 1 that then trained on: (dmp, optimizer, checkpointer, state at step 1)."""
+    dmp, specs, opt = _build()
+    ck = _checkpointer(dmp, opt, root)
+    gen = torch.Generator().manual_seed(rank)
+    train(dmp, specs, opt, 2, gen)
+    ck.save(1).wait()
+    saved = local_state(dmp)
+    train(dmp, specs, opt, 2, gen)  # the model moves on; a restore must bring back step 1
+    return dmp, opt, ck, saved
+
+
 # ---- restore ------------------------------------------------------------------------
 
 
@@ -105,13 +117,7 @@ def _restore_worker(rank, world_size, root, case):
     from cnr_torchrec.ckpt.storage import FSPlugin, Storage
     from cnr_torchrec.errors import StorageError
 
-    dmp, specs, opt = _build()
-    ck = _checkpointer(dmp, opt, root)
-    gen = torch.Generator().manual_seed(rank)
-    train(dmp, specs, opt, 2, gen)
-    ck.save(1).wait()
-    saved = local_state(dmp)
-    train(dmp, specs, opt, 2, gen)  # the model moves on; restore must bring back step 1
+    dmp, opt, ck, saved = _saved_then_moved_on(rank, root)
 
     if case == "listing":
         fault = _broken(rank, 0, Storage, "list_dirs", _client_error("AccessDenied", "ListObjectsV2"))
@@ -206,13 +212,7 @@ def _recover_worker(rank, world_size, root):
     from cnr_torchrec.ckpt.storage import Storage
     from cnr_torchrec.errors import StorageError
 
-    dmp, specs, opt = _build()
-    ck = _checkpointer(dmp, opt, root)
-    gen = torch.Generator().manual_seed(rank)
-    train(dmp, specs, opt, 2, gen)
-    ck.save(1).wait()
-    at_checkpoint = local_state(dmp)
-    train(dmp, specs, opt, 2, gen)
+    dmp, opt, ck, at_checkpoint = _saved_then_moved_on(rank, root)
     live = local_state(dmp)
 
     with _broken(rank, 0, Storage, "list_dirs", _client_error("ServiceUnavailable", "ListObjectsV2")):

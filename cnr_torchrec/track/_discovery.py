@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 from torchrec.distributed.types import ShardingType
 
 from cnr_torchrec.errors import UnsupportedShardingError
@@ -124,7 +125,7 @@ def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
             continue
         if not isinstance(module, _SHARDED_TYPES):
             tables = ", ".join(sorted(dmp.plan.plan[fqn].keys()))
-            if "ManagedCollision" in type(module).__name__:
+            if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
                 raise UnsupportedShardingError(
                     f"module '{fqn}' (tables {tables}) is a {type(module).__name__}: its managed-collision modules "
                     "remap ids with state kept beside the tables, which a checkpoint of the tables alone would not "

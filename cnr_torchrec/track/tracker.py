@@ -51,11 +51,13 @@ class _KernelState:
         # Marked lookups whose update has not run yet, and the one the pre-hook just marked.
         self.in_flight = InFlight()
         self.marked: Lookup | None = None
+        # The TBE's per-feature row layout, read once: the hook runs on every lookup.
+        self.hash_size_cumsum = info.tbe.hash_size_cumsum
+        self.rows_per_table = getattr(info.tbe, "rows_per_table", None)
 
     def mark(self, lookup: Lookup, counts: torch.Tensor | None = None) -> None:
         """Marks the rows of ``lookup`` with the TBE's own row layout."""
-        tbe = self.info.tbe
-        ops.mark_rows(lookup.indices, lookup.offsets, tbe.hash_size_cumsum, tbe.rows_per_table, self.bitmap, counts,
+        ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, self.rows_per_table, self.bitmap, counts,
                       lookup.B_offsets)
 
 
@@ -261,7 +263,7 @@ class DirtyRowTracker:
 
     def _out_of_range(self, state: _KernelState, lookup: Lookup) -> RowIdOutOfRangeError:
         # Error path only: locate the offending feature.
-        rows = state.info.tbe.rows_per_table.cpu().long()
+        rows = state.rows_per_table.cpu().long()
         T = rows.numel()
         offsets = lookup.offsets.cpu().long()
         b_offsets = lookup.B_offsets
