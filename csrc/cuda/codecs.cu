@@ -6,6 +6,7 @@
 // uses the _rn intrinsics so that nvcc does not contract it into FMAs, which
 // keeps quantization bit-identical to the CPU kernels.
 #include "codecs.cuh"
+#include "launch.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -441,39 +442,39 @@ __global__ void dequantize_codebook_kernel(const uint8_t* __restrict__ payload, 
 
 void pack_bits(const uint8_t* codes, int64_t n, int64_t dim, int bits, uint8_t* packed, cudaStream_t stream) {
   if (n == 0) return;
-  pack_kernel<<<blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream>>>(codes, n, dim, bits, packed);
+  CNR_LAUNCH(pack_kernel, blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream)(codes, n, dim, bits, packed);
 }
 
 void unpack_bits(const uint8_t* packed, int64_t n, int64_t dim, int bits, uint8_t* codes, cudaStream_t stream) {
   if (n == 0) return;
-  unpack_kernel<<<blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream>>>(packed, n, dim, bits, codes);
+  CNR_LAUNCH(unpack_kernel, blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream)(packed, n, dim, bits, codes);
 }
 
 void cast_rows(const float* rows, int64_t n, int64_t dim, int dtype, uint8_t* payload, uint8_t* status,
                cudaStream_t stream) {
   if (n == 0) return;
-  cast_kernel<<<blocks_for(n, kWarps), kThreads, 0, stream>>>(rows, n, dim, dtype, payload, status);
+  CNR_LAUNCH(cast_kernel, blocks_for(n, kWarps), kThreads, 0, stream)(rows, n, dim, dtype, payload, status);
 }
 
 void quantize_uniform(const float* rows, int64_t n, int64_t dim, int bits, bool symmetric, bool scale_half,
                       bool bias_half, const float* grid_bias, const float* grid_scale, uint8_t* payload, void* scale,
                       void* bias, uint8_t* status, cudaStream_t stream) {
   if (n == 0) return;
-  quantize_kernel<<<blocks_for(n, kWarps), kThreads, 0, stream>>>(rows, n, dim, bits, symmetric, scale_half, bias_half,
+  CNR_LAUNCH(quantize_kernel, blocks_for(n, kWarps), kThreads, 0, stream)(rows, n, dim, bits, symmetric, scale_half, bias_half,
                                                                   grid_bias, grid_scale, payload, scale, bias, status);
 }
 
 void dequantize_uniform(const uint8_t* payload, int64_t n, int64_t dim, int bits, const void* scale, bool scale_half,
                         const void* bias, bool bias_half, float* out, cudaStream_t stream) {
   if (n == 0) return;
-  dequantize_kernel<<<blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream>>>(
+  CNR_LAUNCH(dequantize_kernel, blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream)(
       payload, n, dim, bits, scale, scale_half, bias, bias_half, out);
 }
 
 void adaptive_search(const float* rows, int64_t n, int64_t dim, int bits, int64_t num_bins, int64_t rounds,
                      int64_t refit_iters, float* lo, float* scale, cudaStream_t stream) {
   if (n == 0) return;
-  adaptive_kernel<<<blocks_for(n, kWarps), kThreads, 0, stream>>>(rows, n, dim, bits, num_bins, rounds, refit_iters,
+  CNR_LAUNCH(adaptive_kernel, blocks_for(n, kWarps), kThreads, 0, stream)(rows, n, dim, bits, num_bins, rounds, refit_iters,
                                                                   lo, scale);
 }
 
@@ -481,7 +482,7 @@ void kmeans_quantize(const float* rows, int64_t n, int64_t dim, int bits, int64_
                      const float* grid_bias, const float* grid_scale, uint8_t* payload, float* bias, void* codebook,
                      uint8_t* status, cudaStream_t stream) {
   if (n == 0) return;
-  kmeans_kernel<<<blocks_for(n, kWarps), kThreads, 0, stream>>>(rows, n, dim, bits, iters, codebook_half, grid_bias,
+  CNR_LAUNCH(kmeans_kernel, blocks_for(n, kWarps), kThreads, 0, stream)(rows, n, dim, bits, iters, codebook_half, grid_bias,
                                                                 grid_scale, payload, bias, codebook, status);
 }
 
@@ -489,7 +490,7 @@ void dequantize_codebook(const uint8_t* payload, int64_t n, int64_t dim, int bit
                          const void* codebook, bool codebook_half, int64_t k1, float* out, int* bad_code,
                          cudaStream_t stream) {
   if (n == 0) return;
-  dequantize_codebook_kernel<<<blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream>>>(
+  CNR_LAUNCH(dequantize_codebook_kernel, blocks_for(n * ((dim + 7) / 8), kThreads), kThreads, 0, stream)(
       payload, n, dim, bits, bias, codebook, codebook_half, k1, out, bad_code);
 }
 

@@ -2,9 +2,9 @@
 // when torch is a CUDA build (setup.py adds csrc/cuda/*_bind.cpp then). The
 // argument checks mirror the CPU kernels'; exhaustive_search stays CPU-only.
 #include <ATen/ATen.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include "device.h"
 
 #include <cmath>
 
@@ -54,42 +54,42 @@ at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits) {
   check_bits(bits, "pack_bits");
   TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte,
                     "cnr::pack_bits: codes must be a 2-D uint8 tensor");
-  const c10::cuda::CUDAGuard guard(codes.device());
+  const device::Guard guard(codes.device());
   const auto c = codes.contiguous();
   if (c.numel() > 0) {
-    TORCH_CHECK_VALUE(c.max().item<uint8_t>() < (1 << bits), "cnr::pack_bits: codes must be below 2**bits = ",
+    TORCH_CHECK_VALUE(device::to_host(c.max()).item<uint8_t>() < (1 << bits), "cnr::pack_bits: codes must be below 2**bits = ",
                       1 << bits);
   }
   auto out = at::empty({c.size(0), packed_bytes(c.size(1), bits)}, c.options());
   cuda::pack_bits(c.data_ptr<uint8_t>(), c.size(0), c.size(1), static_cast<int>(bits), out.data_ptr<uint8_t>(),
-                  c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  device::stream());
+  device::check_launch();
   return out;
 }
 
 at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t dim) {
   check_bits(bits, "unpack_bits");
-  const c10::cuda::CUDAGuard guard(packed.device());
+  const device::Guard guard(packed.device());
   const auto p = checked_payload(packed, bits, dim, "unpack_bits");
   auto out = at::empty({p.size(0), dim}, p.options());
   cuda::unpack_bits(p.data_ptr<uint8_t>(), p.size(0), dim, static_cast<int>(bits), out.data_ptr<uint8_t>(),
-                    c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                    device::stream());
+  device::check_launch();
   return out;
 }
 
 std::tuple<at::Tensor, at::Tensor> cast_rows_cuda(const at::Tensor& rows, at::ScalarType dtype) {
   TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
                     "cnr::cast_rows: dtype must be float32, float16 or bfloat16, got ", dtype);
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "cast_rows");
   const int64_t n = x.size(0), dim = x.size(1);
   auto payload = at::empty({n, dim * static_cast<int64_t>(c10::elementSize(dtype))}, x.options().dtype(at::kByte));
   auto status = at::empty({n}, x.options().dtype(at::kByte));
   const int code = dtype == at::kFloat ? 0 : (dtype == at::kHalf ? 1 : 2);
   cuda::cast_rows(x.data_ptr<float>(), n, dim, code, payload.data_ptr<uint8_t>(), status.data_ptr<uint8_t>(),
-                  c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                  device::stream());
+  device::check_launch();
   return {payload, status};
 }
 
@@ -99,7 +99,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cuda
   check_bits(bits, "quantize_uniform");
   const bool scale_half = is_half(scale_dtype, "scale_dtype", "quantize_uniform");
   const bool bias_half = is_half(bias_dtype, "bias_dtype", "quantize_uniform");
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "quantize_uniform");
   const int64_t n = x.size(0), dim = x.size(1);
   TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
@@ -119,15 +119,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cuda
   cuda::quantize_uniform(x.data_ptr<float>(), n, dim, static_cast<int>(bits), symmetric, scale_half, bias_half,
                          grid_bias ? gb.data_ptr<float>() : nullptr, grid_bias ? gs.data_ptr<float>() : nullptr,
                          payload.data_ptr<uint8_t>(), scale.data_ptr(), bias.data_ptr(), status.data_ptr<uint8_t>(),
-                         c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                         device::stream());
+  device::check_launch();
   return {payload, scale, bias, status};
 }
 
 at::Tensor dequantize_uniform_cuda(const at::Tensor& payload, const at::Tensor& scale,
                                    const std::optional<at::Tensor>& bias, int64_t bits, int64_t dim) {
   check_bits(bits, "dequantize_uniform");
-  const c10::cuda::CUDAGuard guard(payload.device());
+  const device::Guard guard(payload.device());
   const auto p = checked_payload(payload, bits, dim, "dequantize_uniform");
   const int64_t n = p.size(0);
   const auto s = checked_params(scale, n, p, "scale", "dequantize_uniform");
@@ -136,8 +136,8 @@ at::Tensor dequantize_uniform_cuda(const at::Tensor& payload, const at::Tensor& 
   cuda::dequantize_uniform(p.data_ptr<uint8_t>(), n, dim, static_cast<int>(bits), s.data_ptr(),
                            s.scalar_type() == at::kHalf, bias ? b.data_ptr() : nullptr,
                            bias && b.scalar_type() == at::kHalf, out.data_ptr<float>(),
-                           c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                           device::stream());
+  device::check_launch();
   return out;
 }
 
@@ -152,7 +152,7 @@ void dequantize_uniform_into_cuda(const at::Tensor& payload, const at::Tensor& s
   TORCH_CHECK_VALUE(rows.dim() == 1 && rows.numel() == payload.size(0),
                     "cnr::dequantize_uniform_into_: rows must hold one entry per payload row");
   const auto r = rows.to(out.device(), at::kLong);
-  TORCH_CHECK_INDEX(r.numel() == 0 || r.max().item<int64_t>() < out.size(0),
+  TORCH_CHECK_INDEX(r.numel() == 0 || device::to_host(r.max()).item<int64_t>() < out.size(0),
                     "cnr::dequantize_uniform_into_: rows reach beyond out's ", out.size(0), " rows");
   const auto keep = (r >= 0).nonzero().squeeze(1);
   const auto dev = out.device();  // a restore's payload is read into host memory
@@ -168,7 +168,7 @@ std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, 
   TORCH_CHECK_VALUE(num_bins >= 1, "cnr::adaptive_search: num_bins must be >= 1, got ", num_bins);
   TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "cnr::adaptive_search: ratio must be in (0, 1], got ", ratio);
   TORCH_CHECK_VALUE(refit_iters >= 0, "cnr::adaptive_search: refit_iters must be >= 0, got ", refit_iters);
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "adaptive_search");
   // Same move count as the CPU kernel (codecs_search.cpp).
   const int64_t rounds =
@@ -176,8 +176,8 @@ std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, 
   auto lo = at::empty({x.size(0)}, x.options());
   auto scale = at::empty({x.size(0)}, x.options());
   cuda::adaptive_search(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<int>(bits), num_bins, rounds,
-                        refit_iters, lo.data_ptr<float>(), scale.data_ptr<float>(), c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                        refit_iters, lo.data_ptr<float>(), scale.data_ptr<float>(), device::stream());
+  device::check_launch();
   return {lo, scale};
 }
 
@@ -195,7 +195,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmeans_quantize_cuda(
   check_bits(bits, "kmeans_quantize");
   const bool half = is_half(codebook_dtype, "codebook_dtype", "kmeans_quantize");
   TORCH_CHECK_VALUE(iters >= 0, "cnr::kmeans_quantize: iters must be >= 0, got ", iters);
-  const c10::cuda::CUDAGuard guard(rows.device());
+  const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "kmeans_quantize");
   const int64_t n = x.size(0), dim = x.size(1), k = std::min<int64_t>(int64_t{1} << bits, dim);
   TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
@@ -214,15 +214,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmeans_quantize_cuda(
   cuda::kmeans_quantize(x.data_ptr<float>(), n, dim, static_cast<int>(bits), iters, half,
                         grid_bias ? gb.data_ptr<float>() : nullptr, grid_bias ? gs.data_ptr<float>() : nullptr,
                         payload.data_ptr<uint8_t>(), bias.data_ptr<float>(), codebook.data_ptr(),
-                        status.data_ptr<uint8_t>(), c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                        status.data_ptr<uint8_t>(), device::stream());
+  device::check_launch();
   return {payload, bias, codebook, status};
 }
 
 at::Tensor dequantize_codebook_cuda(const at::Tensor& payload, const at::Tensor& bias, const at::Tensor& codebook,
                                     int64_t bits, int64_t dim) {
   check_bits(bits, "dequantize_codebook");
-  const c10::cuda::CUDAGuard guard(payload.device());
+  const device::Guard guard(payload.device());
   const auto p = checked_payload(payload, bits, dim, "dequantize_codebook");
   const int64_t n = p.size(0);
   TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == at::kFloat,
@@ -237,10 +237,10 @@ at::Tensor dequantize_codebook_cuda(const at::Tensor& payload, const at::Tensor&
   auto bad = at::zeros({1}, p.options().dtype(at::kInt));
   cuda::dequantize_codebook(p.data_ptr<uint8_t>(), n, dim, static_cast<int>(bits), b.data_ptr<float>(), cb.data_ptr(),
                             cb.scalar_type() == at::kHalf, cb.size(1), out.data_ptr<float>(), bad.data_ptr<int>(),
-                            c10::cuda::getCurrentCUDAStream());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+                            device::stream());
+  device::check_launch();
   // One small device-to-host copy per decode keeps corrupt payloads a hard error.
-  TORCH_CHECK_VALUE(bad.item<int>() == 0, "cnr::dequantize_codebook: the payload holds codes beyond the ",
+  TORCH_CHECK_VALUE(device::to_host(bad).item<int>() == 0, "cnr::dequantize_codebook: the payload holds codes beyond the ",
                     cb.size(1) + 1, "-entry codebook; the encoded rows are corrupt");
   return out;
 }
@@ -248,7 +248,7 @@ at::Tensor dequantize_codebook_cuda(const at::Tensor& payload, const at::Tensor&
 }  // namespace
 }  // namespace cnr
 
-TORCH_LIBRARY_IMPL(cnr, CUDA, m) {
+TORCH_LIBRARY_IMPL(CNR_DEVICE_LIB, CNR_DEVICE_KEY, m) {
   m.impl("pack_bits", &cnr::pack_bits_cuda);
   m.impl("unpack_bits", &cnr::unpack_bits_cuda);
   m.impl("cast_rows", &cnr::cast_rows_cuda);

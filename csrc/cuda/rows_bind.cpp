@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "device.h"
+
 namespace cnr {
 namespace {
 
@@ -17,7 +19,7 @@ void scatter_rows_cuda(const at::Tensor& out, const at::Tensor& index, const at:
   auto idx = index.to(out.device());
   auto rows = src.to(out.device());
   const auto keep = idx.ge(0);  // a negative index skips its row
-  if (!keep.all().item<bool>()) {
+  if (!device::to_host(keep.all()).item<bool>()) {
     const auto sel = keep.nonzero().squeeze(1);
     rows = rows.index_select(0, sel);
     idx = idx.index_select(0, sel);
@@ -28,4 +30,4 @@ void scatter_rows_cuda(const at::Tensor& out, const at::Tensor& index, const at:
 }  // namespace
 }  // namespace cnr
 
-TORCH_LIBRARY_IMPL(cnr, CUDA, m) { m.impl("scatter_rows_", &cnr::scatter_rows_cuda); }
+TORCH_LIBRARY_IMPL(CNR_DEVICE_LIB, CNR_DEVICE_KEY, m) { m.impl("scatter_rows_", &cnr::scatter_rows_cuda); }

@@ -1,5 +1,6 @@
 // CUDA kernels of the dirty-row tracking ops (see tracking.cuh). No torch header.
 #include "tracking.cuh"
+#include "launch.cuh"
 
 #include <climits>
 
@@ -125,11 +126,11 @@ void launch_mark(const index_t* indices, const void* offsets, bool offsets_are_i
                  int64_t row_limit, unsigned long long* words, int32_t* counts, unsigned long long* invalid,
                  int64_t num_indices, cudaStream_t stream) {
   if (offsets_are_int64) {
-    mark_rows_kernel<<<blocks_for(num_indices), kThreads, 0, stream>>>(
+    CNR_LAUNCH(mark_rows_kernel, blocks_for(num_indices), kThreads, 0, stream)(
         indices, static_cast<const int64_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
         counts, invalid, num_indices);
   } else {
-    mark_rows_kernel<<<blocks_for(num_indices), kThreads, 0, stream>>>(
+    CNR_LAUNCH(mark_rows_kernel, blocks_for(num_indices), kThreads, 0, stream)(
         indices, static_cast<const int32_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
         counts, invalid, num_indices);
   }
@@ -155,14 +156,14 @@ void popcount_words(const unsigned long long* words, int64_t start, int64_t end,
                     cudaStream_t stream) {
   if (start >= end) return;
   const int64_t nw = ((end - 1) >> 6) - (start >> 6) + 1;
-  popcount_words_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words, start, end, counts);
+  CNR_LAUNCH(popcount_words_kernel, blocks_for(nw), kThreads, 0, stream)(words, start, end, counts);
 }
 
 void bits_to_rows(const unsigned long long* words, int64_t start, int64_t end, const int64_t* word_offsets,
                   int64_t* rows, cudaStream_t stream) {
   if (start >= end) return;
   const int64_t nw = ((end - 1) >> 6) - (start >> 6) + 1;
-  bits_to_rows_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words, start, end, word_offsets, rows);
+  CNR_LAUNCH(bits_to_rows_kernel, blocks_for(nw), kThreads, 0, stream)(words, start, end, word_offsets, rows);
 }
 
 void count_ranges(const unsigned long long* words, const int64_t* boundaries, int64_t num_ranges, int64_t* out,
@@ -174,7 +175,7 @@ void count_ranges(const unsigned long long* words, const int64_t* boundaries, in
 void clear_range(unsigned long long* words, int64_t start, int64_t end, cudaStream_t stream) {
   if (start >= end) return;
   const int64_t nw = ((end - 1) >> 6) - (start >> 6) + 1;
-  clear_range_kernel<<<blocks_for(nw), kThreads, 0, stream>>>(words, start, end);
+  CNR_LAUNCH(clear_range_kernel, blocks_for(nw), kThreads, 0, stream)(words, start, end);
 }
 
 }  // namespace cnr::cuda
