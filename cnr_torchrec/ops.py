@@ -13,6 +13,8 @@ from cnr_torchrec._ext import ops as _ops
 __all__ = [
     "bitmap_words",
     "mark_rows",
+    "lookup_record",
+    "raise_lookup_errors",
     "bitmap_to_rows",
     "bitmap_count",
     "bitmap_clear_",
@@ -36,6 +38,7 @@ def mark_rows(
     bitmap: torch.Tensor,
     counts: torch.Tensor | None = None,
     B_offsets: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
 ) -> None:
     """Sets the bit of every row a TBE lookup touches, in place.
 
@@ -51,13 +54,43 @@ def mark_rows(
         bitmap: int64 words, one bit per flat row; updated in place.
         counts: optional int32 per-row lookup counters, incremented and saturating.
         B_offsets: optional int64 [T+1], the first bag of each feature (variable batch).
+        errors: optional record from :func:`lookup_record`: problems are recorded
+            there, on the bitmap's device, instead of raised, so that a CUDA lookup
+            never waits for the host; :func:`raise_lookup_errors` raises them later.
+
+    Every tensor must be on the bitmap's device.
 
     Raises:
         IndexError: an id other than -1 (a pruned row, skipped) is negative or not
-            below its table's row count.
-        ValueError: offsets that are negative, decrease or run past the ids.
+            below its table's row count; the other ids are marked.
+        ValueError: offsets that are negative, decrease or run past the ids; nothing
+            is marked.
+        RuntimeError: arguments that do not fit (shapes, dtypes, devices, a row
+            layout past the bitmap, B_offsets out of order).
     """
-    _ops.mark_rows(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets)
+    _ops.mark_rows(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets, errors)
+
+
+# Entries of the record (csrc/lookup_record.h: lookup_record::kSize); it starts as zeros.
+_LOOKUP_RECORD_SIZE = 17
+
+
+def lookup_record(device: torch.device | str = "cpu") -> torch.Tensor:
+    """An empty record of lookup problems for :func:`mark_rows`' ``errors``, on ``device``."""
+    return torch.zeros(_LOOKUP_RECORD_SIZE, dtype=torch.int64, device=device)
+
+
+def raise_lookup_errors(errors: torch.Tensor) -> None:
+    """Raises the first problem :func:`mark_rows` recorded in ``errors``, as it would have raised it.
+
+    On CUDA this reads the record on the host, so it waits for the stream: call it
+    where the host waits anyway.
+
+    Raises:
+        IndexError, ValueError, RuntimeError: as :func:`mark_rows`.
+    """
+    _ops.raise_lookup_errors(errors)
+
 
 
 def bitmap_to_rows(bitmap: torch.Tensor, start: int, end: int) -> torch.Tensor:

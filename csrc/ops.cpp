@@ -19,7 +19,8 @@ void mark_rows_meta(
     const at::Tensor& /*rows_per_table*/,
     const at::Tensor& /*bitmap*/,
     const std::optional<at::Tensor>& /*counts*/,
-    const std::optional<at::Tensor>& /*B_offsets*/) {}
+    const std::optional<at::Tensor>& /*B_offsets*/,
+    const std::optional<at::Tensor>& /*errors*/) {}
 
 at::Tensor bitmap_count_meta(const at::Tensor& bitmap, const at::Tensor& boundaries) {
   // Symbolic sizes, so that the op traces under dynamic shapes.

@@ -22,14 +22,20 @@ inline void define_ops(torch::Library& m) {
   // same rows. An id of -1 is a pruned row and is skipped, as FBGEMM does.
   // B_offsets (T+1) gives each feature's first bag for variable batch sizes;
   // without it every feature has (offsets.numel() - 1) / T bags. `counts`
-  // (int32, one per row) is incremented per lookup and saturates. Raises
-  // IndexError for any other id outside its table and ValueError for offsets
-  // that are negative, decrease, or run past the indices (checked before any
-  // lookup reads them, so a tracked lookup needs no other bounds check).
+  // (int32, one per row) is incremented per lookup and saturates. Every tensor
+  // is on the bitmap's device. Raises IndexError for any other id outside its
+  // table (the other ids are marked) and ValueError for offsets that are
+  // negative, decrease, or run past the indices (nothing is marked: checked
+  // before any id is read, so a tracked lookup needs no other bounds check).
+  // With `errors` (int64 [kLookupRecordSize], zeros; tracking_checks.h) the
+  // problems are recorded there instead, on the device, with no host sync, and
+  // raise_lookup_errors raises them later with the same messages.
   m.def(
       "mark_rows(Tensor indices, Tensor offsets, Tensor hash_size_cumsum, Tensor rows_per_table, Tensor(a!) bitmap, "
-      "Tensor(b!)? counts=None, Tensor? B_offsets=None) -> ()",
+      "Tensor(b!)? counts=None, Tensor? B_offsets=None, Tensor(c!)? errors=None) -> ()",
       tags);
+  // Raises the first problem recorded in mark_rows' `errors`, if any (reads it on the host).
+  m.def("raise_lookup_errors(Tensor errors) -> ()", tags);
   // Sorted int64 ids of the set bits in rows [start, end).
   m.def("bitmap_to_rows(Tensor bitmap, int start, int end) -> Tensor", tags);
   // Number of set bits in each range [boundaries[r], boundaries[r + 1]).

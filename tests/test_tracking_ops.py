@@ -292,3 +292,41 @@ def test_cuda_matches_cpu():
     assert torch.equal(gpu_bits.cpu(), cpu_bits)
     with pytest.raises(IndexError):
         ops.mark_rows(torch.tensor([0, 5000]).cuda(), torch.tensor([0, 1, 2]).cuda(), hsc[:3], rows[:2], gpu_bits)
+
+
+def test_recorded_errors_raise_later_with_the_same_messages():
+    # With `errors`, mark_rows records instead of raising (no host sync on CUDA);
+    # raise_lookup_errors then raises what the direct call would have raised.
+    tbe = _tbe([5, 10], [0, 1, 0])
+    hsc, rows = tbe.hash_size_cumsum, tbe.rows_per_table
+    bad_ids = (torch.tensor([0, 7, 9, 1, -3]), torch.tensor([0, 1, 2, 5]))
+    bad_layout = (torch.tensor([0, 3, 4]), torch.tensor([0, 2, 1, 3]))
+    for indices, offsets in (bad_ids, bad_layout):
+        with pytest.raises((IndexError, ValueError)) as direct:
+            ops.mark_rows(indices, offsets, hsc, rows, _bitmap(15))
+        errors, bitmap = ops.lookup_record(), _bitmap(15)
+        ops.mark_rows(indices, offsets, hsc, rows, bitmap, errors=errors)
+        with pytest.raises(type(direct.value)) as later:
+            ops.raise_lookup_errors(errors)
+        assert str(later.value) == str(direct.value)
+    # Bad ids are skipped and the rest marked; a bad layout marks nothing.
+    errors, bitmap = ops.lookup_record(), _bitmap(15)
+    ops.mark_rows(*bad_ids, hsc, rows, bitmap, errors=errors)
+    assert _set_rows(bitmap).tolist() == [0, 1, 5 + 7]
+    bitmap = _bitmap(15)
+    ops.mark_rows(*bad_layout, hsc, rows, bitmap, errors=ops.lookup_record())
+    assert not bitmap.any()
+
+
+def test_recorded_errors_keep_the_first_lookup_and_count_all():
+    tbe = _tbe([5, 10], [0, 1])
+    hsc, rows = tbe.hash_size_cumsum, tbe.rows_per_table
+    errors = ops.lookup_record()
+    ops.mark_rows(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
+    ops.raise_lookup_errors(errors)  # a clean lookup records nothing
+    ops.mark_rows(torch.tensor([6, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
+    ops.mark_rows(torch.tensor([0, 12, 11]), torch.tensor([0, 1, 3]), hsc, rows, _bitmap(15), errors=errors)
+    with pytest.raises(IndexError, match=r"id 6 looked up in feature 0 is outside its table's 5 local rows \(3 bad ids\)"):
+        ops.raise_lookup_errors(errors)
+    with pytest.raises(RuntimeError, match="errors must be a contiguous int64 tensor of 17"):
+        ops.mark_rows(torch.tensor([1]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15), errors=torch.zeros(16).long())

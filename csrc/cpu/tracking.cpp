@@ -7,8 +7,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <atomic>
 #include <climits>
+#include <mutex>
 
 #include "../tracking_checks.h"
 
@@ -19,17 +19,6 @@ constexpr int64_t kGrain = 1 << 14;
 
 inline uint64_t* words_of(const at::Tensor& bitmap) {
   return reinterpret_cast<uint64_t*>(bitmap.data_ptr<int64_t>());
-}
-
-void check_bitmap(const at::Tensor& bitmap, const char* op) {
-  TORCH_CHECK(bitmap.dtype() == at::kLong && bitmap.dim() == 1 && bitmap.is_contiguous(), "cnr::", op,
-              ": bitmap must be a contiguous 1-D int64 tensor of packed words, got ", bitmap.dtype(), " ",
-              bitmap.sizes());
-}
-
-void check_range(const at::Tensor& bitmap, int64_t start, int64_t end, const char* op) {
-  TORCH_CHECK(0 <= start && start <= end && end <= bitmap.numel() * 64, "cnr::", op, ": row range [", start, ", ",
-              end, ") is outside the bitmap's ", bitmap.numel() * 64, " rows");
 }
 
 // Popcount of rows [start, end) in words.
@@ -51,6 +40,16 @@ inline void bump_saturating(int32_t* counter) {
   }
 }
 
+// Ids outside their table in a span: how many, and the first position (INT64_MAX if none).
+struct BadIds {
+  int64_t count = 0;
+  int64_t first = INT64_MAX;
+  void add(const BadIds& o) {
+    count += o.count;
+    first = std::min(first, o.first);
+  }
+};
+
 // Marks positions [lo, hi) of the feature-major index array. Each feature's run is
 // handled with its base row and its table's size in registers. An id of -1 is a
 // pruned row, which FBGEMM's lookups skip: it is skipped here too, in the branch
@@ -58,9 +57,9 @@ inline void bump_saturating(int32_t* counter) {
 // concurrent chunks share words: a plain load skips the atomic OR for rows
 // already marked.
 template <bool kAtomic, typename index_t>
-int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, const int64_t* hsc,
-                  const int64_t* rows_per_table, uint64_t* words, int32_t* counts, int64_t lo, int64_t hi) {
-  int64_t bad = INT64_MAX;
+BadIds mark_span(const index_t* indices, const std::vector<int64_t>& begin, const int64_t* hsc,
+                 const int64_t* rows_per_table, uint64_t* words, int32_t* counts, int64_t lo, int64_t hi) {
+  BadIds bad;
   int64_t f = std::upper_bound(begin.begin(), begin.end(), lo) - begin.begin() - 1;
   for (int64_t i = lo; i < hi; ++f) {
     const int64_t stop = std::min(hi, begin[f + 1]);
@@ -69,7 +68,7 @@ int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, con
     for (; i < stop; ++i) {
       const int64_t id = static_cast<int64_t>(indices[i]);
       if (static_cast<uint64_t>(id) >= size) {  // also catches negative ids
-        if (id != -1) bad = std::min(bad, i);
+        if (id != -1) bad.add({1, i});
         continue;
       }
       const int64_t row = base + id;
@@ -87,26 +86,41 @@ int64_t mark_span(const index_t* indices, const std::vector<int64_t>& begin, con
   return bad;
 }
 
+// The row layout: every feature's table lies within the bitmap (and counts).
+void check_tables(const int64_t* hsc, const int64_t* rows, int64_t T, int64_t row_limit, int64_t* record) {
+  using namespace lookup_record;
+  for (int64_t f = 0; f < T; ++f) {
+    if (hsc[f] >= 0 && rows[f] >= 0 && hsc[f] + rows[f] <= row_limit) continue;
+    if (record[kBadTables]++ == 0) {
+      record[kFirstBadTable] = INT64_MAX - f;
+      record[kTableStart] = hsc[f];
+      record[kTableRows] = rows[f];
+      record[kRowLimit] = row_limit;
+    }
+  }
+}
+
 // Bag b reads indices [offsets[b], offsets[b + 1]). A TBE lookup trusts that
 // layout, and the ids checked here are those between the first and last offsets,
 // so the layout is checked too: that makes this pass a full bounds check of the
 // lookup, with the verdicts of FBGEMM's bounds_check_indices in FATAL mode.
 template <typename offset_t>
-void check_bag_layout(const offset_t* offsets, int64_t num_bags, int64_t num_indices) {
-  TORCH_CHECK_VALUE(offsets[0] >= 0, "cnr::mark_rows: offsets start at ", offsets[0],
-                    "; bag offsets must be non-negative");
-  const offset_t* end = offsets + num_bags + 1;
-  const offset_t* drop = std::is_sorted_until(offsets, end);
-  TORCH_CHECK_VALUE(drop == end, "cnr::mark_rows: offsets decrease at bag ", drop - offsets - 1, " (",
-                    drop[-1], " then ", drop[0], "); bag offsets must never decrease");
-  TORCH_CHECK_VALUE(offsets[num_bags] <= num_indices, "cnr::mark_rows: offsets end at ", offsets[num_bags],
-                    " but there are only ", num_indices, " indices");
+void check_bag_layout(const offset_t* offsets, int64_t num_bags, int64_t num_indices, int64_t* record) {
+  using namespace lookup_record;
+  for (int64_t b = 0; b <= num_bags; ++b) {
+    const int64_t at = static_cast<int64_t>(offsets[b]);
+    const bool bad = (b == 0 && at < 0) || (b < num_bags && static_cast<int64_t>(offsets[b + 1]) < at) ||
+                     (b == num_bags && at > num_indices);
+    if (!bad || record[kBadBags]++ > 0) continue;
+    record[kFirstBadBag] = INT64_MAX - b;
+    record[kBagStart] = at;
+    record[kBagEnd] = b < num_bags ? static_cast<int64_t>(offsets[b + 1]) : 0;
+  }
 }
 
 template <typename index_t, typename offset_t>
-void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
-                      const int64_t* hsc, const int64_t* rows_per_table, uint64_t* words, int32_t* counts,
-                      int64_t* first_bad) {
+BadIds mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std::vector<int64_t>& feature_bags,
+                        const int64_t* hsc, const int64_t* rows_per_table, uint64_t* words, int32_t* counts) {
   const int64_t T = static_cast<int64_t>(feature_bags.size()) - 1;
   // Index positions where each feature starts; T is small, so this is cheap.
   std::vector<int64_t> begin(T + 1);
@@ -114,78 +128,81 @@ void mark_rows_kernel(const index_t* indices, const offset_t* offsets, const std
   const int64_t lo = begin[0], hi = begin[T];
   if (hi - lo <= kGrain || at::get_num_threads() == 1) {
     // One chunk: no other thread touches the words, so plain ORs suffice.
-    *first_bad = mark_span<false>(indices, begin, hsc, rows_per_table, words, counts, lo, hi);
-    return;
+    return mark_span<false>(indices, begin, hsc, rows_per_table, words, counts, lo, hi);
   }
-  std::atomic<int64_t> bad{INT64_MAX};
+  std::mutex mu;
+  BadIds bad;
   at::parallel_for(lo, hi, kGrain, [&](int64_t c0, int64_t c1) {
-    const int64_t local_bad = mark_span<true>(indices, begin, hsc, rows_per_table, words, counts, c0, c1);
-    int64_t seen = bad.load();
-    while (local_bad < seen && !bad.compare_exchange_weak(seen, local_bad)) {
-    }
+    const BadIds local = mark_span<true>(indices, begin, hsc, rows_per_table, words, counts, c0, c1);
+    if (local.count == 0) return;
+    const std::lock_guard<std::mutex> lock(mu);
+    bad.add(local);
   });
-  *first_bad = bad.load();
+  return bad;
+}
+
+// Fills the record of one lookup, marking its rows unless the record stops it.
+template <typename index_t, typename offset_t>
+void mark_checked(const index_t* idx, int64_t num_indices, const offset_t* off, const MarkRowsShape& shape,
+                  const int64_t* b_offsets, const int64_t* hsc, const int64_t* rows, uint64_t* words,
+                  int32_t* counts, int64_t* record) {
+  using namespace lookup_record;
+  const int64_t T = shape.num_features, num_bags = shape.num_bags;
+  record[kNumBags] = num_bags;
+  record[kNumIndices] = num_indices;
+  check_tables(hsc, rows, T, shape.row_limit, record);
+  std::vector<int64_t> feature_bags(T + 1);
+  for (int64_t f = 0; f <= T; ++f) {
+    feature_bags[f] = b_offsets ? b_offsets[f] : f * (num_bags / T);
+    const bool bad = b_offsets && ((f == 0 && b_offsets[0] != 0) || (f > 0 && b_offsets[f] < b_offsets[f - 1]) ||
+                                   (f == T && b_offsets[T] != num_bags));
+    record[kBadBatchOffsets] += bad;
+  }
+  if (num_bags > 0) check_bag_layout(off, num_bags, num_indices, record);
+  if (num_bags == 0 || stops_lookup(record)) return;
+  const BadIds bad = mark_rows_kernel<index_t, offset_t>(idx, off, feature_bags, hsc, rows, words, counts);
+  if (bad.count == 0) return;
+  // The feature of the first bad position: the last one that starts at or before it.
+  int64_t f = 0;
+  while (f + 1 < T && static_cast<int64_t>(off[feature_bags[f + 1]]) <= bad.first) ++f;
+  record[kBadIds] = bad.count;
+  record[kFirstBadAt] = INT64_MAX - bad.first;
+  record[kBadId] = static_cast<int64_t>(idx[bad.first]);
+  record[kBadFeature] = f;
+  record[kBadFeatureRows] = rows[f];
 }
 
 void mark_rows_cpu(const at::Tensor& indices, const at::Tensor& offsets, const at::Tensor& hash_size_cumsum,
                    const at::Tensor& rows_per_table, const at::Tensor& bitmap, const std::optional<at::Tensor>& counts,
-                   const std::optional<at::Tensor>& B_offsets) {
+                   const std::optional<at::Tensor>& B_offsets, const std::optional<at::Tensor>& errors) {
   const MarkRowsShape shape =
-      check_mark_rows_args(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets);
-  const int64_t T = shape.num_features, num_bags = shape.num_bags;
-  const auto hsc_t = hash_size_cumsum.contiguous();
-  const auto rows_t = rows_per_table.contiguous();
-  const int64_t* hsc = hsc_t.data_ptr<int64_t>();
-  const int64_t* rows = rows_t.data_ptr<int64_t>();
-  // Features of one table share its base row and size; every feature's table must fit the bitmap.
-  for (int64_t f = 0; f < T; ++f) {
-    TORCH_CHECK(hsc[f] >= 0 && rows[f] >= 0 && hsc[f] + rows[f] <= shape.row_limit, "cnr::mark_rows: feature ", f,
-                "'s table spans rows [", hsc[f], ", ", hsc[f] + rows[f], ") but the bitmap",
-                counts ? " and counts hold " : " holds ", shape.row_limit,
-                " rows; pass the TBE's own hash_size_cumsum and rows_per_table");
-  }
-
-  std::vector<int64_t> feature_bags(T + 1);
-  if (B_offsets) {
-    const auto b = B_offsets->to(at::kLong).contiguous();
-    std::copy_n(b.data_ptr<int64_t>(), T + 1, feature_bags.begin());
-    TORCH_CHECK(feature_bags[T] == num_bags, "cnr::mark_rows: B_offsets ends at ", feature_bags[T], " but offsets has ",
-                num_bags, " bags");
-    TORCH_CHECK(feature_bags[0] == 0 && std::is_sorted(feature_bags.begin(), feature_bags.end()),
-                "cnr::mark_rows: B_offsets must start at 0 and never decrease");
-  } else {
-    if (num_bags <= 0) return;  // empty batch
-    TORCH_CHECK(num_bags % T == 0, "cnr::mark_rows: offsets has ", num_bags, " bags, not a multiple of the ", T,
-                " features; pass B_offsets for variable batch sizes");
-    for (int64_t f = 0; f <= T; ++f) feature_bags[f] = f * (num_bags / T);
-  }
-  if (num_bags <= 0) return;
-
+      check_mark_rows_args(indices, offsets, hash_size_cumsum, rows_per_table, bitmap, counts, B_offsets, errors);
+  const auto hsc = hash_size_cumsum.contiguous();
+  const auto rows = rows_per_table.contiguous();
+  const auto b = B_offsets ? B_offsets->contiguous() : at::Tensor();
   const auto idx = indices.contiguous();
   const auto off = offsets.contiguous();
-  int64_t first_bad = INT64_MAX;
-  int32_t* counts_ptr = counts ? counts->data_ptr<int32_t>() : nullptr;
+  int64_t record[kLookupRecordSize] = {};
   AT_DISPATCH_INDEX_TYPES(idx.scalar_type(), "cnr::mark_rows", [&] {
     using id_t = index_t;
     AT_DISPATCH_INDEX_TYPES(off.scalar_type(), "cnr::mark_rows", [&] {
-      check_bag_layout(off.data_ptr<index_t>(), num_bags, idx.numel());
-      mark_rows_kernel<id_t, index_t>(idx.data_ptr<id_t>(), off.data_ptr<index_t>(), feature_bags, hsc, rows,
-                                      words_of(bitmap), counts_ptr, &first_bad);
+      mark_checked(idx.data_ptr<id_t>(), idx.numel(), off.data_ptr<index_t>(), shape,
+                   B_offsets ? b.data_ptr<int64_t>() : nullptr, hsc.data_ptr<int64_t>(), rows.data_ptr<int64_t>(),
+                   words_of(bitmap), counts ? counts->data_ptr<int32_t>() : nullptr, record);
     });
   });
-  if (first_bad != INT64_MAX) {
-    const int64_t f = [&] {
-      // Recover the feature of the first bad position for the message.
-      const auto o = off.to(at::kLong);
-      const int64_t* op = o.data_ptr<int64_t>();
-      int64_t g = 0;
-      while (g + 1 < T && op[feature_bags[g + 1]] <= first_bad) ++g;
-      return g;
-    }();
-    TORCH_CHECK_INDEX(false, "cnr::mark_rows: id ", idx.to(at::kLong)[first_bad].item<int64_t>(),
-                      " looked up in feature ", f, " is outside its table's ", rows[f],
-                      " local rows; check the input ids against the table's num_embeddings");
+  if (errors) {
+    lookup_record::merge(record, errors->data_ptr<int64_t>());
+  } else {
+    raise_lookup_errors(record);
   }
+}
+
+void raise_lookup_errors_cpu(const at::Tensor& errors) {
+  TORCH_CHECK(errors.dtype() == at::kLong && errors.numel() == kLookupRecordSize,
+              "cnr::raise_lookup_errors: errors must be the int64 record of ", kLookupRecordSize,
+              " entries that mark_rows filled");
+  raise_lookup_errors(errors.contiguous().data_ptr<int64_t>());
 }
 
 at::Tensor bitmap_to_rows_cpu(const at::Tensor& bitmap, int64_t start, int64_t end) {
@@ -222,11 +239,10 @@ at::Tensor bitmap_to_rows_cpu(const at::Tensor& bitmap, int64_t start, int64_t e
 }
 
 at::Tensor bitmap_count_cpu(const at::Tensor& bitmap, const at::Tensor& boundaries) {
-  check_bitmap(bitmap, "bitmap_count");
   const auto b = boundaries.to(at::kLong).contiguous();
+  check_count_ranges(bitmap, b);
   const int64_t* bp = b.data_ptr<int64_t>();
   const int64_t R = std::max<int64_t>(b.numel() - 1, 0);
-  for (int64_t r = 0; r < R; ++r) check_range(bitmap, bp[r], bp[r + 1], "bitmap_count");
   auto out = at::empty({R}, bitmap.options().dtype(at::kLong));
   int64_t* op = out.data_ptr<int64_t>();
   const uint64_t* words = words_of(bitmap);
@@ -258,6 +274,7 @@ void bitmap_clear_cpu(const at::Tensor& bitmap, int64_t start, int64_t end) {
 
 TORCH_LIBRARY_IMPL(cnr, CPU, m) {
   m.impl("mark_rows", &cnr::mark_rows_cpu);
+  m.impl("raise_lookup_errors", &cnr::raise_lookup_errors_cpu);
   m.impl("bitmap_to_rows", &cnr::bitmap_to_rows_cpu);
   m.impl("bitmap_count", &cnr::bitmap_count_cpu);
   m.impl("bitmap_clear_", &cnr::bitmap_clear_cpu);

@@ -1,6 +1,7 @@
 // CUDA kernels of the dirty-row tracking ops (see tracking.cuh). No torch header.
 #include "tracking.cuh"
 #include "launch.cuh"
+#include "../lookup_record.h"
 
 #include <climits>
 
@@ -16,43 +17,82 @@ __device__ __forceinline__ unsigned long long range_mask(int64_t w, int64_t star
   return m;
 }
 
+using ull = unsigned long long;
+
+// Counts a problem and keeps the first position p of it (stored as INT64_MAX - p).
+__device__ __forceinline__ void record_first(int64_t* record, int count_slot, int first_slot, int64_t p) {
+  atomicAdd(reinterpret_cast<ull*>(record + count_slot), 1ull);
+  atomicMax(reinterpret_cast<ull*>(record + first_slot), static_cast<ull>(INT64_MAX - p));
+}
+
+// The checks that stop a lookup: the row layout and B_offsets (one thread: T is
+// small) and the bag offsets (grid-stride over the bag boundaries).
+template <typename offset_t>
+__global__ void check_lookup_kernel(const offset_t* __restrict__ offsets, int64_t num_bags,
+                                    const int64_t* __restrict__ B_offsets, int64_t T, const int64_t* __restrict__ hsc,
+                                    const int64_t* __restrict__ rows_per_table, int64_t row_limit,
+                                    int64_t num_indices, int64_t* __restrict__ record) {
+  using namespace lookup_record;
+  const int64_t tid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (tid == 0) {
+    for (int64_t f = 0; f < T; ++f) {
+      if (hsc[f] >= 0 && rows_per_table[f] >= 0 && hsc[f] + rows_per_table[f] <= row_limit) continue;
+      if (record[kBadTables]++ == 0) {
+        record[kFirstBadTable] = INT64_MAX - f;
+        record[kTableStart] = hsc[f];
+        record[kTableRows] = rows_per_table[f];
+        record[kRowLimit] = row_limit;
+      }
+    }
+    for (int64_t f = 0; B_offsets && f <= T; ++f) {
+      record[kBadBatchOffsets] += (f == 0 && B_offsets[0] != 0) || (f > 0 && B_offsets[f] < B_offsets[f - 1]) ||
+                                  (f == T && B_offsets[T] != num_bags);
+    }
+  }
+  if (num_bags == 0) return;
+  for (int64_t b = tid; b <= num_bags; b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t at = static_cast<int64_t>(offsets[b]);
+    const bool bad = (b == 0 && at < 0) || (b < num_bags && static_cast<int64_t>(offsets[b + 1]) < at) ||
+                     (b == num_bags && at > num_indices);
+    if (bad) record_first(record, kBadBags, kFirstBadBag, b);
+  }
+}
+
+// The feature whose index segment holds position i: the last one that starts at or before it.
+template <typename offset_t>
+__device__ int64_t feature_of(int64_t i, const offset_t* offsets, const int64_t* B_offsets, int64_t bags_per_feature,
+                              int64_t T) {
+  int64_t lo = 0, hi = T;  // invariant: start(lo) <= i < start(hi)
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    const int64_t bag = B_offsets ? B_offsets[mid] : mid * bags_per_feature;
+    if (static_cast<int64_t>(offsets[bag]) <= i) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
 template <typename index_t, typename offset_t>
 __global__ void mark_rows_kernel(const index_t* __restrict__ indices, const offset_t* __restrict__ offsets,
                                  int64_t num_bags, const int64_t* __restrict__ B_offsets, int64_t T,
                                  const int64_t* __restrict__ hsc, const int64_t* __restrict__ rows_per_table,
-                                 int64_t row_limit, unsigned long long* __restrict__ words,
-                                 int32_t* __restrict__ counts, unsigned long long* __restrict__ invalid,
-                                 int64_t num_indices) {
+                                 ull* __restrict__ words, int32_t* __restrict__ counts, int64_t num_indices,
+                                 int64_t* __restrict__ record) {
+  if (lookup_record::stops_lookup(record)) return;  // check_lookup_kernel ran first on this stream
   const int64_t bags_per_feature = B_offsets ? 0 : num_bags / T;
-  // The bag layout: offsets start at >= 0, never decrease, and end within the indices.
-  for (int64_t b = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; b <= num_bags;
-       b += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t at = static_cast<int64_t>(offsets[b]);
-    const bool bad = (b == 0 && at < 0) || (b < num_bags && static_cast<int64_t>(offsets[b + 1]) < at) ||
-                     (b == num_bags && at > num_indices);
-    if (bad) atomicAdd(invalid + 2, 1ull);
-  }
-  const int64_t first = static_cast<int64_t>(offsets[0]) < 0 ? 0 : static_cast<int64_t>(offsets[0]);
-  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < num_indices;
+  const int64_t first = static_cast<int64_t>(offsets[0]);
+  const int64_t last = static_cast<int64_t>(offsets[num_bags]);
+  for (int64_t i = first + blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < last;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    // Binary search for the feature whose index segment holds position i.
-    int64_t lo = 0, hi = T;  // invariant: start(lo) <= i < start(hi)
-    while (hi - lo > 1) {
-      const int64_t mid = (lo + hi) / 2;
-      const int64_t bag = B_offsets ? B_offsets[mid] : mid * bags_per_feature;
-      if (static_cast<int64_t>(offsets[bag]) <= i) lo = mid; else hi = mid;
-    }
+    const int64_t f = feature_of(i, offsets, B_offsets, bags_per_feature, T);
     const int64_t id = static_cast<int64_t>(indices[i]);
     if (id == -1) continue;  // a pruned row: FBGEMM's lookups skip it
-    const int64_t row = hsc[lo] + id;
-    // Features of one table share its base and size; the row must also fit the bitmap.
-    if (id < 0 || id >= rows_per_table[lo] || row >= row_limit) {
-      atomicAdd(invalid, 1ull);
-      atomicMin(invalid + 1, static_cast<unsigned long long>(i));
+    if (id < 0 || id >= rows_per_table[f]) {
+      record_first(record, lookup_record::kBadIds, lookup_record::kFirstBadAt, i);
       continue;
     }
-    const unsigned long long mask = 1ull << (row & 63);
-    unsigned long long* word = words + (row >> 6);
+    const int64_t row = hsc[f] + id;
+    const ull mask = 1ull << (row & 63);
+    ull* word = words + (row >> 6);
     if (!(*word & mask)) atomicOr(word, mask);
     if (counts) {
       int32_t cur = counts[row];
@@ -63,6 +103,30 @@ __global__ void mark_rows_kernel(const index_t* __restrict__ indices, const offs
       }
     }
   }
+}
+
+// One thread: the details of the first problems, then the fold into `errors`.
+template <typename index_t, typename offset_t>
+__global__ void finish_record_kernel(const index_t* __restrict__ indices, const offset_t* __restrict__ offsets,
+                                     int64_t num_bags, const int64_t* __restrict__ B_offsets, int64_t T,
+                                     const int64_t* __restrict__ rows_per_table, int64_t num_indices,
+                                     int64_t* __restrict__ record, int64_t* __restrict__ errors) {
+  using namespace lookup_record;
+  record[kNumBags] = num_bags;
+  record[kNumIndices] = num_indices;
+  if (record[kBadBags] > 0) {
+    const int64_t b = INT64_MAX - record[kFirstBadBag];
+    record[kBagStart] = static_cast<int64_t>(offsets[b]);
+    record[kBagEnd] = b < num_bags ? static_cast<int64_t>(offsets[b + 1]) : 0;
+  }
+  if (record[kBadIds] > 0) {
+    const int64_t i = INT64_MAX - record[kFirstBadAt];
+    const int64_t f = feature_of(i, offsets, B_offsets, B_offsets ? 0 : num_bags / T, T);
+    record[kBadId] = static_cast<int64_t>(indices[i]);
+    record[kBadFeature] = f;
+    record[kBadFeatureRows] = rows_per_table[f];
+  }
+  if (errors) merge(record, errors);
 }
 
 __global__ void popcount_words_kernel(const unsigned long long* __restrict__ words, int64_t start, int64_t end,
@@ -120,19 +184,31 @@ int blocks_for(int64_t n) {
   return static_cast<int>(b < 1 ? 1 : (b > 65535 ? 65535 : b));
 }
 
+template <typename index_t, typename offset_t>
+void launch_mark(const index_t* indices, const offset_t* offsets, int64_t num_bags, const int64_t* B_offsets,
+                 int64_t T, const int64_t* hsc, const int64_t* rows_per_table, int64_t row_limit, ull* words,
+                 int32_t* counts, int64_t num_indices, int64_t* record, int64_t* errors, cudaStream_t stream) {
+  CNR_LAUNCH(check_lookup_kernel, blocks_for(num_bags + 1), kThreads, 0, stream)(
+      offsets, num_bags, B_offsets, T, hsc, rows_per_table, row_limit, num_indices, record);
+  if (num_bags > 0 && num_indices > 0) {
+    CNR_LAUNCH(mark_rows_kernel, blocks_for(num_indices), kThreads, 0, stream)(
+        indices, offsets, num_bags, B_offsets, T, hsc, rows_per_table, words, counts, num_indices, record);
+  }
+  CNR_LAUNCH(finish_record_kernel, 1, 1, 0, stream)(indices, offsets, num_bags, B_offsets, T, rows_per_table,
+                                                     num_indices, record, errors);
+}
+
 template <typename index_t>
 void launch_mark(const index_t* indices, const void* offsets, bool offsets_are_int64, int64_t num_bags,
                  const int64_t* B_offsets, int64_t T, const int64_t* hsc, const int64_t* rows_per_table,
-                 int64_t row_limit, unsigned long long* words, int32_t* counts, unsigned long long* invalid,
-                 int64_t num_indices, cudaStream_t stream) {
+                 int64_t row_limit, ull* words, int32_t* counts, int64_t num_indices, int64_t* record,
+                 int64_t* errors, cudaStream_t stream) {
   if (offsets_are_int64) {
-    CNR_LAUNCH(mark_rows_kernel, blocks_for(num_indices), kThreads, 0, stream)(
-        indices, static_cast<const int64_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
-        counts, invalid, num_indices);
+    launch_mark(indices, static_cast<const int64_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table,
+                row_limit, words, counts, num_indices, record, errors, stream);
   } else {
-    CNR_LAUNCH(mark_rows_kernel, blocks_for(num_indices), kThreads, 0, stream)(
-        indices, static_cast<const int32_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table, row_limit, words,
-        counts, invalid, num_indices);
+    launch_mark(indices, static_cast<const int32_t*>(offsets), num_bags, B_offsets, T, hsc, rows_per_table,
+                row_limit, words, counts, num_indices, record, errors, stream);
   }
 }
 
@@ -141,14 +217,13 @@ void launch_mark(const index_t* indices, const void* offsets, bool offsets_are_i
 void mark_rows(const void* indices, bool indices_are_int64, const void* offsets, bool offsets_are_int64,
                int64_t num_bags, const int64_t* B_offsets, int64_t num_features, const int64_t* hash_size_cumsum,
                const int64_t* rows_per_table, int64_t row_limit, unsigned long long* words, int32_t* counts,
-               unsigned long long* invalid, int64_t num_indices, cudaStream_t stream) {
-  if (num_indices == 0 || num_bags == 0) return;
+               int64_t num_indices, int64_t* record, int64_t* errors, cudaStream_t stream) {
   if (indices_are_int64) {
     launch_mark(static_cast<const int64_t*>(indices), offsets, offsets_are_int64, num_bags, B_offsets, num_features,
-                hash_size_cumsum, rows_per_table, row_limit, words, counts, invalid, num_indices, stream);
+                hash_size_cumsum, rows_per_table, row_limit, words, counts, num_indices, record, errors, stream);
   } else {
     launch_mark(static_cast<const int32_t*>(indices), offsets, offsets_are_int64, num_bags, B_offsets, num_features,
-                hash_size_cumsum, rows_per_table, row_limit, words, counts, invalid, num_indices, stream);
+                hash_size_cumsum, rows_per_table, row_limit, words, counts, num_indices, record, errors, stream);
   }
 }
 

@@ -9,16 +9,19 @@
 
 namespace cnr::cuda {
 
-// Marks every looked-up row: id i of feature f is flat row hash_size_cumsum[f] + i,
-// valid when i < rows_per_table[f] and the row is below row_limit; -1 (a pruned
-// row) is skipped. B_offsets may be null (then each feature has num_bags / T
-// bags). `invalid` points at three device int64s: the number of out-of-range
-// ids, the smallest position of one (left untouched if none), and the number of
-// bag offsets that are negative, decrease, or run past the indices.
+// Checks one lookup and marks its rows, filling `record` (int64 [lookup_record::kSize]
+// on the device, zeroed; see csrc/lookup_record.h) exactly as the CPU kernel
+// does: the TBE's row layout (feature f's table is rows [hash_size_cumsum[f],
+// + rows_per_table[f]) of the row_limit the bitmap holds), B_offsets, and the bag
+// offsets are checked first and stop the lookup; then id i of feature f marks
+// flat row hash_size_cumsum[f] + i, an id outside its table is recorded and
+// skipped, and -1 (a pruned row) is skipped. B_offsets may be null (then each
+// feature has num_bags / T bags). When `errors` is not null, the record is then
+// folded into it (lookup_record::merge). Nothing is read back on the host.
 void mark_rows(const void* indices, bool indices_are_int64, const void* offsets, bool offsets_are_int64,
                int64_t num_bags, const int64_t* B_offsets, int64_t num_features, const int64_t* hash_size_cumsum,
                const int64_t* rows_per_table, int64_t row_limit, unsigned long long* words, int32_t* counts,
-               unsigned long long* invalid, int64_t num_indices, cudaStream_t stream);
+               int64_t num_indices, int64_t* record, int64_t* errors, cudaStream_t stream);
 
 // counts[w] = popcount of word w restricted to rows [start, end), for the words
 // that range touches (first word = start / 64).
