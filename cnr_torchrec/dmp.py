@@ -33,12 +33,16 @@ class CheckNRunDMP(DistributedModelParallel):
         fuse_bounds_check: let the marking pass stand in for FBGEMM's bounds check on
             CPU (default). A mode set through ``FBGEMM_TBE_BOUNDS_CHECK_MODE``, the
             sharder's ``fused_params`` or the plan is respected either way.
+        sync_free: keep host syncs out of the training step: lookup problems are
+            raised at the next tracker query or save instead of in the forward.
+            None (default): on for TBEs on CUDA, off on CPU.
 
     Raises:
         UnsupportedShardingError: a table whose kernel is not an FBGEMM TBE, or whose
             compute kernel is not a fused one (data_parallel tables excepted).
-        RowIdOutOfRangeError, MalformedLookupError: from a training forward, for a batch
-            with an id outside its table or offsets that do not fit its ids.
+        RowIdOutOfRangeError, MalformedLookupError: from a training forward (sync-free:
+            from the next query or save), for a batch with an id outside its table or
+            offsets that do not fit its ids.
     """
 
     def __init__(
@@ -56,6 +60,7 @@ class CheckNRunDMP(DistributedModelParallel):
         count_updates: bool = False,
         baseline_view: bool = False,
         fuse_bounds_check: bool = True,
+        sync_free: bool | None = None,
     ) -> None:
         super().__init__(
             module,
@@ -69,5 +74,9 @@ class CheckNRunDMP(DistributedModelParallel):
             model_tracker_configs=model_tracker_configs,
         )
         self.dirty_tracker = DirtyRowTracker(
-            self, count_updates=count_updates, baseline_view=baseline_view, fuse_bounds_check=fuse_bounds_check
+            self,
+            count_updates=count_updates,
+            baseline_view=baseline_view,
+            fuse_bounds_check=fuse_bounds_check,
+            sync_free=sync_free,
         )

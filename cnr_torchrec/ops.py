@@ -15,6 +15,7 @@ __all__ = [
     "mark_rows",
     "lookup_record",
     "raise_lookup_errors",
+    "first_bad_id",
     "bitmap_to_rows",
     "bitmap_count",
     "bitmap_clear_",
@@ -78,6 +79,13 @@ _LOOKUP_RECORD_SIZE = 17
 def lookup_record(device: torch.device | str = "cpu") -> torch.Tensor:
     """An empty record of lookup problems for :func:`mark_rows`' ``errors``, on ``device``."""
     return torch.zeros(_LOOKUP_RECORD_SIZE, dtype=torch.int64, device=device)
+
+
+def first_bad_id(errors: torch.Tensor) -> tuple[int, int, int, int] | None:
+    """``(feature, id, table_rows, bad_ids)`` of the first id out of range in a host record, or None."""
+    # Slots kBadIds, kBadId, kBadFeature, kBadFeatureRows of csrc/lookup_record.h.
+    count, bad_id, feature, rows = (int(errors[i]) for i in (12, 14, 15, 16))
+    return (feature, bad_id, rows, count) if count else None
 
 
 def raise_lookup_errors(errors: torch.Tensor) -> None:

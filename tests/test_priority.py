@@ -85,8 +85,9 @@ def test_row_budget_is_the_ceiling_of_the_written_fraction():
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("rate", [0.002, 0.1, 0.5, 0.9])
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
-def test_sample_lookups_keeps_each_id_in_its_bag_in_order(rate, dtype):
-    from cnr_torchrec.track.tracker import _sample_lookups
+@pytest.mark.parametrize("sync_free", [False, True])
+def test_sample_lookups_keeps_each_id_in_its_bag_in_order(rate, dtype, sync_free):
+    from cnr_torchrec.track._sampling import sample_lookup
 
     gen = torch.Generator().manual_seed(3)
     bag_sizes = torch.randint(0, 9, (300,), generator=gen)
@@ -95,23 +96,25 @@ def test_sample_lookups_keeps_each_id_in_its_bag_in_order(rate, dtype):
     offsets[1:] = torch.cumsum(bag_sizes, 0)
     n = int(offsets[-1])
     indices = torch.randperm(n + 7, generator=gen)[: n + 7].to(dtype)  # unique ids, and 7 past the last offset
+    position = {int(v): i for i, v in enumerate(indices.tolist())}
     kept_total = looked_up = 0
     for trial in range(40):
         sampler = torch.Generator().manual_seed(trial)
-        kept, kept_offsets = _sample_lookups(indices, offsets, rate, sampler)
+        kept, kept_offsets = sample_lookup(indices, offsets, rate, sampler, sync_free=sync_free)
         assert kept.dtype == dtype
-        position = {int(v): i for i, v in enumerate(indices.tolist())}
         assert int(kept_offsets[0]) == 0 and bool((kept_offsets[1:] >= kept_offsets[:-1]).all())
         for b in range(300):
-            got = [position[int(v)] for v in kept[int(kept_offsets[b]) : int(kept_offsets[b + 1])].tolist()]
+            bag = kept[int(kept_offsets[b]) : int(kept_offsets[b + 1])].tolist()
+            # Sync-free, the ids left out are -1 (skipped by mark_rows) and the offsets unchanged.
+            got = [position[v] for v in bag if not (sync_free and v == -1)]
             # Each kept id comes from its own bag, in the bag's order, at most once.
             assert got == sorted(set(got)), b
             assert all(int(offsets[b]) <= p < int(offsets[b + 1]) for p in got), b
-        kept_total += int(kept_offsets[-1])
+            kept_total += len(got)
         looked_up += n
     sd = math.sqrt(looked_up * rate * (1 - rate))
     assert abs(kept_total - looked_up * rate) <= 6 * sd + 1, (kept_total, looked_up * rate)
-    empty, empty_offsets = _sample_lookups(indices[:0], torch.zeros(4, dtype=dtype), rate, gen)
+    empty, empty_offsets = sample_lookup(indices[:0], torch.zeros(4, dtype=dtype), rate, gen, sync_free=sync_free)
     assert empty.numel() == 0 and empty_offsets.tolist() == [0, 0, 0, 0]
 
 

@@ -330,3 +330,12 @@ def test_recorded_errors_keep_the_first_lookup_and_count_all():
         ops.raise_lookup_errors(errors)
     with pytest.raises(RuntimeError, match="errors must be a contiguous int64 tensor of 17"):
         ops.mark_rows(torch.tensor([1]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15), errors=torch.zeros(16).long())
+
+
+def test_first_bad_id_reads_the_record():
+    tbe = _tbe([5, 10], [0, 1, 0])
+    errors = ops.lookup_record()
+    ops.mark_rows(torch.tensor([0, 7, 1, 9]), torch.tensor([0, 1, 2, 4]), tbe.hash_size_cumsum, tbe.rows_per_table,
+                  _bitmap(15), errors=errors)
+    assert ops.first_bad_id(errors) == (2, 9, 5, 1)
+    assert ops.first_bad_id(ops.lookup_record()) is None

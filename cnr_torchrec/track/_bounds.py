@@ -26,16 +26,22 @@ NO_CHECK = BoundsCheckMode.NONE.value
 _CONFIGURED = "_cnr_configured_bounds_check_mode"
 
 
-def why_not_taken_over(info: TrackedKernel, plan_modes: dict[str, object], enabled: bool) -> str | None:
+def why_not_taken_over(
+    info: TrackedKernel, plan_modes: dict[str, object], enabled: bool, sync_free: bool
+) -> str | None:
     """Why FBGEMM keeps checking this TBE's lookups, or None when the marking pass may take over.
 
     Args:
         info: the TBE and its shards.
         plan_modes: ``ParameterSharding.bounds_check_mode`` of each table (None: unset).
         enabled: the tracker's ``fuse_bounds_check`` option.
+        sync_free: whether the TBE's lookups are tracked sync-free, so that their
+            problems are raised only after they have run.
     """
     if not enabled:
         return "fuse_bounds_check=False"
+    if sync_free:
+        return "sync-free tracking raises a lookup's problems after the lookup has run"
     if info.tbe.hash_size_cumsum.device.type != "cpu":
         return "the TBE is not on CPU (FBGEMM's GPU check is cheap and stays on)"
     if not isinstance(getattr(info.tbe, "bounds_check_mode_int", None), int):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
-import math
 from collections.abc import Mapping
 
 import torch
@@ -21,6 +21,7 @@ from cnr_torchrec.errors import (
 from cnr_torchrec.track._bounds import NO_CHECK, restore_configured_mode, takeover_mode, why_not_taken_over
 from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
 from cnr_torchrec.track._inflight import InFlight, Lookup
+from cnr_torchrec.track._sampling import sample_lookup
 
 __all__ = ["DirtyRowTracker"]
 
@@ -32,8 +33,17 @@ _COUNT_MODES = ("mfu", "ssu")
 class _KernelState:
     """Bitmaps (and optional counters) of one TBE, in its flat row space."""
 
-    def __init__(self, info: TrackedKernel, device: torch.device, count_updates: bool) -> None:
+    # Variable-batch layouts whose B_offsets are kept on the device; a job has few.
+    _MAX_BATCH_LAYOUTS = 64
+
+    def __init__(self, info: TrackedKernel, device: torch.device, count_updates: bool, sync_free: bool) -> None:
         self.info = info
+        self.sync_free = sync_free
+        # Problems of this TBE's lookups (cnr::mark_rows' record). Sync-free, they stay
+        # here until a query raises them; otherwise the hook raises them at once.
+        self.errors = ops.lookup_record(device)
+        # A record for the SSU pass, whose ids the first pass has already checked.
+        self.sample_errors = ops.lookup_record(device) if sync_free else None
         words = ops.bitmap_words(info.num_rows)
         self.bitmap = torch.zeros(words, dtype=torch.int64, device=device)
         self.baseline: torch.Tensor | None = None
@@ -54,53 +64,22 @@ class _KernelState:
         # The TBE's per-feature row layout, read once: the hook runs on every lookup.
         self.hash_size_cumsum = info.tbe.hash_size_cumsum
         self.rows_per_table = getattr(info.tbe, "rows_per_table", None)
+        self._batch_offsets: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def mark(self, lookup: Lookup, counts: torch.Tensor | None = None) -> None:
-        """Marks the rows of ``lookup`` with the TBE's own row layout."""
+    def mark(self, lookup: Lookup, counts: torch.Tensor | None = None, errors: torch.Tensor | None = None) -> None:
+        """Marks the rows of ``lookup`` with the TBE's own row layout, recording its problems in ``errors``."""
         ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, self.rows_per_table, self.bitmap, counts,
-                      lookup.B_offsets)
+                      lookup.B_offsets, self.errors if errors is None else errors)
 
-
-def _sample_positions(n: int, rate: float, generator: torch.Generator, device: torch.device) -> torch.Tensor:
-    """Sorted positions kept by independent Bernoulli(``rate``) trials over positions ``0..n-1``.
-
-    Drawn as the geometric gaps between kept positions, ``floor(log(1 - U) / log(1 - rate)) + 1``
-    for uniform ``U``: about ``n * rate`` draws instead of ``n``. Gaps are memoryless, so a
-    chunk that falls short is continued from its last position. The result may run past
-    ``n - 1``; callers ignore those positions.
-    """
-    expected = n * rate
-    chunk = int(expected + 8.0 * expected**0.5 + 16)
-    scale = 1.0 / math.log1p(-rate)
-    parts, last = [], -1
-    while last < n - 1:
-        u = torch.rand(chunk, generator=generator, device=device)
-        # The float is >= 0, so truncation is floor; the clamp only guards absurdly small rates.
-        gaps = u.neg_().log1p_().mul_(scale).clamp_(max=2.0**62).to(torch.int64).add_(1)
-        pos = torch.cumsum(gaps, 0).add_(last)
-        parts.append(pos)
-        last = int(pos[-1])
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _sample_lookups(
-    indices: torch.Tensor, offsets: torch.Tensor, rate: float, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Bernoulli(``rate``) sample of a lookup's ids, as ``(indices, offsets)`` over the same bags.
-
-    Kept ids keep their order, and each bag's offset becomes the number of ids kept
-    before it: a cumsum of the kept mask. Positions past the last offset are never read.
-    """
-    n = indices.numel()
-    if n == 0:
-        return indices, torch.zeros_like(offsets)
-    pos = _sample_positions(n, rate, generator, indices.device).clamp_(max=n)
-    kept = indices.index_select(0, pos.clamp(max=n - 1))
-    mask = torch.zeros(n + 1, dtype=torch.bool, device=indices.device)
-    mask[pos] = True  # slot n collects every position past the ids, and is never counted
-    before = torch.zeros(n + 1, dtype=torch.int64, device=indices.device)
-    torch.cumsum(mask[:n], 0, out=before[1:])
-    return kept, before[offsets.long()]
+    def batch_offsets(self, bags_per_feature: tuple[int, ...]) -> torch.Tensor:
+        """B_offsets of a variable-batch lookup, on the bitmap's device, made once per batch layout."""
+        cached = self._batch_offsets.get(bags_per_feature)
+        if cached is None:
+            if len(self._batch_offsets) >= self._MAX_BATCH_LAYOUTS:
+                self._batch_offsets.clear()
+            host = torch.tensor([0, *itertools.accumulate(bags_per_feature)], dtype=torch.int64)
+            cached = self._batch_offsets[bags_per_feature] = host.to(self.bitmap.device)
+        return cached
 
 
 class DirtyRowTracker:
@@ -117,14 +96,22 @@ class DirtyRowTracker:
 
     That pass reads every id and bag offset the lookup will read, and rejects any id
     outside its table (RowIdOutOfRangeError) and any offsets that are negative,
-    decrease or run past the ids (MalformedLookupError) before the lookup runs. It is
-    therefore a complete bounds check, so on CPU the TBE's own pass
+    decrease or run past the ids (MalformedLookupError). On CPU it raises before the
+    lookup runs. It is therefore a complete bounds check, so on CPU the TBE's own pass
     (``bounds_check_indices``, which costs about three times as much) is skipped for
     the lookups the tracker marks, unless the user chose a mode or passed
     ``fuse_bounds_check=False`` (see ``_bounds.py``): the hook sets
     ``bounds_check_mode_int`` to NONE for those calls and restores the configured mode
     for the others (eval, no-grad) and on :meth:`remove`. In training this is stricter
     than FBGEMM's default WARNING mode, which would replace a bad id by row 0 and go on.
+
+    Sync-free tracking (the default for TBEs on CUDA) never makes the host wait in a
+    training step: the pass records its problems on the device, and the next query
+    (:meth:`dirty_rows`, :meth:`dirty_counts`, ..., or :meth:`check_lookups`) raises
+    the first of them, with the same errors; FBGEMM keeps its own bounds check then,
+    since a recorded problem cannot stop the lookup it was found in. SSU draws its
+    sample as a mask on the device. Device copies of variable-batch offsets are
+    cached per batch layout.
 
     Two views are kept:
 
@@ -147,6 +134,8 @@ class DirtyRowTracker:
         baseline_view: allocate the "since baseline" view from the start.
         fuse_bounds_check: let the marking pass stand in for FBGEMM's bounds check on CPU
             where the user left FBGEMM's mode at its default.
+        sync_free: keep host syncs out of the training step (see above); None (the
+            default) turns it on for TBEs on CUDA and off for TBEs on CPU.
 
     Raises:
         UnsupportedShardingError: a table is not on an FBGEMM TBE with a fused optimizer,
@@ -160,6 +149,7 @@ class DirtyRowTracker:
         count_updates: bool = False,
         baseline_view: bool = False,
         fuse_bounds_check: bool = True,
+        sync_free: bool | None = None,
     ) -> None:
         self._plan_tables = plan_table_shapes(dmp)
         self._kernels: list[_KernelState] = []
@@ -170,7 +160,8 @@ class DirtyRowTracker:
         plan_modes = {t: e["bounds_check_mode"] for t, e in self._plan_tables.items()}
         for info in find_kernels(dmp):
             # Bitmaps live where the TBE keeps its row offsets, so the hook never copies.
-            state = _KernelState(info, info.tbe.hash_size_cumsum.device, count_updates)
+            device = info.tbe.hash_size_cumsum.device
+            state = _KernelState(info, device, count_updates, device.type == "cuda" if sync_free is None else sync_free)
             if baseline_view:
                 state.baseline = torch.zeros_like(state.bitmap)
             self._kernels.append(state)
@@ -180,7 +171,7 @@ class DirtyRowTracker:
                 self._dims[shard.table] = int(cfg.embedding_dim)
             if info.data_parallel:
                 continue
-            reason = why_not_taken_over(info, plan_modes, fuse_bounds_check)
+            reason = why_not_taken_over(info, plan_modes, fuse_bounds_check, state.sync_free)
             if reason is None:
                 state.fbgemm_bounds_check = takeover_mode(info)
             else:
@@ -210,23 +201,18 @@ class DirtyRowTracker:
             # Read at call time: counters may be enabled after the hook was registered.
             counts, rate = state.counts, state.sample_rate
             sampled = counts is not None and rate is not None and rate < 1.0  # rate 1: count all, in one pass
-            try:
-                state.mark(lookup, None if sampled else counts)
-            except IndexError as e:
-                raise self._out_of_range(state, lookup) from e
-            except ValueError as e:
-                raise MalformedLookupError(
-                    f"a lookup of {self._tables_of(state)} has a bad bag layout: {e}; offsets must start at 0 or "
-                    "more, never decrease, and end within the ids"
-                ) from e
+            state.mark(lookup, None if sampled else counts)
+            if not state.sync_free:
+                self._raise_recorded(state, clear=True)  # before the lookup runs
             if fbgemm_mode is not None:
                 # Every id and offset the lookup reads passed the checks above.
                 module.bounds_check_mode_int = NO_CHECK
             if sampled:
                 # The sample's rows are already set in the bitmap, so this pass only bumps counters
-                # (re-setting a set bit changes nothing); its ids passed the range check above.
-                kept, kept_offsets = _sample_lookups(lookup.indices, lookup.offsets, rate, state.generator)
-                state.mark(Lookup(kept, kept_offsets, lookup.B_offsets), counts)
+                # (re-setting a set bit changes nothing); its ids went through the checks above.
+                kept, kept_offsets = sample_lookup(lookup.indices, lookup.offsets, rate, state.generator,
+                                                   sync_free=state.sync_free)
+                state.mark(Lookup(kept, kept_offsets, lookup.B_offsets), counts, state.sample_errors)
             state.marked = lookup
 
         return hook
@@ -251,36 +237,56 @@ class DirtyRowTracker:
                 f"{indices.numel()} ids; give one weight per id"
             )
         vbe = kwargs.get("batch_size_per_feature_per_rank")
-        b_offsets = None
-        if vbe is not None:
-            per_feature = [sum(b) for b in vbe]
-            b_offsets = torch.tensor([0] + per_feature, dtype=torch.int64).cumsum(0).to(state.bitmap.device)
+        b_offsets = None if vbe is None else state.batch_offsets(tuple(sum(b) for b in vbe))
         return Lookup(indices, offsets, b_offsets)
 
     @staticmethod
     def _tables_of(state: _KernelState) -> str:
         return ", ".join(f"'{t}'" for t in dict.fromkeys(state.feature_tables))
 
-    def _out_of_range(self, state: _KernelState, lookup: Lookup) -> RowIdOutOfRangeError:
-        # Error path only: locate the offending feature.
-        rows = state.rows_per_table.cpu().long()
-        T = rows.numel()
-        offsets = lookup.offsets.cpu().long()
-        b_offsets = lookup.B_offsets
-        if b_offsets is None:
-            b_offsets = torch.arange(T + 1) * ((offsets.numel() - 1) // T)
-        starts = offsets[b_offsets.cpu()]
-        for f in range(T):
-            ids = lookup.indices[int(starts[f]) : int(starts[f + 1])].cpu().long()
-            size = int(rows[f])
-            bad = ids[((ids < 0) & (ids != -1)) | (ids >= size)]
-            if bad.numel():
-                return RowIdOutOfRangeError(
-                    f"table '{state.feature_tables[f]}' was looked up with id {int(bad[0])}, outside the "
-                    f"{size} rows this shard holds ({bad.numel()} bad ids in the batch); check that the input "
-                    "ids are below the table's num_embeddings"
-                )
-        return RowIdOutOfRangeError("a looked-up id is outside its table; check the input ids")
+    def _raise_recorded(self, state: _KernelState, *, clear: bool) -> None:
+        """Raises the first problem recorded for ``state``'s lookups, as a tracker error."""
+        try:
+            ops.raise_lookup_errors(state.errors)  # on CUDA, a read on the host
+        except (IndexError, ValueError, RuntimeError) as e:
+            record = state.errors.to("cpu", copy=True)
+            if clear:
+                state.errors.zero_()
+            raise self._lookup_error(state, record, e) from e
+
+    def _lookup_error(self, state: _KernelState, record: torch.Tensor, error: Exception) -> Exception:
+        bad = ops.first_bad_id(record) if isinstance(error, IndexError) else None
+        if bad is not None:
+            feature, bad_id, rows, count = bad
+            since = " since tracking began" if state.sync_free else " in the batch"
+            return RowIdOutOfRangeError(
+                f"table '{state.feature_tables[feature]}' was looked up with id {bad_id}, outside the {rows} rows "
+                f"this shard holds ({count} bad ids{since}); check that the input ids are below the table's "
+                "num_embeddings"
+            )
+        return MalformedLookupError(
+            f"a lookup of {self._tables_of(state)} has a bad bag layout: {error}; offsets must start at 0 or "
+            "more, never decrease, and end within the ids"
+        )
+
+    def check_lookups(self, table: str | None = None) -> None:
+        """Raises the first bad lookup that sync-free tracking recorded (see the class docs).
+
+        Every query calls it, so a bad id or bag layout surfaces at the next save at the
+        latest. A problem stays recorded: the lookup it was found in has run, so the rows
+        tracked since can no longer be vouched for. On CUDA this reads on the host.
+
+        Args:
+            table: check only the TBEs that hold ``table`` (default: every TBE).
+
+        Raises:
+            RowIdOutOfRangeError: a lookup had an id outside its table.
+            MalformedLookupError: a lookup had a bad bag layout.
+        """
+        states = self._kernels if table is None else dict.fromkeys(k for k, _ in self._shards[table])
+        for state in states:
+            if state.sync_free:
+                self._raise_recorded(state, clear=False)
 
     # ------------------------------------------------------------------ queries
 
@@ -326,6 +332,7 @@ class DirtyRowTracker:
     ) -> list[tuple[TrackedKernel, ShardSlice, torch.Tensor]]:
         """Per shard of ``table`` on this rank: the dirty rows as offsets into the shard (int64, CPU)."""
         self._entry(table)
+        self.check_lookups(table)
         return [
             (state.info, s, self._shard_rows(state, s, since_baseline) - s.rows[0]) for state, s in self._shards[table]
         ]
@@ -344,8 +351,11 @@ class DirtyRowTracker:
 
         Raises:
             UnknownTableError: no such table.
+            RowIdOutOfRangeError, MalformedLookupError: a bad lookup recorded by
+                sync-free tracking (see :meth:`check_lookups`).
         """
         self._entry(table)
+        self.check_lookups(table)
         parts = [self._shard_rows(state, s, since_baseline) for state, s in self._shards[table]]
         if not parts:
             return torch.empty(0, dtype=torch.int64)
@@ -355,6 +365,7 @@ class DirtyRowTracker:
 
     def dirty_counts(self, *, since_baseline: bool = False) -> dict[str, int]:
         """Number of dirty rows of each table on this rank (column shards of a table counted once)."""
+        self.check_lookups()
         return {t: self._count(t, since_baseline) for t in self._plan_tables}
 
     def update_counts(self, table: str) -> tuple[torch.Tensor, torch.Tensor]:
