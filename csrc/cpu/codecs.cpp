@@ -107,15 +107,9 @@ CNR_INLINE void quantize_row(const float* x, int64_t dim, float lo, float step, 
 }
 
 at::Tensor pack_bits_cpu(const at::Tensor& codes, int64_t bits) {
-  check_bits(bits, "pack_bits");
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte,
-                    "cnr::pack_bits: codes must be a 2-D uint8 tensor");
-  const auto c = codes.contiguous();
+  const auto c = checked_codes(codes, bits);
   const int64_t n = c.size(0), dim = c.size(1), nb = packed_bytes(dim, bits);
-  if (c.numel() > 0) {
-    TORCH_CHECK_VALUE(c.max().item<uint8_t>() < (1 << bits), "cnr::pack_bits: codes must be below 2**bits = ",
-                      1 << bits);
-  }
+  if (c.numel() > 0) check_largest_code(c.max().item<uint8_t>(), bits);
   auto out = at::empty({n, nb}, c.options());
   const uint8_t* src = c.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -126,13 +120,8 @@ at::Tensor pack_bits_cpu(const at::Tensor& codes, int64_t bits) {
 }
 
 at::Tensor unpack_bits_cpu(const at::Tensor& packed, int64_t bits, int64_t dim) {
-  check_bits(bits, "unpack_bits");
-  TORCH_CHECK_VALUE(packed.dim() == 2 && packed.scalar_type() == at::kByte,
-                    "cnr::unpack_bits: packed must be a 2-D uint8 tensor");
-  const int64_t n = packed.size(0), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(dim >= 0 && packed.size(1) == nb, "cnr::unpack_bits: ", dim, " codes of ", bits,
-                    " bits need rows of ", nb, " bytes, got ", packed.size(1));
-  const auto p = packed.contiguous();
+  const auto p = checked_payload(packed, bits, dim, "unpack_bits", "packed");
+  const int64_t n = p.size(0), nb = packed_bytes(dim, bits);
   auto out = at::empty({n, dim}, p.options());
   const uint8_t* src = p.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
@@ -179,8 +168,7 @@ CNR_LANE_VARIANTS(cast_rows_range, (const CastArgs& a, int64_t r0, int64_t r1), 
 
 std::tuple<at::Tensor, at::Tensor> cast_rows_cpu(const at::Tensor& rows, at::ScalarType dtype) {
   const auto x = checked_rows(rows, "cast_rows");
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                    "cnr::cast_rows: dtype must be float32, float16 or bfloat16, got ", dtype);
+  check_cast_dtype(dtype);
   const int64_t n = x.size(0), dim = x.size(1), width = static_cast<int64_t>(c10::elementSize(dtype));
   auto payload = at::empty({n, dim * width}, x.options().dtype(at::kByte));
   auto status = at::empty({n}, x.options().dtype(at::kByte));
@@ -251,16 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cpu(
   check_param_dtype(scale_dtype, "scale_dtype", "quantize_uniform");
   check_param_dtype(bias_dtype, "bias_dtype", "quantize_uniform");
   const int64_t n = x.size(0), dim = x.size(1), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
-                    "cnr::quantize_uniform: pass both grid_bias and grid_scale, or neither");
-  at::Tensor gb, gs;
-  if (grid_bias) {
-    TORCH_CHECK_VALUE(!symmetric, "cnr::quantize_uniform: a grid applies to asymmetric quantization only");
-    gb = grid_bias->to(at::kFloat).contiguous();
-    gs = grid_scale->to(at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(gb.dim() == 1 && gb.size(0) == n && gs.dim() == 1 && gs.size(0) == n,
-                      "cnr::quantize_uniform: grid_bias and grid_scale need one entry per row (", n, ")");
-  }
+  const auto [gb, gs] = checked_grid(grid_bias, grid_scale, x, symmetric, "quantize_uniform");
   auto payload = at::empty({n, nb}, x.options().dtype(at::kByte));
   auto scale = at::empty({n}, x.options().dtype(scale_dtype));
   auto bias = at::empty({symmetric ? 0 : n}, x.options().dtype(bias_dtype));

@@ -1,5 +1,5 @@
 // Helpers shared by the CPU row-codec kernels (codecs.cpp, codecs_search.cpp,
-// codecs_kmeans.cpp): argument checks, rounding of per-row parameters to their
+// codecs_kmeans.cpp): rounding of per-row parameters to their
 // storage dtype, bit packing, lane vector types, and the per-ISA variants of
 // the kernels (SSE4.2 / AVX2 / AVX-512, picked at run time).
 //
@@ -19,33 +19,13 @@
 #include <cstring>
 #include <limits>
 
+#include "../codecs_checks.h"
+
 namespace cnr::codecs {
 
 // Per-row status bits written by the encoders.
 constexpr uint8_t kNonFinite = 1;  // the row holds a NaN or an Inf
 constexpr uint8_t kOverflow = 2;   // a parameter (or value) does not fit its storage dtype
-
-inline bool valid_bits(int64_t bits) { return bits == 2 || bits == 3 || bits == 4 || bits == 8; }
-
-inline void check_bits(int64_t bits, const char* op) {
-  TORCH_CHECK_VALUE(valid_bits(bits), "cnr::", op, ": bits must be 2, 3, 4 or 8, got ", bits);
-}
-
-// Bytes of one packed row: the codes form an LSB-first bit stream padded to a byte.
-inline int64_t packed_bytes(int64_t dim, int64_t bits) { return (dim * bits + 7) / 8; }
-
-inline at::Tensor checked_rows(const at::Tensor& rows, const char* op) {
-  TORCH_CHECK_VALUE(rows.dim() == 2, "cnr::", op, ": rows must be 2-D [N, D], got ", rows.dim(), "-D");
-  TORCH_CHECK_VALUE(rows.scalar_type() == at::kFloat, "cnr::", op, ": rows must be float32, got ",
-                    rows.scalar_type());
-  TORCH_CHECK_VALUE(rows.size(1) > 0, "cnr::", op, ": rows must have at least one column");
-  return rows.contiguous();
-}
-
-inline void check_param_dtype(at::ScalarType dtype, const char* what, const char* op) {
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf, "cnr::", op, ": ", what,
-                    " must be float32 or float16, got ", dtype);
-}
 
 // Rows per parallel task: about 16 KiB of input each, so small tables stay serial.
 inline int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(dim, 1)); }

@@ -19,12 +19,6 @@
 namespace cnr::codecs {
 namespace {
 
-void check_params(const at::Tensor& t, int64_t n, const char* what, const char* op) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
-                    "cnr::", op, ": ", what, " must be a float32 or float16 vector with one entry per row (", n,
-                    "), got ", t.scalar_type(), " ", t.sizes());
-}
-
 struct DequantArgs {
   const uint8_t* payload;
   int64_t dim, bits, nb;
@@ -253,16 +247,11 @@ struct UniformInputs {
 
 UniformInputs uniform_inputs(const at::Tensor& payload, const at::Tensor& scale, const std::optional<at::Tensor>& bias,
                              int64_t bits, int64_t dim, const char* op) {
-  check_bits(bits, op);
-  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte, "cnr::", op,
-                    ": payload must be a 2-D uint8 tensor");
-  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::", op, ": ", dim, " codes of ", bits, " bits need rows of ", nb,
-                    " bytes, got ", payload.size(1));
-  check_params(scale, n, "scale", op);
-  if (bias) check_params(*bias, n, "bias", op);
-  return UniformInputs{payload.contiguous(), scale.contiguous(), bias ? bias->contiguous() : at::Tensor(), n, dim, bits,
-                       nb};
+  const auto p = checked_payload(payload, bits, dim, op);
+  const int64_t n = p.size(0);
+  return UniformInputs{p, checked_params(scale, n, p, "scale", op),
+                       bias ? checked_params(*bias, n, p, "bias", op) : at::Tensor(), n, dim, bits,
+                       packed_bytes(dim, bits)};
 }
 
 at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& scale,
@@ -281,22 +270,15 @@ void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& sc
                                  const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
                                  const at::Tensor& out) {
   check_bits(bits, "dequantize_uniform_into_");
-  TORCH_CHECK_VALUE(out.dim() == 2 && out.scalar_type() == at::kFloat && (out.size(1) <= 1 || out.stride(1) == 1),
-                    "cnr::dequantize_uniform_into_: out must be a 2-D float32 tensor with contiguous columns, got ",
-                    out.scalar_type(), " ", out.sizes(), " strides ", out.strides());
+  check_into_out(out);
   const int64_t dim = out.size(1);
   const auto in = uniform_inputs(payload, scale, bias, bits, dim, "dequantize_uniform_into_");
   const int64_t n = in.n;
-  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.numel() == n,
-                    "cnr::dequantize_uniform_into_: rows must be 1-D int64 with one entry per payload row (", n,
-                    "), got ", rows.scalar_type(), " ", rows.sizes());
+  check_into_rows(rows, n);
   const auto idx = rows.contiguous();
   const int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t out_rows = out.size(0);
-  for (int64_t r = 0; r < n; ++r) {  // check everything before writing anything
-    TORCH_CHECK_INDEX(ip[r] < out_rows, "cnr::dequantize_uniform_into_: rows[", r, "] = ", ip[r],
-                      " is outside out's ", out_rows, " rows");
-  }
+  check_destinations(ip, n, out_rows, "dequantize_uniform_into_", "row");
   if (n == 0 || dim == 0) return;
   DequantArgs a = in.args(out.data_ptr<float>());
   a.rows = ip;
@@ -342,19 +324,9 @@ CNR_LANE_VARIANTS(dequantize_codebook_rows, (const CodebookArgs& a, int64_t r0, 
 
 at::Tensor dequantize_codebook_cpu(const at::Tensor& payload, const at::Tensor& bias, const at::Tensor& codebook,
                                    int64_t bits, int64_t dim) {
-  check_bits(bits, "dequantize_codebook");
-  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte,
-                    "cnr::dequantize_codebook: payload must be a 2-D uint8 tensor");
-  const int64_t n = payload.size(0), nb = packed_bytes(dim, bits);
-  TORCH_CHECK_VALUE(payload.size(1) == nb, "cnr::dequantize_codebook: ", dim, " codes of ", bits,
-                    " bits need rows of ", nb, " bytes, got ", payload.size(1));
-  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == at::kFloat,
-                    "cnr::dequantize_codebook: bias must be float32 with one entry per row (", n, ")");
-  TORCH_CHECK_VALUE(codebook.dim() == 2 && codebook.size(0) == n && codebook.size(1) < (1 << bits) &&
-                        (codebook.scalar_type() == at::kFloat || codebook.scalar_type() == at::kHalf),
-                    "cnr::dequantize_codebook: codebook must be float32/float16 [N, K - 1] with K <= 2**bits, got ",
-                    codebook.scalar_type(), " ", codebook.sizes());
-  const auto p = payload.contiguous();
+  const auto p = checked_payload(payload, bits, dim, "dequantize_codebook");
+  check_codebook(p, bias, codebook, bits);
+  const int64_t n = p.size(0), nb = packed_bytes(dim, bits);
   const auto b = bias.contiguous();
   const auto cb = codebook.contiguous();
   auto out = at::empty({n, dim}, payload.options().dtype(at::kFloat));
@@ -363,9 +335,7 @@ at::Tensor dequantize_codebook_cpu(const at::Tensor& payload, const at::Tensor& 
                        cb.scalar_type(),      cb.size(1), out.data_ptr<float>(), &bad_code};
   at::parallel_for(0, n, row_grain(dim),
                    [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_codebook_rows, (a, r0, r1)); });
-  const int64_t k1 = a.k1;
-  TORCH_CHECK_VALUE(!bad_code, "cnr::dequantize_codebook: the payload holds codes beyond the ", k1 + 1,
-                    "-entry codebook; the encoded rows are corrupt");
+  check_codes_in_codebook(bad_code, a.k1);
   return out;
 }
 

@@ -157,18 +157,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmeans_quantize_cpu(
     const at::Tensor& rows, int64_t bits, int64_t iters, at::ScalarType codebook_dtype,
     const std::optional<at::Tensor>& grid_bias, const std::optional<at::Tensor>& grid_scale) {
   const auto x = checked_rows(rows, "kmeans_quantize");
-  check_bits(bits, "kmeans_quantize");
-  check_param_dtype(codebook_dtype, "codebook_dtype", "kmeans_quantize");
-  TORCH_CHECK_VALUE(iters >= 0, "cnr::kmeans_quantize: iters must be >= 0, got ", iters);
-  TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
-                    "cnr::kmeans_quantize: pass both grid_bias and grid_scale, or neither");
-  at::Tensor gb, gs;
-  if (grid_bias) {
-    gb = grid_bias->to(at::kFloat).contiguous();
-    gs = grid_scale->to(at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(gb.dim() == 1 && gb.size(0) == x.size(0) && gs.dim() == 1 && gs.size(0) == x.size(0),
-                      "cnr::kmeans_quantize: grid_bias and grid_scale need one entry per row (", x.size(0), ")");
-  }
+  check_kmeans(bits, iters, codebook_dtype);
+  const auto [gb, gs] = checked_grid(grid_bias, grid_scale, x, /*symmetric=*/false, "kmeans_quantize");
   KMeansArgs a{};
   a.grid_bias = grid_bias ? gb.data_ptr<float>() : nullptr;
   a.grid_scale = grid_bias ? gs.data_ptr<float>() : nullptr;

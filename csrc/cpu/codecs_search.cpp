@@ -270,10 +270,7 @@ std::tuple<at::Tensor, at::Tensor> run_search(const at::Tensor& rows, const char
 }
 
 SearchArgs adaptive_args(int64_t bits, int64_t num_bins, double ratio, int64_t refit_iters, const char* op) {
-  check_bits(bits, op);
-  TORCH_CHECK_VALUE(num_bins >= 1, "cnr::", op, ": num_bins must be >= 1, got ", num_bins);
-  TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "cnr::", op, ": ratio must be in (0, 1], got ", ratio);
-  TORCH_CHECK_VALUE(refit_iters >= 0, "cnr::", op, ": refit_iters must be >= 0, got ", refit_iters);
+  check_search(bits, num_bins, ratio, refit_iters, op);
   SearchArgs args{};
   args.qmax = (1 << bits) - 1;
   args.num_bins = num_bins;

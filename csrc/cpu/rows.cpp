@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include "../codecs_checks.h"
+
 namespace cnr {
 namespace {
 
@@ -34,29 +36,12 @@ void copy_rows(char* out, const char* src, const int64_t* index, int64_t out_str
 }
 
 void scatter_rows_cpu(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src) {
-  TORCH_CHECK_VALUE(out.dim() == 2 && src.dim() == 2, "cnr::scatter_rows_: out and src must be 2-D, got ",
-                    out.sizes(), " and ", src.sizes());
-  TORCH_CHECK_VALUE(out.scalar_type() == src.scalar_type(), "cnr::scatter_rows_: out is ", out.scalar_type(),
-                    " but src is ", src.scalar_type(), "; cast src first");
-  TORCH_CHECK_VALUE(out.size(1) == src.size(1), "cnr::scatter_rows_: out rows have ", out.size(1),
-                    " columns, src rows ", src.size(1));
-  TORCH_CHECK_VALUE(index.dim() == 1 && index.scalar_type() == at::kLong && index.numel() == src.size(0),
-                    "cnr::scatter_rows_: index must be 1-D int64 with one entry per src row, got ",
-                    index.scalar_type(), " ", index.sizes(), " for ", src.size(0), " rows");
-  TORCH_CHECK_VALUE(out.size(1) <= 1 || out.stride(1) == 1,
-                    "cnr::scatter_rows_: out's columns must be contiguous (a row or column slice of a "
-                    "contiguous tensor is fine), got strides ", out.strides());
+  codecs::check_scatter(out, index, src);
   const auto idx = index.contiguous();
   const auto s = src.contiguous();
-  const int64_t n = idx.numel(), rows = out.size(0);
+  const int64_t n = idx.numel();
   const int64_t* ip = idx.data_ptr<int64_t>();
-  int64_t top = -1;  // check everything before writing anything (negative: skipped); a max vectorizes
-  for (int64_t i = 0; i < n; ++i) top = std::max(top, ip[i]);
-  if (top >= rows) {
-    const int64_t i = std::find_if(ip, ip + n, [&](int64_t v) { return v >= rows; }) - ip;
-    TORCH_CHECK_INDEX(false, "cnr::scatter_rows_: index ", ip[i], " at position ", i, " is outside out's ", rows,
-                      " rows");
-  }
+  codecs::check_destinations(ip, n, out.size(0), "scatter_rows_", "index");  // before anything is written
   if (n == 0 || out.size(1) == 0) return;
   const int64_t item = out.element_size();
   const int64_t row_bytes = out.size(1) * item, out_stride = out.stride(0) * item;

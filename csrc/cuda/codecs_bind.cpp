@@ -1,6 +1,7 @@
-// Binds the CUDA row-codec launchers (codecs.cu) to the `cnr` ops. Compiled only
-// when torch is a CUDA build (setup.py adds csrc/cuda/*_bind.cpp then). The
-// argument checks mirror the CPU kernels'; exhaustive_search stays CPU-only.
+// Binds the CUDA row-codec launchers (codecs.cu) to the `cnr` ops, with the
+// argument checks of codecs_checks.h that the CPU kernels use. Compiled in CUDA
+// builds of torch and in the emulated build (see device.h). exhaustive_search,
+// a measurement tool, stays CPU-only.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -8,58 +9,18 @@
 
 #include <cmath>
 
+#include "../codecs_checks.h"
 #include "codecs.cuh"
 
 namespace cnr {
 namespace {
 
-int64_t packed_bytes(int64_t dim, int64_t bits) { return (dim * bits + 7) / 8; }
-
-void check_bits(int64_t bits, const char* op) {
-  TORCH_CHECK_VALUE(bits == 2 || bits == 3 || bits == 4 || bits == 8, "cnr::", op, ": bits must be 2, 3, 4 or 8, got ",
-                    bits);
-}
-
-at::Tensor checked_rows(const at::Tensor& rows, const char* op) {
-  TORCH_CHECK_VALUE(rows.dim() == 2, "cnr::", op, ": rows must be 2-D [N, D], got ", rows.dim(), "-D");
-  TORCH_CHECK_VALUE(rows.scalar_type() == at::kFloat, "cnr::", op, ": rows must be float32, got ", rows.scalar_type());
-  TORCH_CHECK_VALUE(rows.size(1) > 0, "cnr::", op, ": rows must have at least one column");
-  return rows.contiguous();
-}
-
-bool is_half(at::ScalarType dtype, const char* what, const char* op) {
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf, "cnr::", op, ": ", what,
-                    " must be float32 or float16, got ", dtype);
-  return dtype == at::kHalf;
-}
-
-at::Tensor checked_payload(const at::Tensor& payload, int64_t bits, int64_t dim, const char* op) {
-  TORCH_CHECK_VALUE(payload.dim() == 2 && payload.scalar_type() == at::kByte, "cnr::", op,
-                    ": payload must be a 2-D uint8 tensor");
-  TORCH_CHECK_VALUE(dim >= 1 && payload.size(1) == packed_bytes(dim, bits), "cnr::", op, ": ", dim, " codes of ", bits,
-                    " bits need rows of ", packed_bytes(dim, bits), " bytes, got ", payload.size(1));
-  return payload.contiguous();
-}
-
-at::Tensor checked_params(const at::Tensor& t, int64_t n, const at::Tensor& like, const char* what, const char* op) {
-  TORCH_CHECK_VALUE(t.dim() == 1 && t.size(0) == n && (t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf),
-                    "cnr::", op, ": ", what, " must be a float32 or float16 vector with one entry per row (", n,
-                    "), got ", t.scalar_type(), " ", t.sizes());
-  TORCH_CHECK_VALUE(t.device() == like.device(), "cnr::", op, ": ", what, " is on ", t.device(), ", the payload on ",
-                    like.device());
-  return t.contiguous();
-}
+using namespace codecs;
 
 at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits) {
-  check_bits(bits, "pack_bits");
-  TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kByte,
-                    "cnr::pack_bits: codes must be a 2-D uint8 tensor");
   const device::Guard guard(codes.device());
-  const auto c = codes.contiguous();
-  if (c.numel() > 0) {
-    TORCH_CHECK_VALUE(device::to_host(c.max()).item<uint8_t>() < (1 << bits), "cnr::pack_bits: codes must be below 2**bits = ",
-                      1 << bits);
-  }
+  const auto c = checked_codes(codes, bits);
+  if (c.numel() > 0) check_largest_code(device::to_host(c.max()).item<uint8_t>(), bits);
   auto out = at::empty({c.size(0), packed_bytes(c.size(1), bits)}, c.options());
   cuda::pack_bits(c.data_ptr<uint8_t>(), c.size(0), c.size(1), static_cast<int>(bits), out.data_ptr<uint8_t>(),
                   device::stream());
@@ -68,9 +29,8 @@ at::Tensor pack_bits_cuda(const at::Tensor& codes, int64_t bits) {
 }
 
 at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t dim) {
-  check_bits(bits, "unpack_bits");
   const device::Guard guard(packed.device());
-  const auto p = checked_payload(packed, bits, dim, "unpack_bits");
+  const auto p = checked_payload(packed, bits, dim, "unpack_bits", "packed");
   auto out = at::empty({p.size(0), dim}, p.options());
   cuda::unpack_bits(p.data_ptr<uint8_t>(), p.size(0), dim, static_cast<int>(bits), out.data_ptr<uint8_t>(),
                     device::stream());
@@ -79,10 +39,9 @@ at::Tensor unpack_bits_cuda(const at::Tensor& packed, int64_t bits, int64_t dim)
 }
 
 std::tuple<at::Tensor, at::Tensor> cast_rows_cuda(const at::Tensor& rows, at::ScalarType dtype) {
-  TORCH_CHECK_VALUE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
-                    "cnr::cast_rows: dtype must be float32, float16 or bfloat16, got ", dtype);
   const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "cast_rows");
+  check_cast_dtype(dtype);
   const int64_t n = x.size(0), dim = x.size(1);
   auto payload = at::empty({n, dim * static_cast<int64_t>(c10::elementSize(dtype))}, x.options().dtype(at::kByte));
   auto status = at::empty({n}, x.options().dtype(at::kByte));
@@ -96,22 +55,13 @@ std::tuple<at::Tensor, at::Tensor> cast_rows_cuda(const at::Tensor& rows, at::Sc
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cuda(
     const at::Tensor& rows, int64_t bits, bool symmetric, at::ScalarType scale_dtype, at::ScalarType bias_dtype,
     const std::optional<at::Tensor>& grid_bias, const std::optional<at::Tensor>& grid_scale) {
-  check_bits(bits, "quantize_uniform");
-  const bool scale_half = is_half(scale_dtype, "scale_dtype", "quantize_uniform");
-  const bool bias_half = is_half(bias_dtype, "bias_dtype", "quantize_uniform");
   const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "quantize_uniform");
+  check_bits(bits, "quantize_uniform");
+  const bool scale_half = check_param_dtype(scale_dtype, "scale_dtype", "quantize_uniform");
+  const bool bias_half = check_param_dtype(bias_dtype, "bias_dtype", "quantize_uniform");
+  const auto [gb, gs] = checked_grid(grid_bias, grid_scale, x, symmetric, "quantize_uniform");
   const int64_t n = x.size(0), dim = x.size(1);
-  TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
-                    "cnr::quantize_uniform: pass both grid_bias and grid_scale, or neither");
-  at::Tensor gb, gs;
-  if (grid_bias) {
-    TORCH_CHECK_VALUE(!symmetric, "cnr::quantize_uniform: a grid applies to asymmetric quantization only");
-    gb = grid_bias->to(x.device(), at::kFloat).contiguous();
-    gs = grid_scale->to(x.device(), at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(gb.dim() == 1 && gb.size(0) == n && gs.dim() == 1 && gs.size(0) == n,
-                      "cnr::quantize_uniform: grid_bias and grid_scale need one entry per row (", n, ")");
-  }
   auto payload = at::empty({n, packed_bytes(dim, bits)}, x.options().dtype(at::kByte));
   auto scale = at::empty({n}, x.options().dtype(scale_dtype));
   auto bias = at::empty({symmetric ? 0 : n}, x.options().dtype(bias_dtype));
@@ -126,7 +76,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_uniform_cuda
 
 at::Tensor dequantize_uniform_cuda(const at::Tensor& payload, const at::Tensor& scale,
                                    const std::optional<at::Tensor>& bias, int64_t bits, int64_t dim) {
-  check_bits(bits, "dequantize_uniform");
   const device::Guard guard(payload.device());
   const auto p = checked_payload(payload, bits, dim, "dequantize_uniform");
   const int64_t n = p.size(0);
@@ -135,39 +84,42 @@ at::Tensor dequantize_uniform_cuda(const at::Tensor& payload, const at::Tensor& 
   auto out = at::empty({n, dim}, p.options().dtype(at::kFloat));
   cuda::dequantize_uniform(p.data_ptr<uint8_t>(), n, dim, static_cast<int>(bits), s.data_ptr(),
                            s.scalar_type() == at::kHalf, bias ? b.data_ptr() : nullptr,
-                           bias && b.scalar_type() == at::kHalf, out.data_ptr<float>(),
-                           device::stream());
+                           bias && b.scalar_type() == at::kHalf, out.data_ptr<float>(), device::stream());
   device::check_launch();
   return out;
 }
 
-// The CUDA path decodes into a temporary and scatters it with index_copy_, which
-// is memory-bound on the GPU anyway.
+// The positions of the kept entries (>= 0) of a host index, on `device`.
+at::Tensor kept_positions(const at::Tensor& host_index, c10::Device device) {
+  return (host_index >= 0).nonzero().squeeze(1).to(device);
+}
+
+// A restore reads its payload into host memory: it is moved to out's device, and
+// decoded into a temporary that index_copy_ scatters (memory-bound on the GPU anyway).
 void dequantize_uniform_into_cuda(const at::Tensor& payload, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
                                   const at::Tensor& out) {
-  TORCH_CHECK_VALUE(out.dim() == 2 && out.scalar_type() == at::kFloat,
-                    "cnr::dequantize_uniform_into_: out must be a 2-D float32 tensor, got ", out.scalar_type(), " ",
-                    out.sizes());
-  TORCH_CHECK_VALUE(rows.dim() == 1 && rows.numel() == payload.size(0),
-                    "cnr::dequantize_uniform_into_: rows must hold one entry per payload row");
-  const auto r = rows.to(out.device(), at::kLong);
-  TORCH_CHECK_INDEX(r.numel() == 0 || device::to_host(r.max()).item<int64_t>() < out.size(0),
-                    "cnr::dequantize_uniform_into_: rows reach beyond out's ", out.size(0), " rows");
-  const auto keep = (r >= 0).nonzero().squeeze(1);
-  const auto dev = out.device();  // a restore's payload is read into host memory
+  check_bits(bits, "dequantize_uniform_into_");
+  check_into_out(out);
+  const device::Guard guard(out.device());
+  const auto dev = out.device();
+  const auto p = checked_payload(payload.to(dev), bits, out.size(1), "dequantize_uniform_into_");
+  const int64_t n = p.size(0);
+  const auto s = checked_params(scale.to(dev), n, p, "scale", "dequantize_uniform_into_");
+  const auto b = bias ? checked_params(bias->to(dev), n, p, "bias", "dequantize_uniform_into_") : at::Tensor();
+  check_into_rows(rows, n);
+  const auto host_rows = (rows.is_cpu() ? rows : device::to_host(rows)).contiguous();
+  check_destinations(host_rows.data_ptr<int64_t>(), n, out.size(0), "dequantize_uniform_into_", "row");
+  const auto keep = kept_positions(host_rows, dev);
   const auto decoded = dequantize_uniform_cuda(
-      payload.to(dev).index_select(0, keep), scale.to(dev).index_select(0, keep),
-      bias ? std::optional<at::Tensor>(bias->to(dev).index_select(0, keep)) : std::nullopt, bits, out.size(1));
-  const_cast<at::Tensor&>(out).index_copy_(0, r.index_select(0, keep), decoded);
+      p.index_select(0, keep), s.index_select(0, keep),
+      bias ? std::optional<at::Tensor>(b.index_select(0, keep)) : std::nullopt, bits, out.size(1));
+  const_cast<at::Tensor&>(out).index_copy_(0, host_rows.to(dev).index_select(0, keep), decoded);
 }
 
 std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, int64_t bits, int64_t num_bins,
                                                         double ratio, int64_t refit_iters) {
-  check_bits(bits, "adaptive_search");
-  TORCH_CHECK_VALUE(num_bins >= 1, "cnr::adaptive_search: num_bins must be >= 1, got ", num_bins);
-  TORCH_CHECK_VALUE(ratio > 0.0 && ratio <= 1.0, "cnr::adaptive_search: ratio must be in (0, 1], got ", ratio);
-  TORCH_CHECK_VALUE(refit_iters >= 0, "cnr::adaptive_search: refit_iters must be >= 0, got ", refit_iters);
+  check_search(bits, num_bins, ratio, refit_iters, "adaptive_search");
   const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "adaptive_search");
   // Same move count as the CPU kernel (codecs_search.cpp).
@@ -185,6 +137,10 @@ std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaptive_quantize_cuda(
     const at::Tensor& rows, int64_t bits, int64_t num_bins, double ratio, int64_t refit_iters,
     at::ScalarType scale_dtype, at::ScalarType bias_dtype) {
+  check_search(bits, num_bins, ratio, refit_iters, "adaptive_quantize");
+  check_param_dtype(scale_dtype, "scale_dtype", "adaptive_quantize");
+  check_param_dtype(bias_dtype, "bias_dtype", "adaptive_quantize");
+  checked_rows(rows, "adaptive_quantize");
   const auto grid = adaptive_search_cuda(rows, bits, num_bins, ratio, refit_iters);
   return quantize_uniform_cuda(rows, bits, false, scale_dtype, bias_dtype, std::get<0>(grid), std::get<1>(grid));
 }
@@ -192,21 +148,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> adaptive_quantize_cud
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmeans_quantize_cuda(
     const at::Tensor& rows, int64_t bits, int64_t iters, at::ScalarType codebook_dtype,
     const std::optional<at::Tensor>& grid_bias, const std::optional<at::Tensor>& grid_scale) {
-  check_bits(bits, "kmeans_quantize");
-  const bool half = is_half(codebook_dtype, "codebook_dtype", "kmeans_quantize");
-  TORCH_CHECK_VALUE(iters >= 0, "cnr::kmeans_quantize: iters must be >= 0, got ", iters);
   const device::Guard guard(rows.device());
   const auto x = checked_rows(rows, "kmeans_quantize");
+  check_kmeans(bits, iters, codebook_dtype);
+  const bool half = codebook_dtype == at::kHalf;
+  const auto [gb, gs] = checked_grid(grid_bias, grid_scale, x, /*symmetric=*/false, "kmeans_quantize");
   const int64_t n = x.size(0), dim = x.size(1), k = std::min<int64_t>(int64_t{1} << bits, dim);
-  TORCH_CHECK_VALUE(grid_bias.has_value() == grid_scale.has_value(),
-                    "cnr::kmeans_quantize: pass both grid_bias and grid_scale, or neither");
-  at::Tensor gb, gs;
-  if (grid_bias) {
-    gb = grid_bias->to(x.device(), at::kFloat).contiguous();
-    gs = grid_scale->to(x.device(), at::kFloat).contiguous();
-    TORCH_CHECK_VALUE(gb.dim() == 1 && gb.size(0) == n && gs.dim() == 1 && gs.size(0) == n,
-                      "cnr::kmeans_quantize: grid_bias and grid_scale need one entry per row (", n, ")");
-  }
   auto payload = at::empty({n, packed_bytes(dim, bits)}, x.options().dtype(at::kByte));
   auto bias = at::empty({n}, x.options());
   auto codebook = at::empty({n, k - 1}, x.options().dtype(codebook_dtype));
@@ -221,27 +168,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> kmeans_quantize_cuda(
 
 at::Tensor dequantize_codebook_cuda(const at::Tensor& payload, const at::Tensor& bias, const at::Tensor& codebook,
                                     int64_t bits, int64_t dim) {
-  check_bits(bits, "dequantize_codebook");
   const device::Guard guard(payload.device());
   const auto p = checked_payload(payload, bits, dim, "dequantize_codebook");
+  check_codebook(p, bias, codebook, bits);
   const int64_t n = p.size(0);
-  TORCH_CHECK_VALUE(bias.dim() == 1 && bias.size(0) == n && bias.scalar_type() == at::kFloat,
-                    "cnr::dequantize_codebook: bias must be float32 with one entry per row (", n, ")");
-  TORCH_CHECK_VALUE(codebook.dim() == 2 && codebook.size(0) == n && codebook.size(1) < (1 << bits) &&
-                        (codebook.scalar_type() == at::kFloat || codebook.scalar_type() == at::kHalf),
-                    "cnr::dequantize_codebook: codebook must be float32/float16 [N, K - 1] with K <= 2**bits, got ",
-                    codebook.scalar_type(), " ", codebook.sizes());
-  const auto b = bias.to(p.device()).contiguous();
-  const auto cb = codebook.to(p.device()).contiguous();
+  const auto b = bias.contiguous();
+  const auto cb = codebook.contiguous();
   auto out = at::empty({n, dim}, p.options().dtype(at::kFloat));
   auto bad = at::zeros({1}, p.options().dtype(at::kInt));
   cuda::dequantize_codebook(p.data_ptr<uint8_t>(), n, dim, static_cast<int>(bits), b.data_ptr<float>(), cb.data_ptr(),
                             cb.scalar_type() == at::kHalf, cb.size(1), out.data_ptr<float>(), bad.data_ptr<int>(),
                             device::stream());
   device::check_launch();
-  // One small device-to-host copy per decode keeps corrupt payloads a hard error.
-  TORCH_CHECK_VALUE(device::to_host(bad).item<int>() == 0, "cnr::dequantize_codebook: the payload holds codes beyond the ",
-                    cb.size(1) + 1, "-entry codebook; the encoded rows are corrupt");
+  // A restore's decode: one read on the host keeps a corrupt payload a hard error.
+  check_codes_in_codebook(device::to_host(bad).item<int>() != 0, cb.size(1));
   return out;
 }
 

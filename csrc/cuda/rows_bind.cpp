@@ -1,30 +1,26 @@
 // scatter_rows_ on CUDA: ATen's index_copy_ kernel already writes whole rows at
-// memory speed there, so no kernel of our own (negative indices are dropped first). Compiled only in CUDA builds.
+// memory speed there, so there is no kernel of our own. The checks are the CPU
+// kernel's (codecs_checks.h), made before anything is written: the index is read
+// on the host (a restore's index is made there), negative entries are dropped.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "device.h"
 
+#include "../codecs_checks.h"
+
 namespace cnr {
 namespace {
 
 void scatter_rows_cuda(const at::Tensor& out, const at::Tensor& index, const at::Tensor& src) {
-  TORCH_CHECK_VALUE(out.dim() == 2 && src.dim() == 2 && out.size(1) == src.size(1),
-                    "cnr::scatter_rows_: out and src must be 2-D with equal columns, got ", out.sizes(), " and ",
-                    src.sizes());
-  TORCH_CHECK_VALUE(out.scalar_type() == src.scalar_type(), "cnr::scatter_rows_: out is ", out.scalar_type(),
-                    " but src is ", src.scalar_type(), "; cast src first");
-  TORCH_CHECK_VALUE(index.dim() == 1 && index.scalar_type() == at::kLong && index.numel() == src.size(0),
-                    "cnr::scatter_rows_: index must be 1-D int64 with one entry per src row");
-  auto idx = index.to(out.device());
-  auto rows = src.to(out.device());
-  const auto keep = idx.ge(0);  // a negative index skips its row
-  if (!device::to_host(keep.all()).item<bool>()) {
-    const auto sel = keep.nonzero().squeeze(1);
-    rows = rows.index_select(0, sel);
-    idx = idx.index_select(0, sel);
-  }
-  const_cast<at::Tensor&>(out).index_copy_(0, idx, rows);
+  codecs::check_scatter(out, index, src);
+  const device::Guard guard(out.device());
+  const auto host_index = (index.is_cpu() ? index : device::to_host(index)).contiguous();
+  codecs::check_destinations(host_index.data_ptr<int64_t>(), host_index.numel(), out.size(0), "scatter_rows_",
+                             "index");
+  const auto keep = (host_index >= 0).nonzero().squeeze(1);
+  const auto rows = src.index_select(0, keep.to(src.device())).to(out.device());
+  const_cast<at::Tensor&>(out).index_copy_(0, host_index.index_select(0, keep).to(out.device()), rows);
 }
 
 }  // namespace
