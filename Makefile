@@ -17,7 +17,7 @@ $(DEPS): requirements.txt scripts/install.sh
 	@touch $@
 
 $(EXT): $(DEPS) setup.py $(CSRC)
-	MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	CNR_CUDA_EMU=1 MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
 	@touch $@
 
 # Compile-check the CUDA sources (they include no torch header) wherever nvcc exists.
@@ -29,8 +29,9 @@ nvcc-check:
 	else echo "nvcc not found: CUDA compile-check skipped"; fi
 
 # The CUDA build, on any machine with the CUDA toolkit (no GPU needed): a second venv with the CUDA
-# builds of torch and fbgemm-gpu, the whole extension built in a copy of the tree, a check that every
-# op on the training, save and restore paths has a CUDA kernel, then the test suite against it.
+# builds of torch and fbgemm-gpu, user-style wheel installs into both venvs (scripts/install_check.sh),
+# the whole extension built in a copy of the tree, a check that every op on the training, save and
+# restore paths has a CUDA kernel, then the test suite against it.
 CUDA_VENV ?= .venv-cuda
 CUDA_DEPS := $(CUDA_VENV)/.deps-stamp
 
@@ -38,8 +39,8 @@ $(CUDA_DEPS): requirements.txt scripts/install_cuda.sh scripts/nvml_stub.c
 	bash scripts/install_cuda.sh $(CUDA_VENV)
 	@touch $@
 
-cuda-check: $(CUDA_DEPS)
-	bash scripts/cuda_check.sh $(CUDA_VENV) .cuda-build $(PYTEST_ARGS)
+cuda-check: $(CUDA_DEPS) $(DEPS)
+	CPU_VENV=$(VENV) bash scripts/cuda_check.sh $(CUDA_VENV) .cuda-build $(PYTEST_ARGS)
 
 test: install nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)

@@ -13,6 +13,7 @@ absent GPU, the kernels are built for sm_80 and sm_90.
 
 import glob
 import os
+import platform
 import shutil
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -38,8 +39,18 @@ if not os.environ.get("CUDA_HOME"):
     if found:
         os.environ["CUDA_HOME"] = found
 
-import torch  # noqa: E402
-from setuptools import find_packages, setup  # noqa: E402
+try:
+    import torch  # noqa: E402
+except ImportError as e:
+    # pyproject.toml names no torch to build with: under pip's build isolation this is where it stops.
+    raise SystemExit(
+        "cnr_torchrec compiles against the torch of the environment it goes into. Install torch, "
+        "fbgemm-gpu (or fbgemm-gpu-cpu) and torchrec first, then run "
+        "`pip install --no-build-isolation .` (pip's isolated build environment has no torch; one "
+        "fetched for it could differ from yours in version or CUDA build, and the extension would "
+        "not load)."
+    ) from e
+from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 if torch.version.cuda is not None and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
@@ -50,9 +61,24 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def _cxx_flags() -> list[str]:
+    """Host compiler flags of ``cnr_torchrec._C``.
+
+    x86-64 builds target x86-64-v2 (SSE4.2, POPCNT; the AVX2 and AVX-512 kernels are
+    picked at run time). ``CNR_PORTABLE=1`` builds the generic-vector code that other
+    CPUs run, with no x86 intrinsics and no ``-march``, so that path is tested on x86.
+    """
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+    if os.environ.get("CNR_PORTABLE", "0") == "1":
+        flags.append("-DCNR_NO_X86_INTRINSICS")
+    elif platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-march=x86-64-v2")
+    return flags
+
+
 def _extension():
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
-    cxx_flags = ["-O3", "-std=c++17", "-fopenmp", "-march=x86-64-v2", "-DNDEBUG"]
+    cxx_flags = _cxx_flags()
     with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
     if os.environ.get("CNR_FORCE_CPU", "0") == "1":
         with_cuda = False
@@ -67,13 +93,26 @@ def _extension():
     return CppExtension("cnr_torchrec._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"])
 
 
+def _emulated_cuda_extension():
+    """``cnr_torchrec._C_cuda_emu``: the CUDA kernels of csrc/cuda/ run on the CPU, for tests.
+
+    The same ``.cu`` and ``*_bind.cpp`` sources as the CUDA build, compiled as host
+    C++ against the emulated CUDA runtime of csrc/cuda_emu/ (whose shim headers come
+    first on the include path), register ``torch.ops.cnr_emu``. Built only with
+    ``CNR_CUDA_EMU=1`` (``make install`` sets it). No FMA contraction: the kernels'
+    ``_rn`` arithmetic must round like the GPU's.
+    """
+    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-DCNR_CUDA_EMU"]
+    return CppExtension(
+        "cnr_torchrec._C_cuda_emu",
+        _sources("csrc/cuda_emu/*.cpp"),
+        include_dirs=[os.path.join(ROOT, "csrc", "cuda_emu")],
+        extra_compile_args=flags,
+    )
+
+
+# The package's metadata, dependencies and entry points are in pyproject.toml.
 setup(
-    name="cnr_torchrec",
-    version="0.1.0",
-    description="Check-N-Run / CPR differential, quantized checkpoints for TorchRec",
-    packages=find_packages(include=["cnr_torchrec", "cnr_torchrec.*"]),
-    ext_modules=[_extension()],
+    ext_modules=[_extension()] + ([_emulated_cuda_extension()] if os.environ.get("CNR_CUDA_EMU") == "1" else []),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-    entry_points={"console_scripts": ["cnr = cnr_torchrec.cli:main"]},
-    python_requires=">=3.10",
 )

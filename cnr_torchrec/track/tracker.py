@@ -78,7 +78,9 @@ class _KernelState:
             if len(self._batch_offsets) >= self._MAX_BATCH_LAYOUTS:
                 self._batch_offsets.clear()
             host = torch.tensor([0, *itertools.accumulate(bags_per_feature)], dtype=torch.int64)
-            cached = self._batch_offsets[bags_per_feature] = host.to(self.bitmap.device)
+            if self.bitmap.is_cuda:
+                host = host.pin_memory()  # so that the copy does not wait for the stream
+            cached = self._batch_offsets[bags_per_feature] = host.to(self.bitmap.device, non_blocking=True)
         return cached
 
 

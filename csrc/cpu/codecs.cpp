@@ -161,6 +161,8 @@ void cast_rows_range(const CastArgs& a, int64_t r0, int64_t r1) {
       }
       if (inf && !flags) flags = kOverflow;
     }
+    const int64_t row_bytes = dim * (a.dtype == at::kFloat ? 4 : 2);
+    if (flags) std::memset(a.payload + r * row_bytes, 0, row_bytes);  // a flagged row is zeroed
     a.status[r] = flags;
   }
 }
@@ -205,7 +207,7 @@ void quantize_rows(const UniformArgs& a, int64_t r0, int64_t r1) {
     if (rr.bad || (a.grid_bias && !(finite(a.grid_bias[r]) && finite(a.grid_scale[r]) && a.grid_scale[r] >= 0.0f))) {
       flags = kNonFinite;
     } else if (a.symmetric) {
-      const float amax = std::max(-rr.mn, rr.mx);
+      const float amax = std::max(-rr.mn, rr.mx) + 0.0f;  // + 0: a zero row's scale is +0 on every backend
       step = two_magnitudes<V>(xr, dim, amax) ? round_param_w<W>(amax, a.scale_dtype, +1)
                                               : covering_scale<W>(amax, a.qmax, a.scale_dtype);
     } else if (a.grid_bias) {

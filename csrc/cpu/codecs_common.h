@@ -336,10 +336,20 @@ constexpr int kBaseLanes = 4;
 using vf = Lanes<kBaseLanes>::f;
 using vi = Lanes<kBaseLanes>::i;
 
+// x86 intrinsics, F16C conversions and the multi-ISA variants: on x86-64 only.
+// CNR_NO_X86_INTRINSICS (the CNR_PORTABLE=1 build) makes an x86-64 build take
+// the generic-vector path of every other CPU, so that path is built and tested
+// here too; both paths give the same bits.
+#if defined(__x86_64__) && !defined(CNR_NO_X86_INTRINSICS)
+#define CNR_X86 1
+#else
+#define CNR_X86 0
+#endif
+
 // The blocked kernels (one row per lane) are compiled for several ISAs and
 // picked at run time: the widest this CPU runs, capped by the environment
 // variable CNR_CODEC_LANES (4, 8 or 16) so that tests can compare widths.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#if CNR_X86 && defined(__GNUC__) && !defined(__clang__)
 #define CNR_MULTI_ISA 1
 inline int lane_width() {
   static const int width = [] {

@@ -12,7 +12,7 @@
 
 #include "codecs_common.h"
 
-#if defined(__x86_64__)
+#if CNR_X86
 #include <immintrin.h>
 #endif
 
@@ -74,7 +74,7 @@ __attribute__((target("avx2"))) inline __m256 widen_bytes8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 #endif
-#if defined(__x86_64__) && defined(__SSE4_1__)
+#if CNR_X86 && defined(__SSE4_1__)
 inline __m128 widen_bytes4(uint32_t x) { return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(x)))); }
 #endif
 template <typename V>
@@ -84,7 +84,7 @@ CNR_INLINE V bytes_to_float(const uint8_t* p) {
   if constexpr (W == 16) return __builtin_convertvector(reinterpret_cast<IntVec<V>>(widen_bytes16(p)), V);
   if constexpr (W == 8) return reinterpret_cast<V>(widen_bytes8(p));
 #endif
-#if defined(__x86_64__) && defined(__SSE4_1__)
+#if CNR_X86 && defined(__SSE4_1__)
   if constexpr (W == 4) {
     uint32_t x;
     std::memcpy(&x, p, 4);
@@ -116,7 +116,7 @@ CNR_INLINE void block_codes(const uint8_t* in, V* c) {
     uint64_t w = 0;
     std::memcpy(&w, in, B);
     const uint64_t x = spread8<B>(w);
-#if defined(__x86_64__) && defined(__SSE4_1__)
+#if CNR_X86 && defined(__SSE4_1__)
     c[0] = reinterpret_cast<V>(widen_bytes4(static_cast<uint32_t>(x)));
     c[1] = reinterpret_cast<V>(widen_bytes4(static_cast<uint32_t>(x >> 32)));
 #else
@@ -150,7 +150,7 @@ constexpr int64_t kLineBytes = 64;
 __attribute__((target("avx512f"))) inline void stream16(float* p, __m512 v) { _mm512_stream_ps(p, v); }
 __attribute__((target("avx"))) inline void stream8(float* p, __m256 v) { _mm256_stream_ps(p, v); }
 #endif
-#if defined(__x86_64__)
+#if CNR_X86
 inline void stream4(float* p, __m128 v) { _mm_stream_ps(p, v); }
 #endif
 // Stores v at p (aligned to the vector), bypassing the cache where the ISA can.
@@ -161,13 +161,13 @@ CNR_INLINE void vstream(float* p, const V& v) {
   if constexpr (W == 16) return stream16(p, reinterpret_cast<__m512>(v));
   if constexpr (W == 8) return stream8(p, reinterpret_cast<__m256>(v));
 #endif
-#if defined(__x86_64__)
+#if CNR_X86
   if constexpr (W == 4) return stream4(p, reinterpret_cast<__m128>(v));
 #endif
   vstore(p, v);
 }
 inline void stream_fence() {
-#if defined(__x86_64__)
+#if CNR_X86
   _mm_sfence();  // the streamed rows are visible to other threads from here on
 #endif
 }

@@ -146,6 +146,10 @@ __global__ void cast_kernel(const float* __restrict__ rows, int64_t n, int64_t d
     }
     bad = __any_sync(kFull, bad);
     inf = __any_sync(kFull, inf);
+    if (bad || inf) {  // a flagged row is zeroed, as on the CPU
+      const int64_t width = dtype == 0 ? 4 : 2;
+      for (int64_t j = lane; j < dim * width; j += 32) payload[r * dim * width + j] = 0;
+    }
     if (lane == 0) status[r] = bad ? kNonFinite : (inf ? kOverflow : 0);
   }
 }
@@ -173,7 +177,7 @@ __global__ void quantize_kernel(const float* __restrict__ rows, int64_t n, int64
     float lo = 0.0f, step = 0.0f;
     uint8_t flags = bad ? kNonFinite : 0;
     if (!bad && symmetric) {
-      const float amax = fmaxf(-mn, mx);
+      const float amax = __fadd_rn(fmaxf(-mn, mx), 0.0f);  // + 0: a zero row's scale is +0, as on the CPU
       bool other = false;  // a magnitude other than 0 and amax
       for (int64_t j = lane; j < dim; j += 32) other |= fabsf(x[j]) != 0.0f && fabsf(x[j]) != amax;
       step = __any_sync(kFull, other) ? covering_scale(amax, qmax, scale_half) : round_param(amax, scale_half, +1);
@@ -288,11 +292,13 @@ __global__ void adaptive_kernel(const float* __restrict__ rows, int64_t n, int64
       }
       const double nd = static_cast<double>(dim);
       const double s_u = warp_sum(su), s_uq = warp_sum(suq), s_q = warp_sum(sq), s_qq = warp_sum(sqq);
-      const double var_q = s_qq - s_q * s_q / nd, cov = s_uq - s_u * s_q / nd;
+      // The _rn intrinsics keep nvcc from fusing these into FMAs, so the emulation rounds as the GPU does.
+      const double var_q = __dsub_rn(s_qq, __ddiv_rn(__dmul_rn(s_q, s_q), nd));
+      const double cov = __dsub_rn(s_uq, __ddiv_rn(__dmul_rn(s_u, s_q), nd));
       if (var_q > 0.0 && cov > 0.0) {
-        const double st = cov / var_q;
+        const double st = __ddiv_rn(cov, var_q);
         s = static_cast<float>(st);
-        lo = static_cast<float>((s_u - st * s_q) / nd + mn);
+        lo = static_cast<float>(__dadd_rn(__ddiv_rn(__dsub_rn(s_u, __dmul_rn(st, s_q)), nd), mn));
       }
     }
     if (refit_iters > 0 && grid_error(x, dim, lo, s, qmax) < best_e) {

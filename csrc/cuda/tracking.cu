@@ -164,7 +164,7 @@ __global__ void count_ranges_kernel(const unsigned long long* __restrict__ words
   }
   partial[threadIdx.x] = n;
   __syncthreads();
-  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+  for (unsigned s = blockDim.x / 2; s > 0; s >>= 1) {
     if (threadIdx.x < s) partial[threadIdx.x] += partial[threadIdx.x + s];
     __syncthreads();
   }
@@ -244,7 +244,7 @@ void bits_to_rows(const unsigned long long* words, int64_t start, int64_t end, c
 void count_ranges(const unsigned long long* words, const int64_t* boundaries, int64_t num_ranges, int64_t* out,
                   cudaStream_t stream) {
   if (num_ranges == 0) return;
-  count_ranges_kernel<<<static_cast<unsigned>(num_ranges), kThreads, 0, stream>>>(words, boundaries, out);
+  CNR_LAUNCH(count_ranges_kernel, static_cast<unsigned>(num_ranges), kThreads, 0, stream)(words, boundaries, out);
 }
 
 void clear_range(unsigned long long* words, int64_t start, int64_t end, cudaStream_t stream) {
