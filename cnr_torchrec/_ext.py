@@ -5,9 +5,12 @@ import torch
 try:
     from cnr_torchrec import _C  # noqa: F401  (importing registers the ops)
 except ImportError as e:  # pragma: no cover - depends on the build
+    # Not built, or built against another torch (an undefined symbol): either way, rebuild.
     raise ImportError(
-        "cnr_torchrec._C is not built. Run `make install` (or `pip install --no-build-isolation -e .`) "
-        f"from the repository root first. Original error: {e}"
+        f"cnr_torchrec._C does not load with this torch ({torch.__version__}): it is not built, or it was "
+        "built against another torch. In a checkout run `make install`; otherwise reinstall with "
+        "`pip install --no-build-isolation --no-deps --force-reinstall <cnr_torchrec source>` in this "
+        f"environment. Original error: {e}"
     ) from e
 
 ops = torch.ops.cnr
