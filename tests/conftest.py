@@ -3,3 +3,24 @@ import os
 # Keep each test process (and every rank it spawns) to one intra-op thread
 # unless a test asks for more: CI has 2 cores.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(params=["cpu", "cuda_emulated"])
+def backend(request):
+    """The ``cnr`` ops of one backend: the CPU kernels, or the CUDA kernels under the emulation.
+
+    Error-path tests take this fixture, so that both backends must reject the same calls
+    with the same named errors and messages (one shared checker per op).
+    """
+    import torch
+
+    if request.param == "cpu":
+        import cnr_torchrec  # noqa: F401  (registers torch.ops.cnr)
+
+        return torch.ops.cnr
+    from cnr_torchrec._cuda_emu import load
+
+    return load()

@@ -49,12 +49,12 @@ def test_empty():
     assert torch.equal(out, before)
 
 
-def test_index_out_of_range_writes_nothing():
+def test_index_out_of_range_writes_nothing(backend):
     out = torch.zeros(10, 4)
     with pytest.raises(IndexError, match="index 10 at position 1 is outside out's 10 rows"):
-        ops.scatter_rows_(out, torch.tensor([2, 10]), torch.ones(2, 4))
+        backend.scatter_rows_(out, torch.tensor([2, 10]), torch.ones(2, 4))
     with pytest.raises(IndexError, match="index 10 at position 2"):
-        ops.scatter_rows_(out, torch.tensor([-1, 3, 10]), torch.ones(3, 4))
+        backend.scatter_rows_(out, torch.tensor([-1, 3, 10]), torch.ones(3, 4))
     assert not out.any()
 
 
@@ -147,9 +147,9 @@ def test_claim_rows_opcheck():
         (torch.zeros(4, 10).t(), torch.tensor([1]), torch.ones(1, 4), "columns must be contiguous"),
     ],
 )
-def test_bad_arguments(out, index, src, match):
+def test_bad_arguments(out, index, src, match, backend):
     with pytest.raises(ValueError, match=match):
-        ops.scatter_rows_(out, index, src)
+        backend.scatter_rows_(out, index, src)
 
 
 def test_opcheck():

@@ -183,43 +183,44 @@ def test_mark_rows_counts_saturate():
 
 
 @pytest.mark.parametrize("bad", [-2, 5])
-def test_mark_rows_out_of_range_names_feature(bad):
+def test_mark_rows_out_of_range_names_feature(bad, backend):
     # Feature 2 reads table 0 (5 rows) after feature 1 read table 1 (10 rows).
     tbe = _tbe([5, 10], [0, 1, 0])
     with pytest.raises(IndexError, match="feature 2 is outside its table's 5 local rows"):
-        _mark(tbe, torch.tensor([0, 7, bad]), torch.tensor([0, 1, 2, 3]))
+        backend.mark_rows(torch.tensor([0, 7, bad]), torch.tensor([0, 1, 2, 3]), tbe.hash_size_cumsum,
+                          tbe.rows_per_table, _bitmap(15))
 
 
-def test_mark_rows_rejects_bad_arguments():
+def test_mark_rows_rejects_bad_arguments(backend):
     tbe = _tbe([5, 10], [0, 1])
     hsc, rows = tbe.hash_size_cumsum, tbe.rows_per_table
     with pytest.raises(RuntimeError, match="multiple"):
-        ops.mark_rows(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3]), hsc, rows, _bitmap(15))
+        backend.mark_rows(torch.tensor([0, 1, 2]), torch.tensor([0, 1, 2, 3]), hsc, rows, _bitmap(15))
     with pytest.raises(RuntimeError, match="feature 0.s table spans rows \\[0, 100\\) but the bitmap holds 64"):
-        ops.mark_rows(torch.tensor([0]), torch.tensor([0, 1, 1]), torch.tensor([0, 100, 200]), torch.tensor([100, 100]),
-                      _bitmap(15))
+        backend.mark_rows(torch.tensor([0]), torch.tensor([0, 1, 1]), torch.tensor([0, 100, 200]),
+                          torch.tensor([100, 100]), _bitmap(15))
     with pytest.raises(RuntimeError, match="one entry per feature plus one"):
-        ops.mark_rows(torch.tensor([0]), torch.tensor([0, 1, 1]), hsc[:2], rows, _bitmap(15))
+        backend.mark_rows(torch.tensor([0]), torch.tensor([0, 1, 1]), hsc[:2], rows, _bitmap(15))
     with pytest.raises(RuntimeError, match="int32 or int64"):
-        ops.mark_rows(torch.tensor([0.0]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15))
+        backend.mark_rows(torch.tensor([0.0]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15))
 
 
 @pytest.mark.parametrize(
     "offsets,match",
     [([-1, 1, 3], "start at -1"), ([0, 2, 1], "decrease at bag 1 \\(2 then 1\\)"), ([0, 1, 4], "end at 4")],
 )
-def test_mark_rows_rejects_a_bad_bag_layout_before_marking(offsets, match):
+def test_mark_rows_rejects_a_bad_bag_layout_before_marking(offsets, match, backend):
     # The pass is a full bounds check of the lookup: offsets the TBE would read out of bounds are errors.
     tbe = _tbe([5, 10], [0, 1])
     hsc, rows = tbe.hash_size_cumsum, tbe.rows_per_table
     for dtype in (torch.int32, torch.int64):
         bitmap = _bitmap(15)
         with pytest.raises(ValueError, match=match):
-            ops.mark_rows(torch.tensor([0, 3, 4]), torch.tensor(offsets, dtype=dtype), hsc, rows, bitmap)
+            backend.mark_rows(torch.tensor([0, 3, 4]), torch.tensor(offsets, dtype=dtype), hsc, rows, bitmap)
         assert not bitmap.any()  # nothing marked
     with pytest.raises(RuntimeError, match="B_offsets must start at 0"):
-        ops.mark_rows(torch.tensor([0, 3, 4]), torch.tensor([0, 1, 3]), hsc, rows, _bitmap(15), None,
-                      torch.tensor([1, 0, 2]))
+        backend.mark_rows(torch.tensor([0, 3, 4]), torch.tensor([0, 1, 3]), hsc, rows, _bitmap(15), None,
+                          torch.tensor([1, 0, 2]))
 
 
 @pytest.mark.parametrize("start,end", [(0, 0), (0, 1000), (3, 64), (64, 128), (5, 6), (63, 65), (100, 999)])
@@ -247,14 +248,14 @@ def test_bitmap_to_rows_large_range_uses_all_chunks():
     assert int(ops.bitmap_count(bitmap, torch.tensor([0, num_rows]))[0]) == rows.numel()
 
 
-def test_bitmap_ops_reject_bad_ranges():
+def test_bitmap_ops_reject_bad_ranges(backend):
     bitmap = _bitmap(64)
     with pytest.raises(RuntimeError, match="outside the bitmap"):
-        ops.bitmap_to_rows(bitmap, 0, 65)
+        backend.bitmap_to_rows(bitmap, 0, 65)
     with pytest.raises(RuntimeError, match="outside the bitmap"):
-        ops.bitmap_clear_(bitmap, 5, 2)
+        backend.bitmap_clear_(bitmap, 5, 2)
     with pytest.raises(RuntimeError, match="int64"):
-        ops.bitmap_count(bitmap.int(), torch.tensor([0, 1]))
+        backend.bitmap_count(bitmap.int(), torch.tensor([0, 1]))
 
 
 def test_opcheck():
@@ -294,7 +295,7 @@ def test_cuda_matches_cpu():
         ops.mark_rows(torch.tensor([0, 5000]).cuda(), torch.tensor([0, 1, 2]).cuda(), hsc[:3], rows[:2], gpu_bits)
 
 
-def test_recorded_errors_raise_later_with_the_same_messages():
+def test_recorded_errors_raise_later_with_the_same_messages(backend):
     # With `errors`, mark_rows records instead of raising (no host sync on CUDA);
     # raise_lookup_errors then raises what the direct call would have raised.
     tbe = _tbe([5, 10], [0, 1, 0])
@@ -303,33 +304,35 @@ def test_recorded_errors_raise_later_with_the_same_messages():
     bad_layout = (torch.tensor([0, 3, 4]), torch.tensor([0, 2, 1, 3]))
     for indices, offsets in (bad_ids, bad_layout):
         with pytest.raises((IndexError, ValueError)) as direct:
-            ops.mark_rows(indices, offsets, hsc, rows, _bitmap(15))
+            backend.mark_rows(indices, offsets, hsc, rows, _bitmap(15))
         errors, bitmap = ops.lookup_record(), _bitmap(15)
-        ops.mark_rows(indices, offsets, hsc, rows, bitmap, errors=errors)
+        backend.mark_rows(indices, offsets, hsc, rows, bitmap, errors=errors)
         with pytest.raises(type(direct.value)) as later:
-            ops.raise_lookup_errors(errors)
+            backend.raise_lookup_errors(errors)
         assert str(later.value) == str(direct.value)
     # Bad ids are skipped and the rest marked; a bad layout marks nothing.
     errors, bitmap = ops.lookup_record(), _bitmap(15)
-    ops.mark_rows(*bad_ids, hsc, rows, bitmap, errors=errors)
+    backend.mark_rows(*bad_ids, hsc, rows, bitmap, errors=errors)
     assert _set_rows(bitmap).tolist() == [0, 1, 5 + 7]
     bitmap = _bitmap(15)
-    ops.mark_rows(*bad_layout, hsc, rows, bitmap, errors=ops.lookup_record())
+    backend.mark_rows(*bad_layout, hsc, rows, bitmap, errors=ops.lookup_record())
     assert not bitmap.any()
 
 
-def test_recorded_errors_keep_the_first_lookup_and_count_all():
+def test_recorded_errors_keep_the_first_lookup_and_count_all(backend):
     tbe = _tbe([5, 10], [0, 1])
     hsc, rows = tbe.hash_size_cumsum, tbe.rows_per_table
     errors = ops.lookup_record()
-    ops.mark_rows(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
-    ops.raise_lookup_errors(errors)  # a clean lookup records nothing
-    ops.mark_rows(torch.tensor([6, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
-    ops.mark_rows(torch.tensor([0, 12, 11]), torch.tensor([0, 1, 3]), hsc, rows, _bitmap(15), errors=errors)
-    with pytest.raises(IndexError, match=r"id 6 looked up in feature 0 is outside its table's 5 local rows \(3 bad ids\)"):
-        ops.raise_lookup_errors(errors)
+    backend.mark_rows(torch.tensor([1, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
+    backend.raise_lookup_errors(errors)  # a clean lookup records nothing
+    backend.mark_rows(torch.tensor([6, 2]), torch.tensor([0, 1, 2]), hsc, rows, _bitmap(15), errors=errors)
+    backend.mark_rows(torch.tensor([0, 12, 11]), torch.tensor([0, 1, 3]), hsc, rows, _bitmap(15), errors=errors)
+    first = r"id 6 looked up in feature 0 is outside its table's 5 local rows \(3 bad ids\)"
+    with pytest.raises(IndexError, match=first):
+        backend.raise_lookup_errors(errors)
     with pytest.raises(RuntimeError, match="errors must be a contiguous int64 tensor of 17"):
-        ops.mark_rows(torch.tensor([1]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15), errors=torch.zeros(16).long())
+        backend.mark_rows(torch.tensor([1]), torch.tensor([0, 1, 1]), hsc, rows, _bitmap(15),
+                          errors=torch.zeros(16).long())
 
 
 def test_first_bad_id_reads_the_record():
