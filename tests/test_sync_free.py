@@ -101,8 +101,11 @@ def group(tmp_path_factory):
 def _specs():
     from cnr_torchrec.toy import TableSpec
 
-    return [TableSpec("t_row_wise", ROWS, DIM, "row_wise", "ebc"), TableSpec("t_table_wise", ROWS, DIM, "table_wise", "ebc"),
-            TableSpec("e_row_wise", ROWS, DIM, "row_wise", "ec")]
+    return [
+        TableSpec("t_row_wise", ROWS, DIM, "row_wise", "ebc"),
+        TableSpec("t_table_wise", ROWS, DIM, "table_wise", "ebc"),
+        TableSpec("e_row_wise", ROWS, DIM, "row_wise", "ec"),
+    ]
 
 
 def _batch(specs, seed):
