@@ -166,3 +166,38 @@ def test_a_bad_id_is_raised_at_the_next_query_and_stays(group):
         with pytest.raises(RowIdOutOfRangeError, match=rf"'t_table_wise' was looked up with id {ROWS + 3}"):
             query()
     tracker.dirty_rows("t_row_wise")  # a table whose TBE saw no bad id answers
+
+
+def _bad_save_worker(rank: int, world_size: int, root: str) -> None:
+    import time
+
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.errors import RowIdOutOfRangeError
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs, sync_free=True)
+    config = load_config({"root": root, "policy": "consecutive", "quantization": {"method": "none"}})
+    ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
+    _step(dmp, opt, _batch(specs, rank))
+    ckpt.save(1).wait()
+    batch = _batch(specs, 10 + rank)
+    if rank == 1:  # one rank's input only: the table's shard on either rank records it
+        values = batch.values().clone()
+        values[int(batch.offset_per_key()[batch.keys().index("t_table_wise_f")])] = ROWS + 3
+        batch = KeyedJaggedTensor(keys=batch.keys(), values=values, lengths=batch.lengths())
+    _step(dmp, opt, batch)
+    t0 = time.monotonic()
+    with pytest.raises(RowIdOutOfRangeError, match=rf"'t_table_wise' was looked up with id {ROWS + 3}"):
+        ckpt.save(2)
+    assert time.monotonic() - t0 < 30  # raised on every rank, no rank left waiting in a collective
+    ckpt.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(180)
+def test_a_bad_lookup_on_one_rank_fails_the_next_save_on_every_rank(tmp_path):
+    from _dist import run_ranks
+
+    run_ranks(_bad_save_worker, world_size=2, timeout=150, args=(str(tmp_path / "ckpt"),))

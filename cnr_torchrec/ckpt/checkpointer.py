@@ -195,8 +195,11 @@ class Checkpointer(CommitProtocol):
         Raises:
             ConfigError: the config asks for something this save cannot do (raised on every rank,
                 before anything is staged).
+            RowIdOutOfRangeError, MalformedLookupError: sync-free tracking recorded a bad lookup
+                on some rank since the last save (raised on every rank, before anything is staged).
         """
         t0 = time.perf_counter()
+        self._check_lookups()
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
             self._settle(self._inflight)
         busy = self._inflight is not None and not self._inflight.done()
@@ -515,6 +518,22 @@ class Checkpointer(CommitProtocol):
     def _next_id(self, newest: int) -> int:
         """The id after every checkpoint directory under the root and after ``newest`` (rank 0 lists)."""
         return max(existing_dir_ids(self._storage) + [newest]) + 1
+
+    def _check_lookups(self) -> None:
+        """Raises, on every rank, a bad lookup that sync-free tracking recorded on any rank.
+
+        Sync-free tracking (CUDA) raises a lookup's problems at the next query, and the
+        save's first query is a collective: a rank raising alone would leave the others
+        waiting in it. Tracking that raises in the forward (CPU) needs no exchange.
+        """
+        if not self.tracker.sync_free:
+            return
+        failure, cause = None, None
+        try:
+            self.tracker.check_lookups()
+        except CnrError as e:
+            failure, cause = Failure.of(e, self.rank, "checking the lookups tracked since the last save"), e
+        self._ranks.raise_any(failure, cause)
 
     def _gather_counts(self, busy: bool):
         """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.

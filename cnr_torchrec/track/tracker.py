@@ -184,6 +184,11 @@ class DirtyRowTracker:
             self._handles.append(tbe.register_forward_hook(self._make_post_hook(state)))
 
     @property
+    def sync_free(self) -> bool:
+        """Whether any TBE of this rank is tracked sync-free (its lookup problems raised by queries)."""
+        return any(k.sync_free for k in self._kernels)
+
+    @property
     def fused_bounds_check(self) -> bool:
         """Whether the marking pass stands in for FBGEMM's bounds check on any TBE of this rank."""
         return any(k.fbgemm_bounds_check is not None for k in self._kernels)
