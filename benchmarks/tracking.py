@@ -1,6 +1,7 @@
 """Tracking overhead: no tracking vs CheckNRunDMP vs torchrec's ModelDeltaTracker (ID_ONLY).
 
 Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py [--json PATH]
+On GPUs:         torchrun --standalone --nproc_per_node N benchmarks/tracking.py --device cuda
 
 Workload (issue 2): 8 tables x 200k rows x 32 dim, half row_wise and half table_wise,
 batch 2048 per rank, pooling 20, Zipf-skewed ids, EXACT_ROWWISE_ADAGRAD.
@@ -18,12 +19,19 @@ Design, for a machine whose step time wanders by ~15% from one step to the next:
   configuration, back to back, in an order that rotates. Each paired ratio compares two
   runs of the same batch a few tens of ms apart, so slow drifts in machine load cancel.
   Every timed step starts after a barrier and counts the slowest rank.
-* Each rank is pinned to its own core, which cuts the scheduler's share of the noise.
+* On CPU each rank is pinned to its own core, which cuts the scheduler's share of the noise.
 * The overheads are medians of the per-step paired ratios; their spread is printed.
 
 By default the CheckNRunDMP hooks also stand in for FBGEMM's own bounds check of the
 lookups they mark (see DirtyRowTracker), so overhead_cnr can be below zero: the benchmark
 replays both passes on one step's real inputs to show where the time goes.
+
+``--device cuda``: NCCL, rank r on ``cuda:r`` (its local rank), the models and batches on
+the GPU, and every timed region bracketed by ``torch.cuda.synchronize()``; it reports the
+same figures. There, tracking is sync-free and FBGEMM keeps its bounds check, so ``cnr`` and
+``cnr_nt`` run the same code and the replayed mark_rows is not offset by a skipped check;
+the CPU-time figures are the host thread's, waits for the GPU included. Without a GPU it
+exits with status 2 and a message (under torchrun, torchrun then reports the failed ranks).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ import json
 import logging
 import os
 import statistics
+import sys
 import time
 import warnings
 
@@ -49,14 +58,14 @@ from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 
-def build(kind: str, specs, world: int):
+def build(kind: str, specs, world: int, device: torch.device):
     torch.manual_seed(0)
     model = ToyModel(specs)
     sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.01)
-    plan = build_plan(model, sharders, world)
+    plan = build_plan(model, sharders, world, device_type=device.type)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     cls = CheckNRunDMP if kind == "cnr" else DistributedModelParallel
-    dmp = cls(model, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = cls(model, env=env, device=device, plan=plan, sharders=sharders)
     mdt = dmp.init_torchrec_delta_tracker(DeltaTrackerConfig(tracking_mode=TrackingMode.ID_ONLY)) if kind == "mdt" \
         else None
     opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n], lr=0.01)
@@ -68,6 +77,12 @@ def step(dmp, opt, batch) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def sync() -> None:
+    """Waits for the GPU's queued work, so that a timer read next counts it (no-op on CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def extract(kind: str, dmp, mdt) -> None:
@@ -90,7 +105,8 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
 
     captured = []
     handles = []
-    for state in dmp.dirty_tracker._kernels:  # noqa: SLF001
+    tracker = dmp.dirty_tracker
+    for state in tracker._kernels:  # noqa: SLF001
         if state.info.data_parallel:
             continue
 
@@ -101,10 +117,14 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
     step(dmp, opt, batch)
     for h in handles:
         h.remove()
+    # On CUDA the hook records problems on the device (no host read per lookup); so does the replay.
+    errors = ops.lookup_record(captured[0][1].device) if captured and captured[0][1].is_cuda else None
+    sync()
     t0 = time.perf_counter()
     for _ in range(repeats):
         for tbe, indices, offsets, bitmap in captured:
-            ops.mark_rows(indices, offsets, tbe.hash_size_cumsum, tbe.rows_per_table, bitmap)
+            ops.mark_rows(indices, offsets, tbe.hash_size_cumsum, tbe.rows_per_table, bitmap, errors=errors)
+    sync()
     mark = (time.perf_counter() - t0) * 1e3 / repeats
     warning = BoundsCheckMode.WARNING.value  # FBGEMM's default; valid ids are left as they are
     t0 = time.perf_counter()
@@ -112,12 +132,23 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
         for tbe, indices, offsets, _ in captured:
             torch.ops.fbgemm.bounds_check_indices(tbe.rows_per_table, indices, offsets, warning,
                                                   tbe.bounds_check_warning, None)
+    sync()
     return mark, (time.perf_counter() - t0) * 1e3 / repeats
+
+
+def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """All-reduces a host tensor in place, through the GPU where the backend is NCCL."""
+    if dist.get_backend() == "nccl":
+        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=op)
+        t.copy_(on_device)
+    else:
+        dist.all_reduce(t, op=op)
 
 
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce_(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
@@ -127,6 +158,20 @@ def pin_to_own_core() -> None:
     local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     if len(cores) >= local_world:
         os.sched_setaffinity(0, {cores[local_rank]})
+
+
+def cuda_device_or_exit(parser: argparse.ArgumentParser) -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK``; exits with status 2 and a message where there is none."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= local_world:
+        return torch.device("cuda", local_rank)
+    why = (f"torch {torch.__version__} is not a CUDA build" if torch.version.cuda is None else
+           f"torch sees {count} CUDA device(s) for {local_world} rank(s) on this host")
+    if local_rank == 0:
+        sys.stderr.write(f"benchmarks/tracking.py: --device cuda needs one GPU per rank, but {why}. Run with "
+                         "--device cpu (the default), or start one rank per GPU (torchrun --nproc_per_node).\n")
+    parser.exit(2)
 
 
 def main() -> None:
@@ -140,19 +185,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="batches per round, each timed once per configuration")
     parser.add_argument("--extractions", type=int, default=10, help="timed extractions per tracker")
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK); cpu: gloo, one core per rank")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
-    pin_to_own_core()  # before gloo starts its threads, so that they stay on this rank's core too
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        device = cuda_device_or_exit(parser)
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        pin_to_own_core()  # before gloo starts its threads, so that they stay on this rank's core too
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
              for i in range(args.tables)]
     gen = torch.Generator().manual_seed(rank)
-    batches = [zipf_batch(specs, args.batch_size, args.pooling, gen) for _ in range(args.steps)]
+    batches = [zipf_batch(specs, args.batch_size, args.pooling, gen).to(device) for _ in range(args.steps)]
     kinds = ["none", "cnr", "mdt"]
-    models = {k: build(k, specs, world) for k in kinds}
+    models = {k: build(k, specs, world, device) for k in kinds}
     for k in kinds:  # warm-up
         dmp, mdt, opt = models[k]
         for b in batches[:2]:
@@ -193,9 +246,11 @@ def main() -> None:
                     set_tracking(dmp, k)
                 if k in ("mdt", "mdt_off"):
                     set_mdt(k == "mdt")
+                sync()
                 dist.barrier()
                 t0, c0 = time.perf_counter(), time.thread_time()
                 step(dmp, opt, b)
+                sync()
                 wall[r, i, j], cpu[r, i, j] = (time.perf_counter() - t0) * 1e3, (time.thread_time() - c0) * 1e3
         extract("mdt", *models["mdt"][:2])  # untimed: ModelDeltaTracker keeps every step's ids until then
     # Extraction, apart from the timed steps: each tracker first records a round of batches.
@@ -206,13 +261,15 @@ def main() -> None:
             dmp, mdt, opt = models[k]
             for b in batches:
                 step(dmp, opt, b)
+            sync()
             dist.barrier()
             t0 = time.perf_counter()
             extract(k, dmp, mdt)
+            sync()
             extract_ms[k].append(slowest((time.perf_counter() - t0) * 1e3))
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    all_reduce_(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     cpu_mean = cpu.clone()
-    dist.all_reduce(cpu_mean)  # CPU time: the ranks' mean
+    all_reduce_(cpu_mean)  # CPU time: the ranks' mean
     cpu_mean /= world
     col = {k: j for j, k in enumerate(timed_kinds)}
     med = {k: float(wall[..., col[k]].median()) for k in timed_kinds}
@@ -230,6 +287,8 @@ def main() -> None:
 
     cnr_dmp, _, cnr_opt = models["cnr"]
     mark_ms, fbgemm_check_ms = (slowest(x) for x in replayed_ms(cnr_dmp, cnr_opt, batches[0]))
+    # The check that the marking pass makes redundant, where it takes it over (CPU); on CUDA FBGEMM's stays on.
+    skipped_ms = fbgemm_check_ms if cnr_dmp.dirty_tracker.fused_bounds_check else 0.0
     res = {
         "step_ms_none": med["none"],
         "step_ms_cnr": med["cnr"],
@@ -251,11 +310,12 @@ def main() -> None:
         "overhead_mdt_cpu": paired("mdt", "mdt_off", cpu_mean),
         "mark_ms_per_step_cnr": mark_ms,
         "fbgemm_bounds_check_ms_per_step": fbgemm_check_ms,
-        "overhead_cnr_attributed": (mark_ms - fbgemm_check_ms) / med["none"],
+        "overhead_cnr_attributed": (mark_ms - skipped_ms) / med["none"],
         "bits_per_row_cnr": models["cnr"][0].dirty_tracker.bits_per_row,
         "extract_ms_cnr": statistics.median(extract_ms["cnr"]),
         "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
         "paired_steps": int(wall.shape[0] * wall.shape[1]),
+        "device": args.device,
     }
 
     def quartiles(k: str, ref: str) -> tuple[float, float]:
@@ -263,6 +323,9 @@ def main() -> None:
         return float(x.quantile(0.25)), float(x.quantile(0.75))
 
     if rank == 0:
+        if device.type == "cuda":
+            print(f"\n{world} x {torch.cuda.get_device_name(device)}, NCCL; tracking is sync-free there and FBGEMM "
+                  "keeps its bounds check, so cnr and 'FBGEMM check left on' run the same code", end="")
         print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
               f"pooling {args.pooling}; {args.rounds} rounds x {args.steps} batches, each batch timed once per "
               f"configuration ({res['paired_steps']} paired steps)")
@@ -284,8 +347,9 @@ def main() -> None:
             print(f"per-step {k} ratio quartiles: {q1:.2%} .. {q3:.2%}")
         print(f"on the training thread's CPU time: cnr {res['overhead_cnr_cpu']:.2%}, cnr with FBGEMM's check on "
               f"{res['overhead_cnr_no_takeover_cpu']:.2%}, mdt {res['overhead_mdt_cpu']:.2%}")
+        kept = "skipped for the lookups cnr marks" if skipped_ms else "kept on"
         print(f"replayed per step: cnr mark_rows {mark_ms:.3f} ms, FBGEMM's bounds check of the same lookups "
-              f"{fbgemm_check_ms:.3f} ms (skipped for the lookups cnr marks): net {res['overhead_cnr_attributed']:.2%} "
+              f"{fbgemm_check_ms:.3f} ms ({kept}): net {res['overhead_cnr_attributed']:.2%} "
               "of a step")
         print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}")
         print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
