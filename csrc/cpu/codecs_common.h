@@ -84,17 +84,23 @@ constexpr uint64_t lane_mask(int lane_bits, int keep) {
 }
 template <int B>
 inline uint64_t squeeze8(uint64_t x) {
-  if constexpr (B == 8) return x;
-  x = (x | (x >> (8 - B))) & lane_mask(16, 2 * B);
-  x = (x | (x >> (16 - 2 * B))) & lane_mask(32, 4 * B);
-  return (x | (x >> (32 - 4 * B))) & ((uint64_t{1} << (8 * B)) - 1);
+  if constexpr (B == 8) {
+    return x;
+  } else {  // in an else: a shift by 8 * B = 64 must not even be compiled
+    x = (x | (x >> (8 - B))) & lane_mask(16, 2 * B);
+    x = (x | (x >> (16 - 2 * B))) & lane_mask(32, 4 * B);
+    return (x | (x >> (32 - 4 * B))) & ((uint64_t{1} << (8 * B)) - 1);
+  }
 }
 template <int B>
 inline uint64_t spread8(uint64_t x) {
-  if constexpr (B == 8) return x;
-  x = (x | (x << (32 - 4 * B))) & lane_mask(32, 4 * B);
-  x = (x | (x << (16 - 2 * B))) & lane_mask(16, 2 * B);
-  return (x | (x << (8 - B))) & lane_mask(8, B);
+  if constexpr (B == 8) {
+    return x;
+  } else {
+    x = (x | (x << (32 - 4 * B))) & lane_mask(32, 4 * B);
+    x = (x | (x << (16 - 2 * B))) & lane_mask(16, 2 * B);
+    return (x | (x << (8 - B))) & lane_mask(8, B);
+  }
 }
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "the packed layout assumes a little-endian host");
