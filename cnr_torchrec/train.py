@@ -37,6 +37,7 @@ from cnr_torchrec.data import ClickDataset, ResumableReader, SyntheticCriteo, ma
 from cnr_torchrec.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
 from cnr_torchrec.job_config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from cnr_torchrec.track._tbe_cache import flush_caches
 
 __all__ = ["JobConfig", "Journal", "TrainConfig", "apply_overrides", "auc", "evaluate", "format_summary",
            "load_job_config", "logloss", "main", "run"]
@@ -215,6 +216,7 @@ def _local_state(dmp: torch.nn.Module, dense: list[tuple[str, torch.nn.Parameter
                  dense_opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """This rank's table shards, their optimizer state, the dense parameters and dense optimizer state."""
     tracker = dmp.dirty_tracker
+    flush_caches(tracker.tbes())  # fused_uvm_caching: the weights behind the cache, brought up to date
     out: dict[str, torch.Tensor] = {}
     for table in tracker.tables():
         for kernel, shard in tracker.shards(table):

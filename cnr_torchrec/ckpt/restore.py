@@ -28,6 +28,7 @@ from torch import nn
 from cnr_torchrec.ckpt.dense_optim import load_named_state
 from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
+from cnr_torchrec.track._tbe_cache import invalidate_caches
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
@@ -338,17 +339,22 @@ def restore_chain(
     check_compatible(target, tracker)
     applier = _Applier(tracker, manifests, replicated)
     own: _Reader | None = None  # this rank's file of the target, if its rows were read: per-rank state is there too
-    for m in reversed(manifests):  # newest first: each row is decoded and copied once
-        if applier.done():
-            break
-        for report in m["ranks"]:
-            load = _Reader(storage, report, stats)
-            if m is target and report["rank"] == rank:
-                own = load
-            for table, entries in _entries(m, report, replicated):
-                for entry in entries:
-                    applier.apply(table, entry, load)
-        applier.finish_checkpoint()
+    try:
+        for m in reversed(manifests):  # newest first: each row is decoded and copied once
+            if applier.done():
+                break
+            for report in m["ranks"]:
+                load = _Reader(storage, report, stats)
+                if m is target and report["rank"] == rank:
+                    own = load
+                for table, entries in _entries(m, report, replicated):
+                    for entry in entries:
+                        applier.apply(table, entry, load)
+            applier.finish_checkpoint()
+    finally:
+        # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
+        # are stale now (even after a failure part way, when the rows are a mix).
+        invalidate_caches(tracker.tbes())
 
     reports = {r["rank"]: r for r in target["ranks"]}
     if replicated:

@@ -28,6 +28,7 @@ from cnr_torchrec.ckpt.payload import BlobWriter, checksum, flatten_state
 from cnr_torchrec.ckpt.planner import Decision
 from cnr_torchrec.ckpt.priority import choose_rows, gather_column_counts
 from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.track._tbe_cache import flush_caches
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import Codec
 from cnr_torchrec.track import DirtyRowTracker
@@ -169,6 +170,7 @@ def stage(
             "and the latest delta alone, so rows a budget left out would lose their saved updates"
         )
     column_counts = gather_column_counts(tracker, budget.priority, world_size) if limited else {}
+    flush_caches(tracker.tbes())  # fused_uvm_caching: rows updated in the cache, written back before any read
     dirty_total = left_total = 0
     tbe_iters = []
     for table in tracker.tables():

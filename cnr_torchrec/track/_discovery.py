@@ -17,6 +17,7 @@ from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisio
 from torchrec.distributed.types import ShardingType
 
 from cnr_torchrec.errors import UnsupportedShardingError
+from cnr_torchrec.track._tbe_cache import why_cache_inexact
 
 __all__ = ["ShardSlice", "TrackedKernel", "find_kernels", "plan_table_shapes"]
 
@@ -145,6 +146,13 @@ def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
                     raise UnsupportedShardingError(
                         f"tables {names} in '{fqn}' run on {type(tbe).__name__}, not an FBGEMM TBE; "
                         "use compute_kernel='fused' for them"
+                    )
+                inexact = why_cache_inexact(tbe)
+                if inexact is not None:
+                    raise UnsupportedShardingError(
+                        f"tables {names} in '{fqn}' run on a caching TBE that cannot be checkpointed exactly: "
+                        f"{inexact}. Give the cache the weights' precision (fused_params cache_precision) or use "
+                        "compute_kernel='fused_uvm' for them"
                     )
                 found.append(_describe(fqn, sharding_type, kernel, tbe))
     return found
