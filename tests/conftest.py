@@ -24,3 +24,18 @@ def backend(request):
     from cnr_torchrec._cuda_emu import load
 
     return load()
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """A gloo process group of one, in this process (faster than spawning a rank)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        assert dist.get_world_size() == 1
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()

@@ -17,7 +17,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from _dist import run_ranks
 from _toy import build_dmp, local_state, train
@@ -150,20 +149,7 @@ def _flip(path, pos, mask=0x01):
 
 
 @pytest.fixture(scope="module")
-def pg(tmp_path_factory):
-    """A gloo process group of one, in this process (faster than spawning a rank)."""
-    if dist.is_initialized():
-        assert dist.get_world_size() == 1
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def roots(pg, tmp_path_factory):
+def roots(group, tmp_path_factory):
     """Two roots of one rank: adaptive 4-bit (a baseline and 3 deltas) and fp32 (a baseline and 2 deltas)."""
     base = tmp_path_factory.mktemp("roots")
     q, n = str(base / "adaptive4"), str(base / "none")
@@ -393,7 +379,7 @@ def _two_rank_worker(rank, world_size, root):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(180)
-def test_two_rank_checkpoint_compacts_and_exports(pg, tmp_path, capsys):
+def test_two_rank_checkpoint_compacts_and_exports(group, tmp_path, capsys):
     root = str(tmp_path / "two")
     run_ranks(_two_rank_worker, world_size=2, timeout=150, args=(root,))
     tip = _manifest(root, 2)

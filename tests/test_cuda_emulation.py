@@ -11,8 +11,8 @@ tested in test_cuda_emulator.py.
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -56,19 +56,6 @@ def outcome(fn):
         return fn(), None
     except Exception as e:  # noqa: BLE001 - the type is what is compared
         return None, type(e)
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 # ---- dirty-row tracking ------------------------------------------------------------
@@ -566,7 +553,7 @@ def test_bad_calls_raise_the_same_error_and_message(call):
 def test_seed_changes_the_thread_order_but_not_our_kernels_results(layout):
     racy = []
     for seed in ("1", "2"):
-        with env("CNR_CUDA_EMU_SEED", seed):
+        with mock.patch.dict(os.environ, {"CNR_CUDA_EMU_SEED": seed}):
             racy.append(emu.selftest("racy"))
     assert not torch.equal(racy[0], racy[1]), "the seed does not change the order threads run in"
 
@@ -584,7 +571,7 @@ def test_seed_changes_the_thread_order_but_not_our_kernels_results(layout):
 
     results = []
     for seed in ("3", "4"):
-        with env("CNR_CUDA_EMU_SEED", seed):
+        with mock.patch.dict(os.environ, {"CNR_CUDA_EMU_SEED": seed}):
             results.append(run_all())
     assert_all_identical(results[0], results[1], "seed 3 vs seed 4")
 

@@ -7,8 +7,8 @@ leave the emulation usable. Both ways of switching between threads are tested.
 
 from __future__ import annotations
 
-import contextlib
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -16,19 +16,6 @@ import torch
 from cnr_torchrec import _cuda_emu
 
 emu = _cuda_emu.load()
-
-
-@contextlib.contextmanager
-def env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
 
 
 def expected_warp_semantics() -> torch.Tensor:
@@ -54,7 +41,7 @@ def expected_warp_semantics() -> torch.Tensor:
 
 @pytest.mark.parametrize("switch", ["fast", "ucontext"])
 def test_warp_and_block_operations_follow_cuda(switch):
-    with env("CNR_CUDA_EMU_SWITCH", switch):
+    with mock.patch.dict(os.environ, {"CNR_CUDA_EMU_SWITCH": switch}):
         assert torch.equal(emu.selftest("warp_semantics"), expected_warp_semantics())
 
 
@@ -71,7 +58,7 @@ KERNEL_FAULTS = {
 @pytest.mark.parametrize("switch", ["fast", "ucontext"])
 @pytest.mark.parametrize("name", KERNEL_FAULTS)
 def test_kernel_faults_raise_instead_of_hanging(switch, name):
-    with env("CNR_CUDA_EMU_SWITCH", switch):
+    with mock.patch.dict(os.environ, {"CNR_CUDA_EMU_SWITCH": switch}):
         with pytest.raises(RuntimeError, match=KERNEL_FAULTS[name]):
             emu.selftest(name)
         # The abandoned block's fibers and stacks are reused as they were.
@@ -87,5 +74,6 @@ def test_bad_launch_configurations_are_reported_by_check_launch(name):
 
 
 def test_a_bad_seed_is_a_clear_error():
-    with env("CNR_CUDA_EMU_SEED", "many"), pytest.raises(ValueError, match="CNR_CUDA_EMU_SEED must be an integer"):
+    bad_seed = mock.patch.dict(os.environ, {"CNR_CUDA_EMU_SEED": "many"})
+    with bad_seed, pytest.raises(ValueError, match="CNR_CUDA_EMU_SEED must be an integer"):
         emu.selftest("racy")

@@ -121,18 +121,6 @@ def test_sample_lookups_keeps_each_id_in_its_bag_in_order(rate, dtype, sync_free
 # ------------------------------------------------------------------ single-process tracker tests
 
 
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    """A world-size-1 gloo group in this process (the toy DMP needs one)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 SHARDINGS = ("row_wise", "column_wise", "table_wise", "table_row_wise", "data_parallel")
 
 

@@ -14,7 +14,6 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -85,17 +84,6 @@ def _watched_hooks(tracker, seen: list[str]):
     finally:
         for hooks, key, fn in patched:
             hooks[key] = fn
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _specs():

@@ -14,22 +14,10 @@ import contextlib
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from _toy import build_dmp, train
 
 ROWS, DIM = 48, 4
-
-
-@pytest.fixture(scope="module")
-def group(tmp_path_factory):
-    if dist.is_initialized():
-        yield
-        return
-    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def _specs():
