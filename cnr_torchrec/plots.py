@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cnr_torchrec.errors import CnrError
+from cnr_torchrec.errors import CnrError, ConfigError
 
 __all__ = ["PLOTS", "ReportError", "load_report", "validate_report", "build_series", "make_figures", "write_plots"]
 
@@ -167,7 +167,18 @@ def make_figures(report: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def write_plots(report: Mapping[str, Any], out_dir: str) -> list[str]:
-    """Writes the three PNGs into ``out_dir`` (created if needed); returns their paths."""
+    """Writes the three PNGs into ``out_dir`` (created if needed); returns their paths.
+
+    Raises:
+        ConfigError: matplotlib (the ``plot`` extra) is not installed.
+    """
+    try:
+        import matplotlib  # noqa: F401  (an optional dependency: the `plot` extra)
+    except ImportError as e:
+        raise ConfigError(
+            f"the plots need matplotlib, which this environment lacks ({e}); install it with "
+            "`pip install matplotlib`, or install cnr_torchrec with its `plot` extra"
+        ) from None
     os.makedirs(out_dir, exist_ok=True)
     paths = []
     for name, fig in make_figures(report).items():

@@ -545,6 +545,21 @@ def test_report_from_a_training_report_json(tmp_path, capsys):
     assert drawn["stall"] == [r["stall_ms"] for r in by_id]
 
 
+def test_report_without_matplotlib_says_what_to_install(tmp_path, capsys, monkeypatch):
+    import sys
+
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"format": "cnr-report", "version": 1, "world_size": 1, "full_snapshot_nbytes": 1,
+                                "checkpoints": [{"id": 0, "step": 1, "kind": "baseline", "method": "none",
+                                                 "bits": None, "rows_written": 1, "total_rows": 1,
+                                                 "dirty_fraction": 1.0, "nbytes": 1, "stall_ms": 0.0,
+                                                 "write_ms": 0.0}]}))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now raises ImportError
+    code, _, err = _run(capsys, "report", str(path), "--out", str(tmp_path / "plots"))
+    assert code != 0 and "pip install matplotlib" in err and "`plot` extra" in err
+    assert not (tmp_path / "plots").exists()
+
+
 # ---------------------------------------------------------------------- bad input
 
 
