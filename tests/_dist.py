@@ -1,4 +1,4 @@
-"""Runs a function on several gloo ranks in spawned processes, with a hard timeout."""
+"""Runs a function on several ranks (gloo, or NCCL on GPUs) in spawned processes, with a hard timeout."""
 
 from __future__ import annotations
 
@@ -13,12 +13,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple) -> None:
+def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple, backend: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
     except BaseException:
@@ -37,11 +39,13 @@ def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple) -> 
     os._exit(0)
 
 
-def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, args: tuple = ()) -> None:
-    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; fails on error or timeout."""
+def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, args: tuple = (),
+              backend: str = "gloo") -> None:
+    """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` group; fails on error or
+    timeout. With NCCL, rank r runs on ``cuda:r``."""
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, os.path.join(d, "rdzv"), args), nprocs=world_size, join=False,
+            _entry, args=(fn, world_size, os.path.join(d, "rdzv"), args, backend), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout

@@ -307,3 +307,13 @@ def dense_optimizer_state(dmp, opt) -> dict[str, dict]:
             out[names[id(p)]] = {k: v.detach().clone() if torch.is_tensor(v) else v
                                  for k, v in opt.state.get(p, {}).items()}
     return out
+
+
+def assert_same(got: dict, want: dict, what: str) -> None:
+    """``got`` equals ``want`` key by key, tensors bit for bit; ``what`` names the comparison on failure."""
+    assert got.keys() == want.keys(), (what, sorted(map(str, got.keys() ^ want.keys())))
+    for key, ref in want.items():
+        if torch.is_tensor(ref):
+            assert torch.equal(got[key], ref), (what, key, (got[key].double() - ref.double()).abs().max())
+        else:
+            assert got[key] == ref, (what, key)

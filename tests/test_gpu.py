@@ -18,15 +18,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import sys
-import tempfile
-import time
 import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from _dist import run_ranks
 
 from cnr_torchrec import ops as track_ops
 from cnr_torchrec.quant import _reference as ref
@@ -39,30 +37,14 @@ BITS = (2, 3, 4, 8)
 DIMS = (1, 3, 8, 33, 128)
 
 
-def _entry(rank: int, fn, backend: str, rdzv: str, args: tuple) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(0)
-    dist.init_process_group(backend, init_method=f"file://{rdzv}", rank=0, world_size=1)
-    try:
-        fn(*args)
-    finally:
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as in _dist.py: no C++ static destructors of helper threads at interpreter exit
+def _alone(rank: int, world_size: int, fn, *args) -> None:
+    fn(*args)
 
 
 def _run_alone(fn, *args, backend: str = "nccl", timeout: float = 240.0) -> None:
     """Runs ``fn(*args)`` as the only rank of a ``backend`` process group, in a spawned process, with a
-    hard timeout. A failure raises here with the worker's traceback."""
-    with tempfile.TemporaryDirectory() as d:
-        ctx = mp.start_processes(_entry, args=(fn, backend, os.path.join(d, "rdzv"), args), nprocs=1, join=False,
-                                 start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=5):
-            if time.monotonic() > deadline:
-                ctx.processes[0].kill()
-                raise TimeoutError(f"{fn.__name__} did not finish within {timeout:.0f}s")
+    hard timeout (a device-side assert fails one test, not the session). A failure raises here."""
+    run_ranks(_alone, world_size=1, timeout=timeout, args=(fn, *args), backend=backend)
 
 
 # ============================================================================ kernels against CPU
@@ -498,15 +480,6 @@ def _whole_weights(dmp) -> dict[str, torch.Tensor]:
     return out
 
 
-def _assert_same(got: dict, want: dict, what: str) -> None:
-    assert got.keys() == want.keys(), (what, sorted(map(str, got.keys() ^ want.keys())))
-    for key, v in want.items():
-        if torch.is_tensor(v):
-            assert torch.equal(got[key], v), (what, key, (got[key].double() - v.double()).abs().max())
-        else:
-            assert got[key] == v, (what, key)
-
-
 def _cuda_restore_worker(kernel: str, root: str, ref_path: str) -> None:
     """Saves a chain of a CUDA model, trains on, restores it in place and compares with the model at save time."""
     import _torchrec_models as M
@@ -538,7 +511,7 @@ def _cuda_restore_worker(kernel: str, root: str, ref_path: str) -> None:
         ckpt.close()
     # Every shard's weights and fused optimizer states, the dense parameters and buffers and the
     # dense optimizer's state, bit for bit; and so the same output.
-    _assert_same(_live_state(dmp, opt), saved, f"{kernel}: restored in place")
+    M.assert_same(_live_state(dmp, opt), saved, f"{kernel}: restored in place")
     assert torch.equal(_predict(dmp, probe), pred)
 
 

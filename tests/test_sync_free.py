@@ -156,6 +156,27 @@ def test_a_bad_id_is_raised_at_the_next_query_and_stays(group):
     tracker.dirty_rows("t_row_wise")  # a table whose TBE saw no bad id answers
 
 
+@pytest.mark.timeout(120)
+def test_the_record_is_read_once_per_interval_of_lookups(group, monkeypatch):
+    # Each read of a TBE's record is a host sync on CUDA, and a save queries the tracker many times.
+    from cnr_torchrec import ops
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs, sync_free=True)
+    tracker = dmp.dirty_tracker
+    reads: list[torch.Tensor] = []
+    real = ops.raise_lookup_errors
+    monkeypatch.setattr(ops, "raise_lookup_errors", lambda errors: (reads.append(errors), real(errors))[1])
+    _step(dmp, opt, _batch(specs, 0))
+    tracker.dirty_counts()
+    for table in tracker.tables():
+        tracker.dirty_rows(table)
+    assert len(reads) == len(tracker.tbes())  # every TBE once, however many queries
+    _step(dmp, opt, _batch(specs, 1))
+    tracker.dirty_counts()
+    assert len(reads) == 2 * len(tracker.tbes())  # new lookups: read again
+
+
 def _bad_save_worker(rank: int, world_size: int, root: str) -> None:
     import time
 

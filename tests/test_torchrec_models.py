@@ -143,15 +143,6 @@ def _dense_state(dmp, opt):
     return {k: v for k, v in M.local_state(dmp, opt).items() if isinstance(k, str)}
 
 
-def _assert_same(got, want, what):
-    assert got.keys() == want.keys(), (what, sorted(map(str, got.keys() ^ want.keys())))
-    for key, ref in want.items():
-        if torch.is_tensor(ref):
-            assert torch.equal(got[key], ref), (what, key, (got[key].double() - ref.double()).abs().max())
-        else:
-            assert got[key] == ref, (what, key)
-
-
 def _save_worker(rank, world_size, root, model, plan, ref_path, restore_same_plan):
     """Trains and saves a chain (baseline + 2 deltas); writes whole tables and dense state at the last
     save; then, optionally, restores onto a fresh model under the same plan and compares every shard."""
@@ -183,7 +174,7 @@ def _save_worker(rank, world_size, root, model, plan, ref_path, restore_same_pla
     assert Checkpointer(fresh, _config(root), dense_optimizer=opt2).restore() == 3
     # Every shard's weights and fused optimizer states, the dense parameters and buffers, and the
     # dense optimizer's state, bit for bit.
-    _assert_same(M.local_state(fresh, opt2), saved, "same plan")
+    M.assert_same(M.local_state(fresh, opt2), saved, "same plan")
 
 
 def _restore_worker(rank, world_size, root, model, plan, ref_path):
@@ -211,7 +202,7 @@ def _restore_worker(rank, world_size, root, model, plan, ref_path):
             torch.testing.assert_close(m, want_m, rtol=1e-6, atol=0, msg=t)
         else:
             assert torch.equal(m, want_m), (t, (m - want_m).abs().max())
-    _assert_same(_dense_state(dmp, opt), ref["dense"], "dense parameters")
+    M.assert_same(_dense_state(dmp, opt), ref["dense"], "dense parameters")
 
 
 @pytest.mark.timeout(240)
@@ -240,7 +231,7 @@ def _dense_optimizer_worker(rank, world_size, root, model, ref_path):
     got = M.dense_optimizer_state(dmp, opt)
     for name, state in got.items():
         if name in ref:  # in the dense optimizer under both plans: its own state, exactly
-            _assert_same(state, ref[name], f"dense optimizer state of {name}")
+            M.assert_same(state, ref[name], f"dense optimizer state of {name}")
         param = dict(dmp.named_parameters())[name]
         for key, value in state.items():
             assert not torch.is_tensor(value) or value.dim() == 0 or value.shape == param.shape, (

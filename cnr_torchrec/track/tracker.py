@@ -42,6 +42,9 @@ class _KernelState:
         # Problems of this TBE's lookups (cnr::mark_rows' record). Sync-free, they stay
         # here until a query raises them; otherwise the hook raises them at once.
         self.errors = ops.lookup_record(device)
+        # Whether the record was found clean with no lookup since: a save queries the tracker
+        # many times, and each read of the record is a host sync on CUDA.
+        self.checked = True
         # A record for the SSU pass, whose ids the first pass has already checked.
         self.sample_errors = ops.lookup_record(device) if sync_free else None
         words = ops.bitmap_words(info.num_rows)
@@ -68,6 +71,7 @@ class _KernelState:
 
     def mark(self, lookup: Lookup, counts: torch.Tensor | None = None, errors: torch.Tensor | None = None) -> None:
         """Marks the rows of ``lookup`` with the TBE's own row layout, recording its problems in ``errors``."""
+        self.checked = False
         ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, self.rows_per_table, self.bitmap, counts,
                       lookup.B_offsets, self.errors if errors is None else errors)
 
@@ -292,8 +296,9 @@ class DirtyRowTracker:
         """
         states = self._kernels if table is None else dict.fromkeys(k for k, _ in self._shards[table])
         for state in states:
-            if state.sync_free:
+            if state.sync_free and not state.checked:
                 self._raise_recorded(state, clear=False)
+                state.checked = True
 
     # ------------------------------------------------------------------ queries
 

@@ -100,4 +100,24 @@ struct Narrow {
 using Binary16 = Narrow<5, 10>;
 using BFloat16 = Narrow<8, 7>;
 
+// A device value of a 16-bit format, as CUDA's __half and __nv_bfloat16 are: its bits,
+// converted from float (implicitly: to nearest even) and to float.
+template <typename Format>
+struct Value16 {
+  unsigned short __x;  // the bits, as CUDA names them
+  Value16() = default;
+  Value16(float f) : __x(Format::from_float(f, Rounding::kNearestEven)) {}  // NOLINT: implicit, as in CUDA
+  operator float() const { return Format::to_float(__x); }                  // NOLINT: as in CUDA
+
+  static Value16 from_bits(unsigned short bits) {
+    Value16 v;
+    v.__x = bits;
+    return v;
+  }
+  static Value16 rounded(float f, Rounding mode) { return from_bits(Format::from_float(f, mode)); }
+  // -1 for -inf, 1 for +inf, else 0 (CUDA's __hisinf).
+  int infinity() const { return __x == Format::kInf ? 1 : (__x == (0x8000u | Format::kInf) ? -1 : 0); }
+  bool nan() const { return (__x & 0x7fffu) > Format::kInf; }
+};
+
 }  // namespace cnr_emu
