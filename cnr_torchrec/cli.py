@@ -195,14 +195,13 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from cnr_torchrec.ckpt.manifest import load_manifest
     from cnr_torchrec.ckpt.compact import export_state_dict
-    from cnr_torchrec.ckpt.offline import count_entries, resolve_id
+    from cnr_torchrec.ckpt.offline import count_entries, load_chain, resolve_id
 
     storage = _open(args)
     try:
         cid = resolve_id(storage, args.id)
-        chain = [load_manifest(storage, i) for i in load_manifest(storage, cid)["chain"]]
+        chain = load_chain(storage, cid, verify=False)
         bar, update = _progress(count_entries(chain), "export")
         try:
             state = export_state_dict(storage, cid, progress=update)

@@ -11,12 +11,13 @@ import pytest
 import yaml
 
 from cnr_torchrec.ckpt import POLICIES, CheckpointConfig, QuantizationConfig, load_config
+from cnr_torchrec.ckpt.config import CompactionConfig, KeepConfig
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import get_codec
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 POLICY_FILES = [CONFIGS / f"{p}.yaml" for p in ("full", "one_shot", "consecutive", "intermittent")]
-TOP_KEYS = {f.name for f in dataclasses.fields(CheckpointConfig)}
+TOP_KEYS = {f.name for f in dataclasses.fields(CheckpointConfig)} - {"keep_last"}  # keep_last: short for keep
 QUANT_KEYS = {f.name for f in dataclasses.fields(QuantizationConfig)}
 
 
@@ -70,8 +71,9 @@ def test_defaults():
     """A config with only a root gets the documented defaults."""
     cfg = load_config({"root": "/ckpt"})
     assert cfg == CheckpointConfig(root="/ckpt")
-    assert (cfg.policy, cfg.keep_last, cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s) == (
-        "consecutive", 2, "wait", 0.5, 600.0)
+    assert (cfg.policy, cfg.retention, cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s) == (
+        "consecutive", KeepConfig(checkpoints=2), "wait", 0.5, 600.0)
+    assert cfg.compaction is None
     assert cfg.quantization == QuantizationConfig(method="adaptive", bits=4, params={})
     assert cfg.storage_options == {}
 
@@ -99,9 +101,11 @@ def test_int_is_accepted_for_float_fields():
 def test_overrides_replace_file_values(tmp_path):
     path = POLICY_FILES[1]  # one_shot
     base = load_config(path)
-    cfg = load_config(path, policy="full", keep_last=7, root=str(tmp_path),
+    cfg = load_config(path, policy="full", keep={"checkpoints": 7}, root=str(tmp_path),
                       quantization={"method": "uniform_sym", "bits": 8})
-    assert (cfg.policy, cfg.keep_last, cfg.root) == ("full", 7, str(tmp_path))
+    assert (cfg.policy, cfg.retention, cfg.root) == ("full", KeepConfig(checkpoints=7), str(tmp_path))
+    with pytest.raises(ConfigError, match="give keep_last or keep, not both"):
+        load_config(path, keep_last=3)
     assert cfg.quantization == QuantizationConfig(method="uniform_sym", bits=8, params={})
     # Everything not overridden comes from the file.
     assert (cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s, cfg.storage_options) == (
@@ -152,7 +156,6 @@ BAD_VALUES = [
     ("keep_last", "2", ["keep_last", "expected an integer", "'2'"]),
     ("keep_last", True, ["keep_last", "expected an integer", "True"]),
     ("keep_last", 2.0, ["keep_last", "expected an integer"]),
-    ("keep_last", None, ["keep_last", "expected an integer"]),
     ("keep_last", 0, ["keep_last", "at least 1", "got 0"]),
     ("keep_last", -3, ["keep_last", "at least 1", "got -3"]),
     ("full_shard_fraction", "0.5", ["full_shard_fraction", "expected a number"]),
@@ -219,7 +222,7 @@ def test_typo_gives_did_you_mean(typo, meant):
     msg = str(e.value)
     assert f"unknown key '{typo}'" in msg
     assert f"(did you mean '{meant}'?)" in msg
-    assert str(sorted(TOP_KEYS)) in msg
+    assert str(sorted(TOP_KEYS | {"keep_last"})) in msg
 
 
 def test_typo_in_quantization_gives_did_you_mean():
@@ -269,3 +272,44 @@ def test_accepted_timeout_is_usable(value):
         return
     assert not math.isnan(cfg.save_timeout_s)
     assert timedelta(seconds=cfg.save_timeout_s) > timedelta(0)
+
+
+# ---- retention and compaction ---------------------------------------------------------
+
+
+def test_keep_last_is_short_for_keep_checkpoints():
+    assert load_config({"root": "/r", "keep_last": 5}).retention == KeepConfig(checkpoints=5)
+    cfg = load_config({"root": "/r", "keep": {"bytes": 10**9, "chains": 1}})
+    assert cfg.retention == KeepConfig(bytes=10**9, chains=1)
+
+
+@pytest.mark.parametrize("keep,words", [
+    ({}, ["keep: give checkpoints, bytes or chains"]),
+    ({"checkpoints": 0}, ["keep.checkpoints", "at least 1", "got 0"]),
+    ({"bytes": -5}, ["keep.bytes", "at least 1"]),
+    ({"checkpoint": 3}, ["unknown key 'checkpoint'", "did you mean 'checkpoints'"]),
+])
+def test_bad_keep_is_named(keep, words):
+    with pytest.raises(ConfigError) as e:
+        load_config({"root": "/r", "keep": keep})
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_compaction_config():
+    cfg = load_config({"root": "/r", "compaction": {"max_chain": 8}})
+    assert cfg.compaction == CompactionConfig(max_chain=8)
+    assert cfg.compaction.due(7, 100, 10) == "" and "8 deltas" in cfg.compaction.due(8, 100, 10)
+    ratio = CompactionConfig(max_chain_bytes_ratio=0.5)
+    assert ratio.due(3, 100, 49) == "" and "0.50x the baseline" in ratio.due(3, 100, 50)
+
+
+@pytest.mark.parametrize("data,words", [
+    ({"compaction": {}}, ["compaction: give max_chain"]),
+    ({"compaction": {"max_chain": 0}}, ["compaction.max_chain", "at least 1"]),
+    ({"compaction": {"max_chain_bytes_ratio": float("nan")}}, ["max_chain_bytes_ratio", "positive"]),
+    ({"compaction": {"max_chain": 4}, "policy": "intermittent"}, ["compaction needs policy consecutive"]),
+])
+def test_bad_compaction_is_named(data, words):
+    with pytest.raises(ConfigError) as e:
+        load_config({"root": "/r", **data})
+    assert all(w in str(e.value) for w in words), str(e.value)

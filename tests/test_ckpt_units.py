@@ -222,7 +222,7 @@ def test_failed_save_restarts_with_a_baseline():
 def test_decision_to_json():
     d = plan("consecutive", ChainState(2, (0, 1), 10, (1,)), step=42, prev={"a": 60})
     assert json.loads(json.dumps(d.to_json())) == {
-        "id": 2, "step": 42, "kind": "delta", "since": "previous", "parent": 1, "chain": [0, 1, 2],
+        "id": 2, "step": 42, "kind": "delta", "since": "previous", "parent": 1, "base": 0, "depth": 2,
         "encodings": {"a": "full", "b": "rows"}, "reason": "policy consecutive",
     }
 
@@ -526,8 +526,14 @@ def test_non_listing_backend_reads_through_the_plugin(storage):
 
 # ---- manifests -----------------------------------------------------------------------
 
-BODY = {"id": 3, "step": 12345, "kind": "delta", "chain": [0, 2, 3], "parent": 2, "since": "previous",
+BODY = {"id": 3, "step": 12345, "kind": "delta", "base": 0, "depth": 2, "parent": 2, "since": "previous",
         "encodings": {"t": "rows"}, "nbytes": 4096, "lr": 0.015625, "reason": "policy consecutive"}
+
+
+def test_a_version_2_manifest_gets_the_links_its_chain_list_gave(storage):
+    old = {k: v for k, v in BODY.items() if k not in ("base", "depth")} | {"chain": [0, 2, 3]}
+    storage.write(manifest_path(3), seal(old, version=2))
+    assert load_manifest(storage, 3) == old | {"base": 0, "depth": 2}
 
 
 def test_manifest_paths():
@@ -539,7 +545,7 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 2 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 3 and doc["body"] == BODY
     # The checksum covers the body's text as it stands in the file, between '"body": ' and the closing brace.
     text = raw[raw.index(b'"body": ') + len(b'"body": ') : raw.rindex(b"}")]
     assert json.loads(text) == BODY
@@ -554,7 +560,7 @@ def test_seal_and_load(storage):
     (b'"lr": 0.015625', b'"lr": 0.015624'),
     (b'"delta"', b'"delte"'),
     (b'"parent": 2', b'"parent": 3'),
-    (b"\n  2,\n", b"\n  1,\n"),  # inside the chain list
+    (b'"depth": 2', b'"depth": 1'),
     (b'"id": 3,\n', b'"id": 3, \n'),  # whitespace: the checksum covers the text as written
 ])
 def test_manifest_edit_that_still_parses_is_caught(storage, old, new):
@@ -606,14 +612,14 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [1, 3, 0, None, "2"])
+@pytest.mark.parametrize("version", [1, 4, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads version 2" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads versions 2 and 3" in str(e.value)
     assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
 

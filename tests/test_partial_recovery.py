@@ -100,11 +100,11 @@ def _worker(rank, world_size, root):
             assert torch.equal(v, ref), k
 
     # Only the failed rank read, and only its own shards (plus rank 0's dense optimizer blobs).
-    from cnr_torchrec.ckpt.manifest import load_manifest
+    from cnr_torchrec.ckpt.offline import load_chain
     from cnr_torchrec.ckpt.storage import Storage
 
     storage = Storage(root)
-    chain = [load_manifest(storage, i) for i in load_manifest(storage, info.ckpt_id)["chain"]]
+    chain = load_chain(storage, info.ckpt_id, verify=False)
     own = sum(r["nbytes"] for m in chain for r in m["ranks"] if r["rank"] == 1)
     first = chain[-1]["ranks"][0]
     opt_bytes = sum(b["nbytes"] for n, b in first["blobs"].items() if n.startswith("dense_optimizer"))

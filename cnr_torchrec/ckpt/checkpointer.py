@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -14,11 +15,13 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
+from cnr_torchrec.ckpt.catalog import Catalog, remove_uncommitted
 from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
+from cnr_torchrec.ckpt.compaction import Compaction
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.dense_optim import param_names
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
-from cnr_torchrec.ckpt.manifest import ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.manifest import chain_ids, ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.partial import RecoveryInfo, recover
 from cnr_torchrec.ckpt.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.resolve import resolve_chain
@@ -125,8 +128,13 @@ class Checkpointer(CommitProtocol):
         self.codec = self._pick_codec()
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
         self._table_fqns = _table_fqns(model, tracker)
-        if config.policy in ("one_shot", "intermittent"):
-            tracker.enable_baseline_view()
+        if config.policy in ("one_shot", "intermittent") or config.compaction is not None:
+            tracker.enable_baseline_view()  # compaction: the rows dirty since its tip
+        if config.compaction is not None and config.budget.max_rows_fraction is not None:
+            raise ConfigError(
+                "compaction and budget.max_rows_fraction do not go together yet: the delta that hangs on a compacted "
+                "baseline must hold every row dirty since the compaction's tip. Leave one of them out"
+            )
         if config.budget.max_rows_fraction is not None:
             if config.policy != "consecutive":
                 raise ConfigError(
@@ -160,6 +168,13 @@ class Checkpointer(CommitProtocol):
         self._timer = IntervalTimer()
         self._plan: IntervalPlan | None = None
         self._last_stall_s = 0.0
+        # Background compaction (see cnr_torchrec.ckpt.compaction): the delta chosen as the next one's tip,
+        # and the compaction in flight.
+        self._compaction_tip: int | None = None
+        self._compaction: Compaction | None = None
+        # Rank 0: the committed checkpoints, loaded at the first commit and then kept up to date.
+        self._catalog: Catalog | None = None
+        self._catalog_lock = threading.Lock()
 
     # ------------------------------------------------------------------ public
 
@@ -209,7 +224,8 @@ class Checkpointer(CommitProtocol):
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
-        prev, base, held, (step_s, last_stall_s) = counts
+        prev, base, held, (step_s, last_stall_s), compacted_everywhere = counts
+        hang_on_compacted = self._compaction_step(compacted_everywhere)
         if self.config.interval is not None:
             self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
                                        world_size=self.world_size)
@@ -217,13 +233,18 @@ class Checkpointer(CommitProtocol):
         decision = decide(
             policy=self.config.policy, state=self._state, step=step, dirty_since_previous=prev,
             dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
-            force_baseline=self._force_baseline,
+            force_baseline=self._force_baseline, since_view=hang_on_compacted,
         )
+        tip = self._compaction_due(decision) and not hang_on_compacted
+        if tip:
+            self._compaction_tip = decision.ckpt_id
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction")
         staged, stage_error = self._stage(decision)
         if staged is not None:
             # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
             # (A rank that could not stage keeps every row dirty: the next save is a baseline anyway.)
-            self.tracker.reset(baseline=decision.kind == "baseline", keep=staged.left_out)
+            # A compaction's tip restarts the "since baseline" view: the rows dirty since the tip.
+            self.tracker.reset(baseline=decision.kind == "baseline" or tip, keep=staged.left_out)
         self._force_baseline = ""
         # Until the outcome is known, assume failure: the interval's rows are gone from the tracker.
         self._state_if_failed = self._state.failed(decision)
@@ -255,8 +276,8 @@ class Checkpointer(CommitProtocol):
                 ``OSError``); the message names this rank and the original error.
         """
         try:
-            ids = committed_ids(self._storage)
-            return [CheckpointInfo.from_manifest(load_manifest(self._storage, i)) for i in ids]
+            bodies = {i: load_manifest(self._storage, i) for i in committed_ids(self._storage)}
+            return [CheckpointInfo.from_manifest(m, chain_ids(m, bodies)) for m in bodies.values()]
         except CnrError:
             raise
         except Exception as e:
@@ -306,6 +327,7 @@ class Checkpointer(CommitProtocol):
             raise ConfigError(f"per_rank_state: {per_rank_state!r} is not one of ['strict', 'drop']")
         if self._inflight is not None:
             self._settle(self._inflight)
+        self._drop_compaction()
 
         def attempt(ids: list[int], chain: list[dict[str, Any]] | None):
             """Applies the chain on this rank. Returns (failure for the others, own exception, chain)."""
@@ -409,7 +431,7 @@ class Checkpointer(CommitProtocol):
         if bad:
             log.warning("restored checkpoint %d (step %d) instead of newer ones: %s", m["id"], m["step"],
                         "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items())))
-        log.info("restored checkpoint %d (step %d, chain %s)", m["id"], m["step"], m["chain"])
+        log.info("restored checkpoint %d (step %d, chain %s)", m["id"], m["step"], [c["id"] for c in chain])
         return int(m["step"])
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
@@ -421,6 +443,7 @@ class Checkpointer(CommitProtocol):
         try:
             if self._inflight is not None:
                 self._settle(self._inflight)
+            self._drop_compaction()
         finally:
             self._executor.shutdown(wait=True)
             if self._bg_storage is not None:
@@ -508,6 +531,83 @@ class Checkpointer(CommitProtocol):
             else:
                 self._state = self._state.committed(handle.decision, info.nbytes)
 
+    # ------------------------------------------------------------------ compaction
+
+    def _compaction_step(self, compacted_everywhere: bool) -> bool:
+        """At a save, before its decision: folds a compaction every rank has finished, or starts one
+        whose tip has committed. Returns whether this save's delta hangs on a compacted baseline.
+
+        Every input is agreed (the chain state, and the all-gathered ``compacted_everywhere``),
+        so every rank takes the same step.
+        """
+        comp = self._compaction
+        if comp is not None and compacted_everywhere:
+            self._compaction = None
+            out = comp.outcome()
+            if out.ok and comp.tip in self._state.chain and self._state.chain[0] == comp.chain[0]:
+                log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
+                         comp.chain[0], comp.tip)
+                self._state = ChainState(self._state.next_id, (comp.new_id,), int(out.manifest["nbytes"]), ())
+                return True
+            log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],
+                        comp.tip, f"failed: {out.error}" if not out.ok else "is moot: the chain changed meanwhile")
+            return False
+        tip = self._compaction_tip
+        if comp is None and tip is not None and self._state.chain and self._state.chain[-1] == tip:
+            new_id = self._state.next_id
+            self._state = dataclasses.replace(self._state, next_id=new_id + 1)
+            self._compaction_tip = None
+            log.info("compaction %d of chain %d..%d starts in the background", new_id, self._state.chain[0], tip)
+            self._compaction = Compaction(
+                new_id=new_id, chain=self._state.chain, rank=self.rank, world_size=self.world_size,
+                tracker=self.tracker, open_storage=lambda: Storage(self.config.root, self.config.storage_options),
+                store=self._store, timeout_s=self.config.save_timeout_s, on_commit=self._catalog_add,
+            )
+        elif tip is not None and tip not in self._state.chain:
+            self._compaction_tip = None  # the tip's save failed
+        return False
+
+    def _compaction_due(self, decision: Decision) -> bool:
+        """Whether ``decision`` (a delta) brings the chain to the compaction trigger, with none under way."""
+        cfg = self.config.compaction
+        if cfg is None or decision.kind != "delta" or self._compaction is not None or self._compaction_tip is not None:
+            return False
+        why = cfg.due(len(decision.chain) - 1, self._state.baseline_bytes, sum(self._state.delta_bytes))
+        if why:
+            log.info("save %d is the tip of the next compaction: %s", decision.ckpt_id, why)
+        return bool(why)
+
+    def _drop_compaction(self) -> None:
+        """Waits for the compaction in flight and forgets it (a restore starts the chain state afresh)."""
+        comp, self._compaction, self._compaction_tip = self._compaction, None, None
+        if comp is not None:
+            out = comp.outcome()
+            log.info("compaction %d %s before the restore; it is not folded", comp.new_id,
+                     "committed" if out.ok else "failed")
+
+    def _pinned(self) -> tuple[int, ...]:
+        """What retention must keep besides its rule: the chain a compaction reads, and its result until folded."""
+        comp = self._compaction
+        return () if comp is None else comp.chain + (comp.new_id,)
+
+    def _catalog_add(self, body: dict[str, Any], storage: Storage) -> None:
+        """Rank 0, after a commit: the catalog takes ``body``, and retention collects what it does not keep.
+        Never fails the commit."""
+        try:
+            with self._catalog_lock:
+                if self._catalog is None:
+                    self._catalog = Catalog.load(storage)  # once per Checkpointer: it reads every manifest
+                    stale = remove_uncommitted(storage, body["id"], keep=self._pinned())
+                    if stale:
+                        log.info("removed the directories of saves that never committed: %s", stale)
+                else:
+                    self._catalog.add(body)
+                drop = self._catalog.collect(storage, self.config.retention, pinned=self._pinned())
+            if drop:
+                log.info("garbage-collected checkpoints %s (%s)", drop, self.config.retention)
+        except Exception as e:
+            log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
+
     def _make_store(self, token: int) -> Any:
         """The c10d store, under keys namespaced by ``token`` (the same on every rank)."""
         if not self._dist:
@@ -538,15 +638,18 @@ class Checkpointer(CommitProtocol):
     def _gather_counts(self, busy: bool):
         """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.
 
-        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s)),
-        or None if any rank is still writing (skip this save).
+        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s), whether
+        every rank's part of the compaction in flight is over), or None if any rank is still
+        writing (skip this save).
         """
         tables = self.tracker.tables()
         prev = self.tracker.dirty_counts()
         base = self.tracker.dirty_counts(since_baseline=True) if self.tracker.has_baseline_view else prev
         held = {t: sum(r1 - r0 for (r0, r1) in {rows for rows, _ in self.tracker.shard_ranges(t)}) for t in tables}
         timing = [round(self._timer.step_s * 1e6), round(self._last_stall_s * 1e6)]  # microseconds
-        row = [prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing + [int(busy)]
+        compacted = int(self._compaction is not None and self._compaction.finished())
+        row = ([prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing
+               + [compacted, int(busy)])
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
             dev = self._ranks.device
@@ -561,7 +664,7 @@ class Checkpointer(CommitProtocol):
         n = len(tables)
         split = [dict(zip(tables, total[i * n : (i + 1) * n].tolist())) for i in range(3)]
         step_us, stall_us = slowest[3 * n : 3 * n + 2].tolist()
-        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6)
+        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6), int(total[-2]) == self.world_size
 
     def _pick_codec(self):
         """The codec for the next saves: configured bits, or ``bits: auto`` from the restores expected and done."""
@@ -583,7 +686,7 @@ class Checkpointer(CommitProtocol):
         next_id = self._ranks.from_rank0(lambda: self._next_id(m["id"]),
                                          what=f"listing the checkpoints under {self.config.root}")
         if self.config.policy == "consecutive":
-            self._state = ChainState(next_id, tuple(m["chain"]), chain[0]["nbytes"],
+            self._state = ChainState(next_id, tuple(c["id"] for c in chain), chain[0]["nbytes"],
                                      tuple(c["nbytes"] for c in chain[1:]))
         else:
             # The rows dirty between the baseline and this point are not in the tracker any more.

@@ -11,23 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import posixpath
 import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 from cnr_torchrec.ckpt import faults
-from cnr_torchrec.ckpt.manifest import (
-    ckpt_dir,
-    committed_ids,
-    existing_dir_ids,
-    load_manifest,
-    manifest_path,
-    rank_file,
-    seal,
-    write_index,
-)
+from cnr_torchrec.ckpt.manifest import ckpt_dir, manifest_path, rank_file, seal
 from cnr_torchrec.ckpt.planner import Decision
 from cnr_torchrec.ckpt.save import Staged, write_rank
 from cnr_torchrec.ckpt.storage import Storage
@@ -56,9 +46,10 @@ class CheckpointInfo:
     write_ms: float
 
     @classmethod
-    def from_manifest(cls, m: dict[str, Any]) -> CheckpointInfo:
+    def from_manifest(cls, m: dict[str, Any], chain: tuple[int, ...]) -> CheckpointInfo:
+        """The info of manifest body ``m``, whose chain (ids, baseline first) is ``chain``."""
         return cls(
-            id=m["id"], step=m["step"], kind=m["kind"], parent=m["parent"], chain=tuple(m["chain"]),
+            id=m["id"], step=m["step"], kind=m["kind"], parent=m["parent"], chain=tuple(chain),
             policy=m["policy"], nbytes=m["nbytes"], rows_written=sum(r["rows_written"] for r in m["ranks"]),
             world_size=m["world_size"], codec=m["codec"], stall_ms=max(r["stall_ms"] for r in m["ranks"]),
             write_ms=max(r["write_ms"] for r in m["ranks"]),
@@ -68,7 +59,7 @@ class CheckpointInfo:
 
 class CommitProtocol:
     """The background half of :class:`~cnr_torchrec.ckpt.Checkpointer` (a mixin: it uses the
-    Checkpointer's config, codec, rank, store and tracker)."""
+    Checkpointer's config, codec, rank, store, tracker and catalog)."""
 
     def _write(self, d: Decision, staged: Staged | None, stage_error: str = "") -> CheckpointInfo:
         """Writes this rank's payload (``staged``; None if staging failed with ``stage_error``) and commits.
@@ -99,7 +90,9 @@ class CommitProtocol:
                 f"save {d.ckpt_id} at step {d.step} did not commit: {result['error']}. "
                 f"The previous checkpoint is intact; the next save writes a new baseline."
             )
-        return CheckpointInfo.from_manifest(result["manifest"]) if "manifest" in result else self._info(d, result)
+        if "manifest" in result:
+            return CheckpointInfo.from_manifest(result["manifest"], d.chain)
+        return self._info(d, result)
 
     def _background_storage(self) -> Storage:
         """The save thread's own Storage (Storage is not thread-safe), opened on first use."""
@@ -162,7 +155,7 @@ class CommitProtocol:
         result = self._publish(d, result)
         if result["ok"]:
             faults.hit("gc.before")
-            self._after_commit(storage)
+            self._catalog_add(result["manifest"], storage)
         return result
 
     def _publish(self, d: Decision, result: dict[str, Any]) -> dict[str, Any]:
@@ -176,7 +169,7 @@ class CommitProtocol:
             return result
         slim = {k: v for k, v in result.items() if k != "manifest"}
         if result["ok"]:
-            info = CheckpointInfo.from_manifest(result["manifest"])
+            info = CheckpointInfo.from_manifest(result["manifest"], d.chain)
             slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=info.codec,
                         stall_ms=info.stall_ms, write_ms=info.write_ms)
         try:
@@ -210,31 +203,6 @@ class CommitProtocol:
             "created_unix": time.time(),
             "ranks": reports,
         }
-
-    def _after_commit(self, storage: Storage) -> None:
-        """Rewrites the index and deletes checkpoints that no kept chain needs. Never fails the save."""
-        try:
-            ids = committed_ids(storage)
-            manifests = {i: load_manifest(storage, i) for i in ids}
-            baselines = [i for i in ids if manifests[i]["kind"] == "baseline"]
-            keep_bases = set(baselines[-self.config.keep_last :])
-            keep = {i for i, m in manifests.items() if m["chain"][0] in keep_bases}
-            drop = [i for i in ids if i not in keep]
-            write_index(storage, sorted(keep))
-            for i in drop:
-                m = manifests[i]
-                storage.delete(manifest_path(i))  # uncommit first, then the payload
-                # Only files inside the checkpoint's own directory: a crafted manifest must not delete others.
-                own = [r["file"] for r in m["ranks"] if posixpath.dirname(r["file"]) == ckpt_dir(i)]
-                storage.remove_dir(ckpt_dir(i), own)
-            newest = max(ids)
-            for i in existing_dir_ids(storage):
-                if i < newest and i not in manifests:  # a save that never committed
-                    storage.remove_dir(ckpt_dir(i), [])
-            if drop:
-                log.info("garbage-collected checkpoints %s (keep_last=%d chains)", drop, self.config.keep_last)
-        except Exception as e:
-            log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
         """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too).

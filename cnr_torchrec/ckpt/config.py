@@ -16,7 +16,16 @@ import yaml
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["POLICIES", "BudgetConfig", "CheckpointConfig", "FailureConfig", "QuantizationConfig", "load_config"]
+__all__ = [
+    "POLICIES",
+    "BudgetConfig",
+    "CheckpointConfig",
+    "CompactionConfig",
+    "FailureConfig",
+    "KeepConfig",
+    "QuantizationConfig",
+    "load_config",
+]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
@@ -169,6 +178,73 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True)
+class KeepConfig:
+    """What each commit keeps under the root; the rest is deleted.
+
+    A checkpoint is kept with everything its chain needs, so any kept checkpoint restores.
+    The newest checkpoint is always kept.
+
+    Attributes:
+        checkpoints: the newest N checkpoints stay restorable (None: no limit by count).
+        bytes: keep the newest checkpoints while what they need, together, fits in this many
+            bytes (None: no limit by size). With ``checkpoints`` too, both limits hold.
+        chains: also keep every checkpoint of the newest K chains (None: none beyond the above).
+    """
+
+    checkpoints: int | None = None
+    bytes: int | None = None
+    chains: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoints", "bytes", "chains"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"keep.{name}: must be at least 1 or null, got {value}")
+        if self.checkpoints is None and self.bytes is None and self.chains is None:
+            raise ConfigError("keep: give checkpoints, bytes or chains (or leave keep out: the newest 2 checkpoints "
+                              "are kept)")
+
+
+@dataclass(frozen=True)
+class CompactionConfig:
+    """Background, lossless compaction of the chain being written into a new baseline.
+
+    When a save finds the chain past a trigger, the ranks fold it, from storage, into a
+    baseline that keeps each row's stored bytes; the next deltas hang on it and the old
+    chain is collected. Training waits for none of it.
+
+    Attributes:
+        max_chain: compact once the chain holds this many deltas (None: no limit by length).
+        max_chain_bytes_ratio: compact once the chain's deltas hold this many times the
+            baseline's bytes (None: no limit by size).
+    """
+
+    max_chain: int | None = None
+    max_chain_bytes_ratio: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_chain is not None and self.max_chain < 1:
+            raise ConfigError(f"compaction.max_chain: must be at least 1 delta, got {self.max_chain}")
+        ratio = self.max_chain_bytes_ratio
+        if ratio is not None and not (math.isfinite(ratio) and ratio > 0):
+            raise ConfigError(f"compaction.max_chain_bytes_ratio: must be a positive number, got {ratio}")
+        if self.max_chain is None and ratio is None:
+            raise ConfigError("compaction: give max_chain (deltas) or max_chain_bytes_ratio (deltas' bytes over the "
+                              "baseline's), or leave compaction out")
+
+    def due(self, deltas: int, baseline_bytes: int, delta_bytes: int) -> str:
+        """Why a chain of ``deltas`` deltas holding ``delta_bytes`` on a baseline of ``baseline_bytes``
+        is due for compaction; empty if it is not."""
+        if self.max_chain is not None and deltas >= self.max_chain:
+            return f"{deltas} deltas >= compaction.max_chain {self.max_chain}"
+        ratio = self.max_chain_bytes_ratio
+        if ratio is not None and deltas and delta_bytes >= ratio * baseline_bytes:
+            return (f"deltas hold {delta_bytes / max(baseline_bytes, 1):.2f}x the baseline's bytes >= "
+                    f"compaction.max_chain_bytes_ratio {ratio}")
+        return ""
+
+
+@dataclass(frozen=True)
 class CheckpointConfig:
     """Everything a :class:`~cnr_torchrec.ckpt.Checkpointer` needs to know.
 
@@ -180,7 +256,10 @@ class CheckpointConfig:
             ``intermittent`` (one_shot, plus a new baseline when the sizes say so).
         quantization: the codec for embedding weight rows, and the precision of the
             fused optimizer's row state. Dense parameters are always stored in full precision.
-        keep_last: number of chains (a baseline and the deltas that need it) kept after a commit.
+        keep_last: the newest N checkpoints stay restorable after a commit (with what their
+            chains need); a shorthand for ``keep: {checkpoints: N}``. Default 2.
+        keep: retention by checkpoints, bytes and chains (see :class:`KeepConfig`).
+        compaction: background compaction of the chain (see :class:`CompactionConfig`); None: off.
         on_busy: what ``save`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this save (the dirty rows carry over to the next one).
         full_shard_fraction: when at least this share of a table's rows is dirty, its
@@ -200,7 +279,9 @@ class CheckpointConfig:
     root: str
     policy: Policy = "consecutive"
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
-    keep_last: int = 2
+    keep_last: int | None = None
+    keep: KeepConfig | None = None
+    compaction: CompactionConfig | None = None
     on_busy: Literal["wait", "skip"] = "wait"
     full_shard_fraction: float = 0.5
     save_timeout_s: float = 600.0
@@ -213,8 +294,16 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         if not self.root:
             raise ConfigError("root: give the directory or storage URI where checkpoints go")
-        if self.keep_last < 1:
-            raise ConfigError(f"keep_last: must be at least 1 (the chain being written), got {self.keep_last}")
+        if self.keep_last is not None and self.keep_last < 1:
+            raise ConfigError(f"keep_last: must be at least 1 (the checkpoint being written), got {self.keep_last}")
+        if self.keep_last is not None and self.keep is not None:
+            raise ConfigError("give keep_last or keep, not both: keep_last: N is keep: {checkpoints: N}")
+        if self.compaction is not None and self.policy != "consecutive":
+            raise ConfigError(
+                f"compaction needs policy consecutive, not {self.policy!r}: under full every checkpoint is a baseline "
+                "already, a one_shot chain is two checkpoints long, and intermittent bounds its chains by writing "
+                "baselines. Use policy consecutive with compaction, or leave compaction out"
+            )
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
         if self.quantization.bits == "auto" and self.failure.estimate_restores is None:
@@ -233,6 +322,11 @@ class CheckpointConfig:
                 f"save_timeout_s: must be a positive number of seconds up to {_MAX_TIMEOUT_S:.0f}, "
                 f"got {self.save_timeout_s}"
             )
+
+    @property
+    def retention(self) -> KeepConfig:
+        """What a commit keeps: ``keep``, else the newest ``keep_last`` (default 2) checkpoints."""
+        return self.keep or KeepConfig(checkpoints=self.keep_last or 2)
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> CheckpointConfig:

@@ -12,12 +12,18 @@ A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`
 ``xxh3`` covers the body's text exactly as it stands in the file, so an edited or
 bit-flipped manifest is caught even when it still parses, and checking it needs no second
 serialization of the body.
+
+A body links to its chain by ``parent`` (the checkpoint whose restored state it applies on),
+``base`` (the chain's baseline) and ``depth`` (links from the baseline: 0 for a baseline), so
+its size does not grow with the chain; :func:`walk_chain` follows the links back. Version 2
+bodies listed the whole chain instead; they are read, and given the links, on load.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from cnr_torchrec.ckpt.payload import checksum
@@ -35,10 +41,12 @@ __all__ = [
     "load_manifest",
     "committed_ids",
     "write_index",
+    "walk_chain",
+    "chain_ids",
 ]
 
 FORMAT = "cnr-checkpoint"
-VERSION = 2  # 2: XXH3 checksums (1 had sha256)
+VERSION = 3  # 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1 had sha256)
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -64,10 +72,10 @@ def ckpt_id_of(path: str) -> int | None:
 _BODY_KEY = b'"body": '
 
 
-def seal(body: dict[str, Any]) -> bytes:
+def seal(body: dict[str, Any], version: int = VERSION) -> bytes:
     """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers."""
     text = json.dumps(body, indent=1, allow_nan=False).encode()
-    head = json.dumps({"format": FORMAT, "version": VERSION, "xxh3": checksum(text)}).encode()
+    head = json.dumps({"format": FORMAT, "version": version, "xxh3": checksum(text)}).encode()
     return head[:-1] + b", " + _BODY_KEY + text + b"}"
 
 
@@ -94,21 +102,74 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
         raise CorruptCheckpointError(f"{path} is not a cnr_torchrec manifest", path=path)
     version = doc.get("version")
-    if version != VERSION:
+    if version not in _READABLE:
         if isinstance(version, int) and 0 < version < VERSION:
             how = ("it was written by an earlier cnr_torchrec (version 1 used sha256 checksums). Restore it with the "
                    "build that wrote it and save a new baseline with this one")
         else:
             how = "upgrade cnr_torchrec to read it"
         raise CorruptCheckpointError(
-            f"{path} has format version {version!r}; this build reads version {VERSION}: {how}.", path=path
+            f"{path} has format version {version!r}; this build reads versions 2 and {VERSION}: {how}.", path=path
         )
     body = doc["body"]
     if checksum(_body_text(raw)) != doc.get("xxh3"):
         raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
-    if body.get("id") != ckpt_id:
-        raise CorruptCheckpointError(f"{path} describes checkpoint {body.get('id')}, not {ckpt_id}", path=path)
+    if not isinstance(body, dict) or body.get("id") != ckpt_id:
+        what = body.get("id") if isinstance(body, dict) else type(body).__name__
+        raise CorruptCheckpointError(f"{path} describes checkpoint {what}, not {ckpt_id}", path=path)
+    if version == 2:
+        _links_from_chain(body, path)
     return body
+
+
+_READABLE = (2, VERSION)
+
+
+def _links_from_chain(body: dict[str, Any], path: str) -> None:
+    """A version 2 body listed its chain; it gets the links a version 3 body holds."""
+    chain = body.get("chain")
+    if not (isinstance(chain, list) and chain and all(type(i) is int for i in chain)):
+        raise CorruptCheckpointError(f"{path} has an invalid chain {chain!r}", path=path)
+    body["base"], body["depth"] = chain[0], len(chain) - 1
+
+
+def walk_chain(tip: dict[str, Any], load: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
+    """The bodies of ``tip``'s chain, baseline first, following ``parent`` links with ``load(id)``.
+
+    Every link must hold: a parent older than its child, of the same ``base`` and one
+    ``depth`` less, and the walk must end at a baseline whose id is the ``base``. So a
+    crafted or mixed-up manifest can neither loop nor splice chains together.
+
+    Raises:
+        CorruptCheckpointError: a link does not hold, or a member is not committed (names its manifest).
+    """
+    chain = [tip]
+    node = tip
+    while node["kind"] != "baseline":
+        parent = node.get("parent")
+        path = manifest_path(node["id"])
+        if type(parent) is not int or not 0 <= parent < node["id"] or node["depth"] < 1:
+            raise CorruptCheckpointError(f"{path}: delta {node['id']} has parent {parent!r} at depth "
+                                         f"{node['depth']}; a delta's parent is an older checkpoint", path=path)
+        try:
+            up = load(parent)
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(
+                f"{manifest_path(parent)} is missing: checkpoint {tip['id']} needs checkpoint {parent}, which is "
+                "not committed", path=manifest_path(parent)) from None
+        if up["base"] != node["base"] or up["depth"] != node["depth"] - 1:
+            raise CorruptCheckpointError(
+                f"{manifest_path(parent)}: checkpoint {parent} (base {up['base']}, depth {up['depth']}) does not fit "
+                f"the chain of checkpoint {node['id']} (base {node['base']}, depth {node['depth']})",
+                path=manifest_path(parent))
+        chain.append(up)
+        node = up
+    if node["id"] != node["base"] or node["depth"] != 0 or node.get("parent") is not None:
+        path = manifest_path(node["id"])
+        raise CorruptCheckpointError(f"{path}: baseline {node['id']} has base {node['base']}, depth "
+                                     f"{node['depth']} and parent {node.get('parent')!r}; a baseline is its own "
+                                     "base, at depth 0, with no parent", path=path)
+    return chain[::-1]
 
 
 def committed_ids(storage: Storage) -> list[int]:
@@ -147,3 +208,14 @@ def existing_dir_ids(storage: Storage) -> list[int]:
 
 def write_index(storage: Storage, ids: list[int]) -> None:
     storage.write_atomic(INDEX, json.dumps({"format": "cnr-index", "committed": sorted(ids)}).encode())
+
+
+def chain_ids(body: Mapping[str, Any], bodies: Mapping[int, Mapping[str, Any]]) -> tuple[int, ...]:
+    """``body``'s chain as ids, baseline first, as far as ``bodies`` hold its members (for listings;
+    a restore checks every link with :func:`walk_chain`)."""
+    ids = [body["id"]]
+    node = body
+    while node.get("parent") is not None and node["parent"] in bodies and len(ids) <= body["depth"]:
+        node = bodies[node["parent"]]
+        ids.append(node["id"])
+    return tuple(ids[::-1])

@@ -26,7 +26,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cnr_torchrec.ckpt.manifest import ckpt_dir, committed_ids, existing_dir_ids, load_manifest, manifest_path
+from cnr_torchrec.ckpt.manifest import (
+    chain_ids,
+    ckpt_dir,
+    committed_ids,
+    existing_dir_ids,
+    load_manifest,
+    manifest_path,
+    walk_chain,
+)
 from cnr_torchrec.ckpt.restore import _Reader
 from cnr_torchrec.ckpt.save import decode_ids
 from cnr_torchrec.ckpt.storage import Storage
@@ -133,19 +141,7 @@ def load_chain(storage: Storage, ckpt_id: int, *, verify: bool = True) -> list[d
             p = problems[0]
             more = f" (and {len(problems) - 1} more problems; `cnr verify` lists them)" if len(problems) > 1 else ""
             raise CorruptCheckpointError(f"{p.path}: {p.message}{more}", path=p.path)
-    tip = load_manifest(storage, ckpt_id)
-    chain = []
-    for i in tip["chain"][:-1]:
-        if not storage.exists(manifest_path(i)):
-            raise CorruptCheckpointError(
-                f"checkpoint {ckpt_id} needs checkpoint {i}, whose {manifest_path(i)} is missing", path=manifest_path(i)
-            )
-        chain.append(load_manifest(storage, i))
-    chain.append(tip)
-    if chain[0]["kind"] != "baseline":
-        path = manifest_path(chain[0]["id"])
-        raise CorruptCheckpointError(f"the chain of checkpoint {ckpt_id} starts at a delta ({path})", path=path)
-    return chain
+    return walk_chain(load_manifest(storage, ckpt_id), lambda i: load_manifest(storage, i))
 
 
 def count_entries(chain: list[Mapping[str, Any]]) -> int:
@@ -363,7 +359,8 @@ def checkpoint_row(m: Mapping[str, Any]) -> dict[str, Any]:
         "write_ms": max(float(r["write_ms"]) for r in m["ranks"]),
         "policy": m.get("policy"),
         "parent": m.get("parent"),
-        "chain": list(m["chain"]),
+        "base": m["base"],
+        "depth": m["depth"],
         "world_size": m["world_size"],
         "reason": m.get("reason", ""),
         "compacted_from": m.get("compacted_from"),
@@ -402,6 +399,9 @@ def summarize(storage: Storage) -> dict[str, Any]:
             continue
         manifests.append(m)
         rows.append(checkpoint_row(m))
+    bodies = {m["id"]: m for m in manifests}
+    for r, m in zip(rows, manifests):
+        r["chain"] = list(chain_ids(m, bodies))
     committed = {r["id"] for r in rows} | {c["id"] for c in corrupt}
     uncommitted = [{"id": i, "files": _dir_files(storage, i)} for i in existing_dir_ids(storage) if i not in committed]
     newest = manifests[-1] if manifests else None

@@ -70,9 +70,11 @@ class Decision:
     reason: str = ""
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest's fields for this decision: the chain as links (its length would grow with it)."""
         return {
             "id": self.ckpt_id, "step": self.step, "kind": self.kind, "since": self.since, "parent": self.parent,
-            "chain": list(self.chain), "encodings": dict(self.encodings), "reason": self.reason,
+            "base": self.chain[0], "depth": len(self.chain) - 1, "encodings": dict(self.encodings),
+            "reason": self.reason,
         }
 
 
@@ -104,6 +106,7 @@ def decide(
     held_rows: dict[str, int],
     full_shard_fraction: float,
     force_baseline: str = "",
+    since_view: bool = False,
 ) -> Decision:
     """Chooses the kind, parent and encodings of the next checkpoint.
 
@@ -115,6 +118,8 @@ def decide(
             ranks (rows of a table are counted once per rank that holds them).
         full_shard_fraction: dirty share from which a table is written whole.
         force_baseline: a reason to write a baseline regardless of the policy.
+        since_view: consecutive only: the chain is a compacted baseline alone, and the delta
+            holds the rows of the "since baseline" view (dirty since the compaction's tip).
     """
     base = dict(ckpt_id=state.next_id, step=step)
     full = {t: "full" for t in held_rows}
@@ -123,7 +128,7 @@ def decide(
         return Decision(**base, kind="baseline", since=None, parent=None, chain=(state.next_id,),
                         encodings=full, reason=reason)
 
-    dirty = dirty_since_previous if policy == "consecutive" else dirty_since_baseline
+    dirty = dirty_since_previous if policy == "consecutive" and not since_view else dirty_since_baseline
     encodings = {
         t: "full" if rows and dirty.get(t, 0) / rows >= full_shard_fraction else "rows" for t, rows in held_rows.items()
     }
@@ -142,8 +147,11 @@ def decide(
         reason = f"policy {policy}"
 
     if policy == "consecutive":
-        return Decision(**base, kind="delta", since="previous", parent=state.chain[-1],
-                        chain=state.chain + (state.next_id,), encodings=encodings, reason=reason)
+        if since_view:
+            reason = f"first delta on compacted baseline {state.chain[0]}: the rows dirty since its tip"
+        return Decision(**base, kind="delta", since="baseline" if since_view else "previous",
+                        parent=state.chain[-1], chain=state.chain + (state.next_id,), encodings=encodings,
+                        reason=reason)
     return Decision(**base, kind="delta", since="baseline", parent=state.chain[0],
                     chain=(state.chain[0], state.next_id), encodings=encodings, reason=reason)
 

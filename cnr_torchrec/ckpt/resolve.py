@@ -10,7 +10,14 @@ import logging
 import posixpath
 from typing import Any
 
-from cnr_torchrec.ckpt.manifest import ckpt_dir, ckpt_id_of, committed_ids, load_manifest, manifest_path
+from cnr_torchrec.ckpt.manifest import (
+    ckpt_dir,
+    ckpt_id_of,
+    committed_ids,
+    load_manifest,
+    manifest_path,
+    walk_chain,
+)
 from cnr_torchrec.ckpt.payload import _DTYPES
 from cnr_torchrec.ckpt.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
@@ -25,8 +32,8 @@ def resolve_chain(
 ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
-    Sound: every manifest of the chain loads and matches its checksum, the members' own
-    chains agree with it and start at a baseline, every rank file lies in its
+    Sound: every manifest of the chain loads and matches its checksum, its links
+    (parent, base, depth) lead back to a baseline (:func:`walk_chain`), every rank file lies in its
     checkpoint's directory, exists and has the size the manifest gives, and every blob
     has a dtype we write. Checkpoints in ``bad`` (and chains through them) are skipped;
     unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
@@ -93,50 +100,56 @@ def resolve_chain(
                 raise CorruptCheckpointError(f"{rel} is {size} bytes, its manifest says {nbytes} ({what})",
                                              path=rel)
 
+    class _Through(Exception):
+        """The chain needs a checkpoint already found unsound."""
+
+    def member(i: int) -> dict[str, Any]:
+        if i in bad:
+            raise _Through(i)
+        return manifest(i)
+
     def sound_chain(m: dict[str, Any]) -> list[dict[str, Any]]:
-        cid, ids = m["id"], m["chain"]
-        if not (isinstance(ids, list) and ids and ids[-1] == cid and all(isinstance(i, int) for i in ids)
-                and ids == sorted(set(ids))):
-            raise CorruptCheckpointError(f"{manifest_path(cid)} has an invalid chain {ids}",
-                                         path=manifest_path(cid))
-        chain = []
-        for k, i in enumerate(ids):
-            try:
-                c = manifest(i)
-            except CheckpointNotFoundError:
-                raise CorruptCheckpointError(f"{manifest_path(i)} is missing: checkpoint {cid} needs checkpoint "
-                                             f"{i}, which is not committed", path=manifest_path(i)) from None
-            if c["chain"] != ids[: k + 1] or (k == 0) != (c["kind"] == "baseline"):
-                raise CorruptCheckpointError(f"{manifest_path(i)}: checkpoint {i} ({c['kind']}, chain {c['chain']})"
-                                             f" does not fit the chain {ids} of checkpoint {cid}",
-                                             path=manifest_path(i))
-            chain.append(c)
+        chain = walk_chain(m, member)
         for c in chain:
             check_files(c)
         return chain
 
-    ids = committed_ids(storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
-    for cid in reversed(ids):
-        if cid in bad:
-            continue
-        try:
-            m = manifest(cid)
-        except CheckpointNotFoundError:
-            continue  # collected since it was listed
-        except CorruptCheckpointError as e:
-            if fail:
-                raise
-            skip(cid, str(e))
-            continue
+    def candidates():
+        """Committed manifests, newest state first: by id, except that a compacted baseline comes right
+        before the tip it reproduces (deltas after that tip, though older ids, hold newer state)."""
+        ids = committed_ids(storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
+        deferred: list[dict[str, Any]] = []
+        for cid in reversed(ids):
+            while deferred and deferred[-1]["equals"] >= cid:
+                yield deferred.pop()
+            if cid in bad:
+                continue
+            try:
+                m = manifest(cid)
+            except CheckpointNotFoundError:
+                continue  # collected since it was listed
+            except CorruptCheckpointError as e:
+                if fail:
+                    raise
+                skip(cid, str(e))
+                continue
+            tip = m.get("equals")
+            if type(tip) is int and any(tip < j < cid for j in ids):
+                deferred = sorted(deferred + [m], key=lambda c: c["equals"])
+                continue
+            yield m
+        yield from reversed(deferred)
+
+    for m in candidates():
+        cid = m["id"]
         if step is not None and m.get("step") != step:
-            continue
-        through = sorted(set(m.get("chain") or []) & set(bad))
-        if through:
-            log.warning("restore: skipping checkpoint %d: its chain needs checkpoint %s, which failed its checks",
-                        cid, through[0])
             continue
         try:
             chain = sound_chain(m)
+        except _Through as e:
+            log.warning("restore: skipping checkpoint %d: its chain needs checkpoint %s, which failed its checks",
+                        cid, e.args[0])
+            continue
         except UnsafeCheckpointError:  # a ValueError, but refused, never skipped
             raise
         except CorruptCheckpointError as e:
@@ -152,5 +165,5 @@ def resolve_chain(
                 raise err from e
             skip(cid, str(err))
             continue
-        return {"chain": list(m["chain"]), "skipped": skipped}, chain
+        return {"chain": [c["id"] for c in chain], "skipped": skipped}, chain
     return {"chain": [], "skipped": skipped}, None

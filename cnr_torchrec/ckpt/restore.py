@@ -359,7 +359,7 @@ def restore_chain(
     reports = {r["rank"]: r for r in target["ranks"]}
     if replicated:
         _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
-    if target["world_size"] != world_size:
+    if target["world_size"] != world_size or not target.get("per_rank_state", True):
         log.warning(
             "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
             "state are resharded; per-rank state (%s, RNG) is not restored",

@@ -98,7 +98,11 @@ class _Verifier:
         except CorruptCheckpointError as e:
             problems.append(Problem(ckpt_id, e.path or mpath, _strip_path(str(e), e.path or mpath)))
             return
-        if self.storage.read(mpath) != seal(body):
+        if "chain" in body:  # version 2: load_manifest gave it the links it lacked
+            sealed = seal({k: v for k, v in body.items() if k not in ("base", "depth")}, version=2)
+        else:
+            sealed = seal(body)
+        if self.storage.read(mpath) != sealed:
             problems.append(Problem(ckpt_id, mpath, "differs from the sealed form of its body: a byte outside "
                                                     "the sealed body was changed"))
         self._bodies[ckpt_id] = body
@@ -175,39 +179,37 @@ class _Verifier:
     # ------------------------------------------------------------------ chains
 
     def _chain(self, ckpt_id: int, body: Mapping[str, Any]) -> list[Problem]:
-        mpath = manifest_path(ckpt_id)
-        chain = body["chain"]
-        well_formed = all(isinstance(i, int) for i in chain) and chain == sorted(set(chain))
-        if not chain or not well_formed or chain[-1] != ckpt_id:
-            return [Problem(ckpt_id, mpath, f"has an invalid chain {chain}")]
-        if body["kind"] == "baseline":
-            ok = len(chain) == 1 and body.get("parent") is None
-            return [] if ok else [Problem(ckpt_id, mpath, f"is a baseline with chain {chain}")]
-        if len(chain) < 2 or body.get("parent") != chain[-2]:
-            return [Problem(ckpt_id, mpath, f"is a delta whose parent {body.get('parent')} is not the "
-                                            f"second-last id of its chain {chain}")]
+        """Problems of the members ``ckpt_id``'s links lead to: missing, unsound, or not fitting the links."""
         problems = []
-        for k, member in enumerate(chain[:-1]):
-            own = self.own(member)
+        node = body
+        while node["kind"] != "baseline" or node["id"] != node["base"]:
+            mpath = manifest_path(node["id"])
+            parent = node.get("parent")
+            if node["kind"] == "baseline" or type(parent) is not int or not 0 <= parent < node["id"]:
+                return problems + [Problem(ckpt_id, mpath, f"checkpoint {node['id']} ({node['kind']}, base "
+                                                           f"{node['base']}) has parent {parent!r}, which cannot "
+                                                           "lead back to its baseline")]
+            own = self.own(parent)
             if own:
                 first = own[0]
                 if first.message.startswith("is missing: the checkpoint is not committed"):
-                    msg = f"checkpoint {ckpt_id} needs checkpoint {member}, which is not committed"
+                    msg = f"checkpoint {ckpt_id} needs checkpoint {parent}, which is not committed"
                 else:
-                    msg = f"checkpoint {ckpt_id} needs checkpoint {member}, which does not verify: {first.message}"
-                problems.append(Problem(ckpt_id, first.path, msg))
-                continue
-            mbody = self._bodies[member]
-            if list(mbody["chain"]) != list(chain[: k + 1]):
-                problems.append(Problem(ckpt_id, manifest_path(member),
-                                        f"checkpoint {ckpt_id} has chain {chain}, but its member {member} has chain "
-                                        f"{mbody['chain']}"))
-            elif k == 0 and mbody["kind"] != "baseline":
-                problems.append(Problem(ckpt_id, manifest_path(member),
-                                        f"the chain of checkpoint {ckpt_id} starts at a {mbody['kind']}"))
-            if mbody["tables"] != body["tables"]:
-                problems.append(Problem(ckpt_id, manifest_path(member),
-                                        f"checkpoint {ckpt_id} and its chain member {member} have different tables"))
+                    msg = f"checkpoint {ckpt_id} needs checkpoint {parent}, which does not verify: {first.message}"
+                return problems + [Problem(ckpt_id, first.path, msg)]
+            up = self._bodies[parent]
+            if (up["base"], up["depth"]) != (node["base"], node["depth"] - 1):
+                return problems + [Problem(ckpt_id, manifest_path(parent),
+                                           f"checkpoint {ckpt_id} needs checkpoint {parent} (base {up['base']}, depth "
+                                           f"{up['depth']}), which does not fit the link of checkpoint {node['id']} "
+                                           f"(base {node['base']}, depth {node['depth']})")]
+            if up["tables"] != body["tables"]:
+                problems.append(Problem(ckpt_id, manifest_path(parent),
+                                        f"checkpoint {ckpt_id} and its chain member {parent} have different tables"))
+            node = up
+        if node["depth"] != 0 or node.get("parent") is not None:
+            problems.append(Problem(ckpt_id, manifest_path(node["id"]),
+                                    f"baseline {node['id']} has depth {node['depth']} and parent {node.get('parent')!r}"))
         return problems
 
 
