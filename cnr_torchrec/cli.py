@@ -73,42 +73,67 @@ def _open(args: argparse.Namespace):
 # ---------------------------------------------------------------------- inspect
 
 
-def _inspect_text(summary: dict[str, Any]) -> str:
-    rows = summary["checkpoints"]
-    full = summary["full_snapshot_nbytes"]
-    lines = [f"root {summary['root']}: {len(rows)} committed checkpoint(s), world size {summary['world_size']}"]
+def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
+    """One line per checkpoint; its chain as ``base..id (length)``, whatever the chain's length."""
     header = ("id", "step", "kind", "policy", "chain", "codec", "bytes", "% full", "rows", "dirty", "stall ms",
               "write ms")
     table = [header]
     for r in rows:
-        chain = "<-".join(map(str, r["chain"]))
         table.append((
-            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]), chain, _codec_label(r["method"], r["bits"]),
-            _human_bytes(r["nbytes"]), f"{100 * r['nbytes'] / full:.1f}" if full else "-",
-            f"{r['rows_written']}/{r['total_rows']}", f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}",
-            f"{r['write_ms']:.1f}",
+            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]), f"{r['base']}..{r['id']} ({r['depth'] + 1})",
+            _codec_label(r["method"], r["bits"]), _human_bytes(r["nbytes"]),
+            f"{100 * r['nbytes'] / full:.1f}" if full else "-", f"{r['rows_written']}/{r['total_rows']}",
+            f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}", f"{r['write_ms']:.1f}",
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     left = {2, 3, 4, 5}
-    for row in table:
-        lines.append("  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    return ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
+            for row in table]
 
-    lines.append("")
-    lines.append("chains (restore applies the ids left to right):")
+
+def _chain_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per chain (a baseline and the deltas on it), however many deltas it holds."""
     by_id = {r["id"]: r for r in rows}
+    on: dict[int, list[dict[str, Any]]] = {}
+    for d in rows:
+        if d["kind"] == "delta":
+            on.setdefault(d["base"], []).append(d)
+    lines = []
     for r in rows:
         if r["kind"] != "baseline":
             continue
-        deltas = [d for d in rows if d["kind"] == "delta" and d["chain"][0] == r["id"]]
-        note = f", compacted from {r['compacted_from']}" if r.get("compacted_from") else ""
-        lines.append(f"  baseline {r['id']} (step {r['step']}{note}): "
-                     + (", ".join(f"{d['id']} = {'+'.join(map(str, d['chain']))}" for d in deltas) or "no deltas"))
-    orphans = [d for d in rows if d["kind"] == "delta" and d["chain"][0] not in by_id]
-    for d in orphans:
-        lines.append(f"  delta {d['id']} hangs on baseline {d['chain'][0]}, which is not committed (it cannot be "
-                     "restored)")
+        deltas = on.get(r["id"], [])
+        note = ""
+        if r.get("compacted_from"):
+            first, tip = r["compacted_from"][0], r["compacted_from"][-1]
+            note = f", compacted from chain {first}..{tip}; restores what {tip} restores"
+        if deltas:
+            newest = max(deltas, key=lambda d: (d["step"], d["id"]))
+            held = _human_bytes(r["nbytes"] + sum(d["nbytes"] for d in deltas))
+            what = (f"{len(deltas)} delta(s) {deltas[0]['id']}..{deltas[-1]['id']}, the newest {newest['id']} (step "
+                    f"{newest['step']}) restores {newest['depth'] + 1} checkpoint(s); {held} in all")
+        else:
+            what = "no deltas"
+        lines.append(f"  baseline {r['id']} (step {r['step']}{note}): {what}")
+    for d in rows:
+        if d["kind"] == "delta" and d["base"] not in by_id:
+            lines.append(f"  delta {d['id']} hangs on baseline {d['base']}, which is not committed (it cannot be "
+                         "restored)")
+    return lines
 
-    total = summary["total_nbytes"]
+
+def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
+    rows = summary["checkpoints"]
+    lines = [f"root {summary['root']}: {len(rows)} committed checkpoint(s), world size {summary['world_size']}"]
+    shown = rows if last is None or len(rows) <= last else rows[-last:]
+    if len(shown) < len(rows):
+        lines.append(f"(the newest {len(shown)} by id; {len(rows) - len(shown)} older ones not shown: --all shows "
+                     "every one)")
+    lines += _checkpoint_table(shown, summary["full_snapshot_nbytes"])
+    lines.append("")
+    lines.append("chains (a restore applies the chain's baseline, then its deltas in order):")
+    lines += _chain_lines(rows)
+    total, full = summary["total_nbytes"], summary["full_snapshot_nbytes"]
     lines.append("")
     lines.append(
         f"total {_human_bytes(total)} in {len(rows)} checkpoint(s); a full fp32 snapshot of the tables and their "
@@ -138,7 +163,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(_inspect_text(summary))
+        print(_inspect_text(summary, None if args.all else args.last))
     return EXIT_OK
 
 
@@ -274,6 +299,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "uncommitted (torn) directories.")
     p.add_argument("root", metavar="DIR", help="checkpoint root (directory or storage URL)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--last", type=int, default=40, metavar="N",
+                   help="list the newest N checkpoints (default 40); the chains are summarised whatever their number")
+    p.add_argument("--all", action="store_true", help="list every checkpoint")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("verify", parents=[common], help="check manifests, files, checksums and chains",

@@ -213,10 +213,10 @@ def test_inspect_json_and_text_match_the_manifests(roots, tmp_path, capsys):
     assert code == 0
     lines = out.splitlines()
     for info in infos:
-        chain = "<-".join(map(str, info.chain))
-        assert any(line.split()[:5] == [str(info.id), str(info.step), info.kind, "consecutive", chain]
+        chain = f"{info.chain[0]}..{info.id} ({len(info.chain)})"
+        assert any(" ".join(line.split()[:6]) == f"{info.id} {info.step} {info.kind} consecutive {chain}"
                    for line in lines), (info, out)
-    assert "baseline 0 (step 1): 1 = 0+1, 2 = 0+1+2, 3 = 0+1+2+3" in out
+    assert "baseline 0 (step 1): 3 delta(s) 1..3, the newest 3 (step 4) restores 4 checkpoint(s);" in out
     assert "uncommitted (torn): ckpt-00000009" in out
     assert "in 4 checkpoint(s)" in out
 
@@ -619,3 +619,23 @@ def test_installed_entry_point_help():
     assert result.returncode == 0, result.stderr
     for command in ("inspect", "verify", "compact", "export", "report"):
         assert command in result.stdout
+
+
+def test_inspect_of_a_thousand_checkpoints_stays_short():
+    from cnr_torchrec.cli import _inspect_text
+
+    def row(i, base, depth):
+        return {"id": i, "step": 10 * i, "kind": "delta" if depth else "baseline", "policy": "consecutive",
+                "base": base, "depth": depth, "method": "adaptive", "bits": 4, "nbytes": 1000, "rows_written": 5,
+                "total_rows": 100, "dirty_fraction": 0.05, "stall_ms": 1.0, "write_ms": 2.0, "compacted_from": None}
+
+    # 1,000 checkpoints: a compaction every 17, each baseline with 16 deltas on it.
+    rows = [row(i, i - i % 17, i % 17) for i in range(1000)]
+    summary = {"root": "/r", "world_size": 2, "checkpoints": rows, "full_snapshot_nbytes": 10**6,
+               "full_snapshot_table_nbytes": 10**6, "total_nbytes": 10**6, "corrupt": [], "uncommitted": []}
+    text = _inspect_text(summary, last=40)
+    lines = text.splitlines()
+    assert len(lines) < 40 + 1000 // 17 + 12 and max(map(len, lines)) < 200
+    assert "960 older ones not shown" in text
+    assert "baseline 986 (step 9860): 13 delta(s) 987..999, the newest 999 (step 9990) restores 14" in text
+    assert len(_inspect_text(summary, last=None).splitlines()) > 1000
