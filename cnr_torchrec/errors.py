@@ -2,6 +2,7 @@
 
 __all__ = [
     "CnrError",
+    "CompactionError",
     "UnsupportedShardingError",
     "RowIdOutOfRangeError",
     "MalformedLookupError",
@@ -71,6 +72,10 @@ class CorruptCheckpointError(CheckpointError, ValueError):
 
 class IncompatibleCheckpointError(CheckpointError, ValueError):
     """A checkpoint of another model: a table is missing, extra, or has another shape."""
+
+
+class CompactionError(CheckpointError, RuntimeError):
+    """A chain that cannot be merged into a baseline without re-encoding rows; the chain is kept as it is."""
 
 
 class SaveFailedError(CheckpointError, RuntimeError):

@@ -224,8 +224,8 @@ class Checkpointer(CommitProtocol):
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
-        prev, base, held, (step_s, last_stall_s), compacted_everywhere = counts
-        hang_on_compacted = self._compaction_step(compacted_everywhere)
+        prev, base, held, (step_s, last_stall_s), compacted = counts
+        hang_on_compacted = self._compaction_step(compacted)
         if self.config.interval is not None:
             self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
                                        world_size=self.world_size)
@@ -259,8 +259,15 @@ class Checkpointer(CommitProtocol):
         self._inflight = handle
         return handle
 
-    def wait(self) -> CheckpointInfo | None:
-        """Waits for the save in flight, if any. Raises SaveFailedError if it failed."""
+    def wait(self, *, compaction: bool = False) -> CheckpointInfo | None:
+        """Waits for the save in flight, if any. Raises SaveFailedError if it failed.
+
+        Args:
+            compaction: also wait for this rank's part of a background compaction in flight
+                (its outcome is folded into the chain at the next save, on every rank alike).
+        """
+        if compaction and self._compaction is not None:
+            self._compaction.outcome()
         if self._inflight is None:
             return None
         handle = self._inflight
@@ -533,24 +540,29 @@ class Checkpointer(CommitProtocol):
 
     # ------------------------------------------------------------------ compaction
 
-    def _compaction_step(self, compacted_everywhere: bool) -> bool:
+    def _compaction_step(self, everywhere: tuple[bool, bool]) -> bool:
         """At a save, before its decision: folds a compaction every rank has finished, or starts one
         whose tip has committed. Returns whether this save's delta hangs on a compacted baseline.
 
-        Every input is agreed (the chain state, and the all-gathered ``compacted_everywhere``),
-        so every rank takes the same step.
+        Every input is agreed (the chain state, and the all-gathered ``everywhere``: every rank's
+        part is over, and every rank heard it commit), so every rank takes the same step. A
+        compaction some rank did not hear commit is not folded anywhere: it stays an ordinary
+        baseline, which retention collects.
         """
         comp = self._compaction
-        if comp is not None and compacted_everywhere:
+        finished, committed = everywhere
+        if comp is not None and finished:
             self._compaction = None
             out = comp.outcome()
-            if out.ok and comp.tip in self._state.chain and self._state.chain[0] == comp.chain[0]:
+            if committed and comp.tip in self._state.chain and self._state.chain[0] == comp.chain[0]:
                 log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
                          comp.chain[0], comp.tip)
                 self._state = ChainState(self._state.next_id, (comp.new_id,), int(out.manifest["nbytes"]), ())
                 return True
+            why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
+                   else "is moot: the chain changed meanwhile")
             log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],
-                        comp.tip, f"failed: {out.error}" if not out.ok else "is moot: the chain changed meanwhile")
+                        comp.tip, why)
             return False
         tip = self._compaction_tip
         if comp is None and tip is not None and self._state.chain and self._state.chain[-1] == tip:
@@ -638,18 +650,20 @@ class Checkpointer(CommitProtocol):
     def _gather_counts(self, busy: bool):
         """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.
 
-        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s), whether
-        every rank's part of the compaction in flight is over), or None if any rank is still
-        writing (skip this save).
+        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s), (whether
+        every rank's part of the compaction in flight is over, and whether every rank saw it
+        commit)), or None if any rank is still writing (skip this save).
         """
         tables = self.tracker.tables()
         prev = self.tracker.dirty_counts()
         base = self.tracker.dirty_counts(since_baseline=True) if self.tracker.has_baseline_view else prev
         held = {t: sum(r1 - r0 for (r0, r1) in {rows for rows, _ in self.tracker.shard_ranges(t)}) for t in tables}
         timing = [round(self._timer.step_s * 1e6), round(self._last_stall_s * 1e6)]  # microseconds
-        compacted = int(self._compaction is not None and self._compaction.finished())
+        comp = self._compaction
+        finished = comp is not None and comp.finished()
+        compacted = [int(finished), int(finished and comp.outcome().ok)]  # outcome(): at hand once finished
         row = ([prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing
-               + [compacted, int(busy)])
+               + compacted + [int(busy)])
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
             dev = self._ranks.device
@@ -664,7 +678,8 @@ class Checkpointer(CommitProtocol):
         n = len(tables)
         split = [dict(zip(tables, total[i * n : (i + 1) * n].tolist())) for i in range(3)]
         step_us, stall_us = slowest[3 * n : 3 * n + 2].tolist()
-        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6), int(total[-2]) == self.world_size
+        everywhere = (int(total[-3]) == self.world_size, int(total[-2]) == self.world_size)
+        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6), everywhere
 
     def _pick_codec(self):
         """The codec for the next saves: configured bits, or ``bits: auto`` from the restores expected and done."""

@@ -25,6 +25,11 @@ Points (see :data:`POINTS`):
 * ``gc.before``: the commit is published to every rank; garbage collection has not begun.
 * ``gc.mid``: garbage collection (or the cleanup of a failed save) has deleted the first
   file of a checkpoint directory and stops before the rest.
+* ``compact.after_write``: a rank has written its file of a background compaction and not
+  reported yet (training goes on meanwhile).
+* ``compact.before_manifest``: rank 0 has every compaction report; its manifest is not written.
+* ``compact.after_manifest``: the compacted baseline is committed; nobody has been told,
+  and the deltas still hang on the old chain.
 """
 
 from __future__ import annotations
@@ -48,6 +53,9 @@ POINTS: tuple[str, ...] = (
     "commit.after_manifest",
     "gc.before",
     "gc.mid",
+    "compact.after_write",
+    "compact.before_manifest",
+    "compact.after_manifest",
 )
 
 

@@ -1,0 +1,234 @@
+"""Background compaction: the ranks fold the chain being written into a new baseline, from storage.
+
+DECK's shape: trainers write only deltas, and a merge decoupled from training folds them
+into a baseline. Here every rank merges the rows of its current shards (no rank reads the
+whole model) on a thread of its own, keeping each row's stored bytes
+(:mod:`cnr_torchrec.ckpt.merge`), and the result commits like a save: per-rank reports
+to rank 0 through the c10d store, then rank 0 writes the sealed manifest.
+
+How it meets the saves (all of it agreed through the saves' all-gather, so that every rank
+takes the same decisions):
+
+1. A save whose delta brings the chain to the trigger is the compaction's *tip* ``t``:
+   staging it also restarts the tracker's "since baseline" view, which from then on holds
+   the rows dirty since ``t``.
+2. The save after ``t`` committed reserves the compacted checkpoint's id ``c`` and starts
+   the merge of ``t``'s chain. Deltas go on meanwhile, on the old chain.
+3. Once every rank's merge has finished, the next save hangs on ``c``: a delta of the rows
+   dirty since ``t``, whose parent is ``c``. ``c`` restores exactly what ``t`` does, so that
+   delta restores the model as it stands. The old chain is no longer needed by the newest
+   checkpoints, and retention collects it.
+
+A merge that fails (or a root that changed under it) leaves the chain as it was: the
+deltas simply go on, and a later save tries again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt.manifest import ckpt_dir, load_manifest, manifest_path, rank_file, seal, walk_chain
+from cnr_torchrec.ckpt.storage import Storage
+
+__all__ = ["Compaction", "regions_of_tracker"]
+
+log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+
+_POLL_S = 0.05  # the save thread may hold the store client in a long wait: never block on it here
+
+
+def regions_of_tracker(tracker: Any, rank: int) -> list[Any]:
+    """The blocks (:class:`~cnr_torchrec.ckpt.merge.Region`) of the tables this rank writes in a merge: its
+    shards under the current plan, and on rank 0 every data-parallel table whole (every rank holds those alike)."""
+    from cnr_torchrec.ckpt.merge import Region
+
+    regions = []
+    for table in tracker.tables():
+        if tracker.is_data_parallel(table):
+            shape = tracker.table_shape(table)
+            if rank == 0 and shape is not None:
+                regions.append(Region(table, (0, int(shape[0])), (0, int(shape[1]))))
+            continue
+        for rows, cols in sorted(set(tracker.shard_ranges(table))):
+            regions.append(Region(table, tuple(rows), tuple(cols)))
+    return regions
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a compaction ended, the same on every rank."""
+
+    ok: bool
+    manifest: dict[str, Any] | None = None  # the compacted checkpoint's body (rank 0), or its summary
+    error: str = ""
+
+
+class Compaction:
+    """One compaction of chain ``chain`` (ids, baseline first) into checkpoint ``new_id``, in flight.
+
+    Args:
+        open_storage: opens a Storage for the compaction's thread (Storage is not thread-safe).
+        store: the Checkpointer's c10d store (None on one process).
+        on_commit: rank 0 calls it with the committed body (to update the catalog).
+    """
+
+    def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int, tracker: Any,
+                 open_storage: Callable[[], Storage], store: Any, timeout_s: float,
+                 on_commit: Callable[[dict[str, Any], Storage], None]) -> None:
+        self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
+        self._regions = regions_of_tracker(tracker, rank)  # the plan now, before training goes on
+        self._open_storage, self._store, self._timeout_s = open_storage, store, timeout_s
+        self._on_commit = on_commit
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-compact")
+        self._future: Future = self._executor.submit(self._run)
+        self._done = threading.Event()
+        self._future.add_done_callback(lambda _: self._done.set())
+
+    @property
+    def tip(self) -> int:
+        return self.chain[-1]
+
+    def finished(self) -> bool:
+        """Whether this rank's part is over (its outcome known); the ranks agree on it through the saves."""
+        return self._done.is_set()
+
+    def outcome(self) -> Outcome:
+        """Waits for this rank's part and returns the outcome every rank shares."""
+        out = self._future.result()
+        self._executor.shutdown(wait=False)
+        return out
+
+    # ------------------------------------------------------------------ the thread
+
+    def _run(self) -> Outcome:
+        t0 = time.perf_counter()
+        storage: Storage | None = None
+        try:
+            storage = self._open_storage()
+            chain = walk_chain(load_manifest(storage, self.tip), lambda i: load_manifest(storage, i))
+            if tuple(c["id"] for c in chain) != self.chain:
+                raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c['id'] for c in chain]} on storage, not "
+                                   f"{list(self.chain)}")
+            report = self._merge(storage, chain)
+            faults.hit("compact.after_write")
+        except Exception as e:  # reported to rank 0, which will not commit
+            log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
+            report, chain = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}, []
+        try:
+            if self.rank == 0:
+                out = self._commit(report, chain, storage, t0)
+            else:
+                out = self._await(report)
+            if not out.ok:
+                self._cleanup(storage)
+            return out
+        finally:
+            if storage is not None:
+                storage.close()
+
+    def _merge(self, storage: Storage, chain: list[dict[str, Any]]) -> dict[str, Any]:
+        from cnr_torchrec.ckpt.merge import merge_rank
+
+        tip = chain[-1]
+        reports = {r["rank"]: r for r in tip["ranks"]}
+        same_ranks = tip["world_size"] == self.world_size and tip.get("per_rank_state", True)
+        return merge_rank(storage, chain, self._regions, new_id=self.new_id, rank=self.rank,
+                          rank_state=reports.get(self.rank) if same_ranks else None,
+                          dense_state=reports[0] if self.rank == 0 else None, table_shapes=tip["tables"])
+
+    def _key(self, what: str) -> str:
+        return f"compact/{self.new_id}/{what}"
+
+    def _wait_keys(self, keys: list[str]) -> bool:
+        """Polls until every key is set (True) or the timeout passes (False)."""
+        deadline = time.monotonic() + self._timeout_s
+        while not self._store.check(keys):
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def _await(self, report: dict[str, Any]) -> Outcome:
+        try:
+            self._store.set(self._key(f"report/{self.rank}"), json.dumps(report))
+            if not self._wait_keys([self._key("result")]):
+                return Outcome(False, error=f"no word from rank 0 within {self._timeout_s:.0f} s")
+            got = json.loads(self._store.get(self._key("result")))
+        except Exception as e:
+            return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
+        return Outcome(got["ok"], got.get("manifest"), got.get("error", ""))
+
+    def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
+        keys = [self._key(f"report/{r}") for r in range(1, self.world_size)]
+        if keys and not self._wait_keys(keys):
+            missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
+            return [own] + [{"rank": r, "ok": False, "error": "no report in time"} for r in missing]
+        return [own] + [json.loads(self._store.get(k)) for k in keys]
+
+    def _commit(self, own: dict[str, Any], chain: list[dict[str, Any]], storage: Storage | None,
+                t0: float) -> Outcome:
+        """Rank 0: the reports, the manifest if all are good, and the outcome for every rank. Never raises."""
+        try:
+            reports = self._gather(own)
+            bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
+            if bad:
+                out = Outcome(False, error="; ".join(bad))
+            else:
+                body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
+                                      self.world_size, (time.perf_counter() - t0) * 1e3)
+                faults.hit("compact.before_manifest")
+                storage.write_atomic(manifest_path(self.new_id), seal(body))
+                faults.hit("compact.after_manifest")
+                out = Outcome(True, body)
+        except Exception as e:
+            log.error("compaction %d: rank 0 could not commit", self.new_id, exc_info=True)
+            out = Outcome(False, error=f"rank 0 could not commit: {type(e).__name__}: {e}")
+        if self._store is not None:
+            summary = {"ok": out.ok, "error": out.error,
+                       "manifest": {"id": self.new_id, "nbytes": out.manifest["nbytes"]} if out.ok else None}
+            try:
+                self._store.set(self._key("result"), json.dumps(summary))
+            except Exception as e:
+                out = Outcome(False, error=f"rank 0 could not tell the other ranks ({type(e).__name__}: {e})")
+        if out.ok:
+            self._on_commit(out.manifest, storage)
+        return out
+
+    def _cleanup(self, storage: Storage | None) -> None:
+        """A compaction that did not commit: its manifest (rank 0: in case the others were not told) and files."""
+        try:
+            storage = storage or self._open_storage()
+            if self.rank == 0:
+                storage.delete(manifest_path(self.new_id))
+            storage.delete(rank_file(self.new_id, self.rank))
+            if self.rank == 0:
+                storage.remove_dir(ckpt_dir(self.new_id), [])
+        except Exception as e:
+            log.warning("could not remove the partial files of compaction %d: %s", self.new_id, e)
+
+
+def compacted_body(chain: list[dict[str, Any]], reports: list[dict[str, Any]], new_id: int, world_size: int,
+                   write_ms: float) -> dict[str, Any]:
+    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks."""
+    tip = chain[-1]
+    for r in reports:
+        r["write_ms"] = round(write_ms, 3)
+    return {
+        "id": new_id, "step": tip["step"], "kind": "baseline", "since": None, "parent": None, "base": new_id,
+        "depth": 0, "encodings": {t: "rows" for t in tip["tables"]},
+        "reason": f"compacted from chain {chain[0]['id']}..{tip['id']} ({len(chain)} checkpoints)",
+        "policy": tip.get("policy"), "world_size": world_size, "codec": tip["codec"],
+        "restores": tip.get("restores", 0), "tables": tip["tables"], "table_fqns": tip.get("table_fqns", {}),
+        "replicated": [], "nbytes": sum(int(r["nbytes"]) for r in reports), "created_unix": time.time(),
+        "equals": tip["id"], "compacted_from": [chain[0]["id"], tip["id"]],
+        "per_rank_state": all(r.get("rng") is not None for r in reports),
+        "ranks": reports,
+    }
