@@ -70,16 +70,19 @@ log = logging.getLogger("reliability")
 ROWS = {"t0": 240, "t1": 160, "t2": 200}
 SHARDING = {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}
 DIM = 8
-GROUPS = (  # (policy, method, bits)
+GROUPS = (  # (policy, method, bits); "compacting": consecutive with background compaction every 2 deltas
     ("consecutive", "none", None),
     ("consecutive", "adaptive", 4),
     ("intermittent", "none", None),
     ("intermittent", "uniform_asym", 4),
+    ("compacting", "adaptive", 4),
 )
 # Named fault points and the rank they fire on; commit and GC run on rank 0 only.
 NAMED_FAULTS = (
     ("write.mid", 0), ("write.mid", 1), ("write.after", 0), ("write.after", 1),
     ("commit.before_manifest", 0), ("commit.after_manifest", 0), ("gc.before", 0), ("gc.mid", 0),
+    ("compact.after_write", 0), ("compact.after_write", 1), ("compact.before_manifest", 0),
+    ("compact.after_manifest", 0),
 )
 _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "cnr_torchrec.toy",
             "cnr_torchrec.ckpt", "torchsnapshot", "aiobotocore.session", "boto3"]
@@ -122,8 +125,11 @@ def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any
     quant: dict[str, Any] = {"method": method}
     if bits is not None:
         quant["bits"] = bits
-    return load_config({"root": root, "policy": policy, "quantization": quant, "keep_last": 2,
-                        "save_timeout_s": 60, **kw})
+    # Two whole chains stay: the corruption matrix falls back from the newest chain to the one before.
+    keep = {} if "keep" in kw or "keep_last" in kw else {"keep": {"chains": 2}}
+    if policy == "compacting":
+        policy, kw = "consecutive", {"compaction": {"max_chain": 2}, **kw}
+    return load_config({"root": root, "policy": policy, "quantization": quant, "save_timeout_s": 60, **keep, **kw})
 
 
 def local_state(dmp, opt) -> dict[str, torch.Tensor]:
@@ -299,6 +305,29 @@ def scan(root: str, opts: dict[str, Any] | None = None) -> dict[int, bool]:
     return out
 
 
+def read_body(root: str, opts: dict[str, Any] | None, ckpt_id: int) -> dict[str, Any]:
+    """The body of checkpoint ``ckpt_id``'s manifest, read as plain JSON without cnr_torchrec."""
+    rel = f"ckpt-{ckpt_id:08d}/manifest.json"
+    if root.startswith("s3://"):
+        import boto3
+
+        bucket, _, prefix = root[5:].partition("/")
+        key = f"{prefix.strip('/')}/{rel}" if prefix.strip("/") else rel
+        raw = boto3.client("s3", **s3_client_kwargs(opts or {})).get_object(Bucket=bucket, Key=key)["Body"].read()
+    else:
+        with open(os.path.join(root.removeprefix("fs://"), rel), "rb") as f:
+            raw = f.read()
+    return json.loads(raw)["body"]
+
+
+def newest_state(root: str, opts: dict[str, Any] | None, committed: list[int]) -> int | None:
+    """The committed checkpoint a restore must take: the newest step, and of those the highest id (a
+    compacted baseline has its tip's step and a higher id than the deltas after that tip)."""
+    if not committed:
+        return None
+    return max(committed, key=lambda i: (read_body(root, opts, i)["step"], i))
+
+
 # ---------------------------------------------------------------------- forked ranks
 
 
@@ -452,7 +481,8 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
         step = ckpt.restore()
         out["restored"] = seen["ids"][-1]
         out["attempts"] = seen["ids"]
-        out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, out["restored"], rank),
+        same_as = read_body(p["root"], p["opts"], out["restored"]).get("equals")  # a compacted baseline: its tip's
+        out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, same_as or out["restored"], rank),
                                   codec_of(p["method"], p["bits"]))[:5]
     except CheckpointNotFoundError as e:
         out["error"] = ["CheckpointNotFoundError", str(e)]
@@ -671,7 +701,12 @@ class KillSuite:
     # -------------------------------------------------------------- driver
 
     def _pick(self, g: _Group, i: int) -> tuple[Trial, str | None]:
-        named = [f for f in NAMED_FAULTS if f[0] != "gc.mid" or g.policy == "intermittent"]
+        def fits(point: str) -> bool:  # compaction's points need compaction; gc.mid, a chain that is collected
+            if point.startswith("compact."):
+                return g.policy == "compacting"
+            return point != "gc.mid" or g.policy in ("intermittent", "compacting")
+
+        named = [f for f in NAMED_FAULTS if fits(f[0])]
         menu = named + [("random", r) for r in (0, 1)] * 3
         # Each group walks the whole menu once (from its own starting point), then draws at random.
         kind, rank = menu[(i + 3 * g.index) % len(menu)] if i < len(menu) else self.rng.choice(menu)
@@ -708,7 +743,7 @@ class KillSuite:
                 self._judge(g.pending, results)
             found = scan(g.root, self.opts)
             committed = [i for i, has in found.items() if has]
-            trial.expected = max(committed) if committed else None
+            trial.expected = newest_state(g.root, self.opts, committed)
             trial.torn_dirs = sorted(i for i, has in found.items() if not has)
             trial.reported = sorted(read_commit_logs(g.side))
             g.pending = trial
@@ -774,7 +809,7 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
 
     checks: dict[str, bool] = {}
     dmp, specs, opt = build(world_size)
-    config = make_config(root, "consecutive", "none", None, keep_last=3)  # the first chain must survive
+    config = make_config(root, "consecutive", "none", None, keep={"chains": 3})  # the first chain must survive
     ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(rank)
     train(dmp, specs, opt, 2, gen)

@@ -189,18 +189,21 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest
     from cnr_torchrec.ckpt.compact import compact
-    from cnr_torchrec.ckpt.offline import count_entries, resolve_id
+    from cnr_torchrec.ckpt.offline import count_entries, load_chain, resolve_id
+    from cnr_torchrec.errors import ConfigError
     from cnr_torchrec.quant import get_codec
 
-    get_codec(args.method, args.bits)  # a bad codec fails before anything is read
+    if args.method is not None:
+        get_codec(args.method, args.bits)  # a bad codec fails before anything is read
+    elif args.bits is not None:
+        raise ConfigError("--bits needs --method: a lossless compaction keeps every row's stored bytes")
     storage = _open(args)
     try:
         tip = resolve_id(storage, args.id)
-        newest = committed_ids(storage)[-1]
-        chain = [load_manifest(storage, i) for i in load_manifest(storage, tip)["chain"]]
-        total = count_entries(chain) + count_entries(chain[-1:])  # decode the chain, then write the tip's layout
+        chain = load_chain(storage, tip, verify=False)
+        # Lossless: the tip's layout, entry by entry; re-encoding: decode the chain, then write the tip's layout.
+        total = count_entries(chain[-1:]) + (count_entries(chain) if args.method is not None else 0)
         bar, update = _progress(total, "compact")
         try:
             body = compact(storage, tip, method=args.method, bits=args.bits, progress=update)
@@ -208,12 +211,12 @@ def _cmd_compact(args: argparse.Namespace) -> int:
             bar.close()
     finally:
         storage.close()
-    print(f"compacted chain {body['compacted_from']} (step {body['step']}) into baseline {body['id']}: "
-          f"{_human_bytes(body['nbytes'])} in {body['world_size']} rank file(s), codec "
-          f"{_codec_label(args.method, args.bits)}")
-    if tip != newest:
-        print(f"note: checkpoint {body['id']} (step {body['step']}) is now the newest: Checkpointer.restore() picks "
-              f"it over checkpoint {newest}", file=sys.stderr)
+    how = ("lossless: every row as stored" if args.method is None
+           else f"re-encoded with {_codec_label(args.method, args.bits)}")
+    first, last = body["compacted_from"]
+    print(f"compacted chain {first}..{last} (step {body['step']}) into baseline {body['id']}: "
+          f"{_human_bytes(body['nbytes'])} in {body['world_size']} rank file(s), {how}. It restores what "
+          f"checkpoint {last} restores")
     return EXIT_OK
 
 
@@ -314,13 +317,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compact", parents=[common], help="merge a chain into a new baseline",
                        description="Merge a chain (default: the newest committed checkpoint's) into a new baseline "
-                                   "with the next free id, the same step, world size and shard layout. Restoring it "
-                                   "equals restoring the chain (bit for bit with --method none). Must not run while "
-                                   "a job writes to the root.")
+                                   "with the next free id, the same step and world size. By default every row keeps "
+                                   "the bytes the newest checkpoint of the chain stored for it, so restoring the new "
+                                   "baseline equals restoring the chain, bit for bit; --method re-encodes instead. "
+                                   "Must not run while a job writes to the root (a job with compaction: in its "
+                                   "config compacts in the background itself).")
     p.add_argument("root", metavar="DIR")
     p.add_argument("--id", type=int, help="the chain's tip (default: the newest committed checkpoint)")
-    p.add_argument("--method", default="none", choices=METHODS, help="codec of the new baseline's rows "
-                                                                      "(default none: float32, exact)")
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="re-encode the rows with this codec (default: keep every row's stored bytes, lossless)")
     p.add_argument("--bits", type=int, help="bits for a quantizing --method (2, 3, 4 or 8)")
     p.set_defaults(func=_cmd_compact)
 

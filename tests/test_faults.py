@@ -90,8 +90,8 @@ def test_fault_env_is_read(monkeypatch, fake_kill):
 
 # ---- kills -------------------------------------------------------------------------
 
-# (group, point, rank, nth[, sync]): every named point once, across the four groups
-# (consecutive / intermittent x fp32 / quantized rows), and two timer kills.
+# (group, point, rank, nth[, sync]): every named point once, across the five groups
+# (consecutive / intermittent x fp32 / quantized rows, and consecutive with compaction), and two timer kills.
 SCHEDULE = [
     (0, "write.mid", 1, 2),
     (1, "write.after", 0, 1),
@@ -101,11 +101,15 @@ SCHEDULE = [
     (2, "gc.mid", 0, 1),
     (1, "random", 1, 0),
     (3, "random", 0, 0),
+    # Group 4 compacts its chain every 2 deltas in the background: a kill in each step of a compaction.
+    (4, "compact.after_write", 1, 1),
+    (4, "compact.before_manifest", 0, 1),
+    (4, "compact.after_manifest", 0, 1),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(360)
 def test_kills_at_every_fault_point_restore_the_newest_commit(tmp_path):
     suite = reliability.KillSuite(str(tmp_path / "roots"), str(tmp_path / "side"), saves=5)
     s = suite.run(len(SCHEDULE), schedule=SCHEDULE)

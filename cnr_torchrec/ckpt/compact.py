@@ -1,4 +1,5 @@
-"""Offline writers over a checkpoint root: ``compact`` (a chain merged into one new baseline) and
+"""Offline writers over a checkpoint root: ``compact`` (a chain merged into one new baseline, losslessly by
+default) and
 ``export_state_dict`` (a plain, full-precision state_dict). Both build on the chain assembly of
 :mod:`cnr_torchrec.ckpt.offline`; neither may run while a job writes to the same root.
 """
@@ -21,8 +22,10 @@ from cnr_torchrec.ckpt.manifest import (
     seal,
     write_index,
 )
-from cnr_torchrec.ckpt.offline import Progress, TableData, assemble_tables, load_chain, resolve_id
-from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, checksum, unflatten_state
+from cnr_torchrec.ckpt.compaction import compacted_body
+from cnr_torchrec.ckpt.merge import _copy, _copy_tree, merge_rank, regions_of_layout
+from cnr_torchrec.ckpt.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
+from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, checksum
 from cnr_torchrec.ckpt.restore import _Reader
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
@@ -33,34 +36,23 @@ __all__ = ["compact", "export_state_dict"]
 log = logging.getLogger(__name__)
 
 
-def _copy_blob(load: _Reader, out: BlobWriter, name: str) -> str:
-    if name not in out.index:
-        out.add(name, load(name))
-    return name
-
-
-def _copy_tree(tree: Any, load: _Reader, out: BlobWriter) -> Any:
-    """Copies the blobs a flattened state tree refers to, under the same names (the tree stays valid)."""
-    unflatten_state(tree, lambda name: _copy_blob(load, out, name))
-    return tree
-
-
 def compact(
     storage: Storage,
     ckpt_id: int | None = None,
     *,
-    method: str = "none",
+    method: str | None = None,
     bits: int | None = None,
     progress: Progress | None = None,
 ) -> dict[str, Any]:
     """Merges ``ckpt_id``'s chain (default: the newest committed) into a new baseline with the next free id.
 
-    The new checkpoint keeps the tip's step, world size and shard layout: each rank file
-    holds one ``full`` entry per shard that rank saved in the tip, plus the tip's dense
-    parameters, dense optimizer, extra and RNG state, replicated tables and TBE step.
-    With ``method="none"`` the rows are the chain's decoded rows in float32, so
-    restoring the new baseline equals restoring the chain bit for bit. A quantizing
-    method re-encodes the decoded rows (their error adds to the chain's own).
+    The new checkpoint has the tip's step and world size, and restores what the tip restores
+    (``equals`` names the tip). By default (``method=None``) it is lossless: each row keeps the
+    stored bytes of the newest checkpoint that holds it (:mod:`cnr_torchrec.ckpt.merge`), so
+    restoring it equals restoring the chain bit for bit, whatever the codec. With a
+    ``method``, the chain's rows are decoded and encoded again with that codec in the tip's
+    shard layout (their error adds to the chain's own). Either way it copies the tip's dense
+    parameters, dense optimizer, extra and RNG state and TBE step.
 
     Rank files are written first, then the sealed manifest atomically (the commit), then
     index.json: the Checkpointer's protocol. Must not run while a job writes to the root.
@@ -72,43 +64,36 @@ def compact(
         CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
         CorruptCheckpointError: a file of the chain fails its checks (names it).
         UnknownCodecError: ``method``/``bits`` name no codec.
+        CompactionError: the lossless merge meets a row it cannot keep as stored (give a method).
     """
     t0 = time.perf_counter()
-    codec = get_codec(method, bits)
-    tip_id = resolve_id(storage, ckpt_id)
-    chain = load_chain(storage, tip_id)
+    codec = get_codec(method, bits) if method is not None else None
+    chain = load_chain(storage, resolve_id(storage, ckpt_id))
     tip = chain[-1]
-    tables = assemble_tables(storage, chain, progress)
     new_id = max(existing_dir_ids(storage) + committed_ids(storage)) + 1
     written: list[str] = []
     try:
         reports = []
-        for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
-            reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
-            written.append(reports[-1]["file"])
-        write_ms = (time.perf_counter() - t0) * 1e3
-        for r in reports:
-            r["write_ms"] = round(write_ms, 3)
-        body = {
-            "id": new_id,
-            "step": tip["step"],
-            "kind": "baseline",
-            "since": None,
-            "parent": None,
-            "chain": [new_id],
-            "encodings": {t: "full" for t in tip["tables"]},
-            "reason": f"compacted from chain {[m['id'] for m in chain]} by cnr compact",
-            "policy": tip.get("policy"),
-            "world_size": tip["world_size"],
-            "codec": {"method": method, "bits": bits, "params": codec.params},
-            "tables": tip["tables"],
-            "table_fqns": tip.get("table_fqns", {}),
-            "replicated": tip.get("replicated", []),
-            "nbytes": sum(r["nbytes"] for r in reports),
-            "created_unix": time.time(),
-            "compacted_from": [m["id"] for m in chain],
-            "ranks": reports,
-        }
+        if codec is None:
+            regions = regions_of_layout(tip)
+            by_rank = {int(r["rank"]): r for r in tip["ranks"]}
+            for rank in sorted(by_rank):
+                reports.append(merge_rank(storage, chain, regions[rank], new_id=new_id, rank=rank,
+                                          rank_state=by_rank[rank], dense_state=by_rank[0] if rank == 0 else None,
+                                          table_shapes=tip["tables"]))
+                written.append(reports[-1]["file"])
+                if progress is not None:
+                    progress(count_entries([{"ranks": [by_rank[rank]]}]))
+        else:
+            tables = assemble_tables(storage, chain, progress)
+            for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
+                reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
+                written.append(reports[-1]["file"])
+        body = compacted_body(chain, reports, new_id, tip["world_size"], (time.perf_counter() - t0) * 1e3)
+        body["reason"] += " by cnr compact"
+        if codec is not None:
+            body.update(codec={"method": method, "bits": bits, "params": codec.params},
+                        encodings={t: "full" for t in tip["tables"]}, replicated=list(tip.get("replicated", [])))
         storage.write_atomic(manifest_path(new_id), seal(body))
     except BaseException:
         storage.remove_dir(ckpt_dir(new_id), written)
@@ -161,8 +146,8 @@ def _write_compacted_rank(
             out_tables.setdefault(table, []).append(out)
             if progress is not None:
                 progress(1)
-    replicated = {t: _copy_blob(load, blobs, name) for t, name in report["replicated_tables"].items()}
-    dense = {n: _copy_blob(load, blobs, name) for n, name in report["dense"].items()}
+    replicated = {t: _copy(name, load, blobs) for t, name in report["replicated_tables"].items()}
+    dense = {n: _copy(name, load, blobs) for n, name in report["dense"].items()}
     dense_opt = report.get("dense_optimizer")
     if dense_opt is not None:
         _copy_tree(dense_opt, load, blobs)
