@@ -29,11 +29,11 @@ def _build(plan=PLAN_A, seed=0):
     return dmp, specs, opt
 
 
-def _config(root, method="none", bits=None, **kw):
+def _config(root, method="none", bits=None, params=None, state_dtype="float32", **kw):
     from cnr_torchrec import load_config
 
-    return load_config({"root": root, "policy": "consecutive", "quantization": {"method": method, "bits": bits},
-                        **kw})
+    quantization = {"method": method, "bits": bits, "params": params or {}, "state_dtype": state_dtype}
+    return load_config({"root": root, "policy": "consecutive", "quantization": quantization, **kw})
 
 
 def _bodies(root):
@@ -76,13 +76,17 @@ def _assert_equal(got, want, what):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("method,bits", [("none", None), ("adaptive", 4), ("kmeans", 3)])
-def test_a_chain_is_compacted_in_the_background_and_restores_exactly(group, tmp_path, method, bits):
+@pytest.mark.parametrize("method,bits,extra", [
+    ("none", None, {}), ("fp16", None, {}), ("bf16", None, {}), ("uniform_sym", 8, {}),
+    ("uniform_asym", 2, {"params": {"bias_dtype": "float16"}, "state_dtype": "bfloat16"}),
+    ("kmeans", 3, {}), ("adaptive", 4, {}),
+])
+def test_a_chain_is_compacted_in_the_background_and_restores_exactly(group, tmp_path, method, bits, extra):
     from cnr_torchrec import Checkpointer
 
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()
-    cfg = dict(method=method, bits=bits, compaction={"max_chain": 3}, keep={"chains": 20})
+    cfg = dict(method=method, bits=bits, compaction={"max_chain": 3}, keep={"chains": 20}, **extra)
     ckpt = Checkpointer(dmp, _config(root, **cfg), dense_optimizer=opt)
     kinds, step = _run_job(root, specs, dmp, opt, ckpt, 12, torch.Generator().manual_seed(1))
     live = local_state(dmp)
@@ -269,3 +273,34 @@ def test_retention_keeps_what_a_compaction_reads():
     catalog = _catalog(ROOT[:5] + [(8, 80, "baseline", None, 8, 100)])  # a failed save restarted the chain
     assert catalog.retained(KeepConfig(checkpoints=1)) == {8}
     assert catalog.retained(KeepConfig(checkpoints=1), pinned=(0, 1, 2)) == {0, 1, 2, 8}
+
+
+def _two_rank_start(rank, world_size, root):
+    from cnr_torchrec import Checkpointer
+
+    dmp, specs, opt = _build(PLAN_A)
+    ck = Checkpointer(dmp, _config(root, compaction={"max_chain": 3}), dense_optimizer=opt)
+    _run_job(root, specs, dmp, opt, ck, 2, torch.Generator().manual_seed(20 + rank))
+    ck.close()
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_compaction_across_a_change_of_world_size(group, tmp_path):
+    from cnr_torchrec import Checkpointer
+
+    root = str(tmp_path / "root")
+    run_ranks(_two_rank_start, world_size=2, timeout=200, args=(root,))
+    # One rank, another plan, goes on with the chain the two ranks wrote; a compaction folds both.
+    dmp, specs, opt = _build(PLAN_B, seed=3)
+    ck = Checkpointer(dmp, _config(root, compaction={"max_chain": 3}, keep={"chains": 20}), dense_optimizer=opt)
+    step = ck.restore(per_rank_state="drop")
+    _, step = _run_job(root, specs, dmp, opt, ck, 4, torch.Generator().manual_seed(5), step)
+    live = local_state(dmp)
+    ck.close()
+    bodies = _bodies(root)
+    folded = [b for b in bodies.values() if b.get("equals") is not None and b["compacted_from"][0] == 0]
+    assert folded and folded[0]["world_size"] == 1 and bodies[0]["world_size"] == 2  # 2 ranks' rows, 1 rank merged
+    got, restored = _restored(root, PLAN_B, compaction={"max_chain": 3})
+    assert got == step
+    _assert_equal(restored, live, "restore after compacting across a change of world size")
