@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint bench-cpr accuracy nvcc-check cuda-check clean reliability
+.PHONY: install test demo bench bench-checkpoint bench-cpr soak accuracy nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -58,6 +58,10 @@ bench-checkpoint: install
 
 bench-cpr: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/cpr.py --json cpr_bench.json
+
+# 500 checkpoints with background compaction beside the same job without it (~10 min); docs/compaction.md.
+soak: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --json soak.json
 
 accuracy: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --json accuracy.json --markdown accuracy.md

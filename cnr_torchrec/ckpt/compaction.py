@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt import merge
 from cnr_torchrec.ckpt.manifest import ckpt_dir, load_manifest, manifest_path, rank_file, seal, walk_chain
+from cnr_torchrec.ckpt.merge import Region
 from cnr_torchrec.ckpt.storage import Storage
 
 __all__ = ["Compaction", "regions_of_tracker"]
@@ -45,11 +47,9 @@ log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpo
 _POLL_S = 0.05  # the save thread may hold the store client in a long wait: never block on it here
 
 
-def regions_of_tracker(tracker: Any, rank: int) -> list[Any]:
-    """The blocks (:class:`~cnr_torchrec.ckpt.merge.Region`) of the tables this rank writes in a merge: its
-    shards under the current plan, and on rank 0 every data-parallel table whole (every rank holds those alike)."""
-    from cnr_torchrec.ckpt.merge import Region
-
+def regions_of_tracker(tracker: Any, rank: int) -> list[Region]:
+    """The blocks of the tables this rank writes in a merge: its shards under the current plan, and on
+    rank 0 every data-parallel table whole (every rank holds those alike)."""
     regions = []
     for table in tracker.tables():
         if tracker.is_data_parallel(table):
@@ -84,7 +84,7 @@ class Compaction:
                  open_storage: Callable[[], Storage], store: Any, timeout_s: float,
                  on_commit: Callable[[dict[str, Any], Storage], None]) -> None:
         self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
-        self._regions = regions_of_tracker(tracker, rank)  # the plan now, before training goes on
+        self._tracker = tracker
         self._open_storage, self._store, self._timeout_s = open_storage, store, timeout_s
         self._on_commit = on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-compact")
@@ -111,13 +111,14 @@ class Compaction:
     def _run(self) -> Outcome:
         t0 = time.perf_counter()
         storage: Storage | None = None
-        try:
+        try:  # whatever fails here is reported to rank 0, so that every rank hears the same outcome
+            regions = regions_of_tracker(self._tracker, self.rank)  # the plan's layout: fixed while training runs
             storage = self._open_storage()
             chain = walk_chain(load_manifest(storage, self.tip), lambda i: load_manifest(storage, i))
             if tuple(c["id"] for c in chain) != self.chain:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c['id'] for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
-            report = self._merge(storage, chain)
+            report = self._merge(storage, chain, regions)
             faults.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
@@ -134,13 +135,11 @@ class Compaction:
             if storage is not None:
                 storage.close()
 
-    def _merge(self, storage: Storage, chain: list[dict[str, Any]]) -> dict[str, Any]:
-        from cnr_torchrec.ckpt.merge import merge_rank
-
+    def _merge(self, storage: Storage, chain: list[dict[str, Any]], regions: list[Region]) -> dict[str, Any]:
         tip = chain[-1]
         reports = {r["rank"]: r for r in tip["ranks"]}
         same_ranks = tip["world_size"] == self.world_size and tip.get("per_rank_state", True)
-        return merge_rank(storage, chain, self._regions, new_id=self.new_id, rank=self.rank,
+        return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank,
                           rank_state=reports.get(self.rank) if same_ranks else None,
                           dense_state=reports[0] if self.rank == 0 else None, table_shapes=tip["tables"])
 
