@@ -10,7 +10,8 @@ no more: each checkpoint's link to its parent, its step and its bytes.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,7 @@ from cnr_torchrec.ckpt.manifest import (
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["Catalog", "Entry"]
+__all__ = ["Catalog", "Entry", "Retention"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
@@ -131,3 +132,35 @@ def remove_uncommitted(storage: Storage, newest: int, keep: Iterable[int] = ()) 
     for i in stale:
         storage.remove_dir(ckpt_dir(i), [])
     return stale
+
+
+class Retention:
+    """Rank 0's catalog, and the retention rule run after each commit.
+
+    Saves and compactions commit on threads of their own, so every change goes through
+    one lock. ``pinned()`` names what must stay besides the rule (a compaction's source).
+    """
+
+    def __init__(self, keep: KeepConfig, pinned: Callable[[], Iterable[int]]) -> None:
+        self.keep, self._pinned = keep, pinned
+        self._catalog: Catalog | None = None
+        self._lock = threading.Lock()
+
+    def committed(self, body: Mapping[str, Any], storage: Storage) -> None:
+        """``body`` committed: the catalog takes it and what ``keep`` does not keep is deleted. Never raises
+        (a commit must not fail for it); the next commit tries again."""
+        try:
+            with self._lock:
+                pinned = tuple(self._pinned())
+                if self._catalog is None:
+                    self._catalog = Catalog.load(storage)  # once per Checkpointer: it reads every manifest
+                    stale = remove_uncommitted(storage, body["id"], keep=pinned)
+                    if stale:
+                        log.info("removed the directories of saves that never committed: %s", stale)
+                else:
+                    self._catalog.add(body)
+                drop = self._catalog.collect(storage, self.keep, pinned=pinned)
+            if drop:
+                log.info("garbage-collected checkpoints %s (%s)", drop, self.keep)
+        except Exception as e:
+            log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)

@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
-from cnr_torchrec.ckpt.catalog import Catalog, remove_uncommitted
+from cnr_torchrec.ckpt.catalog import Retention
 from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
-from cnr_torchrec.ckpt.compaction import Compaction
+from cnr_torchrec.ckpt.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.dense_optim import param_names
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
@@ -168,13 +168,9 @@ class Checkpointer(CommitProtocol):
         self._timer = IntervalTimer()
         self._plan: IntervalPlan | None = None
         self._last_stall_s = 0.0
-        # Background compaction (see cnr_torchrec.ckpt.compaction): the delta chosen as the next one's tip,
-        # and the compaction in flight.
-        self._compaction_tip: int | None = None
-        self._compaction: Compaction | None = None
+        self._compactor = Compactor(config.compaction, self._start_compaction)
         # Rank 0: the committed checkpoints, loaded at the first commit and then kept up to date.
-        self._catalog: Catalog | None = None
-        self._catalog_lock = threading.Lock()
+        self._retention = Retention(config.retention, self._compactor.pinned)
 
     # ------------------------------------------------------------------ public
 
@@ -224,8 +220,8 @@ class Checkpointer(CommitProtocol):
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
-        prev, base, held, (step_s, last_stall_s), compacted = counts
-        hang_on_compacted = self._compaction_step(compacted)
+        prev, base, held, (step_s, last_stall_s), (compacted, committed) = counts
+        self._state, hang_on_compacted = self._compactor.step(self._state, compacted, committed)
         if self.config.interval is not None:
             self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
                                        world_size=self.world_size)
@@ -235,9 +231,8 @@ class Checkpointer(CommitProtocol):
             dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
             force_baseline=self._force_baseline, since_view=hang_on_compacted,
         )
-        tip = self._compaction_due(decision) and not hang_on_compacted
+        tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._state)
         if tip:
-            self._compaction_tip = decision.ckpt_id
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction")
         staged, stage_error = self._stage(decision)
         if staged is not None:
@@ -266,8 +261,8 @@ class Checkpointer(CommitProtocol):
             compaction: also wait for this rank's part of a background compaction in flight
                 (its outcome is folded into the chain at the next save, on every rank alike).
         """
-        if compaction and self._compaction is not None:
-            self._compaction.outcome()
+        if compaction:
+            self._compactor.wait()
         if self._inflight is None:
             return None
         handle = self._inflight
@@ -334,7 +329,7 @@ class Checkpointer(CommitProtocol):
             raise ConfigError(f"per_rank_state: {per_rank_state!r} is not one of ['strict', 'drop']")
         if self._inflight is not None:
             self._settle(self._inflight)
-        self._drop_compaction()
+        self._compactor.drop("the restore")
 
         def attempt(ids: list[int], chain: list[dict[str, Any]] | None):
             """Applies the chain on this rank. Returns (failure for the others, own exception, chain)."""
@@ -450,7 +445,7 @@ class Checkpointer(CommitProtocol):
         try:
             if self._inflight is not None:
                 self._settle(self._inflight)
-            self._drop_compaction()
+            self._compactor.drop("close()")
         finally:
             self._executor.shutdown(wait=True)
             if self._bg_storage is not None:
@@ -538,87 +533,12 @@ class Checkpointer(CommitProtocol):
             else:
                 self._state = self._state.committed(handle.decision, info.nbytes)
 
-    # ------------------------------------------------------------------ compaction
-
-    def _compaction_step(self, everywhere: tuple[bool, bool]) -> bool:
-        """At a save, before its decision: folds a compaction every rank has finished, or starts one
-        whose tip has committed. Returns whether this save's delta hangs on a compacted baseline.
-
-        Every input is agreed (the chain state, and the all-gathered ``everywhere``: every rank's
-        part is over, and every rank heard it commit), so every rank takes the same step. A
-        compaction some rank did not hear commit is not folded anywhere: it stays an ordinary
-        baseline, which retention collects.
-        """
-        comp = self._compaction
-        finished, committed = everywhere
-        if comp is not None and finished:
-            self._compaction = None
-            out = comp.outcome()
-            if committed and comp.tip in self._state.chain and self._state.chain[0] == comp.chain[0]:
-                log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
-                         comp.chain[0], comp.tip)
-                self._state = ChainState(self._state.next_id, (comp.new_id,), int(out.manifest["nbytes"]), ())
-                return True
-            why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
-                   else "is moot: the chain changed meanwhile")
-            log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],
-                        comp.tip, why)
-            return False
-        tip = self._compaction_tip
-        if comp is None and tip is not None and self._state.chain and self._state.chain[-1] == tip:
-            new_id = self._state.next_id
-            self._state = dataclasses.replace(self._state, next_id=new_id + 1)
-            self._compaction_tip = None
-            log.info("compaction %d of chain %d..%d starts in the background", new_id, self._state.chain[0], tip)
-            self._compaction = Compaction(
-                new_id=new_id, chain=self._state.chain, rank=self.rank, world_size=self.world_size,
-                tracker=self.tracker, open_storage=lambda: Storage(self.config.root, self.config.storage_options),
-                store=self._store, timeout_s=self.config.save_timeout_s, on_commit=self._catalog_add,
-            )
-        elif tip is not None and tip not in self._state.chain:
-            self._compaction_tip = None  # the tip's save failed
-        return False
-
-    def _compaction_due(self, decision: Decision) -> bool:
-        """Whether ``decision`` (a delta) brings the chain to the compaction trigger, with none under way."""
-        cfg = self.config.compaction
-        if cfg is None or decision.kind != "delta" or self._compaction is not None or self._compaction_tip is not None:
-            return False
-        why = cfg.due(len(decision.chain) - 1, self._state.baseline_bytes, sum(self._state.delta_bytes))
-        if why:
-            log.info("save %d is the tip of the next compaction: %s", decision.ckpt_id, why)
-        return bool(why)
-
-    def _drop_compaction(self) -> None:
-        """Waits for the compaction in flight and forgets it (a restore starts the chain state afresh)."""
-        comp, self._compaction, self._compaction_tip = self._compaction, None, None
-        if comp is not None:
-            out = comp.outcome()
-            log.info("compaction %d %s before the restore; it is not folded", comp.new_id,
-                     "committed" if out.ok else "failed")
-
-    def _pinned(self) -> tuple[int, ...]:
-        """What retention must keep besides its rule: the chain a compaction reads, and its result until folded."""
-        comp = self._compaction
-        return () if comp is None else comp.chain + (comp.new_id,)
-
-    def _catalog_add(self, body: dict[str, Any], storage: Storage) -> None:
-        """Rank 0, after a commit: the catalog takes ``body``, and retention collects what it does not keep.
-        Never fails the commit."""
-        try:
-            with self._catalog_lock:
-                if self._catalog is None:
-                    self._catalog = Catalog.load(storage)  # once per Checkpointer: it reads every manifest
-                    stale = remove_uncommitted(storage, body["id"], keep=self._pinned())
-                    if stale:
-                        log.info("removed the directories of saves that never committed: %s", stale)
-                else:
-                    self._catalog.add(body)
-                drop = self._catalog.collect(storage, self.config.retention, pinned=self._pinned())
-            if drop:
-                log.info("garbage-collected checkpoints %s (%s)", drop, self.config.retention)
-        except Exception as e:
-            log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
+    def _start_compaction(self, new_id: int, chain: tuple[int, ...]) -> Compaction:
+        return Compaction(
+            new_id=new_id, chain=chain, rank=self.rank, world_size=self.world_size, tracker=self.tracker,
+            open_storage=lambda: Storage(self.config.root, self.config.storage_options), store=self._store,
+            timeout_s=self.config.save_timeout_s, on_commit=self._retention.committed,
+        )
 
     def _make_store(self, token: int) -> Any:
         """The c10d store, under keys namespaced by ``token`` (the same on every rank)."""
@@ -659,11 +579,8 @@ class Checkpointer(CommitProtocol):
         base = self.tracker.dirty_counts(since_baseline=True) if self.tracker.has_baseline_view else prev
         held = {t: sum(r1 - r0 for (r0, r1) in {rows for rows, _ in self.tracker.shard_ranges(t)}) for t in tables}
         timing = [round(self._timer.step_s * 1e6), round(self._last_stall_s * 1e6)]  # microseconds
-        comp = self._compaction
-        finished = comp is not None and comp.finished()
-        compacted = [int(finished), int(finished and comp.outcome().ok)]  # outcome(): at hand once finished
         row = ([prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing
-               + compacted + [int(busy)])
+               + self._compactor.flags() + [int(busy)])
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
             dev = self._ranks.device

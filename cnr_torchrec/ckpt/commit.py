@@ -59,7 +59,7 @@ class CheckpointInfo:
 
 class CommitProtocol:
     """The background half of :class:`~cnr_torchrec.ckpt.Checkpointer` (a mixin: it uses the
-    Checkpointer's config, codec, rank, store, tracker and catalog)."""
+    Checkpointer's config, codec, rank, store, tracker and retention)."""
 
     def _write(self, d: Decision, staged: Staged | None, stage_error: str = "") -> CheckpointInfo:
         """Writes this rank's payload (``staged``; None if staging failed with ``stage_error``) and commits.
@@ -155,7 +155,7 @@ class CommitProtocol:
         result = self._publish(d, result)
         if result["ok"]:
             faults.hit("gc.before")
-            self._catalog_add(result["manifest"], storage)
+            self._retention.committed(result["manifest"], storage)
         return result
 
     def _publish(self, d: Decision, result: dict[str, Any]) -> dict[str, Any]:

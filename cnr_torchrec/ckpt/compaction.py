@@ -25,6 +25,7 @@ deltas simply go on, and a later save tries again.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -34,13 +35,16 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from cnr_torchrec.ckpt.config import CompactionConfig
+from cnr_torchrec.ckpt.planner import ChainState, Decision
+
 from cnr_torchrec.ckpt import faults
 from cnr_torchrec.ckpt import merge
 from cnr_torchrec.ckpt.manifest import ckpt_dir, load_manifest, manifest_path, rank_file, seal, walk_chain
 from cnr_torchrec.ckpt.merge import Region
 from cnr_torchrec.ckpt.storage import Storage
 
-__all__ = ["Compaction", "regions_of_tracker"]
+__all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
@@ -231,3 +235,81 @@ def compacted_body(chain: list[dict[str, Any]], reports: list[dict[str, Any]], n
         "per_rank_state": all(r.get("rng") is not None for r in reports),
         "ranks": reports,
     }
+
+
+class Compactor:
+    """The compaction side of a Checkpointer: it marks tips, starts merges and folds them.
+
+    Its decisions depend only on the chain state and on the flags of the saves' all-gather
+    (:meth:`flags`), so every rank takes the same ones.
+
+    Args:
+        config: the ``compaction`` section (None: never compacts).
+        start: builds the :class:`Compaction` of a chain into a new id.
+    """
+
+    def __init__(self, config: CompactionConfig | None, start: Callable[[int, tuple[int, ...]], Compaction]) -> None:
+        self.config, self._start = config, start
+        self.tip: int | None = None  # the delta chosen as the next compaction's tip, until it commits
+        self.running: Compaction | None = None
+
+    def flags(self) -> list[int]:
+        """This rank's part of the all-gather: its part of the compaction is over; and it heard it commit."""
+        finished = self.running is not None and self.running.finished()
+        return [int(finished), int(finished and self.running.outcome().ok)]  # at hand once finished
+
+    def step(self, state: ChainState, finished: bool, committed: bool) -> tuple[ChainState, bool]:
+        """At a save, before its decision: folds a compaction every rank has ``finished``, or starts one
+        whose tip has committed. Returns the chain state, and whether the save's delta hangs on a
+        compacted baseline. A compaction some rank did not hear commit is folded nowhere: it stays
+        an ordinary baseline, which retention collects."""
+        comp = self.running
+        if comp is not None and finished:
+            self.running = None
+            out = comp.outcome()
+            if committed and comp.tip in state.chain and state.chain[0] == comp.chain[0]:
+                log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
+                         comp.chain[0], comp.tip)
+                return ChainState(state.next_id, (comp.new_id,), int(out.manifest["nbytes"]), ()), True
+            why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
+                   else "is moot: the chain changed meanwhile")
+            log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],
+                        comp.tip, why)
+        elif comp is None and self.tip is not None and state.chain and state.chain[-1] == self.tip:
+            log.info("compaction %d of chain %d..%d starts in the background", state.next_id, state.chain[0],
+                     self.tip)
+            self.running, self.tip = self._start(state.next_id, state.chain), None
+            return dataclasses.replace(state, next_id=state.next_id + 1), False
+        elif self.tip is not None and self.tip not in state.chain:
+            self.tip = None  # the tip's save failed
+        return state, False
+
+    def mark_tip(self, decision: Decision, state: ChainState) -> bool:
+        """Whether ``decision`` (a delta) brings the chain to the trigger with no compaction under way; if so
+        it becomes the next compaction's tip."""
+        cfg = self.config
+        if cfg is None or decision.kind != "delta" or self.running is not None or self.tip is not None:
+            return False
+        why = cfg.due(len(decision.chain) - 1, state.baseline_bytes, sum(state.delta_bytes))
+        if why:
+            log.info("save %d is the tip of the next compaction: %s", decision.ckpt_id, why)
+            self.tip = decision.ckpt_id
+        return bool(why)
+
+    def wait(self) -> None:
+        """Waits for this rank's part of the compaction in flight."""
+        if self.running is not None:
+            self.running.outcome()
+
+    def drop(self, why: str) -> None:
+        """Waits for the compaction in flight and forgets it, unfolded (``why``: a restore)."""
+        comp, self.running, self.tip = self.running, None, None
+        if comp is not None:
+            out = comp.outcome()
+            log.info("compaction %d %s before %s; it is not folded", comp.new_id, "committed" if out.ok else "failed",
+                     why)
+
+    def pinned(self) -> tuple[int, ...]:
+        """What retention must keep besides its rule: the chain a compaction reads, and its result until folded."""
+        comp = self.running
+        return () if comp is None else comp.chain + (comp.new_id,)

@@ -131,7 +131,7 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
         raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
     if ck._inflight is not None:
         ck._settle(ck._inflight)
-    ck._drop_compaction()  # the failed ranks' trackers restart: a fold would miss the rows they had marked
+    ck._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
     # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
     pick, chain = ck._agree_on_pick(step, {}, local=False)
     if not pick["chain"]:
