@@ -470,12 +470,17 @@ def main() -> None:
             }
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
+    finish(args.out_dir, args.keep, rank)
+
+
+def finish(out_dir: str, keep: bool, rank: int) -> None:
+    """Removes ``out_dir`` (unless ``keep``) once every rank is done, and leaves without C++ static
+    destructors: gloo's helper threads have aborted finished ranks at exit."""
     dist.barrier()
-    if rank == 0 and not args.keep:
-        shutil.rmtree(args.out_dir, ignore_errors=True)
+    if rank == 0 and not keep:
+        shutil.rmtree(out_dir, ignore_errors=True)
     dist.barrier()
     dist.destroy_process_group()
-    # Leave without C++ static destructors: gloo's helper threads have aborted finished ranks at exit.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -78,7 +78,7 @@ from cnr_torchrec.ckpt.manifest import ckpt_dir
 from cnr_torchrec.toy import TableSpec, zipf_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from checkpoint import COMPACT, build, dir_bytes, fresh_dir, slowest, step, timed  # noqa: E402
+from checkpoint import COMPACT, build, dir_bytes, finish, fresh_dir, slowest, step, timed  # noqa: E402
 
 QUANT = {"method": "adaptive", "bits": 4, **COMPACT}
 QUICK = {"checkpoints": 60, "rows": 50_000, "batch_size": 512, "steps_per_interval": 2, "every": 10}
@@ -334,7 +334,7 @@ def main() -> None:
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
-    finish(args, rank)
+    finish(args.out_dir, args.keep, rank)
 
 
 def print_summary(out: dict, n: int) -> None:
@@ -351,18 +351,6 @@ def print_summary(out: dict, n: int) -> None:
         shown = f"{t['value']:,.0f}" if t['value'] > 1e3 else f"{t['value']:.3f}"
         print(f"  {k:<40s}{shown:>16s}  {t['limit']:<16s}{'pass' if t['pass'] else 'FAIL'}")
     print(f"wall time {out['wall_s']:.0f} s", flush=True)
-
-
-def finish(args, rank: int) -> None:
-    dist.barrier()
-    if rank == 0 and not args.keep:
-        shutil.rmtree(args.out_dir, ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    # As benchmarks/checkpoint.py: leave without C++ static destructors (gloo's threads abort finished ranks).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -124,6 +124,16 @@ class Catalog:
         write_index(storage, sorted(self.entries))
 
 
+def remove_partial(storage: Storage, ckpt_id: int, rank: int) -> None:
+    """Removes ``rank``'s file of a write that did not commit; rank 0 also its manifest (first: a checkpoint
+    the other ranks count as failed must not stay committed) and what is left of its directory."""
+    if rank == 0:
+        storage.delete(manifest_path(ckpt_id))
+    storage.delete(rank_file(ckpt_id, rank))
+    if rank == 0:
+        storage.remove_dir(ckpt_dir(ckpt_id), [])
+
+
 def remove_uncommitted(storage: Storage, newest: int, keep: Iterable[int] = ()) -> list[int]:
     """Deletes the directories of saves older than ``newest`` that never committed (a crash's leftovers),
     but those in ``keep`` (a compaction being written)."""

@@ -17,7 +17,8 @@ from datetime import timedelta
 from typing import Any
 
 from cnr_torchrec.ckpt import faults
-from cnr_torchrec.ckpt.manifest import ckpt_dir, manifest_path, rank_file, seal
+from cnr_torchrec.ckpt.catalog import remove_partial
+from cnr_torchrec.ckpt.manifest import manifest_path, seal
 from cnr_torchrec.ckpt.planner import Decision
 from cnr_torchrec.ckpt.save import Staged, write_rank
 from cnr_torchrec.ckpt.storage import Storage
@@ -211,11 +212,6 @@ class CommitProtocol:
         not be told: a checkpoint they count as failed must not stay committed.
         """
         try:
-            storage = storage or self._background_storage()
-            if self.rank == 0:
-                storage.delete(manifest_path(d.ckpt_id))
-            storage.delete(rank_file(d.ckpt_id, self.rank))
-            if self.rank == 0:
-                storage.remove_dir(ckpt_dir(d.ckpt_id), [])
+            remove_partial(storage or self._background_storage(), d.ckpt_id, self.rank)
         except Exception as e:
             log.warning("could not remove the partial files of save %d: %s", d.ckpt_id, e)

@@ -40,7 +40,8 @@ from cnr_torchrec.ckpt.planner import ChainState, Decision
 
 from cnr_torchrec.ckpt import faults
 from cnr_torchrec.ckpt import merge
-from cnr_torchrec.ckpt.manifest import ckpt_dir, load_manifest, manifest_path, rank_file, seal, walk_chain
+from cnr_torchrec.ckpt.catalog import remove_partial
+from cnr_torchrec.ckpt.manifest import load_manifest, manifest_path, seal, walk_chain
 from cnr_torchrec.ckpt.merge import Region
 from cnr_torchrec.ckpt.storage import Storage
 
@@ -208,12 +209,7 @@ class Compaction:
     def _cleanup(self, storage: Storage | None) -> None:
         """A compaction that did not commit: its manifest (rank 0: in case the others were not told) and files."""
         try:
-            storage = storage or self._open_storage()
-            if self.rank == 0:
-                storage.delete(manifest_path(self.new_id))
-            storage.delete(rank_file(self.new_id, self.rank))
-            if self.rank == 0:
-                storage.remove_dir(ckpt_dir(self.new_id), [])
+            remove_partial(storage or self._open_storage(), self.new_id, self.rank)
         except Exception as e:
             log.warning("could not remove the partial files of compaction %d: %s", self.new_id, e)
 
