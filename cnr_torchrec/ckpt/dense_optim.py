@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
+from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["load_named_state", "named_state", "param_names"]
 
@@ -72,7 +72,21 @@ def load_named_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: 
     Raises:
         IncompatibleCheckpointError: a parameter's saved state has another shape, or (by
             position) the optimizer's groups do not match the checkpoint's.
+        CorruptCheckpointError: the saved state is not what :func:`named_state` writes.
     """
+    try:
+        _load_named_state(model, optimizer, saved, where)
+    except CnrError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError) as e:
+        raise CorruptCheckpointError(
+            f"{where}: the saved dense optimizer state is malformed ({type(e).__name__}: {e}); the manifest was "
+            "edited or crafted. Restore another checkpoint, or pass dense_optimizer=None to keep it fresh"
+        ) from None
+
+
+def _load_named_state(model: nn.Module, optimizer: torch.optim.Optimizer, saved: Mapping[str, Any],
+                      where: str) -> None:
     if "param_names" not in saved:
         try:
             optimizer.load_state_dict(dict(saved))

@@ -27,6 +27,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from cnr_torchrec.ckpt.payload import checksum
+from cnr_torchrec.ckpt.schema import check_manifest
 from cnr_torchrec.ckpt.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -136,13 +137,17 @@ def _links_from_chain(body: dict[str, Any], path: str) -> None:
 def walk_chain(tip: dict[str, Any], load: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
     """The bodies of ``tip``'s chain, baseline first, following ``parent`` links with ``load(id)``.
 
-    Every link must hold: a parent older than its child, of the same ``base`` and one
+    Every member must pass the schema (:func:`~cnr_torchrec.ckpt.schema.check_manifest`),
+    and every link must hold: a parent older than its child, of the same ``base`` and one
     ``depth`` less, and the walk must end at a baseline whose id is the ``base``. So a
-    crafted or mixed-up manifest can neither loop nor splice chains together.
+    crafted or mixed-up manifest can neither loop, nor splice chains together, nor size a
+    buffer beyond its tables.
 
     Raises:
-        CorruptCheckpointError: a link does not hold, or a member is not committed (names its manifest).
+        CorruptCheckpointError: a member breaks the schema, a link does not hold, or a member is not
+            committed (names its manifest, and the field).
     """
+    check_manifest(tip, manifest_path(tip["id"]))
     chain = [tip]
     node = tip
     while node["kind"] != "baseline":
@@ -153,6 +158,7 @@ def walk_chain(tip: dict[str, Any], load: Callable[[int], dict[str, Any]]) -> li
                                          f"{node['depth']}; a delta's parent is an older checkpoint", path=path)
         try:
             up = load(parent)
+            check_manifest(up, manifest_path(parent))
         except CheckpointNotFoundError:
             raise CorruptCheckpointError(
                 f"{manifest_path(parent)} is missing: checkpoint {tip['id']} needs checkpoint {parent}, which is "

@@ -30,7 +30,7 @@ from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.track._tbe_cache import invalidate_caches
 from cnr_torchrec.ckpt.storage import Storage
-from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
+from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
@@ -373,9 +373,16 @@ def restore_chain(
         raise IncompatibleCheckpointError(
             f"extra_state {unknown} is not in checkpoint {target['id']} (it has {sorted(mine['extra'])})"
         )
-    for name, obj in extra_state.items():
-        obj.load_state_dict(unflatten_state(mine["extra"][name], load))
-    set_rng_state(unflatten_state(mine["rng"], load))
+    try:
+        for name, obj in extra_state.items():
+            obj.load_state_dict(unflatten_state(mine["extra"][name], load))
+        set_rng_state(unflatten_state(mine["rng"], load))
+    except CnrError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
+        raise CorruptCheckpointError(
+            f"{mine['file']}: this rank's saved extra_state or RNG state is malformed ({type(e).__name__}: {e}); the "
+            f"manifest of checkpoint {target['id']} was edited or crafted", path=mine["file"]) from None
 
 
 def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:

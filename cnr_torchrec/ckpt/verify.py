@@ -27,6 +27,7 @@ import torch
 from cnr_torchrec.ckpt.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
 from cnr_torchrec.ckpt.payload import _DTYPES, checksum, unflatten_state
 from cnr_torchrec.ckpt.save import decode_ids
+from cnr_torchrec.ckpt.schema import check_manifest
 from cnr_torchrec.ckpt.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows
@@ -105,6 +106,11 @@ class _Verifier:
         if self.storage.read(mpath) != sealed:
             problems.append(Problem(ckpt_id, mpath, "differs from the sealed form of its body: a byte outside "
                                                     "the sealed body was changed"))
+        try:
+            check_manifest(body, mpath)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(ckpt_id, mpath, _strip_path(str(e), mpath)))
+            return
         self._bodies[ckpt_id] = body
         self._check_body(ckpt_id, body, problems)
 

@@ -1,0 +1,312 @@
+"""The manifest schema, defined once: what every field of a manifest body may hold.
+
+A manifest's seal is a checksum, not a MAC: a crafted manifest re-sealed with a valid xxh3
+reaches the parser. So before anything reads a blob or sizes a buffer, every manifest of a
+chain is checked against this schema (:func:`check_manifest`, called by
+:func:`~cnr_torchrec.ckpt.manifest.walk_chain`, which restore, recover, compaction, ``cnr
+compact``/``export`` go through, and by ``cnr verify``): types and ranges, chain links, entries
+inside their table's shape, row ids and encoded rows that fit their entry, and blob shapes that
+match their bytes and dtype and lie inside their file. A buffer is then never sized beyond what
+the manifest's tables need, and restore compares those tables with the model's own before it
+changes anything. Every violation is a :class:`CorruptCheckpointError` naming the manifest and
+the field, e.g. ``ranks[1].tables['t0'][2].rows``; a dtype that is never written is an
+:class:`UnsafeCheckpointError` (refused, never skipped).
+
+What it does not check: the bytes themselves (the checksums do, as they are read), and whether
+a manifest that is consistent in itself is the one the job wrote (a checksum cannot tell; see
+the README's Format section).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from cnr_torchrec.ckpt.payload import _DTYPES
+from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
+from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
+from cnr_torchrec.quant.codecs import METHODS
+
+__all__ = ["check_manifest"]
+
+Check = Callable[[Any], str]
+"""A field's check: the empty string when the value is fine, else what is wrong with it."""
+
+
+def _int(lo: int = 0, hi: int = 1 << 62) -> Check:
+    return lambda v: "" if type(v) is int and lo <= v <= hi else f"must be an integer in [{lo}, {hi}], not {v!r}"
+
+
+def _opt(check: Check) -> Check:
+    return lambda v: "" if v is None else check(v)
+
+
+def _of(*choices: Any) -> Check:
+    return lambda v: "" if v in choices else f"must be one of {list(choices)}, not {v!r}"
+
+
+def _type(*types: type) -> Check:
+    names = " or ".join(t.__name__ for t in types)
+    return lambda v: "" if isinstance(v, types) and not isinstance(v, bool) or bool in types and type(v) is bool \
+        else f"must be a {names}, not {type(v).__name__}"
+
+
+def _number(v: Any) -> str:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return "" if ok else f"must be a finite number >= 0, not {v!r}"
+
+
+_BODY: dict[str, Check] = {
+    "id": _int(), "step": _int(), "kind": _of("baseline", "delta"), "since": _opt(_of("baseline", "previous")),
+    "parent": _opt(_int()), "base": _int(), "depth": _int(), "encodings": _type(dict), "reason": _type(str),
+    "policy": _opt(_type(str)), "world_size": _int(1, 1 << 20), "codec": _type(dict), "restores": _int(),
+    "tables": _type(dict), "table_fqns": _type(dict), "replicated": _type(list), "nbytes": _int(),
+    "created_unix": _number, "ranks": _type(list),
+}
+_BODY_OPTIONAL: dict[str, Check] = {"equals": _int(), "compacted_from": _type(list), "per_rank_state": _type(bool),
+                                    "chain": _type(list)}
+_RANK: dict[str, Check] = {
+    "rank": _int(), "ok": _of(True), "file": _type(str), "nbytes": _int(), "xxh3": _type(str), "blobs": _type(dict),
+    "tables": _type(dict), "replicated_tables": _type(dict), "dense": _type(dict), "tbe_iter": _int(),
+    "table_shapes": _type(dict), "rows_written": _int(), "stall_ms": _number, "write_ms": _number,
+    "dense_optimizer": _opt(_type(dict)), "extra": _type(dict),
+}
+_BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*_DTYPES), "shape": _type(list),
+                           "xxh3": _type(str)}
+
+
+_META: dict[str, Check] = {
+    "format": _of(EncodedRows.FORMAT), "version": _of(EncodedRows.VERSION), "method": _of(*METHODS),
+    "bits": _int(1, 32), "dim": _int(1), "num_rows": _int(), "params": _type(dict),
+}
+
+
+class _Fields:
+    """Raises the named error for one manifest."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def fail(self, field: str, problem: str) -> None:
+        raise CorruptCheckpointError(f"{self.path}: {field} {problem}. The manifest was edited or crafted; refusing "
+                                     "it (restore another checkpoint with restore(step=...))", path=self.path)
+
+    def record(self, obj: Any, field: str, spec: Mapping[str, Check], optional: Mapping[str, Check] = {}) -> None:
+        if not isinstance(obj, dict):
+            self.fail(field, f"must be an object, not {type(obj).__name__}")
+        for key, check in spec.items():
+            if key not in obj:
+                self.fail(f"{field}.{key}" if field else key, "is missing")
+            self.value(obj[key], f"{field}.{key}" if field else key, check)
+        for key, check in optional.items():
+            if key in obj:
+                self.value(obj[key], f"{field}.{key}" if field else key, check)
+
+    def value(self, v: Any, field: str, check: Check) -> None:
+        problem = check(v)
+        if problem:
+            self.fail(field, problem)
+
+    def pair(self, v: Any, field: str, lo: int, hi: int, *, empty: bool) -> tuple[int, int]:
+        """``[a, b]`` with ``lo <= a <= b <= hi`` (``a < b`` unless ``empty``)."""
+        ok = isinstance(v, list) and len(v) == 2 and all(type(x) is int for x in v)
+        if not ok or not lo <= v[0] <= v[1] <= hi or (not empty and v[0] == v[1]):
+            self.fail(field, f"must be a range [a, b) inside [{lo}, {hi}]{'' if empty else ', not empty'}, not {v!r}")
+        return v[0], v[1]
+
+
+def check_manifest(body: Any, path: str) -> None:
+    """Checks a manifest body against the schema.
+
+    Raises:
+        CorruptCheckpointError: a field is missing, of another type, out of range, or does not fit the
+            rest of the manifest; the message names ``path`` and the field.
+    """
+    f = _Fields(path)
+    f.record(body, "", _BODY, _BODY_OPTIONAL)
+    _check_links(f, body)
+    shapes = {}
+    for name, shape in body["tables"].items():
+        ok = isinstance(shape, list) and len(shape) == 2 and all(type(x) is int for x in shape)
+        if not ok or not (0 <= shape[0] <= 1 << 40 and 1 <= shape[1] <= 1 << 20):
+            f.fail(f"tables[{name!r}]", f"must be [rows, columns] with rows >= 0 and columns >= 1, not {shape!r}")
+        shapes[name] = tuple(shape)
+    for name in body["replicated"]:
+        if name not in shapes:
+            f.fail("replicated", f"names table {name!r}, which tables does not list")
+    for table, encoding in body["encodings"].items():
+        f.value(encoding, f"encodings[{table!r}]", _of("full", "rows"))
+    ranks = body["ranks"]
+    stored_whole = sorted(t for r in ranks if isinstance(r, dict) and isinstance(r.get("replicated_tables"), dict)
+                          for t in r["replicated_tables"])
+    if stored_whole != sorted(body["replicated"]):
+        f.fail("replicated", f"lists {sorted(body['replicated'])}, but the ranks store {stored_whole} whole")
+    if len(ranks) != body["world_size"]:
+        f.fail("ranks", f"holds {len(ranks)} reports for a world size of {body['world_size']}")
+    for i, report in enumerate(ranks):
+        _check_rank(f, report, f"ranks[{i}]", i, shapes)
+    if sum(r["nbytes"] for r in ranks) != body["nbytes"]:
+        f.fail("nbytes", f"is {body['nbytes']}, but the rank files hold {sum(r['nbytes'] for r in ranks)} bytes")
+
+
+def _check_links(f: _Fields, body: Mapping[str, Any]) -> None:
+    cid, parent = body["id"], body["parent"]
+    if body["kind"] == "baseline":
+        if parent is not None or body["base"] != cid or body["depth"] != 0:
+            f.fail("parent", f"base and depth of a baseline must be null, its own id and 0, not {parent!r}, "
+                             f"{body['base']} and {body['depth']}")
+    elif parent is None or not body["base"] <= parent < cid or body["depth"] < 1:
+        f.fail("parent", f"base and depth of a delta must satisfy base <= parent < id and depth >= 1, not parent "
+                         f"{parent!r}, base {body['base']}, depth {body['depth']} (id {cid})")
+    if "equals" in body and not body["equals"] < cid:
+        f.fail("equals", f"must name an older checkpoint than {cid}, not {body['equals']}")
+
+
+def _check_rank(f: _Fields, report: Any, where: str, index: int, shapes: Mapping[str, tuple[int, int]]) -> None:
+    f.record(report, where, _RANK)
+    if report["rank"] != index:
+        f.fail(f"{where}.rank", f"is {report['rank']}, at position {index}")
+    blobs = report["blobs"]
+    for name, meta in blobs.items():
+        _check_blob(f, meta, f"{where}.blobs[{name!r}]", report["nbytes"])
+    stored = 0
+    for table, entries in report["tables"].items():
+        if table not in shapes or not isinstance(entries, list):
+            f.fail(f"{where}.tables[{table!r}]", "is not a list of entries of a table the manifest lists")
+        for j, entry in enumerate(entries):
+            stored += _check_entry(f, entry, f"{where}.tables[{table!r}][{j}]", shapes[table], blobs)
+    if stored != report["rows_written"]:
+        f.fail(f"{where}.rows_written", f"is {report['rows_written']}, but the entries hold {stored} rows")
+    for table, blob in report["replicated_tables"].items():
+        field = f"{where}.replicated_tables[{table!r}]"
+        if table not in shapes:
+            f.fail(field, "names a table the manifest does not list")
+        _blob_shape(f, blobs, blob, field, list(shapes[table]))
+    for name, blob in report["dense"].items():
+        _blob_shape(f, blobs, blob, f"{where}.dense[{name!r}]", None)
+    for key in ("dense_optimizer", "rng"):
+        _check_tree(f, report.get(key), f"{where}.{key}", blobs)
+    for name, tree in report.get("extra", {}).items():
+        _check_tree(f, tree, f"{where}.extra[{name!r}]", blobs)
+
+
+def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> None:
+    if isinstance(meta, dict) and meta.get("dtype") not in _DTYPES:
+        raise UnsafeCheckpointError(
+            f"{f.path}: {field}.dtype is {meta.get('dtype')!r}, which is never written (payloads are raw tensors of "
+            f"{sorted(_DTYPES)}; nothing is unpickled). Refusing the checkpoint; restore another with "
+            "restore(step=...)")
+    f.record(meta, field, _BLOB)
+    shape = meta["shape"]
+    if not all(type(s) is int and s >= 0 for s in shape):
+        f.fail(f"{field}.shape", f"must be a list of sizes >= 0, not {shape!r}")
+    if math.prod(shape) * _DTYPES[meta["dtype"]].itemsize != meta["nbytes"]:
+        f.fail(f"{field}.nbytes", f"is {meta['nbytes']}, but shape {shape} of {meta['dtype']} needs "
+                                  f"{math.prod(shape) * _DTYPES[meta['dtype']].itemsize}")
+    if meta["offset"] + meta["nbytes"] > file_nbytes:
+        f.fail(f"{field}.offset", f"puts the blob past the end of its {file_nbytes}-byte file")
+
+
+def _blob_shape(f: _Fields, blobs: Mapping[str, Any], name: Any, field: str, shape: list[int] | None) -> list[int]:
+    """The shape of blob ``name``, which must exist (and have ``shape``, when given)."""
+    if not isinstance(name, str) or name not in blobs:
+        f.fail(field, f"names blob {name!r}, which the report does not describe")
+    got = blobs[name]["shape"]
+    if shape is not None and got != shape:
+        f.fail(field, f"names a blob of shape {got}, where {shape} is needed")
+    return got
+
+
+def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blobs: Mapping[str, Any]) -> int:
+    """Checks one entry; returns how many rows it stores."""
+    if not isinstance(entry, dict):
+        f.fail(where, "must be an object")
+    r0, r1 = f.pair(entry.get("rows"), f"{where}.rows", 0, shape[0], empty=True)
+    c0, c1 = f.pair(entry.get("cols"), f"{where}.cols", 0, shape[1], empty=False)
+    f.value(entry.get("encoding"), f"{where}.encoding", _of("full", "rows"))
+    n = r1 - r0
+    if "ids" in entry:
+        ids = entry["ids"]
+        f.record(ids, f"{where}.ids", {"kind": _of("bitmap", "list"), "count": _int(0, r1 - r0),
+                                       "blob": _type(str)})
+        want = [(r1 - r0 + 7) // 8] if ids["kind"] == "bitmap" else [ids["count"]]
+        _blob_shape(f, blobs, ids["blob"], f"{where}.ids.blob", want)
+        n = ids["count"]
+    weights = entry.get("weights")
+    f.record(weights, f"{where}.weights", {"meta": _type(dict), "blobs": _type(dict)})
+    meta = weights["meta"]
+    f.record(meta, f"{where}.weights.meta", _META)
+    f.value(meta["num_rows"], f"{where}.weights.meta.num_rows", _of(n))
+    f.value(meta["dim"], f"{where}.weights.meta.dim", _of(c1 - c0))
+    _check_layout(f, meta, weights["blobs"], blobs, f"{where}.weights")
+    for key, blob in weights["blobs"].items():
+        got = _blob_shape(f, blobs, blob, f"{where}.weights.blobs[{key!r}]", None)
+        if not got or got[0] != n:
+            f.fail(f"{where}.weights.blobs[{key!r}]", f"names a blob of shape {got}, not one row per stored row ({n})")
+    states = entry.get("states", [])
+    if not isinstance(states, list):
+        f.fail(f"{where}.states", "must be a list")
+    for k, state in enumerate(states):
+        field = f"{where}.states[{k}]"
+        f.record(state, field, {"rowwise": _type(bool), "blob": _type(str)})
+        _blob_shape(f, blobs, state["blob"], f"{field}.blob", [n] if state["rowwise"] else [n, c1 - c0])
+    return n
+
+
+def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any], blobs: Mapping[str, Any],
+                  where: str) -> None:
+    """The encoded rows' blobs are exactly those their codec writes, of its dtypes and shapes."""
+    try:
+        codec = get_codec(meta["method"], meta["bits"], **meta["params"])
+    except UnknownCodecError as e:
+        f.fail(f"{where}.meta", f"names no valid codec ({e})")
+    layout = codec._layout(SimpleNamespace(num_rows=meta["num_rows"], dim=meta["dim"], params=meta["params"]))
+    if set(names) != set(layout):
+        f.fail(f"{where}.blobs", f"are {sorted(names)}; codec {meta['method']} writes {sorted(layout)}")
+    for key, (dtype, shape) in layout.items():
+        want = [str(dtype).removeprefix("torch."), list(shape)]
+        name = _blob_shape(f, blobs, names[key], f"{where}.blobs[{key!r}]", None) and names[key]
+        got = [blobs[name]["dtype"], blobs[name]["shape"]]
+        if got != want:
+            f.fail(f"{where}.blobs[{key!r}]", f"names a blob of {got[0]} {got[1]}; the codec writes {want[0]} {want[1]}")
+
+
+def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any]) -> None:
+    """A flattened state tree (:func:`~cnr_torchrec.ckpt.payload.flatten_state`): plain JSON values,
+    lists, string-keyed objects, and the tagged forms ``$tensor`` (a blob of the report), ``$float``
+    (inf or nan), ``$tuple`` (a list) and ``$items`` (``[key, tree]`` pairs)."""
+    if tree is None or isinstance(tree, (bool, int, float, str)):
+        return
+    if isinstance(tree, list):
+        for i, v in enumerate(tree):
+            _check_tree(f, v, f"{field}[{i}]", blobs)
+        return
+    if not isinstance(tree, dict):
+        f.fail(field, f"holds a {type(tree).__name__}")
+    tags = [k for k in tree if k.startswith("$")]
+    if not tags:
+        for k, v in tree.items():
+            _check_tree(f, v, f"{field}[{k!r}]", blobs)
+        return
+    if len(tree) != 1 or tags[0] not in _TAGS:
+        f.fail(field, f"must be one of {sorted(_TAGS)} alone, not keys {sorted(tree)}")
+    tag, v = tags[0], tree[tags[0]]
+    if tag == "$tensor":
+        _blob_shape(f, blobs, v, field, None)
+    elif tag == "$float":
+        f.value(v, f"{field}.$float", _of("inf", "-inf", "nan"))
+    elif tag == "$tuple":
+        f.value(v, f"{field}.$tuple", _type(list))
+        _check_tree(f, v, f"{field}.$tuple", blobs)
+    else:
+        if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
+            f.fail(f"{field}.$items", "must be a list of [key, value] pairs")
+        for i, (k, item) in enumerate(v):
+            f.value(k, f"{field}.$items[{i}][0]", lambda x: "" if x is None or isinstance(x, (bool, int, float, str))
+                    else f"must be a plain key, not {type(x).__name__}")
+            _check_tree(f, item, f"{field}.$items[{i}][1]", blobs)
+
+
+_TAGS = ("$tensor", "$float", "$tuple", "$items")
