@@ -146,6 +146,7 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
                 outcomes["identical"] += 1
     with open(path, "wb") as f:
         f.write(raw)
+    print(f"mutations: {outcomes}")  # shown with -s
     assert not problems, "\n".join(problems[:15])
     assert outcomes["named"] > 200 and outcomes["identical"] > 20, outcomes  # both kinds of field are covered
 
