@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -94,8 +93,6 @@ class Compaction:
         self._on_commit = on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-compact")
         self._future: Future = self._executor.submit(self._run)
-        self._done = threading.Event()
-        self._future.add_done_callback(lambda _: self._done.set())
 
     @property
     def tip(self) -> int:
@@ -103,7 +100,7 @@ class Compaction:
 
     def finished(self) -> bool:
         """Whether this rank's part is over (its outcome known); the ranks agree on it through the saves."""
-        return self._done.is_set()
+        return self._future.done()
 
     def outcome(self) -> Outcome:
         """Waits for this rank's part and returns the outcome every rank shares."""
