@@ -1,7 +1,10 @@
-"""Offline writers over a checkpoint root: ``compact`` (a chain merged into one new baseline, losslessly by
-default) and
-``export_state_dict`` (a plain, full-precision state_dict). Both build on the chain assembly of
-:mod:`cnr_torchrec.ckpt.offline`; neither may run while a job writes to the same root.
+"""Offline writers over a checkpoint root: ``compact`` (a chain merged into one new baseline) and
+``export_state_dict`` (a plain, full-precision state_dict). Neither may run while a job writes to the same root.
+
+``compact`` is lossless by default: it keeps every row's stored bytes (:mod:`cnr_torchrec.ckpt.merge`,
+which the background compaction uses too). Given a codec it decodes the chain with the chain
+assembly of :mod:`cnr_torchrec.ckpt.offline` and encodes the rows again; ``export_state_dict``
+decodes the same way.
 """
 
 from __future__ import annotations
@@ -73,33 +76,54 @@ def compact(
     new_id = max(existing_dir_ids(storage) + committed_ids(storage)) + 1
     written: list[str] = []
     try:
-        reports = []
         if codec is None:
-            regions = regions_of_layout(tip)
-            by_rank = {int(r["rank"]): r for r in tip["ranks"]}
-            for rank in sorted(by_rank):
-                reports.append(merge_rank(storage, chain, regions[rank], new_id=new_id, rank=rank,
-                                          rank_state=by_rank[rank], dense_state=by_rank[0] if rank == 0 else None,
-                                          table_shapes=tip["tables"]))
-                written.append(reports[-1]["file"])
-                if progress is not None:
-                    progress(count_entries([{"ranks": [by_rank[rank]]}]))
+            reports = _merge_ranks(storage, chain, new_id, written, progress)
         else:
             tables = assemble_tables(storage, chain, progress)
+            reports = []
             for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
                 reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
                 written.append(reports[-1]["file"])
-        body = compacted_body(chain, reports, new_id, tip["world_size"], (time.perf_counter() - t0) * 1e3)
-        body["reason"] += " by cnr compact"
-        if codec is not None:
-            body.update(codec={"method": method, "bits": bits, "params": codec.params},
-                        encodings={t: "full" for t in tip["tables"]}, replicated=list(tip.get("replicated", [])))
+        codec_desc = None if codec is None else {"method": method, "bits": bits, "params": codec.params}
+        body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
         storage.write_atomic(manifest_path(new_id), seal(body))
     except BaseException:
         storage.remove_dir(ckpt_dir(new_id), written)
         raise
     write_index(storage, committed_ids(storage))
     log.info("compacted chain %s into checkpoint %d (%d bytes)", body["compacted_from"], new_id, body["nbytes"])
+    return body
+
+
+def _merge_ranks(storage: Storage, chain: list[dict[str, Any]], new_id: int, written: list[str],
+                 progress: Progress | None) -> list[dict[str, Any]]:
+    """The lossless path: every rank file of the tip's layout merged in turn (``written`` collects the files,
+    for the caller's clean-up). Each rank copies its own per-rank state, and rank 0 the dense state."""
+    tip = chain[-1]
+    regions = regions_of_layout(tip)
+    by_rank = {int(r["rank"]): r for r in tip["ranks"]}
+    reports = []
+    for rank in sorted(by_rank):
+        reports.append(merge_rank(storage, chain, regions[rank], new_id=new_id, rank=rank, rank_state=by_rank[rank],
+                                  dense_state=by_rank[0] if rank == 0 else None, table_shapes=tip["tables"]))
+        written.append(reports[-1]["file"])
+        if progress is not None:
+            progress(count_entries([{"ranks": [by_rank[rank]]}]))
+    return reports
+
+
+def _compacted_body(chain: list[dict[str, Any]], new_id: int, reports: list[dict[str, Any]],
+                    codec: dict[str, Any] | None, write_ms: float) -> dict[str, Any]:
+    """The new baseline's manifest body: the one a background compaction writes
+    (:func:`~cnr_torchrec.ckpt.compaction.compacted_body`, which owns the chain keys), plus what
+    ``cnr compact`` does differently. ``codec``: the re-encoding codec's description (None: lossless,
+    which keeps the tip's codec and stores replicated tables as entries)."""
+    tip = chain[-1]
+    body = compacted_body(chain, reports, new_id, tip["world_size"], write_ms)
+    body["reason"] += " by cnr compact"
+    if codec is not None:  # the re-encoded rows, written whole in the tip's layout
+        body.update(codec=codec, encodings={t: "full" for t in tip["tables"]},
+                    replicated=list(tip.get("replicated", [])))
     return body
 
 

@@ -11,8 +11,14 @@ stored piece (one row of an entry, over the entry's columns) belongs to the regi
 holds its row and its first column, so every piece is written by exactly one rank whatever
 plans the chain was written under. Which pieces survive is decided as a restore decides it:
 newest checkpoint first, per row and column segment (the column edges of the chain's
-entries), so a region looks at every entry overlapping its rows but loads the encoded rows
-of the pieces it owns only.
+entries), so a region looks at every entry overlapping its rows (their row ids only) but
+loads the encoded rows of the pieces it owns only. A row that no stored piece reproduces (a piece
+partly superseded by a newer one, or, with row-wise optimizer state, a row whose pieces come
+from several checkpoints) raises CompactionError: only re-encoding could merge it.
+
+A replicated table (rank 0 stores it whole in float32) takes part like an entry spanning the
+table; its surviving rows are written as ``none`` rows, whose payload is those float32 bytes.
+The merged checkpoint therefore holds entries only.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import dataclasses
 import json
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, NoReturn
 
+import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.manifest import rank_file
+from cnr_torchrec.ckpt.manifest import manifest_path, rank_file
 from cnr_torchrec.ckpt.payload import BlobWriter, checksum, unflatten_state
 from cnr_torchrec.ckpt.restore import _Reader
 from cnr_torchrec.ckpt.save import _encode_ids, decode_ids
@@ -39,11 +46,24 @@ __all__ = ["Region", "merge_rank", "regions_of_layout"]
 
 @dataclass(frozen=True)
 class Region:
-    """A block of a table one rank writes in a merge: global rows ``[rows)`` and columns ``[cols)``."""
+    """A block of a table that one rank writes in a merge.
+
+    Attributes:
+        table: the table's name.
+        rows: global rows ``[start, end)``.
+        cols: columns ``[start, end)``.
+    """
 
     table: str
     rows: tuple[int, int]
     cols: tuple[int, int]
+
+
+def _none_rows(weights: torch.Tensor) -> EncodedRows:
+    """float32 rows as ``none``-codec rows: their bytes are the payload, so they decode to the same floats."""
+    rows = weights.float().contiguous()
+    payload = rows.view(torch.uint8).reshape(rows.shape[0], 4 * rows.shape[1])
+    return EncodedRows(method="none", bits=32, dim=rows.shape[1], params=get_codec("none").params, payload=payload)
 
 
 @dataclass
@@ -54,6 +74,7 @@ class _Stored:
     table: str
     entry: Mapping[str, Any]
     load: _Reader
+    _global: torch.Tensor | None = field(default=None, repr=False)  # row ids, read once for every region
 
     @property
     def rows(self) -> tuple[int, int]:
@@ -63,36 +84,67 @@ class _Stored:
     def cols(self) -> tuple[int, int]:
         return int(self.entry["cols"][0]), int(self.entry["cols"][1])
 
+    def corrupt(self, what: str) -> CorruptCheckpointError:
+        file = self.load.report["file"]
+        return CorruptCheckpointError(f"{file}: table '{self.table}' (checkpoint {self.ckpt}): {what}", path=file)
+
     def global_rows(self) -> torch.Tensor:
-        """The entry's stored rows as global row ids, in stored order."""
-        r0, r1 = self.rows
-        if "ids" not in self.entry:
-            return torch.arange(r0, r1)
-        ids = self.entry["ids"]
-        offsets = decode_ids(ids["kind"], self.load(ids["blob"]), r1 - r0)
-        if offsets.numel() != int(ids["count"]) or (offsets.numel() and int(offsets[-1]) >= r1 - r0):
-            raise CorruptCheckpointError(f"{self.load.report['file']}: row ids of table '{self.table}' do not match "
-                                         "the entry they describe", path=self.load.report["file"])
-        return offsets + r0
+        """The entry's stored rows as global row ids, in stored order (its ids blob is read once)."""
+        if self._global is None:
+            r0, r1 = self.rows
+            ids = self.entry.get("ids")
+            if ids is None:
+                self._global = torch.arange(r0, r1)
+            else:
+                offsets = decode_ids(ids["kind"], self.load(ids["blob"]), r1 - r0)
+                if offsets.numel() != int(ids["count"]) or (offsets.numel() and int(offsets[-1]) >= r1 - r0):
+                    raise self.corrupt("row ids do not match the entry they describe")
+                self._global = offsets + r0
+        return self._global
+
+    def blob_meta(self, name: str) -> Mapping[str, Any]:
+        try:
+            return self.load.report["blobs"][name]
+        except KeyError:
+            raise self.corrupt(f"the manifest names blob {name!r} but does not describe it") from None
+
+    def group_key(self) -> str:
+        """Pieces with equal keys fit in one entry: same columns, codec metadata and state layout."""
+        if "replicated" in self.entry:
+            meta = _none_rows(torch.empty(0, self.cols[1] - self.cols[0])).metadata()
+        else:
+            meta = dict(self.entry["weights"]["meta"])
+        meta.pop("num_rows", None)
+        states = []
+        for s in self.entry.get("states", []):
+            blob = self.blob_meta(s["blob"])
+            states.append([bool(s["rowwise"]), blob["dtype"], list(blob["shape"])[1:]])
+        return json.dumps([list(self.cols), meta, states], sort_keys=True)
 
     def rows_at(self, positions: torch.Tensor) -> tuple[EncodedRows, list[tuple[bool, torch.Tensor]]]:
         """The stored rows at ``positions``, still encoded, and their optimizer-state rows."""
-        if "replicated" in self.entry:  # whole float32 table: as `none` rows, which restore to the same floats
-            weights = self.load(self.entry["replicated"]).float().index_select(0, positions)
-            return get_codec("none").encode(weights), []
+        n = self.global_rows().numel()
+        if "replicated" in self.entry:
+            weights = self.load(self.entry["replicated"])
+            if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
+                raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
+            return _none_rows(weights.index_select(0, positions)), []
         tensors = {k: self.load(name) for k, name in self.entry["weights"]["blobs"].items()}
         try:
             encoded = EncodedRows.from_tensors(tensors, self.entry["weights"]["meta"])
         except EncodingFormatError as e:
-            raise CorruptCheckpointError(f"{self.load.report['file']}: encoded rows of table '{self.table}' are "
-                                         f"inconsistent: {e}", path=self.load.report["file"]) from None
-        states = [(bool(s["rowwise"]), self.load(s["blob"]).index_select(0, positions))
-                  for s in self.entry.get("states", [])]
-        return encoded.take(positions), states
+            raise self.corrupt(f"encoded rows are inconsistent: {e}") from None
+        states = [(bool(s["rowwise"]), self.load(s["blob"])) for s in self.entry.get("states", [])]
+        if encoded.num_rows != n or encoded.dim != self.cols[1] - self.cols[0] or any(
+                t.shape[0] != n for _, t in states):
+            raise self.corrupt(f"{encoded.num_rows} rows of {encoded.dim} values (and states of "
+                               f"{[t.shape[0] for _, t in states]} rows) stored for {n} rows of columns {self.cols}")
+        return encoded.take(positions), [(rw, t.index_select(0, positions)) for rw, t in states]
 
 
 def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[str, list[_Stored]]:
-    """Every entry of the chain by table, newest checkpoint first."""
+    """Every entry of the chain by table, newest checkpoint first. Nothing is read yet: blobs are
+    range-read as needed (a rank needs a few of each file)."""
     out: dict[str, list[_Stored]] = {}
     for m in reversed(chain):
         for report in m["ranks"]:
@@ -101,7 +153,7 @@ def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[st
                 out.setdefault(table, []).extend(_Stored(m["id"], table, e, load) for e in entries)
             for table, blob in report.get("replicated_tables", {}).items():
                 rows, cols = m["tables"][table]
-                entry = {"rows": [0, rows], "cols": [0, cols], "replicated": blob}
+                entry = {"rows": [0, int(rows)], "cols": [0, int(cols)], "replicated": blob}
                 out.setdefault(table, []).append(_Stored(m["id"], table, entry, load))
     return out
 
@@ -116,49 +168,73 @@ def _survivors(region: Region, stored: list[_Stored]) -> list[tuple[_Stored, tor
     r0, r1 = region.rows
     edges = sorted({c for s in stored for c in s.cols})
     segments = list(zip(edges[:-1], edges[1:]))
-    claimed = torch.zeros(r1 - r0, len(segments), dtype=torch.bool)
+    claimer = torch.full((r1 - r0, len(segments)), -1, dtype=torch.int64)  # checkpoint that holds each
     out = []
     for s in stored:  # newest checkpoint first
         if s.rows[1] <= r0 or r1 <= s.rows[0]:
             continue
         rows = s.global_rows()
-        positions = torch.nonzero((rows >= r0) & (rows < r1)).flatten()
+        positions = torch.from_numpy(np.flatnonzero(((rows >= r0) & (rows < r1)).numpy()))
         if not positions.numel():
             continue
         local = rows.index_select(0, positions) - r0
-        cover = [k for k, (a, b) in enumerate(segments) if s.cols[0] <= a and b <= s.cols[1]]
-        taken = claimed[local][:, cover]
+        cover = torch.tensor([k for k, (a, b) in enumerate(segments) if s.cols[0] <= a and b <= s.cols[1]],
+                             dtype=torch.int64)
+        held = claimer.index_select(0, local).index_select(1, cover)
+        taken = held >= 0
         partly = taken.any(1) & ~taken.all(1)
         if bool(partly.any()):
-            row = int(local[partly][0]) + r0
-            raise CompactionError(f"table '{s.table}', row {row}: checkpoint {s.ckpt} holds it for columns {s.cols}, "
-                                  "and a newer checkpoint for some of those columns only, so no lossless merge can "
-                                  "write it. The chain is kept as it is")
+            i = int(torch.nonzero(partly)[0])
+            _partly_superseded(s, int(local[i]) + r0, sorted(set(held[i].tolist()) - {-1}))
         fresh = ~taken.any(1)
         keep = local[fresh]
-        claimed[keep.unsqueeze(1), torch.tensor(cover, dtype=torch.int64)] = True
+        claimer[keep.unsqueeze(1), cover] = s.ckpt
         if region.cols[0] <= s.cols[0] < region.cols[1] and keep.numel():
             out.append((s, positions[fresh], keep + r0))
+    if any(st["rowwise"] for s in stored for st in s.entry.get("states", [])):
+        _check_one_source(region, claimer)
     return out
 
 
-def _group_key(s: _Stored) -> str:
-    """Pieces whose rows can sit in one entry: same columns, codec metadata and state layout."""
-    if "replicated" in s.entry:
-        return json.dumps([s.cols, "replicated"])
-    meta = {k: v for k, v in s.entry["weights"]["meta"].items() if k != "num_rows"}
-    states = [(st["rowwise"], s.load.report["blobs"][st["blob"]]["dtype"]) for st in s.entry.get("states", [])]
-    return json.dumps([s.cols, meta, states], sort_keys=True)
+def _check_one_source(region: Region, claimer: torch.Tensor) -> None:
+    """Raises CompactionError for a row whose surviving pieces come from several checkpoints.
+
+    A restore merges row-wise optimizer state per checkpoint: the chain gives such a row the
+    state of its newest checkpoint, but one merged checkpoint would give the mean over all its
+    pieces, onto a shard that spans them. (TorchRec writes a dirty row for all its column
+    shards, so each row's pieces come from one checkpoint.)
+    """
+    top = claimer.max(1).values
+    low = torch.where(claimer >= 0, claimer, top.unsqueeze(1)).min(1).values
+    mixed = torch.nonzero(low != top).flatten()
+    if mixed.numel():
+        i = int(mixed[0])
+        ckpts = sorted(set(claimer[i].tolist()) - {-1})
+        raise CompactionError(
+            f"cannot merge table '{region.table}' losslessly: row {region.rows[0] + i} keeps columns stored by "
+            f"checkpoints {ckpts}, and its row-wise optimizer state would then restore as their mean instead of "
+            "as the chain restores it. The chain is kept as it is; merge it with a codec instead "
+            "(`cnr compact --method ...` decodes and re-encodes the rows)")
+
+
+def _partly_superseded(s: _Stored, row: int, newer: list[int]) -> NoReturn:
+    """Raises the CompactionError of a row that checkpoint ``s.ckpt`` holds over more columns than ``newer`` do."""
+    raise CompactionError(
+        f"cannot merge table '{s.table}' losslessly: checkpoint {s.ckpt} stores row {row} for columns "
+        f"[{s.cols[0]}, {s.cols[1]}), and newer checkpoint(s) {newer} store it for some of those columns only, "
+        "so no stored row holds its current value whole. The chain is kept as it is; merge it with a codec "
+        "instead (`cnr compact --method ...` decodes and re-encodes the rows)")
 
 
 def _concat(parts: list[EncodedRows]) -> EncodedRows:
     first = parts[0]
-    return dataclasses.replace(first, **{k: torch.cat([p.to_tensors()[k] for p in parts])
-                                         for k in first.to_tensors()})
+    tensors = [p.to_tensors() for p in parts]
+    return dataclasses.replace(first, **{k: torch.cat([t[k] for t in tensors]) for k in tensors[0]})
 
 
-def _write_group(pieces, prefix: str, blobs: BlobWriter) -> tuple[dict[str, Any], int]:
-    """One entry holding ``pieces`` (same group), rows in global order. Returns (entry, rows)."""
+def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefix: str,
+                 blobs: BlobWriter) -> tuple[dict[str, Any], int]:
+    """One entry holding ``pieces`` (one group), rows in global order. Returns (entry, rows)."""
     encoded, states, rows = [], [], []
     for s, positions, global_rows in pieces:
         e, st = s.rows_at(positions)
@@ -170,13 +246,11 @@ def _write_group(pieces, prefix: str, blobs: BlobWriter) -> tuple[dict[str, Any]
     rows_all = rows_all[order]
     merged = _concat(encoded).take(order)
     lo, hi = int(rows_all[0]), int(rows_all[-1]) + 1
-    cols = list(pieces[0][0].cols)
-    entry: dict[str, Any] = {"rows": [lo, hi], "cols": cols, "encoding": "full"}
-    offsets = rows_all - lo
-    if offsets.numel() != hi - lo:
-        kind, packed = _encode_ids(offsets, hi - lo)
+    entry: dict[str, Any] = {"rows": [lo, hi], "cols": list(pieces[0][0].cols), "encoding": "full"}
+    if rows_all.numel() != hi - lo:  # not one contiguous range: which rows, as save writes them
+        kind, packed = _encode_ids(rows_all - lo, hi - lo)
         entry["encoding"] = "rows"
-        entry["ids"] = {"kind": kind, "count": int(offsets.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
+        entry["ids"] = {"kind": kind, "count": int(rows_all.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
     entry["weights"] = {"meta": merged.metadata(),
                         "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in merged.to_tensors().items()}}
     entry["states"] = [
@@ -184,7 +258,23 @@ def _write_group(pieces, prefix: str, blobs: BlobWriter) -> tuple[dict[str, Any]
          "blob": blobs.add(f"{prefix}/state{j}", torch.cat([st[j][1] for st in states]).index_select(0, order))}
         for j in range(len(states[0]))
     ]
-    return entry, int(offsets.numel())
+    return entry, int(rows_all.numel())
+
+
+def _merge_tables(stored: dict[str, list[_Stored]], regions: list[Region],
+                  blobs: BlobWriter) -> tuple[dict[str, list[dict[str, Any]]], int]:
+    """The entries of ``regions``: per region, one entry per group of surviving pieces."""
+    tables: dict[str, list[dict[str, Any]]] = {}
+    rows_written = 0
+    for region in regions:
+        groups: dict[str, list[tuple[_Stored, torch.Tensor, torch.Tensor]]] = {}
+        for piece in _survivors(region, stored.get(region.table, [])):
+            groups.setdefault(piece[0].group_key(), []).append(piece)
+        for pieces in groups.values():
+            entry, n = _write_group(pieces, f"m{sum(map(len, tables.values()))}", blobs)
+            tables.setdefault(region.table, []).append(entry)
+            rows_written += n
+    return tables, rows_written
 
 
 def _copy(name: str, load: _Reader, out: BlobWriter) -> str:
@@ -200,6 +290,21 @@ def _copy_tree(tree: Any, load: _Reader, out: BlobWriter) -> Any:
     return tree
 
 
+def _copy_state(storage: Storage, rank_state: Mapping[str, Any] | None, dense_state: Mapping[str, Any] | None,
+                blobs: BlobWriter) -> dict[str, Any]:
+    """The report keys a merge copies from the tip: dense and dense_optimizer, extra and rng."""
+    out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
+    if dense_state is not None:
+        load = _Reader(storage, dense_state, whole=False)
+        out["dense"] = {n: _copy(b, load, blobs) for n, b in dense_state["dense"].items()}
+        out["dense_optimizer"] = _copy_tree(dense_state.get("dense_optimizer"), load, blobs)
+    if rank_state is not None:
+        load = _Reader(storage, rank_state, whole=False)
+        out["extra"] = {n: _copy_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
+        out["rng"] = _copy_tree(rank_state.get("rng"), load, blobs)
+    return out
+
+
 def merge_rank(
     storage: Storage,
     chain: list[Mapping[str, Any]],
@@ -211,66 +316,83 @@ def merge_rank(
     dense_state: Mapping[str, Any] | None,
     table_shapes: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Writes this rank's file of ``chain`` (manifests, baseline first) merged into checkpoint ``new_id``.
+    """Writes this rank's file of ``chain`` merged into checkpoint ``new_id``, keeping every row's stored bytes.
 
     Args:
-        regions: the blocks this rank writes (see the module docstring).
-        rank_state: a tip report whose ``extra`` and ``rng`` this rank copies (None: none).
-        dense_state: a tip report whose ``dense`` and ``dense_optimizer`` this rank copies (rank 0).
+        storage: the checkpoint root.
+        chain: the chain's manifest bodies, baseline first.
+        regions: the blocks this rank writes; over all ranks they must partition every table's
+            (row, first column) space (see the module docstring).
+        new_id: the merged checkpoint's id.
+        rank: this rank, which names the file.
+        rank_state: a tip rank report whose ``extra`` and ``rng`` this rank copies (None: ``extra={}``,
+            ``rng=None``).
+        dense_state: a tip rank report whose ``dense`` and ``dense_optimizer`` this rank copies (rank 0
+            passes the tip's rank 0 report; None: ``dense={}``, ``dense_optimizer=None``).
         table_shapes: every table's shape, for the report.
 
     Returns:
-        The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.write_rank`'s.
+        The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.write_rank`'s
+        (``replicated_tables`` empty: the merged checkpoint holds entries only).
 
     Raises:
         CorruptCheckpointError: a file of the chain fails its checks (names it).
-        CompactionError: a row cannot be merged without re-encoding it.
+        CompactionError: a row cannot be merged without re-encoding it; nothing is written.
     """
     t0 = time.perf_counter()
-    stored = _stored_entries(chain, storage)
     blobs = BlobWriter()
-    tables: dict[str, list[dict[str, Any]]] = {}
-    rows_written = 0
-    for region in regions:
-        groups: dict[str, list] = {}
-        for piece in _survivors(region, stored.get(region.table, [])):
-            groups.setdefault(_group_key(piece[0]), []).append(piece)
-        for pieces in groups.values():
-            entry, n = _write_group(pieces, f"m{sum(map(len, tables.values()))}", blobs)
-            tables.setdefault(region.table, []).append(entry)
-            rows_written += n
-    tip = chain[-1]
-    dense = dense_opt = None
-    if dense_state is not None:
-        load = _Reader(storage, dense_state, whole=False)
-        dense = {n: _copy(b, load, blobs) for n, b in dense_state["dense"].items()}
-        dense_opt = _copy_tree(dense_state.get("dense_optimizer"), load, blobs)
-    extra, rng = {}, None
-    if rank_state is not None:
-        load = _Reader(storage, rank_state, whole=False)
-        extra = {n: _copy_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
-        rng = _copy_tree(rank_state.get("rng"), load, blobs)
+    tables, rows_written = _merge_tables(_stored_entries(chain, storage), regions, blobs)
+    copied = _copy_state(storage, rank_state, dense_state, blobs)
     data = blobs.getvalue()
     file = rank_file(new_id, rank)
     storage.write(file, data)
     storage.fsync_file(file)
     return {
         "rank": rank, "ok": True, "file": file, "nbytes": len(data), "xxh3": checksum(data), "blobs": blobs.index,
-        "tables": tables, "replicated_tables": {}, "dense": dense or {}, "dense_optimizer": dense_opt,
-        "extra": extra, "rng": rng, "tbe_iter": max(int(r.get("tbe_iter", 0)) for r in tip["ranks"]),
-        "table_shapes": dict(table_shapes), "rows_written": rows_written, "stall_ms": 0.0,
-        "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
+        "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
+        "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],
+        "tbe_iter": max(int(r.get("tbe_iter", 0)) for r in chain[-1]["ranks"]),
+        "table_shapes": {t: list(s) for t, s in table_shapes.items()}, "rows_written": rows_written,
+        "stall_ms": 0.0, "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
     }
 
 
 def regions_of_layout(tip: Mapping[str, Any]) -> dict[int, list[Region]]:
-    """Regions from a checkpoint's own layout, by rank: each report's entry blocks, and on rank 0 every table
-    the checkpoint stored replicated (offline compaction keeps the tip's layout)."""
+    """Regions from a checkpoint's own layout, by rank: each rank report's entry blocks, and on rank 0
+    every table the checkpoint stored replicated (offline compaction keeps the tip's layout).
+
+    Raises:
+        CorruptCheckpointError: the blocks do not tile some table exactly once (a merge would
+            drop or repeat rows).
+    """
     out: dict[int, list[Region]] = {int(r["rank"]): [] for r in tip["ranks"]}
     for r in tip["ranks"]:
         blocks = {(t, tuple(e["rows"]), tuple(e["cols"])) for t, es in r["tables"].items() for e in es}
         out[int(r["rank"])] += [Region(t, rows, cols) for t, rows, cols in sorted(blocks)]
     for table in tip.get("replicated", []):
         rows, cols = tip["tables"][table]
-        out[0].append(Region(table, (0, int(rows)), (0, int(cols))))
+        out.setdefault(0, []).append(Region(table, (0, int(rows)), (0, int(cols))))
+    _check_tiling([g for rs in out.values() for g in rs], tip)
     return out
+
+
+def _check_tiling(regions: list[Region], tip: Mapping[str, Any]) -> None:
+    """Raises CorruptCheckpointError unless ``regions`` cover every cell of every table of ``tip`` once."""
+    for table, (n_rows, n_cols) in tip["tables"].items():
+        mine = [g for g in regions if g.table == table]
+        rows = sorted({0, int(n_rows), *(v for g in mine for v in g.rows)})
+        cols = sorted({0, int(n_cols), *(v for g in mine for v in g.cols)})
+        at_row, at_col = {v: i for i, v in enumerate(rows)}, {v: i for i, v in enumerate(cols)}
+        count = np.zeros((len(rows), len(cols)), dtype=np.int64)  # a 2-D difference array on the block edges
+        for g in mine:
+            (a, b), (c, d) = [at_row[v] for v in g.rows], [at_col[v] for v in g.cols]
+            count[a, c] += 1
+            count[b, c] -= 1
+            count[a, d] -= 1
+            count[b, d] += 1
+        cells = count.cumsum(0).cumsum(1)[:-1, :-1]  # how many blocks hold each cell of the edge grid
+        if (rows[0], rows[-1], cols[0], cols[-1]) != (0, int(n_rows), 0, int(n_cols)) or not (cells == 1).all():
+            path = manifest_path(int(tip["id"]))
+            raise CorruptCheckpointError(
+                f"{path}: the shards of checkpoint {tip['id']} do not cover table '{table}' "
+                f"({n_rows} x {n_cols}) exactly once, so a merge in its layout would drop or repeat rows", path=path)
