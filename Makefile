@@ -48,7 +48,7 @@ test: install nvcc-check
 demo: install
 	rm -rf /tmp/cnr_demo
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 --max-restarts 1 \
-	  -m cnr_torchrec.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1
+	  -m cnr_torchrec.job.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py

@@ -61,7 +61,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
-from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 # (label, policy, quantization); the reference is the one the targets are for. "Compact" storage:
 # row biases in float16 and the optimizer's row state in bfloat16 (configs/consecutive.yaml), 4 bytes
@@ -178,8 +178,8 @@ def run_policy(label, policy, quant, specs, args, rank, world, root):
 
 def bytes_breakdown(root: str) -> dict[str, int]:
     """What the latest checkpoint under ``root`` is made of, in bytes, from its manifest's blob index."""
-    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest, manifest_path
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest, manifest_path
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:

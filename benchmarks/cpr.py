@@ -2,8 +2,8 @@
 
 Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/cpr.py [--json PATH]
 
-Every scenario trains the same DLRM (cnr_torchrec.dlrm) on the same synthetic Criteo
-stream (cnr_torchrec.data) from the same seed, checkpointing with the consecutive policy
+Every scenario trains the same DLRM (cnr_torchrec.job.dlrm) on the same synthetic Criteo
+stream (cnr_torchrec.job.data) from the same seed, checkpointing with the consecutive policy
 every ``--interval`` steps (by default the interval that partial recovery's rule gives for
 ``--target-lost-fraction`` at this failure rate), and fails rank 1 at each ``--fail-at`` step:
 
@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
 from cnr_torchrec.ckpt.failure import lost_fraction
-from cnr_torchrec.data import ClickDataset, DataConfig, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder
-from cnr_torchrec.train import evaluate
+from cnr_torchrec.job.data import ClickDataset, DataConfig, ResumableReader, SyntheticCriteo, make_loader
+from cnr_torchrec.job.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder
+from cnr_torchrec.job.train import evaluate
 
 SCENARIOS = ("none", "full", "partial", "partial_ssu")
 
@@ -150,7 +150,7 @@ def bytes_read() -> int:
 
 
 def _count_reads() -> None:
-    from cnr_torchrec.ckpt import storage as storage_mod
+    from cnr_torchrec.ckpt.format import storage as storage_mod
 
     real = storage_mod.Storage.read
 

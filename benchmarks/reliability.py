@@ -84,7 +84,7 @@ NAMED_FAULTS = (
     ("compact.after_write", 0), ("compact.after_write", 1), ("compact.before_manifest", 0),
     ("compact.after_manifest", 0),
 )
-_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "cnr_torchrec.toy",
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "cnr_torchrec.examples.toy",
             "cnr_torchrec.ckpt", "torchsnapshot", "aiobotocore.session", "boto3"]
 
 
@@ -97,7 +97,7 @@ def build(world_size: int, seed: int = 0):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     torch.manual_seed(seed)
     specs = [TableSpec(t, ROWS[t], DIM, SHARDING[t], "ebc") for t in ROWS]
@@ -110,7 +110,7 @@ def build(world_size: int, seed: int = 0):
 
 
 def train(dmp, specs, opt, steps: int, gen: torch.Generator) -> None:
-    from cnr_torchrec.toy import zipf_batch
+    from cnr_torchrec.examples.toy import zipf_batch
 
     for _ in range(steps):
         loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))
@@ -805,7 +805,7 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
     from torchsnapshot.storage_plugins.fs import FSStoragePlugin
 
     from cnr_torchrec import Checkpointer, SaveFailedError
-    from cnr_torchrec.ckpt import storage as storage_mod
+    from cnr_torchrec.ckpt.format import storage as storage_mod
 
     checks: dict[str, bool] = {}
     dmp, specs, opt = build(world_size)
@@ -942,7 +942,7 @@ def corruption_matrix(rank: int, world_size: int, work: str, positions: int = 4)
     from cnr_torchrec import Checkpointer, CorruptCheckpointError
 
     try:
-        from cnr_torchrec.ckpt.verify import verify_root
+        from cnr_torchrec.ckpt.tools.verify import verify_root
     except ImportError:
         verify_root = None
 
@@ -1101,7 +1101,7 @@ def s3_round_trip(rank: int, world_size: int, root: str, opts: dict[str, Any], m
     a baseline, and leave exactly that checkpoint and index.json under the prefix.
     """
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     checks: dict[str, bool] = {}
     codec = codec_of(method, bits)

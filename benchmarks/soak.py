@@ -74,8 +74,8 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec import Checkpointer, load_config
-from cnr_torchrec.ckpt.manifest import ckpt_dir
-from cnr_torchrec.toy import TableSpec, zipf_batch
+from cnr_torchrec.ckpt.format.manifest import ckpt_dir
+from cnr_torchrec.examples.toy import TableSpec, zipf_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint import COMPACT, build, dir_bytes, finish, fresh_dir, slowest, step, timed  # noqa: E402

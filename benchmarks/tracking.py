@@ -55,7 +55,7 @@ from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 
 def build(kind: str, specs, world: int, device: torch.device):

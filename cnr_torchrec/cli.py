@@ -65,7 +65,7 @@ def _progress(total: int, desc: str):
 
 
 def _open(args: argparse.Namespace):
-    from cnr_torchrec.ckpt.offline import open_storage
+    from cnr_torchrec.ckpt.tools.offline import open_storage
 
     return open_storage(args.root, _storage_options(args.storage_option))
 
@@ -150,7 +150,7 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.offline import _not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import _not_found_hint, summarize
     from cnr_torchrec.errors import CheckpointNotFoundError
 
     storage = _open(args)
@@ -171,7 +171,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.verify import verify_root
+    from cnr_torchrec.ckpt.tools.verify import verify_root
 
     problems = verify_root(args.root, _storage_options(args.storage_option), None if args.id is None else [args.id])
     if problems:
@@ -189,8 +189,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.compact import compact
-    from cnr_torchrec.ckpt.offline import count_entries, load_chain, resolve_id
+    from cnr_torchrec.ckpt.tools.compact import compact
+    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain, resolve_id
     from cnr_torchrec.errors import ConfigError
     from cnr_torchrec.quant import get_codec
 
@@ -223,8 +223,8 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from cnr_torchrec.ckpt.compact import export_state_dict
-    from cnr_torchrec.ckpt.offline import count_entries, load_chain, resolve_id
+    from cnr_torchrec.ckpt.tools.compact import export_state_dict
+    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain, resolve_id
 
     storage = _open(args)
     try:
@@ -255,9 +255,9 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.offline import _not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import _not_found_hint, summarize
     from cnr_torchrec.errors import CheckpointNotFoundError
-    from cnr_torchrec.plots import load_report, validate_report, write_plots
+    from cnr_torchrec.job.plots import load_report, validate_report, write_plots
 
     src = args.src
     if os.path.isfile(src) or src.endswith(".json"):

@@ -28,7 +28,7 @@ PLAN_B = ("row_wise", "column_wise", "table_row_wise", "data_parallel", "table_w
 
 
 def _build(world_size, plan=PLAN_A, seed=0, rows=ROWS):
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", rows, DIM, st, "ebc") for i, st in enumerate(plan)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -200,7 +200,7 @@ def _failed_write_worker(rank, world_size, root):
     import errno
 
     from cnr_torchrec import Checkpointer, SaveFailedError
-    from cnr_torchrec.ckpt import storage as storage_mod
+    from cnr_torchrec.ckpt.format import storage as storage_mod
 
     dmp, specs, opt = _build(world_size)
     ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt)
@@ -305,7 +305,7 @@ def _errors_worker(rank, world_size, root):
         CorruptCheckpointError,
         IncompatibleCheckpointError,
     )
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     dmp, specs, opt = _build(world_size)
     with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
@@ -323,7 +323,7 @@ def _errors_worker(rank, world_size, root):
 
     # Another model: one more table, and a table of another width.
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import ToyModel, build_plan, sharders_for
+    from cnr_torchrec.examples.toy import ToyModel, build_plan, sharders_for
     from torchrec.distributed.types import ShardingEnv
 
     for extra in ([TableSpec("t5", ROWS, DIM, "row_wise")], []):
@@ -360,7 +360,7 @@ def _skip_worker(rank, world_size, root):
     import threading
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt import commit as ckpt_mod  # where the background write runs
+    from cnr_torchrec.ckpt.save import commit as ckpt_mod  # where the background write runs
 
     dmp, specs, opt = _build(world_size)
     ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None, on_busy="skip"), dense_optimizer=opt)

@@ -14,7 +14,7 @@ import pytest
 import torch
 import xxhash
 
-from cnr_torchrec.ckpt.manifest import (
+from cnr_torchrec.ckpt.format.manifest import (
     INDEX,
     ckpt_dir,
     committed_ids,
@@ -24,10 +24,10 @@ from cnr_torchrec.ckpt.manifest import (
     seal,
     write_index,
 )
-from cnr_torchrec.ckpt.payload import BlobWriter, flatten_state, read_blob, unflatten_state
-from cnr_torchrec.ckpt.planner import ChainState, Decision, decide, intermittent_wants_baseline
-from cnr_torchrec.ckpt.save import _encode_ids, decode_ids, rng_state, set_rng_state
-from cnr_torchrec.ckpt.storage import Storage, check_relative, checksum
+from cnr_torchrec.ckpt.format.payload import BlobWriter, flatten_state, read_blob, unflatten_state
+from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide, intermittent_wants_baseline
+from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids, rng_state, set_rng_state
+from cnr_torchrec.ckpt.format.storage import Storage, check_relative, checksum
 from cnr_torchrec.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -698,7 +698,7 @@ def test_row_id_encoding(num_rows, count):
     """Both kinds round-trip; the one chosen is never bigger than the other."""
     g = torch.Generator().manual_seed(num_rows * 7 + count)
     ids = torch.randperm(num_rows, generator=g)[:count].sort().values
-    kind, blob = _encode_ids(ids, num_rows)
+    kind, blob = encode_ids(ids, num_rows)
     bitmap_bytes, list_bytes = (num_rows + 7) // 8, 4 * count
     assert kind == ("bitmap" if bitmap_bytes <= list_bytes else "list")
     assert blob.numel() * blob.element_size() == min(bitmap_bytes, list_bytes)
@@ -715,7 +715,7 @@ def test_row_id_encoding(num_rows, count):
 
 def test_bitmap_bit_order():
     """Row r is bit r % 8 of byte r // 8."""
-    kind, blob = _encode_ids(torch.tensor([0, 9, 15]), 16)
+    kind, blob = encode_ids(torch.tensor([0, 9, 15]), 16)
     assert kind == "bitmap" and blob.tolist() == [0b00000001, 0b10000010]
 
 
@@ -759,7 +759,7 @@ def _adam_after_a_step(model):
 
 
 def test_dense_optimizer_state_follows_parameter_names():
-    from cnr_torchrec.ckpt.dense_optim import load_named_state, named_state
+    from cnr_torchrec.ckpt.format.dense_optim import load_named_state, named_state
 
     torch.manual_seed(0)
     saved_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -778,7 +778,7 @@ def test_dense_optimizer_state_follows_parameter_names():
 
 
 def test_dense_optimizer_state_errors_are_named():
-    from cnr_torchrec.ckpt.dense_optim import load_named_state, named_state, param_names
+    from cnr_torchrec.ckpt.format.dense_optim import load_named_state, named_state, param_names
 
     model = torch.nn.Linear(3, 4)
     saved = named_state(model, _adam_after_a_step(model))

@@ -43,7 +43,7 @@ class Counter:
 
 
 def _build(world_size, seed=0):
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(PLAN)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -226,8 +226,8 @@ def test_inspect_json_and_text_match_the_manifests(roots, tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_verify_passes_a_sound_root_and_names_every_damaged_file(roots, tmp_path, capsys):
-    from cnr_torchrec.ckpt.storage import Storage
-    from cnr_torchrec.ckpt.verify import Problem, verify_checkpoint, verify_root
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.verify import Problem, verify_checkpoint, verify_root
 
     root = _copy(roots["q"], tmp_path)
     assert verify_root(root) == []
@@ -332,7 +332,7 @@ def test_quantized_compaction_equals_the_codec_applied_to_the_chain(roots, tmp_p
 
 @pytest.mark.timeout(90)
 def test_export_loads_with_weights_only_into_an_unsharded_model(roots, tmp_path, capsys):
-    from cnr_torchrec.toy import ToyModel, zipf_batch
+    from cnr_torchrec.examples.toy import ToyModel, zipf_batch
 
     out_file = str(tmp_path / "sub" / "export.pt")
     code, out, _ = _run(capsys, "export", roots["q"], "--out", out_file, "--id", "3")
@@ -471,7 +471,7 @@ def _series_from_manifests(root, ids, held_rows):
 
 
 def _figure_data(figs):
-    from cnr_torchrec.plots import PLOTS
+    from cnr_torchrec.job.plots import PLOTS
 
     bytes_ax, dirty_ax, stall_ax = (figs[name].axes[0] for name in PLOTS)
     return {
@@ -484,7 +484,7 @@ def _figure_data(figs):
 
 
 def _check_pngs(out_dir):
-    from cnr_torchrec.plots import PLOTS
+    from cnr_torchrec.job.plots import PLOTS
 
     for name in PLOTS:
         with open(os.path.join(out_dir, name), "rb") as f:
@@ -494,9 +494,9 @@ def _check_pngs(out_dir):
 
 @pytest.mark.timeout(60)
 def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
-    from cnr_torchrec.ckpt.offline import summarize
-    from cnr_torchrec.ckpt.storage import Storage
-    from cnr_torchrec.plots import build_series, make_figures
+    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.job.plots import build_series, make_figures
 
     out_dir = str(tmp_path / "plots")
     code, out, _ = _run(capsys, "report", roots["q"], "--out", out_dir)
@@ -523,7 +523,7 @@ def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_report_from_a_training_report_json(tmp_path, capsys):
-    from cnr_torchrec.plots import load_report, make_figures
+    from cnr_torchrec.job.plots import load_report, make_figures
 
     rows = [
         {"id": i, "step": 100 * (i + 1), "kind": "baseline" if i % 3 == 0 else "delta", "method": "adaptive",

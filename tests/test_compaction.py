@@ -22,7 +22,7 @@ ROWS, DIM = 300, 8
 
 
 def _build(plan=PLAN_A, seed=0):
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(plan)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -37,8 +37,8 @@ def _config(root, method="none", bits=None, params=None, state_dtype="float32", 
 
 
 def _bodies(root):
-    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -147,7 +147,7 @@ def test_retention_collects_the_folded_chain_and_every_kept_checkpoint_restores(
 @pytest.mark.timeout(120)
 def test_a_failed_compaction_leaves_the_chain_going_on(group, tmp_path, monkeypatch):
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt import merge
+    from cnr_torchrec.ckpt.save import merge
 
     def broken(*args, **kwargs):
         raise OSError("disk gone while merging")
@@ -207,7 +207,7 @@ def test_compaction_across_a_plan_change_on_two_ranks(tmp_path, method, bits):
 @pytest.mark.timeout(120)
 def test_commit_cost_and_manifest_size_do_not_grow_with_the_chain(group, tmp_path, monkeypatch):
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()
@@ -239,7 +239,7 @@ def test_commit_cost_and_manifest_size_do_not_grow_with_the_chain(group, tmp_pat
 
 def _catalog(spec):
     """A catalog from (id, step, kind, parent, base, nbytes) rows."""
-    from cnr_torchrec.ckpt.catalog import Catalog, Entry
+    from cnr_torchrec.ckpt.save.catalog import Catalog, Entry
 
     return Catalog(Entry(i, step, kind, parent, base, nbytes, 1) for i, step, kind, parent, base, nbytes in spec)
 

@@ -33,7 +33,7 @@ pytestmark = pytest.mark.multirank
 
 @pytest.mark.timeout(240)
 def test_every_corruption_is_detected_and_named(tmp_path):
-    from cnr_torchrec.ckpt import verify  # noqa: F401  (the matrix checks verify_root too; it must exist)
+    from cnr_torchrec.ckpt.tools import verify  # noqa: F401  (the matrix checks verify_root too; it must exist)
 
     per_rank = R.run_ranks(R.corruption_matrix, 2, (str(tmp_path), 3), timeout=200)
     s = R.summarize_corruption(per_rank)
@@ -76,7 +76,7 @@ def _other_model(world_size, extra_table: bool):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     specs = [TableSpec(t, R.ROWS[t], 16 if (t == "t1" and not extra_table) else R.DIM, R.SHARDING[t]) for t in R.ROWS]
     if extra_table:
@@ -90,7 +90,7 @@ def _other_model(world_size, extra_table: bool):
 
 def _edit_manifest(root: str, ckpt_id: int, edit) -> None:
     """Edits a manifest's body and re-seals it, as someone crafting a checkpoint would."""
-    from cnr_torchrec.ckpt.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
 
     path = os.path.join(root, manifest_path(ckpt_id))
     with open(path) as f:
@@ -183,7 +183,7 @@ def _untrusted_worker(rank, world_size, work):
     marker = os.path.join(work, "unpickled")
     root = fresh_copy("pickle")
     if rank == 0:
-        from cnr_torchrec.ckpt.payload import checksum
+        from cnr_torchrec.ckpt.format.payload import checksum
 
         class Trap:
             def __reduce__(self):

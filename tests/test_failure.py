@@ -96,7 +96,7 @@ def _build():
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     torch.manual_seed(0)
     specs = [TableSpec("t0", 300, 8, "row_wise"), TableSpec("t1", 200, 8, "table_wise")]
@@ -108,7 +108,7 @@ def _build():
 
 
 def _step(dmp, specs, gen):
-    from cnr_torchrec.toy import zipf_batch
+    from cnr_torchrec.examples.toy import zipf_batch
 
     dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen)).backward()
 
@@ -132,8 +132,8 @@ def _bits_auto_worker(rank, world_size, root):
         _step(dmp, specs, gen)
         ck.save(restore + 1).wait()
     ck.close()
-    from cnr_torchrec.ckpt.manifest import load_manifest
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     manifests = [load_manifest(storage, i) for i in range(3)]

@@ -37,7 +37,7 @@ class _Reader:
 
 def _checkpointer(root, seed):
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", 120, 8, st, "ebc") for i, st in enumerate(PLAN)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -100,7 +100,7 @@ def _set(body, path, how, value):
 
 @pytest.mark.timeout(600)
 def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
-    from cnr_torchrec.ckpt.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
     from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
 
     root = str(tmp_path / "root")
@@ -159,8 +159,8 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
     ("negative columns", "cols"),
 ])
 def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(group, tmp_path, how, field):
-    from cnr_torchrec.ckpt.manifest import manifest_path, seal
-    from cnr_torchrec.ckpt.verify import verify_root
+    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.tools.verify import verify_root
     from cnr_torchrec.errors import CorruptCheckpointError
 
     root = str(tmp_path / "root")

@@ -1,4 +1,4 @@
-"""Lossless compaction (``compact`` with no method, :mod:`cnr_torchrec.ckpt.merge`).
+"""Lossless compaction (``compact`` with no method, :mod:`cnr_torchrec.ckpt.save.merge`).
 
 The reference is a restore no one here wrote differently: TorchRec's own test models
 (tests/_torchrec_models.py) restored by the Checkpointer from the chain, against the same model
@@ -68,8 +68,8 @@ def _untouched(model, plan):
 
 
 def _bodies(root):
-    from cnr_torchrec.ckpt.manifest import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -79,8 +79,8 @@ def _bodies(root):
 
 
 def _compact(root, **kw):
-    from cnr_torchrec.ckpt.compact import compact
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.tools.compact import compact
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -126,8 +126,8 @@ def _weight_bytes(report):
 
 def _coverage(storage, body):
     """Per table, how many stored pieces of ``body`` hold each (row, column): every cell must be held once."""
-    from cnr_torchrec.ckpt.restore import _Reader
-    from cnr_torchrec.ckpt.save import decode_ids
+    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.state import decode_ids
 
     grids = {t: torch.zeros(r, d, dtype=torch.int64) for t, (r, d) in body["tables"].items()}
     for report in body["ranks"]:
@@ -147,7 +147,7 @@ def _coverage(storage, body):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method,bits,extra", CODECS, ids=CODEC_IDS)
 def test_compacted_chain_restores_bit_for_bit_for_every_codec(group, tmp_path, method, bits, extra):
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     root = str(tmp_path / "root")
     cfg = _config(root, method, bits, extra)
@@ -273,8 +273,8 @@ def _add_entry(blobs, prefix, rows, cols, values, state, ids=None):
 def _write_ckpt(storage, ckpt_id, per_rank):
     """A minimal manifest body of table ``t`` (6 x 8): ``per_rank`` lists each rank's entries as
     (rows, cols, global row ids or None)."""
-    from cnr_torchrec.ckpt.manifest import rank_file
-    from cnr_torchrec.ckpt.payload import BlobWriter, checksum
+    from cnr_torchrec.ckpt.format.manifest import rank_file
+    from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum
 
     ranks = []
     for rank, specs in enumerate(per_rank):
@@ -299,7 +299,7 @@ def _table(ckpt_id):
 
 
 def _merged(storage, chain, regions, rank=0):
-    from cnr_torchrec.ckpt.merge import merge_rank
+    from cnr_torchrec.ckpt.save.merge import merge_rank
 
     return merge_rank(storage, chain, regions, new_id=9, rank=rank, rank_state=None, dense_state=None,
                       table_shapes={"t": [6, 8]})
@@ -307,8 +307,8 @@ def _merged(storage, chain, regions, rank=0):
 
 def _decoded(storage, report):
     """(cols, global rows, decoded rows, row-wise state, payload) per entry of a merged report."""
-    from cnr_torchrec.ckpt.restore import _Reader
-    from cnr_torchrec.ckpt.save import decode_ids
+    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.quant import EncodedRows, decode
 
     load = _Reader(storage, report)
@@ -325,8 +325,8 @@ def _decoded(storage, report):
 
 @pytest.mark.timeout(30)
 def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_bytes(tmp_path):
-    from cnr_torchrec.ckpt.merge import Region
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.save.merge import Region
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(str(tmp_path))
     # Baseline 0: two column shards on two ranks. Delta 1: one table-wise shard holding rows 1 and 4.
@@ -361,9 +361,9 @@ def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_
 
 @pytest.mark.timeout(30)
 def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_nothing(tmp_path):
-    from cnr_torchrec.ckpt.manifest import rank_file
-    from cnr_torchrec.ckpt.merge import Region
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import rank_file
+    from cnr_torchrec.ckpt.save.merge import Region
+    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import CheckpointError, CompactionError
 
     storage = Storage(str(tmp_path))
@@ -388,7 +388,7 @@ def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_no
 
 @pytest.mark.timeout(30)
 def test_regions_of_a_layout_must_tile_every_table():
-    from cnr_torchrec.ckpt.merge import Region, regions_of_layout
+    from cnr_torchrec.ckpt.save.merge import Region, regions_of_layout
     from cnr_torchrec.errors import CorruptCheckpointError
 
     def tip(blocks):

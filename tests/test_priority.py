@@ -36,7 +36,7 @@ def _reference_select(ids: list[int], counts: list[int], budget: int) -> list[in
 
 @pytest.mark.timeout(30)
 def test_select_rows_matches_sorted_reference():
-    from cnr_torchrec.ckpt.priority import select_rows
+    from cnr_torchrec.ckpt.save.priority import select_rows
 
     gen = torch.Generator().manual_seed(0)
     checked = 0
@@ -57,7 +57,7 @@ def test_select_rows_matches_sorted_reference():
 @pytest.mark.timeout(30)
 def test_select_rows_ties_prefer_lower_ids_and_bad_inputs_are_named():
     from cnr_torchrec import ConfigError
-    from cnr_torchrec.ckpt.priority import select_rows
+    from cnr_torchrec.ckpt.save.priority import select_rows
 
     ids = torch.tensor([9, 2, 7, 4, 5])
     counts = torch.tensor([3, 1, 3, 3, 1], dtype=torch.int32)
@@ -73,7 +73,7 @@ def test_select_rows_ties_prefer_lower_ids_and_bad_inputs_are_named():
 @pytest.mark.timeout(30)
 def test_row_budget_is_the_ceiling_of_the_written_fraction():
     from cnr_torchrec import ConfigError
-    from cnr_torchrec.ckpt.priority import row_budget
+    from cnr_torchrec.ckpt.save.priority import row_budget
 
     for f in (0.001, 0.1, 0.25, 0.3, 0.33, 0.5, 0.7, 0.999, 1.0):
         for n in (1, 3, 7, 10, 100, 240, 1001):
@@ -125,7 +125,7 @@ SHARDINGS = ("row_wise", "column_wise", "table_wise", "table_row_wise", "data_pa
 
 
 def _specs(rows=ROWS):
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     specs = [TableSpec(f"t_{st}", rows, DIM, st, "ebc") for st in SHARDINGS]
     return specs + [TableSpec("e_row_wise", rows, DIM, "row_wise", "ec")]
@@ -136,7 +136,7 @@ def _build(specs, seed=0, **tracker_kwargs):
 
 
 def _batches(specs, n, seed, batch_size=16, pooling=4):
-    from cnr_torchrec.toy import zipf_batch
+    from cnr_torchrec.examples.toy import zipf_batch
 
     gen = torch.Generator().manual_seed(seed)
     return [zipf_batch(specs, batch_size=batch_size, pooling=pooling, generator=gen, alpha=1.1) for _ in range(n)]
@@ -306,10 +306,10 @@ _local_state = local_state
 
 def _entries(root, ckpt_id, rank=None):
     """{table: [(rows, cols, encoding, ids or None)]} of one checkpoint (every rank, or one)."""
-    from cnr_torchrec.ckpt.manifest import load_manifest
-    from cnr_torchrec.ckpt.restore import _Reader
-    from cnr_torchrec.ckpt.save import decode_ids
-    from cnr_torchrec.ckpt.storage import Storage
+    from cnr_torchrec.ckpt.format.manifest import load_manifest
+    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.state import decode_ids
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     m = load_manifest(storage, ckpt_id)
@@ -449,7 +449,7 @@ def test_budget_needs_the_consecutive_policy(group, tmp_path):
 
 
 def _two_rank_worker(rank, world_size, root):
-    from cnr_torchrec.toy import TableSpec
+    from cnr_torchrec.examples.toy import TableSpec
 
     # column_wise puts two column shards of the table on each rank.
     specs = [TableSpec("t_row_wise", ROWS, DIM, "row_wise"), TableSpec("t_column_wise", ROWS, DIM, "column_wise"),

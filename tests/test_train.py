@@ -12,12 +12,12 @@ import pytest
 import torch
 import yaml
 
-from cnr_torchrec.ckpt.manifest import load_manifest
-from cnr_torchrec.ckpt.storage import Storage
-from cnr_torchrec.data import DataConfig
-from cnr_torchrec.dlrm import EBC_FQN, ModelConfig, build_model, plan_assignment
+from cnr_torchrec.ckpt.format.manifest import load_manifest
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.job.data import DataConfig
+from cnr_torchrec.job.dlrm import EBC_FQN, ModelConfig, build_model, plan_assignment
 from cnr_torchrec.errors import ConfigError
-from cnr_torchrec.train import apply_overrides, auc, load_job_config, logloss, main
+from cnr_torchrec.job.train import apply_overrides, auc, load_job_config, logloss, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -193,7 +193,7 @@ CHECKPOINT_KEYS = {"id": int, "step": int, "kind": str, "method": str, "bits": (
 
 def _torchrun(config: str, root: str, dump: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-           "1", "-m", "cnr_torchrec.train", "--config", config, "--set", f"checkpoint.root={root}",
+           "1", "-m", "cnr_torchrec.job.train", "--config", config, "--set", f"checkpoint.root={root}",
            "--dump-state", dump, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)

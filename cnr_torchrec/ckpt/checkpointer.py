@@ -15,19 +15,19 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
-from cnr_torchrec.ckpt.catalog import Retention
-from cnr_torchrec.ckpt.commit import CheckpointInfo, CommitProtocol
-from cnr_torchrec.ckpt.compaction import Compaction, Compactor
+from cnr_torchrec.ckpt.save.catalog import Retention
+from cnr_torchrec.ckpt.save.commit import CheckpointInfo, CommitProtocol
+from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.dense_optim import param_names
+from cnr_torchrec.ckpt.format.dense_optim import param_names
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
-from cnr_torchrec.ckpt.manifest import chain_ids, ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
-from cnr_torchrec.ckpt.partial import RecoveryInfo, recover
-from cnr_torchrec.ckpt.planner import ChainState, Decision, decide
-from cnr_torchrec.ckpt.resolve import resolve_chain
-from cnr_torchrec.ckpt.restore import restore_chain
-from cnr_torchrec.ckpt.save import Staged, stage
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.manifest import chain_ids, ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.restore.partial import RecoveryInfo, recover
+from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
+from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.ckpt.restore.chain import restore_chain
+from cnr_torchrec.ckpt.save.staging import Staged, stage
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import (
     CheckpointNotFoundError,
     CnrError,
@@ -369,7 +369,7 @@ class Checkpointer(CommitProtocol):
 
         def check_model(target: dict[str, Any]) -> None:
             """IncompatibleCheckpointError, on every rank alike, if ``target`` is of another model."""
-            from cnr_torchrec.ckpt.save import dense_named_state
+            from cnr_torchrec.ckpt.format.state import dense_named_state
 
             saved = target["tables"]
             missing, extra = sorted(set(model_tables) - set(saved)), sorted(set(saved) - set(model_tables))
@@ -437,7 +437,7 @@ class Checkpointer(CommitProtocol):
         return int(m["step"])
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
-        """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.partial.recover`."""
+        """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.restore.partial.recover`."""
         return recover(self, failed_ranks, step)
 
     def close(self) -> None:
@@ -463,7 +463,7 @@ class Checkpointer(CommitProtocol):
     def _resolve(
         self, step: int | None, bad: dict[int, str], quiet: bool = False
     ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.resolve.resolve_chain`)."""
+        """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
 
     def _agree_on_pick(

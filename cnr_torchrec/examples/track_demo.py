@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP
-from cnr_torchrec.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 
 def global_dirty_counts(tracker) -> dict[str, int]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.storage import Storage, checksum
+from cnr_torchrec.ckpt.format.storage import Storage, checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]

@@ -2,7 +2,7 @@
 
 Launch with torchrun::
 
-    torchrun --standalone --nproc_per_node 2 --max-restarts 1 -m cnr_torchrec.train \\
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 -m cnr_torchrec.job.train \\
         --config configs/demo.yaml [--set train.steps=400 ...] [--fail-at-step 120 --fail-rank 1]
 
 At start the job restores the newest committed checkpoint under ``checkpoint.root`` (a fresh
@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
-from cnr_torchrec.job_config import JobConfig, TrainConfig, apply_overrides, load_job_config
+from cnr_torchrec.job.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
+from cnr_torchrec.job.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
+from cnr_torchrec.job.config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track._tbe_cache import flush_caches
 
@@ -82,7 +82,7 @@ class Journal:
     """
 
     def __init__(self, config: CheckpointConfig) -> None:
-        from cnr_torchrec.ckpt.storage import Storage
+        from cnr_torchrec.ckpt.format.storage import Storage
 
         self._storage = Storage(config.root, config.storage_options)
         self.restores = 0
@@ -245,7 +245,7 @@ def _init_dist() -> tuple[torch.device, bool]:
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         dist.init_process_group(backend, store=dist.PrefixStore(f"cnr/attempt-{attempt}", store), rank=rank,
                                 world_size=world)
-    else:  # plain `python -m cnr_torchrec.train`: one rank
+    else:  # plain `python -m cnr_torchrec.job.train`: one rank
         fd, path = tempfile.mkstemp(prefix="cnr-rdzv-")
         os.close(fd)
         os.remove(path)
@@ -480,7 +480,7 @@ def format_summary(report: dict[str, Any]) -> str:
     ck = report["checkpoints"]
     ev = report["eval_detail"]
     resumed = f", resumed at step {report['start_step']}" if report["start_step"] else ""
-    lines.append(f"== cnr_torchrec.train: {report['world_size']} ranks, {report['steps']} steps{resumed}, "
+    lines.append(f"== cnr_torchrec.job.train: {report['world_size']} ranks, {report['steps']} steps{resumed}, "
                  f"policy {report['policy']}; {report['job_wall_s']:.1f} s since the job's first start, "
                  f"{report['wall_s']:.1f} s in this incarnation")
     lines.append("")
@@ -524,7 +524,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cnr_torchrec.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cnr_torchrec.job.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="job YAML (sections data, model, train, checkpoint)")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (parsed as YAML); repeatable")

@@ -1,39 +1,32 @@
-"""Saving, in two halves: ``stage`` (blocking, on the training thread) and ``write_rank`` (background).
+"""The blocking half of a save: ``stage``, on the training thread.
 
 ``stage`` copies what the decision asks for into host memory that training will not
 touch again: dirty weight and optimizer-state rows of every local shard, and on rank 0
 the replicated state (data_parallel tables, dense parameters, the dense optimizer). It
 is the only part of a save that stalls training besides the planner's all-gather.
-``write_rank`` encodes the staged rows with the codec and writes one payload file per
-rank; it returns the rank's report, which rank 0 folds into the manifest.
+:mod:`~cnr_torchrec.ckpt.save.writer` encodes and writes what it staged, in the background.
 """
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
-from cnr_torchrec.ckpt.dense_optim import named_state
-from cnr_torchrec.ckpt.manifest import rank_file
-from cnr_torchrec import ops
-from cnr_torchrec.ckpt.payload import BlobWriter, checksum, flatten_state
-from cnr_torchrec.ckpt.planner import Decision
-from cnr_torchrec.ckpt.priority import choose_rows, gather_column_counts
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.dense_optim import named_state
+from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state
+from cnr_torchrec.ckpt.save.planner import Decision
+from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
 from cnr_torchrec.track._tbe_cache import flush_caches
 from cnr_torchrec.errors import ConfigError
-from cnr_torchrec.quant import Codec
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["Staged", "StagedShard", "dense_named_state", "stage", "write_rank", "rng_state", "set_rng_state"]
+__all__ = ["Staged", "StagedShard", "stage"]
 
 log = logging.getLogger(__name__)
 
@@ -97,43 +90,6 @@ def _clone_tree(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_clone_tree(v) for v in obj)
     return obj
-
-
-def dense_named_state(model: nn.Module, tracker: DirtyRowTracker) -> dict[str, torch.Tensor]:
-    """Parameters and buffers outside the sharded embedding modules (replicated by DDP), by name."""
-    sharded = set(tracker.module_fqns())
-    out: dict[str, torch.Tensor] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        clean = name.removeprefix("module.").replace("._orig_mod", "")
-        if any(clean == m or clean.startswith(m + ".") for m in sharded):
-            continue
-        out[clean] = t
-    return out
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states (torch, CUDA, Python, NumPy) as tensors and JSON-able values."""
-    version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    nps = state["numpy"]
-    np.random.set_state((nps["name"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))
 
 
 def stage(
@@ -234,89 +190,3 @@ def stage(
     return out
 
 
-def _encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
-    """Row offsets as a bitmap (1 bit per shard row) or a list (4 bytes per dirty row), whichever is smaller."""
-    if num_rows <= 32 * ids.numel():
-        mask = np.zeros(num_rows, dtype=bool)
-        mask[ids.numpy()] = True
-        return "bitmap", torch.from_numpy(np.packbits(mask, bitorder="little"))
-    return "list", ids.to(torch.int32)
-
-
-def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """Inverse of :func:`_encode_ids`: sorted int64 row offsets."""
-    if kind == "bitmap":
-        # LSB-first bytes are LSB-first int64 words on a little-endian host: the tracker's own bitmap layout.
-        nbytes = (num_rows + 7) // 8
-        words = torch.zeros(ops.bitmap_words(num_rows) * 8, dtype=torch.uint8)
-        k = min(nbytes, blob.numel())  # a short blob decodes to fewer ids, which the caller's count check catches
-        words[:k] = blob.reshape(-1)[:k]
-        return ops.bitmap_to_rows(words.view(torch.int64), 0, num_rows)
-    if kind == "list":
-        return blob.to(torch.int64)
-    raise ValueError(f"unknown id encoding {kind!r}")
-
-
-def write_rank(
-    staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32
-) -> dict[str, Any]:
-    """Encodes and writes this rank's payload file. Returns the rank's report for the manifest.
-
-    Optimizer-state rows are stored as ``state_dtype`` (restore casts them back).
-    """
-    t0 = time.perf_counter()
-    d = staged.decision
-    blobs = BlobWriter()
-    tables: dict[str, list[dict[str, Any]]] = {}
-    rows_written = 0
-    for i, s in enumerate(staged.shards):
-        prefix = f"s{i}"
-        n_rows = s.rows[1] - s.rows[0]
-        entry: dict[str, Any] = {"rows": list(s.rows), "cols": list(s.cols), "encoding": s.encoding}
-        if s.ids is not None:
-            kind, packed = _encode_ids(s.ids, n_rows)
-            entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-        encoded = codec.encode(s.weights.float())
-        entry["weights"] = {
-            "meta": encoded.metadata(),
-            "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
-        }
-        entry["states"] = [
-            {"rowwise": rowwise,
-             "blob": blobs.add(f"{prefix}/state{j}", t.to(state_dtype) if t.is_floating_point() else t)}
-            for j, (t, rowwise) in enumerate(s.states)
-        ]
-        rows_written += encoded.num_rows
-        tables.setdefault(s.table, []).append(entry)
-    replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}
-    dense = {name: blobs.add(f"dense/{name}", t) for name, t in staged.dense.items()}
-    where = f"rank {staged.rank}"
-    dense_opt = None
-    if staged.dense_optimizer is not None:
-        dense_opt = flatten_state(staged.dense_optimizer, "dense_optimizer", blobs, f"{where}: dense_optimizer")
-    extra = {n: flatten_state(v, f"extra/{n}", blobs, f"{where}: extra_state[{n!r}]") for n, v in staged.extra.items()}
-    rng = flatten_state(staged.rng, "rng", blobs, f"{where}: rng")
-
-    data = blobs.getvalue()
-    file = rank_file(d.ckpt_id, staged.rank)
-    storage.write(file, data)
-    storage.fsync_file(file)
-    return {
-        "rank": staged.rank,
-        "ok": True,
-        "file": file,
-        "nbytes": len(data),
-        "xxh3": checksum(data),
-        "blobs": blobs.index,
-        "tables": tables,
-        "replicated_tables": replicated,
-        "dense": dense,
-        "dense_optimizer": dense_opt,
-        "extra": extra,
-        "rng": rng,
-        "tbe_iter": staged.tbe_iter,
-        "table_shapes": staged.table_shapes,
-        "rows_written": rows_written,
-        "stall_ms": round(staged.stall_ms, 3),
-        "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }

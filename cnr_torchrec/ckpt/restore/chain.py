@@ -25,11 +25,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from cnr_torchrec.ckpt.dense_optim import load_named_state
-from cnr_torchrec.ckpt.payload import read_blob, unflatten_state
-from cnr_torchrec.ckpt.save import decode_ids, dense_named_state, set_rng_state
+from cnr_torchrec.ckpt.format.dense_optim import load_named_state
+from cnr_torchrec.ckpt.format.payload import read_blob, unflatten_state
+from cnr_torchrec.ckpt.format.state import decode_ids, dense_named_state, set_rng_state
 from cnr_torchrec.track._tbe_cache import invalidate_caches
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode

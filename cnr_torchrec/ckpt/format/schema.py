@@ -3,7 +3,7 @@
 A manifest's seal is a checksum, not a MAC: a crafted manifest re-sealed with a valid xxh3
 reaches the parser. So before anything reads a blob or sizes a buffer, every manifest of a
 chain is checked against this schema (:func:`check_manifest`, called by
-:func:`~cnr_torchrec.ckpt.manifest.walk_chain`, which restore, recover, compaction, ``cnr
+:func:`~cnr_torchrec.ckpt.format.manifest.walk_chain`, which restore, recover, compaction, ``cnr
 compact``/``export`` go through, and by ``cnr verify``): types and ranges, chain links, entries
 inside their table's shape, row ids and encoded rows that fit their entry, and blob shapes that
 match their bytes and dtype and lie inside their file. A buffer is then never sized beyond what
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from cnr_torchrec.ckpt.payload import _DTYPES
+from cnr_torchrec.ckpt.format.payload import _DTYPES
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
 from cnr_torchrec.quant.codecs import METHODS
@@ -274,7 +274,7 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
 
 
 def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any]) -> None:
-    """A flattened state tree (:func:`~cnr_torchrec.ckpt.payload.flatten_state`): plain JSON values,
+    """A flattened state tree (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`): plain JSON values,
     lists, string-keyed objects, and the tagged forms ``$tensor`` (a blob of the report), ``$float``
     (inf or nan), ``$tuple`` (a list) and ``$items`` (``[key, tree]`` pairs)."""
     if tree is None or isinstance(tree, (bool, int, float, str)):

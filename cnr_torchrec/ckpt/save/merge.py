@@ -33,11 +33,11 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.manifest import manifest_path, rank_file
-from cnr_torchrec.ckpt.payload import BlobWriter, checksum, unflatten_state
-from cnr_torchrec.ckpt.restore import _Reader
-from cnr_torchrec.ckpt.save import _encode_ids, decode_ids
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.manifest import manifest_path, rank_file
+from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum, unflatten_state
+from cnr_torchrec.ckpt.restore.chain import _Reader
+from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
 
@@ -248,7 +248,7 @@ def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefi
     lo, hi = int(rows_all[0]), int(rows_all[-1]) + 1
     entry: dict[str, Any] = {"rows": [lo, hi], "cols": list(pieces[0][0].cols), "encoding": "full"}
     if rows_all.numel() != hi - lo:  # not one contiguous range: which rows, as save writes them
-        kind, packed = _encode_ids(rows_all - lo, hi - lo)
+        kind, packed = encode_ids(rows_all - lo, hi - lo)
         entry["encoding"] = "rows"
         entry["ids"] = {"kind": kind, "count": int(rows_all.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
     entry["weights"] = {"meta": merged.metadata(),
@@ -332,7 +332,7 @@ def merge_rank(
         table_shapes: every table's shape, for the report.
 
     Returns:
-        The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.write_rank`'s
+        The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.writer.write_rank`'s
         (``replicated_tables`` empty: the merged checkpoint holds entries only).
 
     Raises:

@@ -10,7 +10,7 @@ import logging
 import posixpath
 from typing import Any
 
-from cnr_torchrec.ckpt.manifest import (
+from cnr_torchrec.ckpt.format.manifest import (
     ckpt_dir,
     ckpt_id_of,
     committed_ids,
@@ -18,8 +18,8 @@ from cnr_torchrec.ckpt.manifest import (
     manifest_path,
     walk_chain,
 )
-from cnr_torchrec.ckpt.payload import _DTYPES
-from cnr_torchrec.ckpt.storage import Storage, check_relative
+from cnr_torchrec.ckpt.format.payload import _DTYPES
+from cnr_torchrec.ckpt.format.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["resolve_chain"]

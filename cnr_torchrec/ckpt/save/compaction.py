@@ -3,7 +3,7 @@
 DECK's shape: trainers write only deltas, and a merge decoupled from training folds them
 into a baseline. Here every rank merges the rows of its current shards (no rank reads the
 whole model) on a thread of its own, keeping each row's stored bytes
-(:mod:`cnr_torchrec.ckpt.merge`), and the result commits like a save: per-rank reports
+(:mod:`cnr_torchrec.ckpt.save.merge`), and the result commits like a save: per-rank reports
 to rank 0 through the c10d store, then rank 0 writes the sealed manifest.
 
 How it meets the saves (all of it agreed through the saves' all-gather, so that every rank
@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt.config import CompactionConfig
-from cnr_torchrec.ckpt.planner import ChainState, Decision
+from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 from cnr_torchrec.ckpt import faults
-from cnr_torchrec.ckpt import merge
-from cnr_torchrec.ckpt.catalog import remove_partial
-from cnr_torchrec.ckpt.manifest import load_manifest, manifest_path, seal, walk_chain
-from cnr_torchrec.ckpt.merge import Region
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.save import merge
+from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.format.manifest import load_manifest, manifest_path, seal, walk_chain
+from cnr_torchrec.ckpt.save.merge import Region
+from cnr_torchrec.ckpt.format.storage import Storage
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 

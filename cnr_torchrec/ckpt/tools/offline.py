@@ -4,7 +4,7 @@ A restore applies a baseline and its deltas in order; here the same entries are 
 to whole, unsharded tables held in memory (every entry carries its global row and column
 range, and its rows carry offsets into that range). The result feeds ``cnr compact``
 (a new baseline with the tip's shard layout) and ``cnr export`` (a plain state_dict), both
-in :mod:`cnr_torchrec.ckpt.compact`.
+in :mod:`cnr_torchrec.ckpt.tools.compact`.
 
 Row-wise optimizer state is one value per row of a column shard. It is kept here
 expanded to one value per row and column (every column of a shard holds the shard's
@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cnr_torchrec.ckpt.manifest import (
+from cnr_torchrec.ckpt.format.manifest import (
     chain_ids,
     ckpt_dir,
     committed_ids,
@@ -35,9 +35,9 @@ from cnr_torchrec.ckpt.manifest import (
     manifest_path,
     walk_chain,
 )
-from cnr_torchrec.ckpt.restore import _Reader
-from cnr_torchrec.ckpt.save import decode_ids
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.restore.chain import _Reader
+from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 
@@ -125,13 +125,13 @@ def load_chain(storage: Storage, ckpt_id: int, *, verify: bool = True) -> list[d
 
     Args:
         verify: also check every file of every member (sizes, xxh3 of files and blobs,
-            references) with :func:`cnr_torchrec.ckpt.verify.verify_checkpoint`.
+            references) with :func:`cnr_torchrec.ckpt.tools.verify.verify_checkpoint`.
 
     Raises:
         CheckpointNotFoundError: ``ckpt_id`` is not committed.
         CorruptCheckpointError: a member is missing or fails its checks; names the file.
     """
-    from cnr_torchrec.ckpt.verify import _Verifier  # verify imports nothing from here; keep it that way
+    from cnr_torchrec.ckpt.tools.verify import _Verifier  # verify imports nothing from here; keep it that way
 
     if not storage.exists(manifest_path(ckpt_id)):
         raise CheckpointNotFoundError(f"checkpoint {ckpt_id} is not committed under {storage.root}")

@@ -26,9 +26,9 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cnr_torchrec.ckpt.payload import checksum
-from cnr_torchrec.ckpt.schema import check_manifest
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.payload import checksum
+from cnr_torchrec.ckpt.format.schema import check_manifest
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = [
@@ -137,7 +137,7 @@ def _links_from_chain(body: dict[str, Any], path: str) -> None:
 def walk_chain(tip: dict[str, Any], load: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
     """The bodies of ``tip``'s chain, baseline first, following ``parent`` links with ``load(id)``.
 
-    Every member must pass the schema (:func:`~cnr_torchrec.ckpt.schema.check_manifest`),
+    Every member must pass the schema (:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`),
     and every link must hold: a parent older than its child, of the same ``base`` and one
     ``depth`` less, and the walk must end at a baseline whose id is the ``base``. So a
     crafted or mixed-up manifest can neither loop, nor splice chains together, nor size a

@@ -24,11 +24,11 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
-from cnr_torchrec.ckpt.payload import _DTYPES, checksum, unflatten_state
-from cnr_torchrec.ckpt.save import decode_ids
-from cnr_torchrec.ckpt.schema import check_manifest
-from cnr_torchrec.ckpt.storage import Storage, check_relative
+from cnr_torchrec.ckpt.format.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
+from cnr_torchrec.ckpt.format.payload import _DTYPES, checksum, unflatten_state
+from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.schema import check_manifest
+from cnr_torchrec.ckpt.format.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows
 
@@ -357,7 +357,7 @@ def verify_root(root: str, storage_options: dict | None = None, ids: list[int] |
             or an id in ``ids`` is not committed.
         ConfigError: the storage plugin refused the root or the options.
     """
-    from cnr_torchrec.ckpt.offline import open_storage, resolve_id
+    from cnr_torchrec.ckpt.tools.offline import open_storage, resolve_id
 
     storage = open_storage(root, storage_options)
     try:

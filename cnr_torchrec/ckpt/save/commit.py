@@ -17,11 +17,12 @@ from datetime import timedelta
 from typing import Any
 
 from cnr_torchrec.ckpt import faults
-from cnr_torchrec.ckpt.catalog import remove_partial
-from cnr_torchrec.ckpt.manifest import manifest_path, seal
-from cnr_torchrec.ckpt.planner import Decision
-from cnr_torchrec.ckpt.save import Staged, write_rank
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+from cnr_torchrec.ckpt.save.planner import Decision
+from cnr_torchrec.ckpt.save.staging import Staged
+from cnr_torchrec.ckpt.save.writer import write_rank
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointError, SaveFailedError
 
 __all__ = ["CheckpointInfo", "CommitProtocol"]

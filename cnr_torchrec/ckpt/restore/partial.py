@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure
-from cnr_torchrec.ckpt.manifest import load_manifest
-from cnr_torchrec.ckpt.restore import restore_chain, restore_dense_optimizer
-from cnr_torchrec.ckpt.save import dense_named_state
+from cnr_torchrec.ckpt.format.manifest import load_manifest
+from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
+from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 

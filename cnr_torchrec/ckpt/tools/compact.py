@@ -1,9 +1,9 @@
 """Offline writers over a checkpoint root: ``compact`` (a chain merged into one new baseline) and
 ``export_state_dict`` (a plain, full-precision state_dict). Neither may run while a job writes to the same root.
 
-``compact`` is lossless by default: it keeps every row's stored bytes (:mod:`cnr_torchrec.ckpt.merge`,
+``compact`` is lossless by default: it keeps every row's stored bytes (:mod:`cnr_torchrec.ckpt.save.merge`,
 which the background compaction uses too). Given a codec it decodes the chain with the chain
-assembly of :mod:`cnr_torchrec.ckpt.offline` and encodes the rows again; ``export_state_dict``
+assembly of :mod:`cnr_torchrec.ckpt.tools.offline` and encodes the rows again; ``export_state_dict``
 decodes the same way.
 """
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.manifest import (
+from cnr_torchrec.ckpt.format.manifest import (
     ckpt_dir,
     committed_ids,
     existing_dir_ids,
@@ -25,12 +25,12 @@ from cnr_torchrec.ckpt.manifest import (
     seal,
     write_index,
 )
-from cnr_torchrec.ckpt.compaction import compacted_body
-from cnr_torchrec.ckpt.merge import _copy, _copy_tree, merge_rank, regions_of_layout
-from cnr_torchrec.ckpt.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
-from cnr_torchrec.ckpt.payload import _DTYPES, BlobWriter, checksum
-from cnr_torchrec.ckpt.restore import _Reader
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.save.compaction import compacted_body
+from cnr_torchrec.ckpt.save.merge import _copy, _copy_tree, merge_rank, regions_of_layout
+from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
+from cnr_torchrec.ckpt.format.payload import _DTYPES, BlobWriter, checksum
+from cnr_torchrec.ckpt.restore.chain import _Reader
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec
 
@@ -51,7 +51,7 @@ def compact(
 
     The new checkpoint has the tip's step and world size, and restores what the tip restores
     (``equals`` names the tip). By default (``method=None``) it is lossless: each row keeps the
-    stored bytes of the newest checkpoint that holds it (:mod:`cnr_torchrec.ckpt.merge`), so
+    stored bytes of the newest checkpoint that holds it (:mod:`cnr_torchrec.ckpt.save.merge`), so
     restoring it equals restoring the chain bit for bit, whatever the codec. With a
     ``method``, the chain's rows are decoded and encoded again with that codec in the tip's
     shard layout (their error adds to the chain's own). Either way it copies the tip's dense
@@ -115,7 +115,7 @@ def _merge_ranks(storage: Storage, chain: list[dict[str, Any]], new_id: int, wri
 def _compacted_body(chain: list[dict[str, Any]], new_id: int, reports: list[dict[str, Any]],
                     codec: dict[str, Any] | None, write_ms: float) -> dict[str, Any]:
     """The new baseline's manifest body: the one a background compaction writes
-    (:func:`~cnr_torchrec.ckpt.compaction.compacted_body`, which owns the chain keys), plus what
+    (:func:`~cnr_torchrec.ckpt.save.compaction.compacted_body`, which owns the chain keys), plus what
     ``cnr compact`` does differently. ``codec``: the re-encoding codec's description (None: lossless,
     which keeps the tip's codec and stores replicated tables as entries)."""
     tip = chain[-1]

@@ -21,8 +21,8 @@ from typing import Any, Literal
 import yaml
 
 from cnr_torchrec.ckpt.config import CheckpointConfig, _build, _convert, read_mapping
-from cnr_torchrec.data import DataConfig
-from cnr_torchrec.dlrm import ModelConfig
+from cnr_torchrec.job.data import DataConfig
+from cnr_torchrec.job.dlrm import ModelConfig
 from cnr_torchrec.errors import ConfigError
 
 __all__ = ["JobConfig", "TrainConfig", "apply_overrides", "load_job_config"]

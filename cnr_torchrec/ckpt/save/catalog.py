@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt.config import KeepConfig
-from cnr_torchrec.ckpt.manifest import (
+from cnr_torchrec.ckpt.format.manifest import (
     ckpt_dir,
     committed_ids,
     existing_dir_ids,
@@ -25,7 +25,7 @@ from cnr_torchrec.ckpt.manifest import (
     rank_file,
     write_index,
 )
-from cnr_torchrec.ckpt.storage import Storage
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Catalog", "Entry", "Retention"]

@@ -20,7 +20,7 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, r
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 
-from cnr_torchrec.data import NUM_DENSE
+from cnr_torchrec.job.data import NUM_DENSE
 from cnr_torchrec.errors import ConfigError
 
 __all__ = ["EBC_FQN", "EMBEDDING_OPTIMIZERS", "ModelConfig", "build_model", "build_plan", "dense_parameters",

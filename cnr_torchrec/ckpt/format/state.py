@@ -1,0 +1,79 @@
+"""Records both sides of the format agree on: packed row ids, RNG state, the names of the dense state.
+
+The save side writes them and the restore side and the offline tools read them back,
+so they live here rather than with either side.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from cnr_torchrec import ops
+from cnr_torchrec.track import DirtyRowTracker
+
+__all__ = ["decode_ids", "dense_named_state", "encode_ids", "rng_state", "set_rng_state"]
+
+
+def encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
+    """Row offsets as a bitmap (1 bit per shard row) or a list (4 bytes per dirty row), whichever is smaller."""
+    if num_rows <= 32 * ids.numel():
+        mask = np.zeros(num_rows, dtype=bool)
+        mask[ids.numpy()] = True
+        return "bitmap", torch.from_numpy(np.packbits(mask, bitorder="little"))
+    return "list", ids.to(torch.int32)
+
+
+def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """Inverse of :func:`encode_ids`: sorted int64 row offsets."""
+    if kind == "bitmap":
+        # LSB-first bytes are LSB-first int64 words on a little-endian host: the tracker's own bitmap layout.
+        nbytes = (num_rows + 7) // 8
+        words = torch.zeros(ops.bitmap_words(num_rows) * 8, dtype=torch.uint8)
+        k = min(nbytes, blob.numel())  # a short blob decodes to fewer ids, which the caller's count check catches
+        words[:k] = blob.reshape(-1)[:k]
+        return ops.bitmap_to_rows(words.view(torch.int64), 0, num_rows)
+    if kind == "list":
+        return blob.to(torch.int64)
+    raise ValueError(f"unknown id encoding {kind!r}")
+
+
+def dense_named_state(model: nn.Module, tracker: DirtyRowTracker) -> dict[str, torch.Tensor]:
+    """Parameters and buffers outside the sharded embedding modules (replicated by DDP), by name."""
+    sharded = set(tracker.module_fqns())
+    out: dict[str, torch.Tensor] = {}
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        clean = name.removeprefix("module.").replace("._orig_mod", "")
+        if any(clean == m or clean.startswith(m + ".") for m in sharded):
+            continue
+        out[clean] = t
+    return out
+
+
+def rng_state() -> dict[str, Any]:
+    """This process's RNG states (torch, CUDA, Python, NumPy) as tensors and JSON-able values."""
+    version, mt, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    state = {
+        "torch": torch.get_rng_state(),
+        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
+        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
+                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
+    nps = state["numpy"]
+    np.random.set_state((nps["name"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["gauss"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -1,0 +1,1 @@
+"""Offline tools behind the ``cnr`` command: inspect, verify, export, compact."""
