@@ -802,8 +802,6 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
     listed, and the next save commits as a new baseline. Finally fresh models restore the
     newest checkpoint and the one before the first failure, exactly.
     """
-    from torchsnapshot.storage_plugins.fs import FSStoragePlugin
-
     from cnr_torchrec import Checkpointer, SaveFailedError
     from cnr_torchrec.ckpt.format import storage as storage_mod
 
@@ -818,15 +816,16 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
     good = ckpt.save(2).wait()
     good_state = local_state(dmp, opt)
 
-    real_fs_write = FSStoragePlugin.write
+    real_write = storage_mod.Storage.write
 
-    async def full_disk(self, write_io):
-        # Half the file lands, then the device is full: what a real ENOSPC leaves behind.
-        path = os.path.join(self.root, write_io.path)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(bytes(write_io.buf[: len(write_io.buf) // 2]))
-        raise OSError(errno.ENOSPC, "No space left on device", path)
+    def full_disk(self, path, data):
+        # Half the payload's chunk lands, then the device is full: what a real ENOSPC leaves behind.
+        whole = b"".join(bytes(p) for p in data) if isinstance(data, (list, tuple)) else bytes(data)
+        full = os.path.join(self.local_dir, path)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(whole[: len(whole) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device", full)
 
     real_atomic = storage_mod.Storage.write_atomic
 
@@ -839,7 +838,7 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
     last = good
     for where, patch in (("rank file", "fs"), ("manifest", "atomic")):
         if patch == "fs" and rank == 1:
-            FSStoragePlugin.write = full_disk
+            storage_mod.Storage.write = full_disk
         if patch == "atomic" and rank == 0:
             storage_mod.Storage.write_atomic = full_disk_manifest
         train(dmp, specs, opt, 2, gen)
@@ -850,7 +849,7 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
             checks[f"{where}: save failed"] = False
         except SaveFailedError as e:
             checks[f"{where}: save failed"] = "No space left" in str(e)
-        FSStoragePlugin.write = real_fs_write
+        storage_mod.Storage.write = real_write
         storage_mod.Storage.write_atomic = real_atomic
         failed_id = handle.decision.ckpt_id
         train(dmp, specs, opt, 2, gen)  # training goes on: collectives still work on both ranks

@@ -98,13 +98,14 @@ def _round_trip_worker(rank, world_size, root, method, bits, quant):
             assert kinds == want[policy], (policy, kinds)
         saved = _local_state(dmp)
         opt_saved = opt.state_dict()
+        dist.barrier()  # rank 0's last wait() returned after its garbage collection; let the others see it
+        listed = ckpt.list()
         ckpt.close()
-        dist.barrier()  # rank 0's close() returns after its garbage collection; let the others see it
         if policy == "full":  # keep_last=2: only the last two chains (here: baselines) survive
-            assert [i.id for i in ckpt.list()] == [4, 5]
+            assert [i.id for i in listed] == [4, 5]
             assert sorted(os.listdir(where)) == ["ckpt-00000004", "ckpt-00000005", "index.json"]
         if policy == "consecutive":
-            assert [len(i.chain) for i in ckpt.list()][-1] == 6
+            assert [len(i.chain) for i in listed][-1] == 6
 
         fresh, _, opt2 = _build(world_size, seed=1)
         before = _local_state(fresh)
@@ -179,8 +180,8 @@ def _continue_worker(rank, world_size, root, plan, ref_path):
     for step in (10, 11):
         _train(dmp, specs, opt, 2, gen)
         assert ckpt.save(step).wait().kind == "delta"
-    ckpt.close()
     assert [len(i.chain) for i in ckpt.list()][-1] == 5  # 3 from the first plan, 2 from this one
+    ckpt.close()
     ref = _full_tables(dmp)
     if rank == 0:
         torch.save({t: (w, m) for t, (w, m, _) in ref.items()}, ref_path)

@@ -24,6 +24,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     seal,
     write_index,
 )
+from cnr_torchrec.ckpt.format.chunks import PayloadReader
 from cnr_torchrec.ckpt.format.payload import BlobWriter, flatten_state, read_blob, unflatten_state
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide, intermittent_wants_baseline
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids, rng_state, set_rng_state
@@ -274,11 +275,14 @@ def test_blob_round_trip(dtype, storage):
     index = json.loads(json.dumps(w.index))  # as it comes back from a manifest
     whole = bytearray(data)
     for name, t in tensors.items():
-        got = read_blob(storage, "p.bin", index[name], name)
+        got = _range_read(storage, "p.bin", index, name)
         assert got.dtype == dtype and got.shape == t.shape
         assert torch.equal(got, t)
-        in_place = read_blob(storage, "p.bin", index[name], name, whole=whole)  # a view of the caller's buffer
+        at = memoryview(whole)[index[name]["offset"] : index[name]["offset"] + index[name]["nbytes"]]
+        in_place = read_blob("p.bin", index[name], name, at)  # a view of the caller's buffer
         assert torch.equal(in_place, t)
+        if t.numel():
+            assert in_place.untyped_storage().data_ptr() == torch.frombuffer(at, dtype=torch.uint8).data_ptr()
 
 
 def test_blob_rejects_unsupported_dtype_and_duplicate_names():
@@ -288,6 +292,11 @@ def test_blob_rejects_unsupported_dtype_and_duplicate_names():
     w.add("x", torch.zeros(2))
     with pytest.raises(ValueError, match="added twice"):
         w.add("x", torch.zeros(2))
+
+
+def _range_read(storage, file, index, name):
+    """One blob by a range read, as restore reads a few small blobs of a big payload (a one-file report)."""
+    return PayloadReader(storage, {"file": file, "nbytes": 1 << 40, "xxh3": "", "blobs": index}, whole=False)(name)
 
 
 def _written(storage, tensors):
@@ -305,9 +314,9 @@ def test_read_blob_detects_a_flipped_byte(storage, where):
     bad[where] ^= 0x01
     storage.write(file, bytes(bad))
     with pytest.raises(CorruptCheckpointError, match="checksum") as e:
-        read_blob(storage, file, index["a"], "a")
+        _range_read(storage, file, index, "a")
     assert e.value.path == file and file in str(e.value)
-    assert torch.equal(read_blob(storage, file, index["b"], "b"), torch.ones(3))  # the other blob is fine
+    assert torch.equal(_range_read(storage, file, index, "b"), torch.ones(3))  # the other blob is fine
 
 
 @pytest.mark.parametrize("keep", [0, 5, 51])
@@ -315,14 +324,14 @@ def test_read_blob_detects_truncation(storage, keep):
     file, data, index = _written(storage, {"a": torch.ones(3), "b": torch.arange(10, dtype=torch.float32)})
     storage.write(file, data[:keep])
     with pytest.raises(CorruptCheckpointError, match="truncated") as e:
-        read_blob(storage, file, index["b"], "b")
+        _range_read(storage, file, index, "b")
     assert e.value.path == file and file in str(e.value)
 
 
 def test_read_blob_refuses_an_unknown_dtype(storage):
     file, _, index = _written(storage, {"a": torch.ones(3)})
     with pytest.raises(UnsafeCheckpointError, match="object"):
-        read_blob(storage, file, {**index["a"], "dtype": "object"}, "a")
+        _range_read(storage, file, {"a": {**index["a"], "dtype": "object"}}, "a")
 
 
 # ---- payload: nested state -----------------------------------------------------------
@@ -354,7 +363,7 @@ def round_trip(storage, obj, name="ckpt-00000000/rank-00000.bin"):
     text = json.dumps(tree)
     storage.write(name, blobs.getvalue())
     index = json.loads(json.dumps(blobs.index))
-    return unflatten_state(json.loads(text), lambda b: read_blob(storage, name, index[b], b))
+    return unflatten_state(json.loads(text), lambda b: _range_read(storage, name, index, b))
 
 
 def _adam_pair():
@@ -545,7 +554,7 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 3 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 4 and doc["body"] == BODY
     # The checksum covers the body's text as it stands in the file, between '"body": ' and the closing brace.
     text = raw[raw.index(b'"body": ') + len(b'"body": ') : raw.rindex(b"}")]
     assert json.loads(text) == BODY
@@ -612,14 +621,14 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [1, 4, 0, None, "2"])
+@pytest.mark.parametrize("version", [1, 5, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads versions 2 and 3" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 4" in str(e.value)
     assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
 

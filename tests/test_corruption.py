@@ -199,7 +199,7 @@ def _untrusted_worker(rank, world_size, work):
 
         def reseal(body):
             r0 = body["ranks"][0]
-            r0["xxh3"] = checksum(bytes(data))
+            r0["chunks"][0]["xxh3"] = checksum(bytes(data))  # one chunk: the toy payload is far below chunk_bytes
             for meta in r0["blobs"].values():
                 meta["xxh3"] = checksum(bytes(data[meta["offset"] : meta["offset"] + meta["nbytes"]]))
         _edit_manifest(root, 0, reseal)

@@ -126,12 +126,12 @@ def _weight_bytes(report):
 
 def _coverage(storage, body):
     """Per table, how many stored pieces of ``body`` hold each (row, column): every cell must be held once."""
-    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.state import decode_ids
 
     grids = {t: torch.zeros(r, d, dtype=torch.int64) for t, (r, d) in body["tables"].items()}
     for report in body["ranks"]:
-        load = _Reader(storage, report)
+        load = PayloadReader(storage, report)
         for table, entries in report["tables"].items():
             for e in entries:
                 (r0, r1), (c0, c1) = e["rows"], e["cols"]
@@ -307,11 +307,11 @@ def _merged(storage, chain, regions, rank=0):
 
 def _decoded(storage, report):
     """(cols, global rows, decoded rows, row-wise state, payload) per entry of a merged report."""
-    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.quant import EncodedRows, decode
 
-    load = _Reader(storage, report)
+    load = PayloadReader(storage, report)
     out = []
     for e in report["tables"]["t"]:
         (r0, r1), cols = e["rows"], tuple(e["cols"])

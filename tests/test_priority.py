@@ -307,7 +307,7 @@ _local_state = local_state
 def _entries(root, ckpt_id, rank=None):
     """{table: [(rows, cols, encoding, ids or None)]} of one checkpoint (every rank, or one)."""
     from cnr_torchrec.ckpt.format.manifest import load_manifest
-    from cnr_torchrec.ckpt.restore.chain import _Reader
+    from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.ckpt.format.storage import Storage
 
@@ -317,7 +317,7 @@ def _entries(root, ckpt_id, rank=None):
     for report in m["ranks"]:
         if rank is not None and report["rank"] != rank:
             continue
-        read = _Reader(storage, report)
+        read = PayloadReader(storage, report)
         for table, entries in report["tables"].items():
             for e in entries:
                 n = e["rows"][1] - e["rows"][0]

@@ -15,19 +15,20 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
-from cnr_torchrec.ckpt.save.catalog import Retention
-from cnr_torchrec.ckpt.save.commit import CheckpointInfo, CommitProtocol
-from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.format.dense_optim import param_names
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
+from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.dense_optim import param_names
 from cnr_torchrec.ckpt.format.manifest import chain_ids, ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
-from cnr_torchrec.ckpt.restore.partial import RecoveryInfo, recover
-from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
-from cnr_torchrec.ckpt.restore.resolve import resolve_chain
-from cnr_torchrec.ckpt.restore.chain import restore_chain
-from cnr_torchrec.ckpt.save.staging import Staged, stage
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.restore.chain import check_model, restore_chain
+from cnr_torchrec.ckpt.restore.partial import RecoveryInfo, recover
+from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.ckpt.save.catalog import Retention
+from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
+from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
+from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
+from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
 from cnr_torchrec.errors import (
     CheckpointNotFoundError,
     CnrError,
@@ -85,7 +86,7 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
-class Checkpointer(CommitProtocol):
+class Checkpointer:
     """Differential, quantized checkpoints of a :class:`~cnr_torchrec.CheckNRunDMP`.
 
     Every rank constructs one, with the same config, and calls ``save``/``restore`` at
@@ -126,7 +127,6 @@ class Checkpointer(CommitProtocol):
         self.extra_state = dict(extra_state or {})
         self._restores = 0  # restores this job has performed, carried from manifest to manifest
         self.codec = self._pick_codec()
-        self._state_dtype = getattr(torch, config.quantization.state_dtype)
         self._table_fqns = _table_fqns(model, tracker)
         if config.policy in ("one_shot", "intermittent") or config.compaction is not None:
             tracker.enable_baseline_view()  # compaction: the rows dirty since its tip
@@ -150,7 +150,9 @@ class Checkpointer(CommitProtocol):
         self.rank = self._ranks.rank
         self.world_size = self._ranks.world_size
         self._storage = Storage(config.root, config.storage_options)
-        self._bg_storage: Storage | None = None
+        self._io = IOPool(config.root, config.storage_options, config.io_threads)  # chunk reads and writes
+        self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save
+        self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
         self._inflight: SaveHandle | None = None
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
@@ -171,6 +173,9 @@ class Checkpointer(CommitProtocol):
         self._compactor = Compactor(config.compaction, self._start_compaction)
         # Rank 0: the committed checkpoints, loaded at the first commit and then kept up to date.
         self._retention = Retention(config.retention, self._compactor.pinned)
+        self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
+                                    store=self._store, io=self._io, staging=self._staging,
+                                    tables=list(tracker.tables()), on_commit=self._retention.committed)
 
     # ------------------------------------------------------------------ public
 
@@ -250,7 +255,8 @@ class Checkpointer(CommitProtocol):
         self._timer.exclude_pause(stall / 1e3)
         log.info("save %d at step %d: %s (%s), stall %.1f ms", decision.ckpt_id, step, decision.kind,
                  decision.reason, stall)
-        handle = SaveHandle(step, decision, self._executor.submit(self._write, decision, staged, stage_error), stall)
+        handle = SaveHandle(step, decision, self._executor.submit(self._committer.write, decision, staged, stage_error, self.codec,
+                                                          self._manifest_fields()), stall)
         self._inflight = handle
         return handle
 
@@ -330,67 +336,7 @@ class Checkpointer(CommitProtocol):
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
-
-        def attempt(ids: list[int], chain: list[dict[str, Any]] | None):
-            """Applies the chain on this rank. Returns (failure for the others, own exception, chain)."""
-            try:
-                if chain is None:
-                    chain = [load_manifest(self._storage, i) for i in ids]
-                check_model(chain[-1])
-                written_by = chain[-1]["world_size"]
-                if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
-                    raise IncompatibleCheckpointError(
-                        f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
-                        f"{self.world_size}: per-rank state {sorted(self.extra_state)} cannot be mapped onto other "
-                        "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
-                        "the model and optimizers and start that state afresh."
-                    )
-                # Whole rank files are checked against the manifests' xxh3 as they are read.
-                self._storage.expect({r["file"]: (int(r["nbytes"]), r["xxh3"]) for c in chain for r in c["ranks"]})
-                try:
-                    restore_chain(
-                        chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
-                        world_size=self.world_size, dense_optimizer=self.dense_optimizer,
-                        extra_state=self.extra_state if written_by == self.world_size else {},
-                    )
-                finally:
-                    self._storage.expect(None)
-            except Exception as e:  # another rank must hear of it, or it waits in the exchange below
-                # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
-                return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain
-            return None, None, chain
-
-        # The whole model's table shapes: a rank knows only the tables it holds shards of, and every rank
-        # must refuse another model's checkpoint before it changes anything.
-        model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
-        for part in self._ranks.exchange({t: list(shape) for t in model_tables
-                                          if (shape := self.tracker.table_shape(t)) is not None}):
-            model_tables.update(part)
-
-        def check_model(target: dict[str, Any]) -> None:
-            """IncompatibleCheckpointError, on every rank alike, if ``target`` is of another model."""
-            from cnr_torchrec.ckpt.format.state import dense_named_state
-
-            saved = target["tables"]
-            missing, extra = sorted(set(model_tables) - set(saved)), sorted(set(saved) - set(model_tables))
-            changed = [f"'{t}' is {model_tables[t][0]} x {model_tables[t][1]} in the model but {saved[t][0]} x "
-                       f"{saved[t][1]} in the checkpoint" for t in sorted(set(saved) & set(model_tables))
-                       if model_tables[t] and list(saved[t]) != model_tables[t]]
-            first = target["ranks"][0]
-            dense = {n: list(t.shape) for n, t in dense_named_state(self.model, self.tracker).items()}
-            stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
-            changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
-                        for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
-            lacking = sorted(set(dense) - set(stored))
-            if missing or extra or changed or lacking:
-                what = "; ".join(filter(None, [
-                    missing and f"tables missing from it {missing}", extra and f"tables the model lacks {extra}",
-                    lacking and f"dense parameters missing from it {lacking}", *changed]))
-                raise IncompatibleCheckpointError(
-                    f"checkpoint {target['id']} is of another model: {what}. Restore a checkpoint of this model, or "
-                    "start from scratch with a new root."
-                )
-
+        model_tables = self._model_tables()
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
             pick, chain = self._agree_on_pick(step, bad, local=True)
@@ -403,26 +349,11 @@ class Checkpointer(CommitProtocol):
                 raise CheckpointNotFoundError(self._not_found(step) + (f". Skipped as unsound: {skipped}" if skipped
                                                                         else ""))
             ids = pick["chain"]
-            status, own, chain = attempt(ids, chain)
+            status, own, chain = self._attempt(ids, chain, model_tables, per_rank_state)
             failed = self._ranks.failures(status)
             if not failed:
                 break
-            errors_seen = [f for f in failed if not f.file_problem]
-            if errors_seen:  # the same error on every rank; the rank it happened on chains its own
-                raise errors_seen[0].error() from (own if errors_seen[0].rank == self.rank else None)
-            f = failed[0]
-            if self.config.on_corrupt == "fail":
-                raise CorruptCheckpointError(
-                    f"{f.message} (rank {f.rank}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
-                    "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
-                    "The model is partly overwritten: restore again before training.",
-                    path=f.path,
-                ) from (own if f.rank == self.rank else None)
-            owner = ckpt_id_of(f.path)
-            culprit = owner if owner in ids else ids[-1]
-            bad[culprit] = f"{f.path or 'a file'} failed its checks on rank {f.rank}: {f.message}"
-            log.warning("restore: checkpoint %d cannot be restored: %s (rank %d: %s); falling back to an older "
-                        "checkpoint (on_corrupt: fallback)", ids[-1], f.path or "a file", f.rank, f.message)
+            self._after_failed_attempt(failed, own, ids, bad)
 
         m = chain[-1]
         self.tracker.reset(baseline=True)
@@ -441,18 +372,89 @@ class Checkpointer(CommitProtocol):
         return recover(self, failed_ranks, step)
 
     def close(self) -> None:
-        """Waits for the save in flight and releases the background thread."""
+        """Waits for the save in flight, then releases the threads and closes the storage. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
             if self._inflight is not None:
                 self._settle(self._inflight)
             self._compactor.drop("close()")
         finally:
             self._executor.shutdown(wait=True)
-            if self._bg_storage is not None:
-                self._bg_storage.close()
-                self._bg_storage = None
+            self._io.close()
+            self._committer.close()
+            self._storage.close()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _manifest_fields(self) -> dict[str, Any]:
+        """The manifest's fields that describe the job rather than the save, as they are now."""
+        q = self.config.quantization
+        return {"policy": self.config.policy, "world_size": self.world_size, "restores": self._restores,
+                "codec": {"method": q.method, "bits": self.codec.bits, "bits_setting": q.bits,
+                          "params": self.codec.params if hasattr(self.codec, "params") else {}},
+                "table_fqns": self._table_fqns}
+
+    def _attempt(self, ids: list[int], chain: list[dict[str, Any]] | None, model_tables: dict[str, list[int]],
+                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[dict[str, Any]] | None]:
+        """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain)."""
+        try:
+            if chain is None:
+                chain = [load_manifest(self._storage, i) for i in ids]
+            check_model(chain[-1], model_tables, self.model, self.tracker)
+            written_by = chain[-1]["world_size"]
+            if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
+                    f"{self.world_size}: per-rank state {sorted(self.extra_state)} cannot be mapped onto other "
+                    "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
+                    "the model and optimizers and start that state afresh."
+                )
+            restore_chain(  # every chunk is checked against its xxh3 as it lands
+                chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
+                world_size=self.world_size, dense_optimizer=self.dense_optimizer,
+                extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
+            )
+        except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
+            # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
+            return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain
+        return None, None, chain
+
+    def _after_failed_attempt(self, failed: list[Failure], own: Exception | None, ids: list[int],
+                              bad: dict[int, str]) -> None:
+        """Raises what every rank raises alike, or marks the culprit in ``bad`` for a fallback (``on_corrupt``)."""
+        errors_seen = [f for f in failed if not f.file_problem]
+        if errors_seen:  # the same error on every rank; the rank it happened on chains its own
+            raise errors_seen[0].error() from (own if errors_seen[0].rank == self.rank else None)
+        f = failed[0]
+        if self.config.on_corrupt == "fail":
+            raise CorruptCheckpointError(
+                f"{f.message} (rank {f.rank}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
+                "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
+                "The model is partly overwritten: restore again before training.",
+                path=f.path,
+            ) from (own if f.rank == self.rank else None)
+        owner = ckpt_id_of(f.path)
+        culprit = owner if owner in ids else ids[-1]
+        bad[culprit] = f"{f.path or 'a file'} failed its checks on rank {f.rank}: {f.message}"
+        log.warning("restore: checkpoint %d cannot be restored: %s (rank %d: %s); falling back to an older "
+                    "checkpoint (on_corrupt: fallback)", ids[-1], f.path or "a file", f.rank, f.message)
+
+    def _model_tables(self) -> dict[str, list[int]]:
+        """The whole model's table shapes (collective): a rank knows only the tables it holds shards of, and
+        every rank must refuse another model's checkpoint before it changes anything."""
+        model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
+        for part in self._ranks.exchange({t: list(shape) for t in model_tables
+                                          if (shape := self.tracker.table_shape(t)) is not None}):
+            model_tables.update(part)
+        return model_tables
 
     def _not_found(self, step: int | None) -> str:
         where = self.config.root
@@ -507,6 +509,7 @@ class Checkpointer(CommitProtocol):
             staged = stage(
                 decision, model=self.model, tracker=self.tracker, rank=self.rank, world_size=self.world_size,
                 dense_optimizer=self.dense_optimizer, extra_state=self.extra_state, budget=self.config.budget,
+                buffers=self._staging,
             )
         except ConfigError:
             raise
@@ -538,6 +541,7 @@ class Checkpointer(CommitProtocol):
             new_id=new_id, chain=chain, rank=self.rank, world_size=self.world_size, tracker=self.tracker,
             open_storage=lambda: Storage(self.config.root, self.config.storage_options), store=self._store,
             timeout_s=self.config.save_timeout_s, on_commit=self._retention.committed,
+            chunk_bytes=self.config.chunk_bytes, pool=self._io,
         )
 
     def _make_store(self, token: int) -> Any:

@@ -14,6 +14,7 @@ from typing import Any, Literal, Union
 
 import yaml
 
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
 from cnr_torchrec.errors import ConfigError
 
 __all__ = [
@@ -274,6 +275,9 @@ class CheckpointConfig:
             recovery, from the measured save cost and step time), or None (the caller decides).
         budget: CPR's budget-limited, priority-ordered saves (see :class:`BudgetConfig`).
         storage_options: passed to the torchsnapshot storage plugin.
+        chunk_bytes: the largest object a rank's payload is cut into (a multiple of 4096, at
+            most 5 GiB, S3's single-PUT limit); a save holds a few chunks beyond the staged rows.
+        io_threads: threads per rank that write and read chunks in parallel.
     """
 
     root: str
@@ -290,10 +294,17 @@ class CheckpointConfig:
     interval: int | Literal["auto"] | None = None
     budget: BudgetConfig = field(default_factory=BudgetConfig)
     storage_options: dict[str, Any] = field(default_factory=dict)
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    io_threads: int = 4
 
     def __post_init__(self) -> None:
         if not self.root:
             raise ConfigError("root: give the directory or storage URI where checkpoints go")
+        if not (4096 <= self.chunk_bytes <= 5 << 30 and self.chunk_bytes % 4096 == 0):
+            raise ConfigError(f"chunk_bytes: must be a multiple of 4096 from 4096 to {5 << 30} (5 GiB, S3's "
+                              f"single-PUT limit), got {self.chunk_bytes}; the default is {DEFAULT_CHUNK_BYTES}")
+        if not 1 <= self.io_threads <= 64:
+            raise ConfigError(f"io_threads: must be 1 to 64, got {self.io_threads}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(f"keep_last: must be at least 1 (the checkpoint being written), got {self.keep_last}")
         if self.keep_last is not None and self.keep is not None:

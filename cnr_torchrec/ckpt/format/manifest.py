@@ -3,7 +3,8 @@
 Layout under the root::
 
     ckpt-00000003/
-        rank-00000.bin      payload of rank 0 (blobs back to back)
+        rank-00000.bin      payload of rank 0 (blobs back to back), its first chunk
+        rank-00000.1.bin    its second chunk, and so on (format/chunks.py)
         rank-00001.bin
         manifest.json       written last, atomically, by rank 0: the commit marker
     index.json              committed ids, rewritten after each commit (for stores that cannot list)
@@ -16,7 +17,8 @@ serialization of the body.
 A body links to its chain by ``parent`` (the checkpoint whose restored state it applies on),
 ``base`` (the chain's baseline) and ``depth`` (links from the baseline: 0 for a baseline), so
 its size does not grow with the chain; :func:`walk_chain` follows the links back. Version 2
-bodies listed the whole chain instead; they are read, and given the links, on load.
+bodies listed the whole chain instead; they are read, and given the links, on load. Version 4
+payloads are chunked (each rank report lists its chunks); a version 3 report's payload is one file.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-VERSION = 3  # 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1 had sha256)
+# 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1: sha256)
+VERSION = 4
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -110,7 +113,7 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
         else:
             how = "upgrade cnr_torchrec to read it"
         raise CorruptCheckpointError(
-            f"{path} has format version {version!r}; this build reads versions 2 and {VERSION}: {how}.", path=path
+            f"{path} has format version {version!r}; this build reads versions 2 to {VERSION}: {how}.", path=path
         )
     body = doc["body"]
     if checksum(_body_text(raw)) != doc.get("xxh3"):
@@ -123,7 +126,7 @@ def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
     return body
 
 
-_READABLE = (2, VERSION)
+_READABLE = (2, 3, VERSION)
 
 
 def _links_from_chain(body: dict[str, Any], path: str) -> None:

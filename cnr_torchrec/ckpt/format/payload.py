@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.format.storage import Storage, checksum
+from cnr_torchrec.ckpt.format.storage import checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
@@ -49,7 +49,7 @@ class BlobWriter:
         data = _as_bytes(tensor)
         pad = -self._offset % self.ALIGN
         if pad:
-            self._parts.append(memoryview(bytes(pad)))
+            self._append(memoryview(bytes(pad)))
             self._offset += pad
         self.index[name] = {
             "offset": self._offset,
@@ -58,9 +58,13 @@ class BlobWriter:
             "shape": list(tensor.shape),
             "xxh3": checksum(data),
         }
-        self._parts.append(data)
+        self._append(data)
         self._offset += data.nbytes
         return name
+
+    def _append(self, data: memoryview) -> None:
+        """Takes the payload's next bytes (kept in memory here; streamed out by a PayloadWriter)."""
+        self._parts.append(data)
 
     @property
     def nbytes(self) -> int:
@@ -70,28 +74,22 @@ class BlobWriter:
         return b"".join(self._parts)
 
 
-def read_blob(
-    storage: Storage, file: str, meta: Mapping[str, Any], what: str, whole: Any = None,
-    verified: bool = False,
-) -> torch.Tensor:
-    """Reads one blob and checks its size and checksum.
+def read_blob(file: str, meta: Mapping[str, Any], what: str, data: Any, verified: bool = False) -> torch.Tensor:
+    """The tensor of one blob, from its bytes ``data``, checked against its size and checksum.
 
     Args:
-        whole: the file's bytes, if the caller already read it all; else a range read. A
-            writable buffer (a bytearray or a private mmap) is shared by the returned tensor, not copied.
-        verified: ``whole`` was already checked against the file's xxh3; skip the blob's.
+        data: the blob's bytes. A writable memoryview (of a bytearray or a private mmap) is
+            shared by the returned tensor, not copied.
+        verified: the bytes were already checked (their chunk matched its xxh3); skip the blob's.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
+        UnsafeCheckpointError: the dtype is one we never write.
     """
     start, nbytes = int(meta["offset"]), int(meta["nbytes"])
     dtype = _DTYPES.get(meta["dtype"])
     if dtype is None:
         raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {meta['dtype']!r}, which we never write")
-    if whole is not None:
-        data = memoryview(whole)[start : start + nbytes]
-    else:
-        data = storage.read(file, byte_range=(start, start + nbytes)) if nbytes else b""
     if len(data) != nbytes:
         raise CorruptCheckpointError(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
@@ -101,8 +99,8 @@ def read_blob(
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)
-    elif isinstance(data, memoryview) and not data.readonly and start % dtype.itemsize == 0:
-        out = torch.frombuffer(data, dtype=torch.uint8)  # shares the caller's (aligned) buffer: no copy
+    elif isinstance(data, memoryview) and not data.readonly:
+        out = torch.frombuffer(data, dtype=torch.uint8)  # shares the caller's buffer: no copy
     else:
         out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     shape = [int(s) for s in meta["shape"]]

@@ -68,11 +68,12 @@ _BODY: dict[str, Check] = {
 _BODY_OPTIONAL: dict[str, Check] = {"equals": _int(), "compacted_from": _type(list), "per_rank_state": _type(bool),
                                     "chain": _type(list)}
 _RANK: dict[str, Check] = {
-    "rank": _int(), "ok": _of(True), "file": _type(str), "nbytes": _int(), "xxh3": _type(str), "blobs": _type(dict),
+    "rank": _int(), "ok": _of(True), "file": _type(str), "nbytes": _int(), "blobs": _type(dict),
     "tables": _type(dict), "replicated_tables": _type(dict), "dense": _type(dict), "tbe_iter": _int(),
     "table_shapes": _type(dict), "rows_written": _int(), "stall_ms": _number, "write_ms": _number,
     "dense_optimizer": _opt(_type(dict)), "extra": _type(dict),
 }
+_CHUNK: dict[str, Check] = {"nbytes": _int(), "xxh3": _type(str)}
 _BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*_DTYPES), "shape": _type(list),
                            "xxh3": _type(str)}
 
@@ -168,6 +169,7 @@ def _check_rank(f: _Fields, report: Any, where: str, index: int, shapes: Mapping
     f.record(report, where, _RANK)
     if report["rank"] != index:
         f.fail(f"{where}.rank", f"is {report['rank']}, at position {index}")
+    _check_chunks(f, report, where)
     blobs = report["blobs"]
     for name, meta in blobs.items():
         _check_blob(f, meta, f"{where}.blobs[{name!r}]", report["nbytes"])
@@ -190,6 +192,26 @@ def _check_rank(f: _Fields, report: Any, where: str, index: int, shapes: Mapping
         _check_tree(f, report.get(key), f"{where}.{key}", blobs)
     for name, tree in report.get("extra", {}).items():
         _check_tree(f, tree, f"{where}.extra[{name!r}]", blobs)
+
+
+def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> None:
+    """A chunked payload's chunks tile its bytes at the stride; an unchunked one (format 3) has its xxh3."""
+    if "chunks" not in report:
+        f.value(report.get("xxh3"), f"{where}.xxh3", _type(str))
+        return
+    f.value(report.get("chunk_bytes"), f"{where}.chunk_bytes", _int(64, 1 << 40))
+    stride, chunks, nbytes = report["chunk_bytes"], report["chunks"], report["nbytes"]
+    if stride % 64:
+        f.fail(f"{where}.chunk_bytes", f"is {stride}, not a multiple of 64")
+    if not isinstance(chunks, list) or len(chunks) != max(1, -(-nbytes // stride)):
+        f.fail(f"{where}.chunks", f"must list {max(1, -(-nbytes // stride))} chunks for {nbytes} bytes at a stride "
+                                  f"of {stride}")
+    for k, chunk in enumerate(chunks):
+        f.record(chunk, f"{where}.chunks[{k}]", _CHUNK)
+        want = min(stride, nbytes - k * stride)
+        if chunk["nbytes"] != want:
+            f.fail(f"{where}.chunks[{k}].nbytes", f"is {chunk['nbytes']}; chunk {k} of {nbytes} bytes at a stride of "
+                                                   f"{stride} holds {want}")
 
 
 def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> None:

@@ -22,6 +22,7 @@ import mmap
 import os
 import posixpath
 import shutil
+from collections.abc import Sequence
 from typing import Any
 
 import xxhash
@@ -34,7 +35,7 @@ from torchsnapshot.storage_plugins.s3 import S3StoragePlugin
 from cnr_torchrec.ckpt import faults
 from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["FSPlugin", "S3_OPTIONS", "S3Plugin", "Storage", "check_relative", "checksum"]
+__all__ = ["FSPlugin", "S3_OPTIONS", "S3Plugin", "Storage", "check_bytes", "check_relative", "checksum"]
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -47,6 +48,15 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     defence against a crafted checkpoint (see UnsafeCheckpointError for what is refused).
     """
     return xxhash.xxh3_128_hexdigest(data)
+
+
+def check_bytes(path: str, data: Any, nbytes: int, digest: str) -> None:
+    """CorruptCheckpointError naming ``path`` unless ``data`` is ``nbytes`` long with xxh3 ``digest``."""
+    if len(data) != nbytes:
+        what = "truncated" if len(data) < nbytes else "longer than written"
+        raise CorruptCheckpointError(f"{path} is {len(data)} bytes, its manifest says {nbytes} ({what})", path=path)
+    if checksum(data) != digest:
+        raise CorruptCheckpointError(f"{path} does not match its xxh3 in the manifest (its bytes changed)", path=path)
 
 
 def check_relative(path: str) -> str:
@@ -75,34 +85,34 @@ class Storage:
             self.local_dir = root
         self._loop = asyncio.new_event_loop()
         self._plugin = self._run(_make_plugin(root, storage_options or {}))
-        self._expected: dict[str, tuple[int, str]] = {}
-
-    def expect(self, digests: dict[str, tuple[int, str]] | None) -> None:
-        """Checks every whole-file read of these files against (size, xxh3); None stops checking.
-
-        A restore reads each rank file whole; with this, a changed byte anywhere in it (a
-        blob it does not use, another rank's RNG state, say) is caught too, and named, at
-        no extra read, and the blobs of a checked file need no checksum of their own.
-        """
-        self._expected = {check_relative(k): v for k, v in (digests or {}).items()}
-
-    def checks(self, path: str) -> bool:
-        """Whether a whole-file read of ``path`` is checked against its xxh3 (see :meth:`expect`)."""
-        return check_relative(path) in self._expected
 
     def _run(self, coro):
         return self._loop.run_until_complete(coro)
 
     # ------------------------------------------------------------------ files
 
-    def write(self, path: str, data: bytes | memoryview) -> None:
+    def write(self, path: str, data: bytes | memoryview | Sequence[memoryview]) -> None:
+        """Writes a file from a buffer or from parts in order (a chunk straight from its blobs' memory).
+
+        A local file is written part by part with no join; other backends get one buffer (a
+        PUT needs one body), joined when there are several parts.
+        """
         rel = check_relative(path)
-        if faults.armed("write.mid") and len(data) > 1:
+        parts = [memoryview(p) for p in data] if isinstance(data, (list, tuple)) else [memoryview(data)]
+        if faults.armed("write.mid") and sum(p.nbytes for p in parts) > 1:
             # A torn write for kill tests: the first half lands, then the process may die here.
-            half = memoryview(data)[: len(data) // 2]
-            self._run(self._plugin.write(WriteIO(path=rel, buf=half)))
+            whole = memoryview(b"".join(parts))
+            self._run(self._plugin.write(WriteIO(path=rel, buf=whole[: whole.nbytes // 2])))
             faults.hit("write.mid")
-        self._run(self._plugin.write(WriteIO(path=rel, buf=memoryview(data))))
+        if self.local_dir is not None:
+            final = os.path.join(self.local_dir, rel)
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            with open(final, "wb") as f:
+                for part in parts:
+                    f.write(part)
+            return
+        buf = parts[0] if len(parts) == 1 else memoryview(b"".join(parts))
+        self._run(self._plugin.write(WriteIO(path=rel, buf=buf)))
 
     def read(self, path: str, byte_range: tuple[int, int] | None = None) -> bytes | bytearray:
         """Reads a file, or ``[start, end)`` of it. Raises CheckpointNotFoundError if it is missing.
@@ -120,13 +130,10 @@ class Storage:
                 raise self._missing(rel) from None
             raise
         buf = read_io.buf
-        data = buf if isinstance(buf, bytearray) else buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
-        if byte_range is None:
-            self._check_whole(rel, data)
-        return data
+        return buf if isinstance(buf, bytearray) else buf.getvalue() if isinstance(buf, io.BytesIO) else bytes(buf)
 
     def read_mapped(self, path: str) -> bytearray | mmap.mmap:
-        """A whole file as a writable buffer that tensors can view in place, checked like :meth:`read`.
+        """A whole file as a writable buffer that tensors can view in place.
 
         A local file is mapped privately (copy-on-write, as safetensors loads its files):
         its pages come straight from the page cache, with no copy into a fresh buffer,
@@ -144,20 +151,7 @@ class Storage:
             raise self._missing(rel) from None
         with f:
             size = os.fstat(f.fileno()).st_size
-            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
-        self._check_whole(rel, data)
-        return data
-
-    def _check_whole(self, rel: str, data: bytes | bytearray | mmap.mmap) -> None:
-        """CorruptCheckpointError if a whole-file read of ``rel`` differs from what :meth:`expect` was told."""
-        if rel not in self._expected:
-            return
-        nbytes, digest = self._expected[rel]
-        if len(data) != nbytes:
-            what = "truncated" if len(data) < nbytes else "longer than written"
-            raise CorruptCheckpointError(f"{rel} is {len(data)} bytes, its manifest says {nbytes} ({what})", path=rel)
-        if checksum(data) != digest:
-            raise CorruptCheckpointError(f"{rel} does not match its xxh3 in the manifest (its bytes changed)", path=rel)
+            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
 
     def exists(self, path: str) -> bool:
         rel = check_relative(path)

@@ -17,7 +17,6 @@ gradients whenever the new shard is a union of old ones.
 from __future__ import annotations
 
 import logging
-import mmap
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,17 +24,18 @@ import numpy as np
 import torch
 from torch import nn
 
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import load_named_state
-from cnr_torchrec.ckpt.format.payload import read_blob, unflatten_state
+from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import decode_ids, dense_named_state, set_rng_state
-from cnr_torchrec.track._tbe_cache import invalidate_caches
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.track._tbe_cache import invalidate_caches
 
-__all__ = ["check_compatible", "restore_chain", "restore_dense_optimizer"]
+__all__ = ["check_compatible", "check_model", "restore_chain", "restore_dense_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -59,48 +59,34 @@ def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> N
             )
 
 
-class _Reader:
-    """Blobs of one rank file. The file is read whole on first use: one request instead of one per blob."""
-
-    def __init__(
-        self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None, whole: bool = True
-    ) -> None:
-        self.storage, self.report = storage, report
-        self._data: bytearray | mmap.mmap | None = None
-        self._stats = stats
-        self._whole = whole  # False: one range read per blob (for a few small blobs of a big file)
-
-    def __call__(self, name: str) -> torch.Tensor:
-        try:
-            meta = self.report["blobs"][name]
-        except KeyError:
-            raise CorruptCheckpointError(
-                f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
-            ) from None
-        if not self._whole:
-            self._count(int(meta["nbytes"]))
-            return read_blob(self.storage, self.report["file"], meta, name)
-        if self._data is None:
-            # Writable (a private mapping of a local file), so that blobs are viewed in place rather than copied.
-            self._data = self.storage.read_mapped(self.report["file"])
-            self._count(len(self._data))
-        verified = self.storage.checks(self.report["file"])  # the whole file matched its xxh3 as it was read
-        return read_blob(self.storage, self.report["file"], meta, name, whole=self._data, verified=verified)
-
-    @property
-    def has_data(self) -> bool:
-        """Whether the whole file is already in memory."""
-        return self._data is not None
-
-    def _count(self, nbytes: int) -> None:
-        if self._stats is not None:
-            self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + nbytes
-            self._stats["reads"] = self._stats.get("reads", 0) + 1
-
-
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     lo, hi = max(a[0], b[0]), min(a[1], b[1])
     return (lo, hi) if lo < hi else None
+
+
+def check_model(target: Mapping[str, Any], model_tables: Mapping[str, list[int]], model: nn.Module,
+            tracker: DirtyRowTracker) -> None:
+    """IncompatibleCheckpointError, on every rank alike, if ``target`` is of another model than ``model``, whose
+    tables have the shapes ``model_tables`` (the whole model's, gathered from every rank)."""
+    saved = target["tables"]
+    missing, extra = sorted(set(model_tables) - set(saved)), sorted(set(saved) - set(model_tables))
+    changed = [f"'{t}' is {model_tables[t][0]} x {model_tables[t][1]} in the model but {saved[t][0]} x "
+               f"{saved[t][1]} in the checkpoint" for t in sorted(set(saved) & set(model_tables))
+               if model_tables[t] and list(saved[t]) != model_tables[t]]
+    first = target["ranks"][0]
+    dense = {n: list(t.shape) for n, t in dense_named_state(model, tracker).items()}
+    stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
+    changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
+                for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
+    lacking = sorted(set(dense) - set(stored))
+    if missing or extra or changed or lacking:
+        what = "; ".join(filter(None, [
+            missing and f"tables missing from it {missing}", extra and f"tables the model lacks {extra}",
+            lacking and f"dense parameters missing from it {lacking}", *changed]))
+        raise IncompatibleCheckpointError(
+            f"checkpoint {target['id']} is of another model: {what}. Restore a checkpoint of this model, or "
+            "start from scratch with a new root."
+        )
 
 
 class _Target:
@@ -167,15 +153,23 @@ class _Applier:
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
 
-    def apply(self, table: str, entry: Mapping[str, Any], load: Any) -> None:
+    def _hits(self, table: str, entry: Mapping[str, Any]) -> list[tuple[_Target, tuple[int, int], tuple[int, int]]]:
         rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
-        hits = [
+        return [
             (t, r, c)
             for t in self.targets.get(table, ())
             if not t.done and (r := _overlap(rows, t.shard.rows)) and (c := _overlap(cols, t.shard.cols))
         ]
+
+    def wants(self, table: str, entry: Mapping[str, Any]) -> bool:
+        """Whether ``entry`` holds rows of this rank's shards that no newer checkpoint restored."""
+        return bool(self._hits(table, entry))
+
+    def apply(self, table: str, entry: Mapping[str, Any], load: Any) -> None:
+        hits = self._hits(table, entry)
         if not hits:
             return
+        rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
         n_rows = rows[1] - rows[0]
         if "ids" in entry:
             offsets = decode_ids(entry["ids"]["kind"], load(entry["ids"]["blob"]), n_rows)
@@ -326,6 +320,7 @@ def restore_chain(
     extra_state: Mapping[str, Any],
     replicated: bool = True,
     stats: dict[str, int] | None = None,
+    pool: IOPool | None = None,
 ) -> None:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
@@ -334,22 +329,29 @@ def restore_chain(
             parameters, the dense optimizer and the TBE step counter. Partial recovery
             leaves them out and takes them from a surviving rank instead.
         stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it.
+        pool: threads that read the chunks; every file a checkpoint needs is read at once,
+            and its entries are decoded as their chunks land.
     """
     target = manifests[-1]
     check_compatible(target, tracker)
     applier = _Applier(tracker, manifests, replicated)
-    own: _Reader | None = None  # this rank's file of the target, if its rows were read: per-rank state is there too
+    own: PayloadReader | None = None  # this rank's file of the target, if read: per-rank state is there too
     try:
         for m in reversed(manifests):  # newest first: each row is decoded and copied once
             if applier.done():
                 break
+            work = []
             for report in m["ranks"]:
-                load = _Reader(storage, report, stats)
+                load = PayloadReader(storage, report, stats, pool=pool)
                 if m is target and report["rank"] == rank:
                     own = load
-                for table, entries in _entries(m, report, replicated):
-                    for entry in entries:
-                        applier.apply(table, entry, load)
+                todo = [(t, e) for t, es in _entries(m, report, replicated) for e in es if applier.wants(t, e)]
+                if todo:
+                    load.start()  # every needed file of this checkpoint is read at once
+                    work.append((load, todo))
+            for load, todo in work:
+                for table, entry in todo:
+                    applier.apply(table, entry, load)
             applier.finish_checkpoint()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
@@ -367,7 +369,7 @@ def restore_chain(
         )
         return
     mine = reports[rank]
-    load = own if own is not None and own.has_data else _Reader(storage, mine, stats, whole=False)
+    load = own if own is not None and own.has_data else PayloadReader(storage, mine, stats, whole=False)
     unknown = sorted(set(extra_state) - set(mine["extra"]))
     if unknown:
         raise IncompatibleCheckpointError(
@@ -388,7 +390,7 @@ def restore_chain(
 def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
     first = {r["rank"]: r for r in target["ranks"]}[0]
-    load0 = _Reader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
+    load0 = PayloadReader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
     dense = dense_named_state(model, tracker)
     missing = sorted(set(dense) - set(first["dense"]))
     if missing:
@@ -421,6 +423,6 @@ def restore_dense_optimizer(target: Mapping[str, Any], storage: Storage, model: 
         raise IncompatibleCheckpointError(
             f"checkpoint {target['id']} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
-    load0 = _Reader(storage, first, stats, whole=False)
+    load0 = PayloadReader(storage, first, stats, whole=False)
     saved = unflatten_state(first["dense_optimizer"], load0)
     load_named_state(model, dense_optimizer, saved, f"checkpoint {target['id']}")

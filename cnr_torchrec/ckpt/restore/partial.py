@@ -22,8 +22,8 @@ from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure
 from cnr_torchrec.ckpt.format.manifest import load_manifest
-from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.format.state import dense_named_state
+from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -142,17 +142,13 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
         chain = chain or [load_manifest(ck._storage, i) for i in pick["chain"]]
         if ck.rank in failed:
             same_world = chain[-1]["world_size"] == ck.world_size
-            ck._storage.expect({r["file"]: (int(r["nbytes"]), r["xxh3"]) for c in chain for r in c["ranks"]})
-            try:
-                restore_chain(
-                    chain, storage=ck._storage, model=ck.model, tracker=ck.tracker, rank=ck.rank,
-                    world_size=ck.world_size, dense_optimizer=None, replicated=False, stats=stats,
-                    extra_state=ck.extra_state if same_world else {},
-                )
-                if ck.dense_optimizer is not None:  # its layout; the survivor's values follow
-                    restore_dense_optimizer(chain[-1], ck._storage, ck.model, ck.dense_optimizer, stats)
-            finally:
-                ck._storage.expect(None)
+            restore_chain(
+                chain, storage=ck._storage, model=ck.model, tracker=ck.tracker, rank=ck.rank,
+                world_size=ck.world_size, dense_optimizer=None, replicated=False, stats=stats,
+                extra_state=ck.extra_state if same_world else {}, pool=ck._io,
+            )
+            if ck.dense_optimizer is not None:  # its layout; the survivor's values follow
+                restore_dense_optimizer(chain[-1], ck._storage, ck.model, ck.dense_optimizer, stats)
     except Exception as e:  # the other ranks must hear of it before any broadcast
         failure, cause = Failure.of(e, ck.rank, f"recovering from checkpoint {pick['chain'][-1]}"), e
     ck._ranks.raise_any(failure, cause)

@@ -10,6 +10,7 @@ import logging
 import posixpath
 from typing import Any
 
+from cnr_torchrec.ckpt.format.chunks import chunks_of
 from cnr_torchrec.ckpt.format.manifest import (
     ckpt_dir,
     ckpt_id_of,
@@ -53,22 +54,99 @@ def resolve_chain(
         Exception: whatever the storage raises while listing or reading (an S3 ``ClientError``,
             an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
-    skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
+    return _Resolver(storage, bad, fail, quiet).pick(step)
 
-    def skip(cid: int, why: str) -> None:
-        bad[cid] = why
-        skipped.append([cid, why])
-        if not quiet:
+
+class _Through(Exception):
+    """The chain needs a checkpoint already found unsound."""
+
+
+class _Resolver:
+    """One call of :func:`resolve_chain`: the manifests it loaded, and what it found unsound."""
+
+    def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool) -> None:
+        self.storage, self.bad, self.fail, self.quiet = storage, bad, fail, quiet
+        self.skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
+        self._loaded: dict[int, dict[str, Any]] = {}
+
+    def pick(self, step: int | None) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+        for m in self._candidates():
+            if step is not None and m.get("step") != step:
+                continue
+            chain = self._sound_chain_or_skip(m)
+            if chain is not None:
+                return {"chain": [c["id"] for c in chain], "skipped": self.skipped}, chain
+        return {"chain": [], "skipped": self.skipped}, None
+
+    def _skip(self, cid: int, why: str) -> None:
+        self.bad[cid] = why
+        self.skipped.append([cid, why])
+        if not self.quiet:
             log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
 
-    loaded: dict[int, dict[str, Any]] = {}
+    def _manifest(self, i: int) -> dict[str, Any]:
+        if i not in self._loaded:
+            self._loaded[i] = load_manifest(self.storage, i)
+        return self._loaded[i]
 
-    def manifest(i: int) -> dict[str, Any]:
-        if i not in loaded:
-            loaded[i] = load_manifest(storage, i)
-        return loaded[i]
+    def _member(self, i: int) -> dict[str, Any]:
+        if i in self.bad:
+            raise _Through(i)
+        return self._manifest(i)
 
-    def check_files(c: dict[str, Any]) -> None:
+    def _candidates(self):
+        """Committed manifests, newest state first: by id, except that a compacted baseline comes right
+        before the tip it reproduces (deltas after that tip, though older ids, hold newer state)."""
+        ids = committed_ids(self.storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
+        deferred: list[dict[str, Any]] = []
+        for cid in reversed(ids):
+            while deferred and deferred[-1]["equals"] >= cid:
+                yield deferred.pop()
+            if cid in self.bad:
+                continue
+            try:
+                m = self._manifest(cid)
+            except CheckpointNotFoundError:
+                continue  # collected since it was listed
+            except CorruptCheckpointError as e:
+                if self.fail:
+                    raise
+                self._skip(cid, str(e))
+                continue
+            tip = m.get("equals")
+            if type(tip) is int and any(tip < j < cid for j in ids):
+                deferred = sorted(deferred + [m], key=lambda c: c["equals"])
+                continue
+            yield m
+        yield from reversed(deferred)
+
+    def _sound_chain_or_skip(self, m: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """``m``'s chain if it is sound; else None, with the culprit skipped (or raised under ``fail``)."""
+        cid = m["id"]
+        try:
+            chain = walk_chain(m, self._member)
+            for c in chain:
+                self._check_files(c)
+            return chain
+        except _Through as e:
+            log.warning("restore: skipping checkpoint %d: its chain needs checkpoint %s, which failed its checks",
+                        cid, e.args[0])
+        except UnsafeCheckpointError:  # a ValueError, but refused, never skipped
+            raise
+        except CorruptCheckpointError as e:
+            if self.fail:
+                raise
+            owner = ckpt_id_of(e.path)
+            self._skip(owner if owner is not None else cid, str(e))
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+            err = CorruptCheckpointError(f"{manifest_path(cid)} (or a manifest of its chain) is malformed: "
+                                         f"{type(e).__name__}: {e}", path=manifest_path(cid))
+            if self.fail:
+                raise err from e
+            self._skip(cid, str(err))
+        return None
+
+    def _check_files(self, c: dict[str, Any]) -> None:
         cid, mpath = c["id"], manifest_path(c["id"])
         if [r["rank"] for r in c["ranks"]] != list(range(c["world_size"])):
             raise CorruptCheckpointError(f"{mpath} has rank reports {[r['rank'] for r in c['ranks']]} for a "
@@ -90,80 +168,15 @@ def resolve_chain(
                 if not 0 <= int(meta["offset"]) <= int(meta["offset"]) + int(meta["nbytes"]) <= nbytes:
                     raise CorruptCheckpointError(f"{mpath}: blob {name!r} lies outside {rel}'s {nbytes} bytes",
                                                  path=mpath)
-            try:
-                size = storage.size(rel)
-            except CheckpointNotFoundError:
-                raise CorruptCheckpointError(f"{rel} is missing; checkpoint {cid} is committed and needs it",
-                                             path=rel) from None
-            if size is not None and size != nbytes:
-                what = "truncated" if size < nbytes else "longer than written"
-                raise CorruptCheckpointError(f"{rel} is {size} bytes, its manifest says {nbytes} ({what})",
-                                             path=rel)
+            for chunk in chunks_of(r):
+                self._check_size(chunk.path, chunk.nbytes, cid)
 
-    class _Through(Exception):
-        """The chain needs a checkpoint already found unsound."""
-
-    def member(i: int) -> dict[str, Any]:
-        if i in bad:
-            raise _Through(i)
-        return manifest(i)
-
-    def sound_chain(m: dict[str, Any]) -> list[dict[str, Any]]:
-        chain = walk_chain(m, member)
-        for c in chain:
-            check_files(c)
-        return chain
-
-    def candidates():
-        """Committed manifests, newest state first: by id, except that a compacted baseline comes right
-        before the tip it reproduces (deltas after that tip, though older ids, hold newer state)."""
-        ids = committed_ids(storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
-        deferred: list[dict[str, Any]] = []
-        for cid in reversed(ids):
-            while deferred and deferred[-1]["equals"] >= cid:
-                yield deferred.pop()
-            if cid in bad:
-                continue
-            try:
-                m = manifest(cid)
-            except CheckpointNotFoundError:
-                continue  # collected since it was listed
-            except CorruptCheckpointError as e:
-                if fail:
-                    raise
-                skip(cid, str(e))
-                continue
-            tip = m.get("equals")
-            if type(tip) is int and any(tip < j < cid for j in ids):
-                deferred = sorted(deferred + [m], key=lambda c: c["equals"])
-                continue
-            yield m
-        yield from reversed(deferred)
-
-    for m in candidates():
-        cid = m["id"]
-        if step is not None and m.get("step") != step:
-            continue
+    def _check_size(self, rel: str, nbytes: int, cid: int) -> None:
         try:
-            chain = sound_chain(m)
-        except _Through as e:
-            log.warning("restore: skipping checkpoint %d: its chain needs checkpoint %s, which failed its checks",
-                        cid, e.args[0])
-            continue
-        except UnsafeCheckpointError:  # a ValueError, but refused, never skipped
-            raise
-        except CorruptCheckpointError as e:
-            if fail:
-                raise
-            owner = ckpt_id_of(e.path)
-            skip(owner if owner is not None else cid, str(e))
-            continue
-        except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-            err = CorruptCheckpointError(f"{manifest_path(cid)} (or a manifest of its chain) is malformed: "
-                                         f"{type(e).__name__}: {e}", path=manifest_path(cid))
-            if fail:
-                raise err from e
-            skip(cid, str(err))
-            continue
-        return {"chain": [c["id"] for c in chain], "skipped": skipped}, chain
-    return {"chain": [], "skipped": skipped}, None
+            size = self.storage.size(rel)
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(f"{rel} is missing; checkpoint {cid} is committed and needs it",
+                                         path=rel) from None
+        if size is not None and size != nbytes:
+            what = "truncated" if size < nbytes else "longer than written"
+            raise CorruptCheckpointError(f"{rel} is {size} bytes, its manifest says {nbytes} ({what})", path=rel)

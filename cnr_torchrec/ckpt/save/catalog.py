@@ -25,6 +25,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     rank_file,
     write_index,
 )
+from cnr_torchrec.ckpt.format.chunks import payload_files
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -45,11 +46,13 @@ class Entry:
     nbytes: int
     world_size: int
     equals: int | None = None  # a compacted baseline: the checkpoint whose restore it reproduces
+    files: tuple[str, ...] = ()  # every payload chunk of every rank
 
     @classmethod
     def of(cls, body: Mapping[str, Any]) -> Entry:
         return cls(id=body["id"], step=body["step"], kind=body["kind"], parent=body.get("parent"), base=body["base"],
-                   nbytes=int(body["nbytes"]), world_size=int(body["world_size"]), equals=body.get("equals"))
+                   nbytes=int(body["nbytes"]), world_size=int(body["world_size"]), equals=body.get("equals"),
+                   files=tuple(f for r in body["ranks"] for f in payload_files(r)))
 
 
 class Catalog:
@@ -116,7 +119,7 @@ class Catalog:
         self.write_index(storage)
         for i, e in dropped.items():
             storage.delete(manifest_path(i))
-            storage.remove_dir(ckpt_dir(i), [rank_file(i, r) for r in range(e.world_size)])
+            storage.remove_dir(ckpt_dir(i), list(e.files) or [rank_file(i, r) for r in range(e.world_size)])
         return drop
 
     def write_index(self, storage: Storage) -> None:

@@ -14,18 +14,23 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
-from cnr_torchrec.ckpt import faults
-from cnr_torchrec.ckpt.save.catalog import remove_partial
-from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
-from cnr_torchrec.ckpt.save.planner import Decision
-from cnr_torchrec.ckpt.save.staging import Staged
-from cnr_torchrec.ckpt.save.writer import write_rank
-from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.errors import CheckpointError, SaveFailedError
+import torch
 
-__all__ = ["CheckpointInfo", "CommitProtocol"]
+from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.save.planner import Decision
+from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
+from cnr_torchrec.ckpt.save.writer import write_rank
+from cnr_torchrec.errors import CheckpointError, SaveFailedError
+from cnr_torchrec.quant import Codec
+
+__all__ = ["CheckpointInfo", "Committer"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
@@ -59,12 +64,39 @@ class CheckpointInfo:
 
 
 
-class CommitProtocol:
-    """The background half of :class:`~cnr_torchrec.ckpt.Checkpointer` (a mixin: it uses the
-    Checkpointer's config, codec, rank, store, tracker and retention)."""
+class Committer:
+    """The background half of a :class:`~cnr_torchrec.ckpt.Checkpointer`'s saves: write, report, commit.
 
-    def _write(self, d: Decision, staged: Staged | None, stage_error: str = "") -> CheckpointInfo:
+    Args:
+        config: the Checkpointer's config (root, storage options, chunking, timeouts, policy).
+        rank, world_size, distributed: this process in the job.
+        store: the c10d store the reports and outcomes go through (None on one process).
+        io: the threads that write chunks.
+        staging: where staged buffers go back once written.
+        tables: every table of the model; a manifest must give each one's shape.
+        on_commit: rank 0 calls it with each committed body and its storage (retention).
+    """
+
+    def __init__(self, config: Any, *, rank: int, world_size: int, distributed: bool, store: Any, io: IOPool,
+                 staging: StagingBuffers, tables: list[str],
+                 on_commit: Callable[[dict[str, Any], Storage], None]) -> None:
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self._dist, self._store, self._io, self._staging = distributed, store, io, staging
+        self._tables, self._on_commit = tables, on_commit
+        self._state_dtype = getattr(torch, config.quantization.state_dtype)
+        self._storage: Storage | None = None  # the save thread's own (Storage is not thread-safe)
+
+    def close(self) -> None:
+        if self._storage is not None:
+            self._storage.close()
+            self._storage = None
+
+    def write(self, d: Decision, staged: Staged | None, stage_error: str, codec: Codec,
+              fields: dict[str, Any]) -> CheckpointInfo:
         """Writes this rank's payload (``staged``; None if staging failed with ``stage_error``) and commits.
+
+        ``codec`` encodes the rows; ``fields`` are the manifest's job-level fields (policy, world
+        size, codec description, restores, table FQNs), as they were when the save was taken.
 
         Every rank reaches rank 0's verdict, whatever failed where: a rank that could not
         stage, open its storage or write reports the failure instead of raising, and rank 0
@@ -77,13 +109,16 @@ class CommitProtocol:
         else:
             try:
                 storage = self._background_storage()
-                report = write_rank(staged, self.codec, storage, state_dtype=self._state_dtype)
+                report = write_rank(staged, codec, storage, state_dtype=self._state_dtype,
+                                    chunk_bytes=self.config.chunk_bytes, pool=self._io)
                 faults.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
                 report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+            finally:
+                self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
         if self.rank == 0:
-            result = self._commit(d, report, storage)
+            result = self._commit(d, report, storage, fields)
         else:
             result = self._await_result(d, report)
         if not result["ok"]:
@@ -97,10 +132,10 @@ class CommitProtocol:
         return self._info(d, result)
 
     def _background_storage(self) -> Storage:
-        """The save thread's own Storage (Storage is not thread-safe), opened on first use."""
-        if self._bg_storage is None:
-            self._bg_storage = Storage(self.config.root, self.config.storage_options)
-        return self._bg_storage
+        """The save thread's own Storage, opened on first use."""
+        if self._storage is None:
+            self._storage = Storage(self.config.root, self.config.storage_options)
+        return self._storage
 
     def _info(self, d: Decision, result: dict[str, Any]) -> CheckpointInfo:
         return CheckpointInfo(
@@ -134,7 +169,8 @@ class CommitProtocol:
             return reports + [{"rank": r, "ok": False, "error": f"no report within {timeout} ({e})"} for r in missing]
         return reports + [json.loads(self._store.get(k)) for k in keys]
 
-    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None) -> dict[str, Any]:
+    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None,
+                fields: dict[str, Any]) -> dict[str, Any]:
         """Rank 0: gathers the reports, writes the manifest if all are good, and publishes the outcome.
 
         Never raises: whatever fails here (the manifest write, the store) becomes the
@@ -146,7 +182,7 @@ class CommitProtocol:
             if bad:
                 result = {"ok": False, "error": "; ".join(bad)}
             else:
-                manifest = self._manifest(d, sorted(reports, key=lambda r: r["rank"]))
+                manifest = self._manifest(d, sorted(reports, key=lambda r: r["rank"]), fields)
                 faults.hit("commit.before_manifest")
                 storage.write_atomic(manifest_path(d.ckpt_id), seal(manifest))
                 faults.hit("commit.after_manifest")
@@ -157,7 +193,7 @@ class CommitProtocol:
         result = self._publish(d, result)
         if result["ok"]:
             faults.hit("gc.before")
-            self._retention.committed(result["manifest"], storage)
+            self._on_commit(result["manifest"], storage)
         return result
 
     def _publish(self, d: Decision, result: dict[str, Any]) -> dict[str, Any]:
@@ -183,23 +219,21 @@ class CommitProtocol:
                                           f"{e})"}
         return result
 
-    def _manifest(self, d: Decision, reports: list[dict[str, Any]]) -> dict[str, Any]:
+    def _manifest(self, d: Decision, reports: list[dict[str, Any]], fields: dict[str, Any]) -> dict[str, Any]:
         shapes: dict[str, list[int]] = {}
         for r in reports:
             shapes.update(r["table_shapes"])
-        missing = sorted(set(self.tracker.tables()) - set(shapes))
+        missing = sorted(set(self._tables) - set(shapes))
         if missing:
             raise CheckpointError(f"no rank reported the shape of tables {missing}")
         return {
             **d.to_json(),
-            "policy": self.config.policy,
-            "world_size": self.world_size,
-            "codec": {"method": self.config.quantization.method, "bits": self.codec.bits,
-                      "bits_setting": self.config.quantization.bits,
-                      "params": self.codec.params if hasattr(self.codec, "params") else {}},
-            "restores": self._restores,
+            "policy": fields["policy"],
+            "world_size": fields["world_size"],
+            "codec": fields["codec"],
+            "restores": fields["restores"],
             "tables": shapes,
-            "table_fqns": self._table_fqns,
+            "table_fqns": fields["table_fqns"],
             "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
             "nbytes": sum(r["nbytes"] for r in reports),
             "created_unix": time.time(),

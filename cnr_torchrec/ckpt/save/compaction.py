@@ -34,15 +34,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from cnr_torchrec.ckpt.config import CompactionConfig
-from cnr_torchrec.ckpt.save.planner import ChainState, Decision
-
 from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt.config import CompactionConfig
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
+from cnr_torchrec.ckpt.format.manifest import load_manifest, manifest_path, seal, walk_chain
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save import merge
 from cnr_torchrec.ckpt.save.catalog import remove_partial
-from cnr_torchrec.ckpt.format.manifest import load_manifest, manifest_path, seal, walk_chain
 from cnr_torchrec.ckpt.save.merge import Region
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 
@@ -86,8 +86,10 @@ class Compaction:
 
     def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int, tracker: Any,
                  open_storage: Callable[[], Storage], store: Any, timeout_s: float,
-                 on_commit: Callable[[dict[str, Any], Storage], None]) -> None:
+                 on_commit: Callable[[dict[str, Any], Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 pool: IOPool | None = None) -> None:
         self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
+        self._chunk_bytes, self._pool = chunk_bytes, pool
         self._tracker = tracker
         self._open_storage, self._store, self._timeout_s = open_storage, store, timeout_s
         self._on_commit = on_commit
@@ -143,7 +145,8 @@ class Compaction:
         same_ranks = tip["world_size"] == self.world_size and tip.get("per_rank_state", True)
         return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank,
                           rank_state=reports.get(self.rank) if same_ranks else None,
-                          dense_state=reports[0] if self.rank == 0 else None, table_shapes=tip["tables"])
+                          dense_state=reports[0] if self.rank == 0 else None, table_shapes=tip["tables"],
+                          chunk_bytes=self._chunk_bytes, pool=self._pool)
 
     def _key(self, what: str) -> str:
         return f"compact/{self.new_id}/{what}"

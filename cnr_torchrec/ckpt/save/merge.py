@@ -33,9 +33,9 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.manifest import manifest_path, rank_file
-from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum, unflatten_state
-from cnr_torchrec.ckpt.restore.chain import _Reader
+from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
@@ -73,7 +73,7 @@ class _Stored:
     ckpt: int
     table: str
     entry: Mapping[str, Any]
-    load: _Reader
+    load: PayloadReader
     _global: torch.Tensor | None = field(default=None, repr=False)  # row ids, read once for every region
 
     @property
@@ -148,7 +148,7 @@ def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[st
     out: dict[str, list[_Stored]] = {}
     for m in reversed(chain):
         for report in m["ranks"]:
-            load = _Reader(storage, report, whole=False)
+            load = PayloadReader(storage, report, whole=False)
             for table, entries in report["tables"].items():
                 out.setdefault(table, []).extend(_Stored(m["id"], table, e, load) for e in entries)
             for table, blob in report.get("replicated_tables", {}).items():
@@ -277,14 +277,14 @@ def _merge_tables(stored: dict[str, list[_Stored]], regions: list[Region],
     return tables, rows_written
 
 
-def _copy(name: str, load: _Reader, out: BlobWriter) -> str:
+def _copy(name: str, load: PayloadReader, out: BlobWriter) -> str:
     """Copies one blob, byte for byte, under the same name."""
     if name not in out.index:
         out.add(name, load(name))
     return name
 
 
-def _copy_tree(tree: Any, load: _Reader, out: BlobWriter) -> Any:
+def _copy_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
     """Copies the blobs a flattened state tree names (the tree stays valid)."""
     unflatten_state(tree, lambda name: _copy(name, load, out))
     return tree
@@ -295,11 +295,11 @@ def _copy_state(storage: Storage, rank_state: Mapping[str, Any] | None, dense_st
     """The report keys a merge copies from the tip: dense and dense_optimizer, extra and rng."""
     out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
     if dense_state is not None:
-        load = _Reader(storage, dense_state, whole=False)
+        load = PayloadReader(storage, dense_state, whole=False)
         out["dense"] = {n: _copy(b, load, blobs) for n, b in dense_state["dense"].items()}
         out["dense_optimizer"] = _copy_tree(dense_state.get("dense_optimizer"), load, blobs)
     if rank_state is not None:
-        load = _Reader(storage, rank_state, whole=False)
+        load = PayloadReader(storage, rank_state, whole=False)
         out["extra"] = {n: _copy_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
         out["rng"] = _copy_tree(rank_state.get("rng"), load, blobs)
     return out
@@ -315,6 +315,8 @@ def merge_rank(
     rank_state: Mapping[str, Any] | None,
     dense_state: Mapping[str, Any] | None,
     table_shapes: Mapping[str, Any],
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    pool: IOPool | None = None,
 ) -> dict[str, Any]:
     """Writes this rank's file of ``chain`` merged into checkpoint ``new_id``, keeping every row's stored bytes.
 
@@ -340,16 +342,11 @@ def merge_rank(
         CompactionError: a row cannot be merged without re-encoding it; nothing is written.
     """
     t0 = time.perf_counter()
-    blobs = BlobWriter()
+    blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
     tables, rows_written = _merge_tables(_stored_entries(chain, storage), regions, blobs)
     copied = _copy_state(storage, rank_state, dense_state, blobs)
-    data = blobs.getvalue()
-    file = rank_file(new_id, rank)
-    storage.write(file, data)
-    storage.fsync_file(file)
     return {
-        "rank": rank, "ok": True, "file": file, "nbytes": len(data), "xxh3": checksum(data), "blobs": blobs.index,
-        "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
+        "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
         "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],
         "tbe_iter": max(int(r.get("tbe_iter", 0)) for r in chain[-1]["ranks"]),
         "table_shapes": {t: list(s) for t, s in table_shapes.items()}, "rows_written": rows_written,

@@ -10,6 +10,7 @@ is the only part of a save that stalls training besides the planner's all-gather
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -22,11 +23,11 @@ from cnr_torchrec.ckpt.format.dense_optim import named_state
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
-from cnr_torchrec.track._tbe_cache import flush_caches
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.track._tbe_cache import flush_caches
 
-__all__ = ["Staged", "StagedShard", "stage"]
+__all__ = ["Staged", "StagedShard", "StagingBuffers", "stage"]
 
 log = logging.getLogger(__name__)
 
@@ -65,21 +66,62 @@ class Staged:
     stall_ms: float = 0.0
     # Per table, global rows a budget-limited delta left out: they stay dirty for a later save.
     left_out: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The StagingBuffers this save holds, given back once it is written.
+    buffers: list = field(default_factory=list)
 
 
-def _host_copy(t: torch.Tensor) -> torch.Tensor:
-    """A host copy of ``t`` that owns its memory (pinned when ``t`` is on an accelerator)."""
-    if t.device.type == "cpu":
-        return t.detach().clone(memory_format=torch.contiguous_format)
-    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    out.copy_(t.detach(), non_blocking=True)
+class StagingBuffers:
+    """Host buffers kept from save to save, one per shard and state, so that staging copies into
+    memory that is already mapped instead of faulting in fresh pages (pinned when the model is on
+    an accelerator). A save takes its buffers and gives them back once written; a save that
+    stages while another still holds a buffer gets a fresh one. A rank keeps the largest
+    save's staged bytes (its first baseline's, under consecutive) between saves.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._lock = threading.Lock()
+
+    def take(self, key: tuple[Any, ...], like: torch.Tensor, rows: int, taken: list) -> torch.Tensor:
+        """``rows`` rows shaped and typed like ``like``, on the host, for the save whose list is ``taken``.
+
+        A new buffer holds all of ``like``'s rows: its pages are mapped only as rows are written, and the
+        next save that needs more rows finds them there.
+        """
+        with self._lock:
+            buf = self._free.pop(key, None)
+        if buf is None or buf.dtype != like.dtype or buf.shape[1:] != like.shape[1:] or buf.shape[0] < rows:
+            buf = torch.empty((max(rows, like.shape[0]), *like.shape[1:]), dtype=like.dtype,
+                              pin_memory=like.device.type != "cpu")
+        taken.append((key, buf))
+        return buf[:rows]
+
+    def give_back(self, taken: list) -> None:
+        with self._lock:
+            for key, buf in taken:
+                self._free[key] = buf
+        taken.clear()
+
+
+def _host_copy(t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A host copy of ``t`` that training never writes: into ``out`` if given, else a new tensor (pinned when
+    ``t`` is on an accelerator)."""
+    if out is None:
+        if t.device.type == "cpu":
+            return t.detach().clone(memory_format=torch.contiguous_format)
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t.detach(), non_blocking=t.device.type != "cpu")
     return out
 
 
-def _gather_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of ``t`` in host memory: one gather on the host, a gather then a pinned copy elsewhere."""
-    picked = t.detach().index_select(0, rows)  # a new tensor that training never writes
-    return picked if picked.device.type == "cpu" else _host_copy(picked)
+def _gather_rows(t: torch.Tensor, rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows ``rows`` of ``t`` in host memory (into ``out`` if given): one gather on the host, a gather then a
+    pinned copy elsewhere."""
+    if t.device.type == "cpu":
+        if out is None:
+            return t.detach().index_select(0, rows)
+        return torch.index_select(t.detach(), 0, rows, out=out)
+    return _host_copy(t.detach().index_select(0, rows), out)
 
 
 def _clone_tree(obj: Any) -> Any:
@@ -102,6 +144,7 @@ def stage(
     dense_optimizer: Any,
     extra_state: dict[str, Any],
     budget: BudgetConfig | None = None,
+    buffers: StagingBuffers | None = None,
 ) -> Staged:
     """Copies everything ``decision`` saves into host memory. Blocks training.
 
@@ -160,14 +203,20 @@ def stage(
             else:
                 ids = dirty
                 rows = dirty.to(weights.device)
-            pick = _host_copy if rows is None else (lambda t, rows=rows: _gather_rows(t, rows))
+            key = (table, shard.rows, shard.cols)
+            n = shard.num_rows if rows is None else int(rows.numel())
+
+            def pick(t: torch.Tensor, what: Any, rows: torch.Tensor | None = rows, n: int = n) -> torch.Tensor:
+                buf = None if buffers is None else buffers.take((*key, what), t, n, out.buffers)
+                return _host_copy(t, buf) if rows is None else _gather_rows(t, rows, buf)
+
             staged_states = []
-            for s in states:
+            for j, s in enumerate(states):
                 rowwise = s.dim() == 1 or s.numel() == shard.num_rows
                 s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
-                staged_states.append((pick(s2), rowwise))
+                staged_states.append((pick(s2, j), rowwise))
             out.shards.append(
-                StagedShard(table, shard.rows, shard.cols, shard_encoding, ids, pick(weights), staged_states)
+                StagedShard(table, shard.rows, shard.cols, shard_encoding, ids, pick(weights, "w"), staged_states)
             )
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)

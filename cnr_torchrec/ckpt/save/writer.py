@@ -1,35 +1,64 @@
-"""The background half of a save: encodes the staged rows and writes the rank's payload.
+"""The background half of a save: encodes the staged rows and streams the rank's payload out in chunks.
 
-It returns the rank's report, which rank 0 folds into the manifest.
+Each shard is encoded in row blocks of about :data:`ENCODE_BLOCK_BYTES`, so the codec's
+temporaries stay a block's size whatever the shard's; the blocks' codes land in one
+tensor per field. Blobs go to a :class:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter`,
+which writes full chunks on the I/O threads while the next shard is encoded. The
+function returns the rank's report, which rank 0 folds into the manifest.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
 import torch
 
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.manifest import rank_file
-from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum, flatten_state
+from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.staging import Staged
-from cnr_torchrec.quant import Codec
+from cnr_torchrec.quant import Codec, EncodedRows
 
-__all__ = ["write_rank"]
+__all__ = ["ENCODE_BLOCK_BYTES", "encode_in_blocks", "write_rank"]
+
+ENCODE_BLOCK_BYTES = 16 << 20  # fp32 input per codec call
+
+
+def encode_in_blocks(codec: Codec, rows: torch.Tensor, block_bytes: int = ENCODE_BLOCK_BYTES) -> EncodedRows:
+    """``codec.encode(rows.float())``, a block of rows at a time (every codec's output is per row).
+
+    Raises:
+        The codec's errors (NaN rows, say), for the first block that has them.
+    """
+    n = rows.shape[0]
+    block = max(1, block_bytes // max(1, 4 * rows.shape[1]))
+    first = codec.encode(rows[:block].float())
+    if n <= block:
+        return first
+    out = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for k, v in first.to_tensors().items()}
+    for lo in range(0, n, block):
+        part = first if lo == 0 else codec.encode(rows[lo : lo + block].float())
+        for k, v in part.to_tensors().items():
+            out[k][lo : lo + v.shape[0]] = v
+    return dataclasses.replace(first, **out)
 
 
 def write_rank(
-    staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32
+    staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int, pool: IOPool | None = None,
 ) -> dict[str, Any]:
-    """Encodes and writes this rank's payload file. Returns the rank's report for the manifest.
+    """Encodes and writes this rank's payload as chunks. Returns the rank's report for the manifest.
 
-    Optimizer-state rows are stored as ``state_dtype`` (restore casts them back).
+    Optimizer-state rows are stored as ``state_dtype`` (restore casts them back). Chunks
+    are written on ``pool`` (None: on this thread, through ``storage``).
     """
     t0 = time.perf_counter()
     d = staged.decision
-    blobs = BlobWriter()
+    blobs = PayloadWriter(storage, rank_file(d.ckpt_id, staged.rank), chunk_bytes, pool)
     tables: dict[str, list[dict[str, Any]]] = {}
     rows_written = 0
     for i, s in enumerate(staged.shards):
@@ -39,7 +68,7 @@ def write_rank(
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
             entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-        encoded = codec.encode(s.weights.float())
+        encoded = encode_in_blocks(codec, s.weights)
         entry["weights"] = {
             "meta": encoded.metadata(),
             "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
@@ -60,17 +89,10 @@ def write_rank(
     extra = {n: flatten_state(v, f"extra/{n}", blobs, f"{where}: extra_state[{n!r}]") for n, v in staged.extra.items()}
     rng = flatten_state(staged.rng, "rng", blobs, f"{where}: rng")
 
-    data = blobs.getvalue()
-    file = rank_file(d.ckpt_id, staged.rank)
-    storage.write(file, data)
-    storage.fsync_file(file)
     return {
         "rank": staged.rank,
         "ok": True,
-        "file": file,
-        "nbytes": len(data),
-        "xxh3": checksum(data),
-        "blobs": blobs.index,
+        **blobs.finish(),
         "tables": tables,
         "replicated_tables": replicated,
         "dense": dense,

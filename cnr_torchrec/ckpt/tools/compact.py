@@ -25,12 +25,12 @@ from cnr_torchrec.ckpt.format.manifest import (
     seal,
     write_index,
 )
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter, payload_files
+from cnr_torchrec.ckpt.format.payload import _DTYPES
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.compaction import compacted_body
 from cnr_torchrec.ckpt.save.merge import _copy, _copy_tree, merge_rank, regions_of_layout
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
-from cnr_torchrec.ckpt.format.payload import _DTYPES, BlobWriter, checksum
-from cnr_torchrec.ckpt.restore.chain import _Reader
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec
 
@@ -83,7 +83,7 @@ def compact(
             reports = []
             for report in sorted(tip["ranks"], key=lambda r: r["rank"]):
                 reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
-                written.append(reports[-1]["file"])
+                written += payload_files(reports[-1])
         codec_desc = None if codec is None else {"method": method, "bits": bits, "params": codec.params}
         body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
         storage.write_atomic(manifest_path(new_id), seal(body))
@@ -106,7 +106,7 @@ def _merge_ranks(storage: Storage, chain: list[dict[str, Any]], new_id: int, wri
     for rank in sorted(by_rank):
         reports.append(merge_rank(storage, chain, regions[rank], new_id=new_id, rank=rank, rank_state=by_rank[rank],
                                   dense_state=by_rank[0] if rank == 0 else None, table_shapes=tip["tables"]))
-        written.append(reports[-1]["file"])
+        written += payload_files(reports[-1])
         if progress is not None:
             progress(count_entries([{"ranks": [by_rank[rank]]}]))
     return reports
@@ -135,8 +135,9 @@ def _write_compacted_rank(
     codec: Any,
     progress: Progress | None,
 ) -> dict[str, Any]:
-    load = _Reader(storage, report)
-    blobs = BlobWriter()
+    load = PayloadReader(storage, report)
+    blobs = PayloadWriter(storage, rank_file(new_id, int(report["rank"])), int(report.get("chunk_bytes",
+                                                                                       DEFAULT_CHUNK_BYTES)))
     out_tables: dict[str, list[dict[str, Any]]] = {}
     rows_written = 0
     i = 0
@@ -177,17 +178,10 @@ def _write_compacted_rank(
         _copy_tree(dense_opt, load, blobs)
     extra = {n: _copy_tree(tree, load, blobs) for n, tree in report.get("extra", {}).items()}
     rng = _copy_tree(report.get("rng"), load, blobs)
-    data_bytes = blobs.getvalue()
-    file = rank_file(new_id, int(report["rank"]))
-    storage.write(file, data_bytes)
-    storage.fsync_file(file)
     return {
         "rank": report["rank"],
         "ok": True,
-        "file": file,
-        "nbytes": len(data_bytes),
-        "xxh3": checksum(data_bytes),
-        "blobs": blobs.index,
+        **blobs.finish(),
         "tables": out_tables,
         "replicated_tables": replicated,
         "dense": dense,
@@ -232,7 +226,7 @@ def export_state_dict(
         for i, s in enumerate(data.states):
             out[f"{name}.optimizer_state.{i}"] = s.per_row() if s.rowwise else s.values
     first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load0 = _Reader(storage, first)
+    load0 = PayloadReader(storage, first)
     for name, blob in first["dense"].items():
         if name in out:
             raise CorruptCheckpointError(

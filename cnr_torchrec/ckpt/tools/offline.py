@@ -35,7 +35,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     manifest_path,
     walk_chain,
 )
-from cnr_torchrec.ckpt.restore.chain import _Reader
+from cnr_torchrec.ckpt.format.chunks import PayloadReader, chunks_of
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError
@@ -194,7 +194,7 @@ class TableData(NamedTuple):
 
 
 def _decode_entry(
-    table: str, entry: Mapping[str, Any], load: _Reader, file: str
+    table: str, entry: Mapping[str, Any], load: PayloadReader, file: str
 ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[bool, torch.Tensor, torch.dtype]]]:
     """Global row ids, decoded fp32 weight rows and state rows of one entry."""
     r0, r1 = (int(v) for v in entry["rows"])
@@ -246,7 +246,7 @@ def assemble_tables(
     for m in chain:
         for report in m["ranks"]:
             file = report["file"]
-            load = _Reader(storage, report)
+            load = PayloadReader(storage, report)
             for table, entries in report["tables"].items():
                 if table not in shapes:
                     raise CorruptCheckpointError(
@@ -285,7 +285,7 @@ def assemble_tables(
                     if progress is not None:
                         progress(1)
     first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load0 = _Reader(storage, first)
+    load0 = PayloadReader(storage, first)
     for table in sorted(replicated):
         if table not in first["replicated_tables"]:
             raise CorruptCheckpointError(
@@ -364,7 +364,7 @@ def checkpoint_row(m: Mapping[str, Any]) -> dict[str, Any]:
         "world_size": m["world_size"],
         "reason": m.get("reason", ""),
         "compacted_from": m.get("compacted_from"),
-        "files": {r["file"]: int(r["nbytes"]) for r in m["ranks"]},
+        "files": {c.path: c.nbytes for r in m["ranks"] for c in chunks_of(r)},
     }
 
 

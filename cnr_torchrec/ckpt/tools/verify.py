@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
+from cnr_torchrec.ckpt.format.chunks import chunks_of
 from cnr_torchrec.ckpt.format.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
 from cnr_torchrec.ckpt.format.payload import _DTYPES, checksum, unflatten_state
-from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format.storage import Storage, check_relative
+from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.storage import Storage, check_bytes, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows
 
@@ -125,6 +126,23 @@ class _Verifier:
         for report in ranks:
             self._check_rank(ckpt_id, body, report, problems)
 
+    def _read_chunks(self, ckpt_id: int, report: Mapping[str, Any], problems: list[Problem]) -> bytearray | None:
+        """The payload, each chunk checked (a problem per bad chunk, cut or padded to its size so that the blobs
+        after it stay at their offsets); None if a chunk is missing."""
+        data = bytearray()
+        for chunk in chunks_of(report):
+            try:
+                got = self.storage.read(chunk.path)
+            except CheckpointNotFoundError:
+                problems.append(Problem(ckpt_id, chunk.path, "is missing"))
+                return None
+            try:
+                check_bytes(chunk.path, got, chunk.nbytes, chunk.xxh3)
+            except CorruptCheckpointError as e:
+                problems.append(Problem(ckpt_id, chunk.path, str(e).removeprefix(chunk.path + " ")))
+            data += got[: chunk.nbytes] + bytes(max(0, chunk.nbytes - len(got)))
+        return data
+
     def _check_rank(
         self, ckpt_id: int, body: Mapping[str, Any], report: Mapping[str, Any], problems: list[Problem]
     ) -> None:
@@ -133,17 +151,10 @@ class _Verifier:
             problems.append(Problem(ckpt_id, manifest_path(ckpt_id),
                                     f"names rank file {file}, outside {ckpt_dir(ckpt_id)}/"))
             return
-        try:
-            data = self.storage.read(file)
-        except CheckpointNotFoundError:
-            problems.append(Problem(ckpt_id, file, "is missing"))
+        data = self._read_chunks(ckpt_id, report, problems)
+        if data is None:
             return
         want = int(report["nbytes"])
-        if len(data) != want:
-            what = "truncated" if len(data) < want else "longer than written"
-            problems.append(Problem(ckpt_id, file, f"is {len(data)} bytes, the manifest says {want} ({what})"))
-        elif checksum(data) != report["xxh3"]:
-            problems.append(Problem(ckpt_id, file, "does not match its xxh3 in the manifest (its bytes changed)"))
 
         blob_problems: list[str] = []
         sound: set[str] = set()

@@ -1,0 +1,284 @@
+"""A rank's payload as chunks: objects of at most ``chunk_bytes``, streamed out and read back in parallel.
+
+The payload is one logical byte stream: blobs back to back, each at a 64-byte aligned
+offset (:class:`~cnr_torchrec.ckpt.format.payload.BlobWriter`). It is cut at every
+multiple of ``chunk_bytes`` into chunk objects, so no object outgrows the stride (S3
+refuses a single PUT above 5 GB), and a blob may span several chunks. The rank report
+describes them::
+
+    "file": "ckpt-00000007/rank-00001.bin",   # chunk 0; chunk k is rank-00001.<k>.bin
+    "nbytes": 150000000,                       # the whole payload
+    "chunk_bytes": 67108864,
+    "chunks": [{"nbytes": 67108864, "xxh3": "..."}, {"nbytes": 67108864, ...}, {"nbytes": 15782272, ...}]
+
+A report without ``chunks`` (format 3 and older) is one chunk: ``file``, ``nbytes``,
+``xxh3``.
+
+Writing (:class:`PayloadWriter`) pipelines encoding with I/O: the caller adds blobs, and
+each chunk that fills goes to an :class:`IOPool` thread while the next is encoded; at
+most ``in_flight`` chunks wait, so the writer holds no more than a few chunks beyond the
+tensors it was given. Local chunks are written from the blobs' own memory (no join).
+Reading (:class:`PayloadReader`) starts every chunk's read at once and hands out blobs as
+their chunks land, each chunk checked against its xxh3 first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xxhash
+
+from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
+from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
+from cnr_torchrec.errors import CorruptCheckpointError
+
+__all__ = ["DEFAULT_CHUNK_BYTES", "Chunk", "IOPool", "PayloadReader", "PayloadWriter", "chunk_path", "chunks_of",
+           "payload_files"]
+
+# Measured with benchmarks/scale.py (docs/scale.md): past 64 MiB, bigger chunks bought no write or read
+# speed here, and each in-flight chunk of an object store costs its size in memory.
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One object of a payload: bytes ``[start, start + nbytes)`` of the stream."""
+
+    path: str
+    start: int
+    nbytes: int
+    xxh3: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+
+def chunk_path(file: str, k: int) -> str:
+    """Chunk ``k``'s path: ``file`` itself for chunk 0, ``<stem>.<k>.bin`` after it."""
+    return file if k == 0 else f"{file.removesuffix('.bin')}.{k}.bin"
+
+
+def chunks_of(report: Mapping[str, Any]) -> list[Chunk]:
+    """The chunks a rank report describes (one, the whole file, for reports older than chunking)."""
+    file = report["file"]
+    if "chunks" not in report:
+        return [Chunk(file, 0, int(report["nbytes"]), report["xxh3"])]
+    stride = int(report["chunk_bytes"])
+    return [Chunk(chunk_path(file, k), k * stride, int(c["nbytes"]), c["xxh3"]) for k, c in enumerate(report["chunks"])]
+
+
+def payload_files(report: Mapping[str, Any]) -> list[str]:
+    """Every object a rank report's payload occupies."""
+    return [c.path for c in chunks_of(report)]
+
+
+class IOPool:
+    """Threads for chunk reads and writes, each with its own :class:`Storage` on one root.
+
+    Storage is not thread-safe (one event loop, one S3 client each), so every worker opens
+    its own on first use. Several threads share the pool (the save, compaction and restore
+    paths of one Checkpointer); :meth:`close` closes every storage it opened.
+    """
+
+    def __init__(self, root: str, storage_options: Mapping[str, Any] | None, threads: int) -> None:
+        self.root, self.threads = root, threads
+        self._options = dict(storage_options or {})
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cnr-io")
+        self._local = threading.local()
+        self._opened: list[Storage] = []
+        self._lock = threading.Lock()
+
+    def _storage(self) -> Storage:
+        storage = getattr(self._local, "storage", None)
+        if storage is None:
+            storage = self._local.storage = Storage(self.root, self._options)
+            with self._lock:
+                self._opened.append(storage)
+        return storage
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Runs ``fn(storage, *args)`` on a pool thread."""
+        return self._pool.submit(lambda: fn(self._storage(), *args))
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            opened, self._opened = self._opened, []
+        for storage in opened:
+            storage.close()
+
+
+def _write_chunk(storage: Storage, path: str, parts: Sequence[memoryview]) -> tuple[int, str]:
+    """Writes one chunk durably; returns its size and xxh3."""
+    digest = xxhash.xxh3_128()
+    for part in parts:
+        digest.update(part)
+    storage.write(path, parts)
+    storage.fsync_file(path)
+    return sum(p.nbytes for p in parts), digest.hexdigest()
+
+
+class PayloadWriter(BlobWriter):
+    """A :class:`BlobWriter` that streams its payload out as chunks while blobs are still being added.
+
+    Args:
+        storage: where to write when ``pool`` is None (chunks are then written in the caller's thread).
+        file: chunk 0's path (:func:`~cnr_torchrec.ckpt.format.manifest.rank_file`).
+        chunk_bytes: the stride; a multiple of :attr:`BlobWriter.ALIGN`.
+        pool: threads to write on; None writes synchronously.
+        in_flight: chunks that may wait for a pool thread before :meth:`add` blocks.
+    """
+
+    def __init__(self, storage: Storage | None, file: str, chunk_bytes: int, pool: IOPool | None = None,
+                 in_flight: int | None = None) -> None:
+        super().__init__()
+        if chunk_bytes <= 0 or chunk_bytes % self.ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {self.ALIGN}, got {chunk_bytes}")
+        self.file, self.chunk_bytes = file, chunk_bytes
+        self._storage, self._pool = storage, pool
+        self._current: list[memoryview] = []
+        self._filled = 0
+        self._done: list[Future] = []
+        self._slots = threading.Semaphore(in_flight or (2 * pool.threads if pool else 1))
+
+    def _append(self, data: memoryview) -> None:
+        while data.nbytes:
+            take = data[: self.chunk_bytes - self._filled]
+            self._current.append(take)
+            self._filled += take.nbytes
+            data = data[take.nbytes :]
+            if self._filled == self.chunk_bytes:
+                self._flush()
+
+    def _flush(self) -> None:
+        path, parts = chunk_path(self.file, len(self._done)), self._current
+        self._current, self._filled = [], 0
+        if self._pool is None:
+            future: Future = Future()
+            future.set_result(_write_chunk(self._storage, path, parts))
+        else:
+            self._slots.acquire()  # back-pressure: encoding waits while enough chunks are queued
+            future = self._pool.submit(_write_chunk, path, parts)
+            future.add_done_callback(lambda _: self._slots.release())
+        self._done.append(future)
+
+    def finish(self) -> dict[str, Any]:
+        """Writes the last chunk and waits for every chunk. Returns the report's payload keys.
+
+        Raises:
+            Exception: the first chunk write that failed (the rest were waited for or cancelled).
+        """
+        if self._filled or not self._done:
+            self._flush()  # the tail; an empty payload is one empty chunk
+        chunks = []
+        try:
+            for future in self._done:
+                nbytes, digest = future.result()
+                chunks.append({"nbytes": nbytes, "xxh3": digest})
+        except BaseException:
+            for future in self._done:
+                future.cancel()
+            for future in self._done:
+                if not future.cancelled():
+                    future.exception()  # let the running ones end before the caller removes the files
+            raise
+        return {"file": self.file, "nbytes": self.nbytes, "chunk_bytes": self.chunk_bytes, "chunks": chunks,
+                "blobs": self.index}
+
+    def getvalue(self) -> bytes:
+        raise TypeError("a PayloadWriter streams its payload; call finish()")
+
+
+def _read_chunk(storage: Storage, chunk: Chunk) -> bytearray | mmap.mmap:
+    """A chunk's bytes, checked against its size and xxh3 (writable, so that tensors can view them)."""
+    data = storage.read_mapped(chunk.path)
+    check_bytes(chunk.path, data, chunk.nbytes, chunk.xxh3)
+    return data
+
+
+class PayloadReader:
+    """The blobs of one rank report: ``reader(name)`` is the stored tensor.
+
+    Args:
+        storage: the caller's storage (reads on the caller's thread when ``pool`` is None).
+        report: the rank report.
+        stats: counts ``bytes_read`` and ``reads`` into this dict.
+        whole: read every chunk (at once, in parallel on ``pool``) and view blobs in place;
+            False: one range read per blob, for a few small blobs of a big payload.
+        pool: threads for the chunk reads.
+    """
+
+    def __init__(self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None,
+                 whole: bool = True, pool: IOPool | None = None) -> None:
+        self.storage, self.report = storage, report
+        self.chunks = chunks_of(report)
+        self._stats, self._whole, self._pool = stats, whole, pool
+        self._data: list[Future] | None = None
+
+    def __call__(self, name: str) -> torch.Tensor:
+        try:
+            meta = self.report["blobs"][name]
+        except KeyError:
+            raise CorruptCheckpointError(
+                f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
+            ) from None
+        start, end = int(meta["offset"]), int(meta["offset"]) + int(meta["nbytes"])
+        if not self._whole:
+            self._count(end - start, 1)
+            return read_blob(self.report["file"], meta, name, self._range(start, end))
+        self.start()
+        return read_blob(self.report["file"], meta, name, self._view(start, end), verified=True)
+
+    def start(self) -> None:
+        """Starts reading every chunk (once), so that the reads overlap whatever the caller does next."""
+        if self._data is not None:
+            return
+        self._data = []
+        for chunk in self.chunks:
+            if self._pool is None:
+                future: Future = Future()
+                future.set_result(_read_chunk(self.storage, chunk))
+            else:
+                future = self._pool.submit(_read_chunk, chunk)
+            self._data.append(future)
+        self._count(sum(c.nbytes for c in self.chunks), len(self.chunks))
+
+    @property
+    def has_data(self) -> bool:
+        """Whether the whole payload is read (or being read)."""
+        return self._data is not None
+
+    def _covering(self, start: int, end: int) -> list[int]:
+        return [k for k, c in enumerate(self.chunks) if c.start < end and start < c.end] if end > start else []
+
+    def _view(self, start: int, end: int) -> memoryview:
+        """Bytes ``[start, end)``: a view into one chunk's buffer, or a copy joined from several."""
+        pieces = []
+        for k in self._covering(start, end):
+            c = self.chunks[k]
+            buf = memoryview(self._data[k].result())
+            pieces.append(buf[max(start, c.start) - c.start : min(end, c.end) - c.start])
+        if len(pieces) == 1:
+            return pieces[0]
+        return memoryview(bytearray(b"".join(pieces)))  # short if chunks are missing: read_blob names it
+
+    def _range(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` by range reads of the chunks that hold them."""
+        pieces = []
+        for k in self._covering(start, end):
+            c = self.chunks[k]
+            pieces.append(self.storage.read(c.path, byte_range=(max(start, c.start) - c.start,
+                                                                min(end, c.end) - c.start)))
+        return b"".join(pieces)
+
+    def _count(self, nbytes: int, reads: int) -> None:
+        if self._stats is not None:
+            self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + nbytes
+            self._stats["reads"] = self._stats.get("reads", 0) + reads
