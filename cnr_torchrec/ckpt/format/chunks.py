@@ -133,7 +133,8 @@ class PayloadWriter(BlobWriter):
         file: chunk 0's path (:func:`~cnr_torchrec.ckpt.format.manifest.rank_file`).
         chunk_bytes: the stride; a multiple of :attr:`BlobWriter.ALIGN`.
         pool: threads to write on; None writes synchronously.
-        in_flight: chunks that may wait for a pool thread before :meth:`add` blocks.
+        in_flight: chunks handed to the pool and not yet written, at most, before :meth:`add` blocks
+            (default: the pool's threads plus one, so one waits while every thread writes).
     """
 
     def __init__(self, storage: Storage | None, file: str, chunk_bytes: int, pool: IOPool | None = None,
@@ -146,7 +147,7 @@ class PayloadWriter(BlobWriter):
         self._current: list[memoryview] = []
         self._filled = 0
         self._done: list[Future] = []
-        self._slots = threading.Semaphore(in_flight or (2 * pool.threads if pool else 1))
+        self._slots = threading.Semaphore(in_flight or (pool.threads + 1 if pool else 1))
 
     def _append(self, data: memoryview) -> None:
         while data.nbytes:

@@ -134,6 +134,14 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
+def _tbe_views(tbe: Any, views: dict[int, tuple[list, list]]) -> tuple[list, list]:
+    """A TBE's per-table weight and optimizer-state views, asked for once per save."""
+    if id(tbe) not in views:
+        states = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
+        views[id(tbe)] = (tbe.split_embedding_weights(), states)
+    return views[id(tbe)]
+
+
 def stage(
     decision: Decision,
     *,
@@ -171,6 +179,7 @@ def stage(
     column_counts = gather_column_counts(tracker, budget.priority, world_size) if limited else {}
     flush_caches(tracker.tbes())  # fused_uvm_caching: rows updated in the cache, written back before any read
     dirty_total = left_total = 0
+    views: dict[int, tuple[list, list]] = {}
     tbe_iters = []
     for table in tracker.tables():
         shape = tracker.table_shape(table)
@@ -182,7 +191,11 @@ def stage(
                 out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
             continue
         encoding = decision.encodings.get(table, "full")
-        shard_dirty = tracker.shard_dirty_rows(table, since_baseline=since_baseline)
+        if encoding == "full" and not limited:  # whole shards: no need for their dirty rows
+            tracker.check_lookups(table)
+            shard_dirty = [(kernel, shard, None) for kernel, shard in tracker.shards(table)]
+        else:
+            shard_dirty = tracker.shard_dirty_rows(table, since_baseline=since_baseline)
         chosen: dict[tuple[int, int], torch.Tensor] = {}
         if limited:
             chosen, left_out = choose_rows(tracker, table, shard_dirty, budget.max_rows_fraction,
@@ -192,9 +205,9 @@ def stage(
             dirty_total += sum(int(d.numel()) for d in {s.rows: d for _, s, d in shard_dirty}.values())
             left_total += int(left_out.numel())
         for kernel, shard, dirty in shard_dirty:
-            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
-            all_states = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
+            weights, all_states = _tbe_views(kernel.tbe, views)
             states = list(all_states[shard.local_index]) if all_states else []
+            weights = weights[shard.local_index]
             shard_encoding = encoding
             if shard.rows in chosen:  # the budget is smaller than the shard: selected rows, with ids
                 shard_encoding, dirty = "rows", chosen[shard.rows]
