@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint bench-cpr soak accuracy nvcc-check cuda-check clean reliability
+.PHONY: install test demo bench bench-checkpoint bench-cpr scale soak accuracy nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -58,6 +58,10 @@ bench-checkpoint: install
 
 bench-cpr: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/cpr.py --json cpr_bench.json
+
+# Sizes 1x, 10x, 25x (5.28 GB) at 1/10/27% dirty, with torchsnapshot and DCP beside it (~4 min); docs/scale.md.
+scale: install
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/scale.py --reps 1 --json out/scale.json
 
 # 500 checkpoints with background compaction beside the same job without it (~10 min); docs/compaction.md.
 soak: install
