@@ -41,8 +41,9 @@ from cnr_torchrec.errors import CorruptCheckpointError
 __all__ = ["DEFAULT_CHUNK_BYTES", "Chunk", "IOPool", "PayloadReader", "PayloadWriter", "chunk_path", "chunks_of",
            "payload_files"]
 
-# Measured with benchmarks/scale.py (docs/scale.md): past 64 MiB, bigger chunks bought no write or read
-# speed here, and each in-flight chunk of an object store costs its size in memory.
+# One sweep of benchmarks/scale.py at 10x (docs/scale.md), 4 to 256 MiB: baseline writes showed no trend,
+# restores got faster with bigger chunks and peak memory grew; 64 MiB sits between. An object store
+# holds up to io_threads + 1 joined chunks in memory while they upload.
 DEFAULT_CHUNK_BYTES = 64 << 20
 
 
