@@ -234,10 +234,10 @@ def load_ref(side: str, ckpt_id: int, rank: int) -> dict[str, torch.Tensor]:
 
 def spy_restored() -> dict[str, int]:
     """Records the id of the checkpoint each restore attempt applies (the last one is what was restored)."""
-    from cnr_torchrec.ckpt import checkpointer as ckpt_mod
+    from cnr_torchrec.ckpt.restore import restorer as restorer_mod  # where a restore applies the chain
 
     seen: dict[str, Any] = {"ids": [], "ok": []}
-    real = ckpt_mod.restore_chain
+    real = restorer_mod.restore_chain
 
     def spy(manifests, **kw):
         seen["ids"].append(manifests[-1]["id"])
@@ -245,7 +245,7 @@ def spy_restored() -> dict[str, int]:
         real(manifests, **kw)
         seen["ok"][-1] = True
 
-    ckpt_mod.restore_chain = spy
+    restorer_mod.restore_chain = spy
     return seen
 
 

@@ -19,6 +19,7 @@ import torch
 
 import _torchrec_models as M
 from _dist import run_ranks
+from test_compaction import _bodies
 
 COMPACT = {"params": {"bias_dtype": "float16"}, "state_dtype": "bfloat16"}
 CODECS = [("none", None, {}), ("fp16", None, {}), ("bf16", None, {}), ("uniform_sym", 8, {}),
@@ -65,17 +66,6 @@ def _restored(cfg, model, plan, **kw):
 def _untouched(model, plan):
     dmp, opt = M.build_dmp(model, plan, seed=7)
     return M.local_state(dmp, opt)
-
-
-def _bodies(root):
-    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
-
-    storage = Storage(root)
-    try:
-        return {i: load_manifest(storage, i) for i in committed_ids(storage)}
-    finally:
-        storage.close()
 
 
 def _compact(root, **kw):

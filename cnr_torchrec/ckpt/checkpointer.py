@@ -19,24 +19,16 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import param_names
-from cnr_torchrec.ckpt.format.manifest import chain_ids, ckpt_id_of, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.format.manifest import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.chain import check_model, restore_chain
 from cnr_torchrec.ckpt.restore.partial import RecoveryInfo, recover
-from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.save.catalog import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
-from cnr_torchrec.errors import (
-    CheckpointNotFoundError,
-    CnrError,
-    ConfigError,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-    SaveFailedError,
-)
+from cnr_torchrec.errors import CnrError, ConfigError, SaveFailedError
 
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
 
@@ -173,6 +165,8 @@ class Checkpointer:
         self._compactor = Compactor(config.compaction, self._start_compaction)
         # Rank 0: the committed checkpoints, loaded at the first commit and then kept up to date.
         self._retention = Retention(config.retention, self._compactor.pinned)
+        self._restorer = Restorer(config, storage=self._storage, io=self._io, ranks=self._ranks, model=model,
+                                  tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state)
         self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed)
@@ -336,25 +330,7 @@ class Checkpointer:
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
-        model_tables = self._model_tables()
-        bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
-        while True:
-            pick, chain = self._agree_on_pick(step, bad, local=True)
-            for i, why in pick["skipped"]:
-                if self.rank != 0:  # rank 0 logged them as it found them; every rank's log should say
-                    log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
-                bad[i] = why
-            if not pick["chain"]:
-                skipped = "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items()))
-                raise CheckpointNotFoundError(self._not_found(step) + (f". Skipped as unsound: {skipped}" if skipped
-                                                                        else ""))
-            ids = pick["chain"]
-            status, own, chain = self._attempt(ids, chain, model_tables, per_rank_state)
-            failed = self._ranks.failures(status)
-            if not failed:
-                break
-            self._after_failed_attempt(failed, own, ids, bad)
-
+        chain, bad = self._restorer.run(step, per_rank_state)
         m = chain[-1]
         self.tracker.reset(baseline=True)
         self._continue_chain(chain)
@@ -401,101 +377,6 @@ class Checkpointer:
                 "codec": {"method": q.method, "bits": self.codec.bits, "bits_setting": q.bits,
                           "params": self.codec.params if hasattr(self.codec, "params") else {}},
                 "table_fqns": self._table_fqns}
-
-    def _attempt(self, ids: list[int], chain: list[dict[str, Any]] | None, model_tables: dict[str, list[int]],
-                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[dict[str, Any]] | None]:
-        """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain)."""
-        try:
-            if chain is None:
-                chain = [load_manifest(self._storage, i) for i in ids]
-            check_model(chain[-1], model_tables, self.model, self.tracker)
-            written_by = chain[-1]["world_size"]
-            if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
-                raise IncompatibleCheckpointError(
-                    f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
-                    f"{self.world_size}: per-rank state {sorted(self.extra_state)} cannot be mapped onto other "
-                    "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
-                    "the model and optimizers and start that state afresh."
-                )
-            restore_chain(  # every chunk is checked against its xxh3 as it lands
-                chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
-                world_size=self.world_size, dense_optimizer=self.dense_optimizer,
-                extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
-            )
-        except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
-            # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
-            return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain
-        return None, None, chain
-
-    def _after_failed_attempt(self, failed: list[Failure], own: Exception | None, ids: list[int],
-                              bad: dict[int, str]) -> None:
-        """Raises what every rank raises alike, or marks the culprit in ``bad`` for a fallback (``on_corrupt``)."""
-        errors_seen = [f for f in failed if not f.file_problem]
-        if errors_seen:  # the same error on every rank; the rank it happened on chains its own
-            raise errors_seen[0].error() from (own if errors_seen[0].rank == self.rank else None)
-        f = failed[0]
-        if self.config.on_corrupt == "fail":
-            raise CorruptCheckpointError(
-                f"{f.message} (rank {f.rank}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
-                "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
-                "The model is partly overwritten: restore again before training.",
-                path=f.path,
-            ) from (own if f.rank == self.rank else None)
-        owner = ckpt_id_of(f.path)
-        culprit = owner if owner in ids else ids[-1]
-        bad[culprit] = f"{f.path or 'a file'} failed its checks on rank {f.rank}: {f.message}"
-        log.warning("restore: checkpoint %d cannot be restored: %s (rank %d: %s); falling back to an older "
-                    "checkpoint (on_corrupt: fallback)", ids[-1], f.path or "a file", f.rank, f.message)
-
-    def _model_tables(self) -> dict[str, list[int]]:
-        """The whole model's table shapes (collective): a rank knows only the tables it holds shards of, and
-        every rank must refuse another model's checkpoint before it changes anything."""
-        model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
-        for part in self._ranks.exchange({t: list(shape) for t in model_tables
-                                          if (shape := self.tracker.table_shape(t)) is not None}):
-            model_tables.update(part)
-        return model_tables
-
-    def _not_found(self, step: int | None) -> str:
-        where = self.config.root
-        if step is None:
-            return f"no complete checkpoint under {where}; save one first, or check the root"
-        return f"no complete checkpoint of step {step} under {where}; Checkpointer.list() shows what there is"
-
-    def _resolve(
-        self, step: int | None, bad: dict[int, str], quiet: bool = False
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
-        return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
-
-    def _agree_on_pick(
-        self, step: int | None, bad: dict[int, str], *, local: bool
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
-        """Rank 0's pick for a restore, on every rank, and the pick's manifests where this rank has them.
-
-        Collective. Rank 0 resolves (and adds what it finds unsound to ``bad``); if it
-        raises, every rank raises the same named error (StorageError for a listing or read
-        that failed). With ``local``, the other ranks resolve too, at the same time, without
-        touching ``bad``: only a speed-up, so that a rank whose pick matches rank 0's keeps
-        the manifests it has loaded; its own failures are rank 0's to report.
-        """
-        mine: dict[str, Any] = {}
-        chain: list[dict[str, Any]] | None = None
-        if local and self.rank != 0:
-            try:
-                mine, chain = self._resolve(step, dict(bad), quiet=True)
-            except Exception:  # noqa: BLE001 - rank 0's pick decides, and rank 0 reports its own failures
-                mine, chain = {}, None
-
-        def resolve_on_rank0() -> dict[str, Any]:
-            nonlocal mine, chain
-            mine, chain = self._resolve(step, bad)
-            return mine
-
-        pick = self._ranks.from_rank0(resolve_on_rank0, what="choosing the checkpoint to restore")
-        if mine.get("chain") != pick["chain"]:
-            chain = None
-        return pick, chain
 
     def _stage(self, decision: Decision) -> tuple[Staged | None, str]:
         """``stage()`` of ``decision``: (staged, "") or, if this rank failed, (None, why).

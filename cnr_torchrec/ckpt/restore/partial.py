@@ -133,9 +133,9 @@ def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> Re
         ck._settle(ck._inflight)
     ck._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
     # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
-    pick, chain = ck._agree_on_pick(step, {}, local=False)
+    pick, chain = ck._restorer.agree_on_pick(step, {}, local=False)
     if not pick["chain"]:
-        raise CheckpointNotFoundError(ck._not_found(step))
+        raise CheckpointNotFoundError(ck._restorer.not_found(step))
     stats: dict[str, int] = {}
     failure, cause = None, None
     try:
