@@ -73,6 +73,8 @@ accuracy: install
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build
 
-# 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto); see docs/reliability.md.
+# 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto), then a job on
+# two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks; see docs/reliability.md.
 reliability: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/reliability.py --kills 100 --json out/reliability.json
+	OMP_NUM_THREADS=1 $(PY) benchmarks/multinode.py --json out/multinode.json

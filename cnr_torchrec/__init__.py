@@ -13,6 +13,7 @@ from cnr_torchrec.dmp import CheckNRunDMP
 from cnr_torchrec.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CheckpointerClosedError,
     CnrError,
     ConfigError,
     CorruptCheckpointError,
@@ -38,6 +39,7 @@ __all__ = [
     "load_config",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointerClosedError",
     "ConfigError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",

@@ -11,6 +11,7 @@ __all__ = [
     "ConfigError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CheckpointerClosedError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
     "SaveFailedError",
@@ -56,6 +57,10 @@ class CheckpointError(CnrError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No committed checkpoint matches the request."""
+
+
+class CheckpointerClosedError(CheckpointError, RuntimeError):
+    """A Checkpointer was used after ``close()``, which released its threads and its storage."""
 
 
 class CorruptCheckpointError(CheckpointError, ValueError):

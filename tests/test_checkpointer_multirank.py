@@ -142,7 +142,15 @@ def _save_worker(rank, world_size, root, plan, ref_path):
     for step in range(3):
         _train(dmp, specs, opt, 2, gen)
         ckpt.save(step).wait()
+    infos = ckpt.list()
     ckpt.close()
+    ckpt.close()  # idempotent
+    from cnr_torchrec.errors import CheckpointerClosedError
+
+    for use in (ckpt.list, lambda: ckpt.save(3), ckpt.restore, lambda: ckpt.recover([1])):
+        with pytest.raises(CheckpointerClosedError, match="make a new Checkpointer"):
+            use()
+    assert [i.step for i in infos] == [0, 1, 2]
     ref = _full_tables(dmp)
     if rank == 0:
         torch.save({t: (w, m) for t, (w, m, _) in ref.items()}, ref_path)

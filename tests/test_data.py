@@ -198,6 +198,18 @@ def test_reader_state_round_trip_with_pipeline_lookahead(stream, crash_after):
     assert resumed.trained == num
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_run_resumed_with_more_steps_reads_on_where_the_finished_one_stopped(stream, workers):
+    """A job that ran to its end (loader exhausted) and is resumed with a longer train.steps."""
+    short = ResumableReader(make_loader(ClickDataset(stream, rank=0, batch_size=16, num_batches=3), workers))
+    for _ in short:
+        short.step_done()
+    longer = ResumableReader(make_loader(ClickDataset(stream, rank=0, batch_size=16, num_batches=5), workers))
+    longer.load_state_dict(short.state_dict())
+    got = [k for b in longer for k in _sample_keys(b)]
+    assert got == [k for i in (3, 4) for k in _sample_keys(stream.batch(0, i * 16, (i + 1) * 16))]
+
+
 def test_loader_with_workers_gives_the_same_batches(stream):
     ds = ClickDataset(stream, rank=0, batch_size=40, num_batches=4)
     a = [_rows(b) for b in make_loader(ds, num_workers=0)]

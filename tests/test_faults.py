@@ -34,8 +34,8 @@ def test_fault_specs_parse():
 
 @pytest.mark.parametrize("text,match", [
     ("commit.before_manifst", "unknown fault point 'commit.before_manifst'"),
-    ("write.mid:rank=x", "rank=<int> or nth=<int>"),
-    ("write.mid:when=3", "rank=<int> or nth=<int>"),
+    ("write.mid:rank=x", "rank=<int>, local_rank=<int> or nth=<int>"),
+    ("write.mid:when=3", "rank=<int>, local_rank=<int> or nth=<int>"),
     ("write.mid:nth=0", "nth counts from 1"),
 ])
 def test_bad_fault_specs_are_refused(text, match):
@@ -86,6 +86,32 @@ def test_fault_env_is_read(monkeypatch, fake_kill):
     faults.hit("gc.before")
     faults.hit("gc.before")
     assert len(fake_kill) == 1
+
+
+def test_local_rank_selects_the_worker_of_a_node(monkeypatch, fake_kill):
+    assert faults.parse("write.mid:local_rank=1:nth=2") == [faults.FaultSpec("write.mid", None, 2, 1)]
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    faults.configure("write.mid:local_rank=1")
+    faults.hit("write.mid")
+    assert fake_kill == []
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    faults.configure("write.mid:local_rank=1")
+    faults.hit("write.mid")
+    assert len(fake_kill) == 1
+
+
+def test_a_restarted_torchrun_worker_arms_nothing_but_still_checks_the_spec(monkeypatch, fake_kill):
+    monkeypatch.setenv(faults.ENV, "gc.before")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert faults.configure() == [] and not faults.armed("gc.before")
+    faults.hit("gc.before")
+    assert fake_kill == []
+    monkeypatch.setenv(faults.ENV, "gc.befor")
+    with pytest.raises(ConfigError, match="unknown fault point"):
+        faults.configure()
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv(faults.ENV, "gc.before")
+    assert faults.configure() == [faults.FaultSpec("gc.before")]
 
 
 # ---- kills -------------------------------------------------------------------------

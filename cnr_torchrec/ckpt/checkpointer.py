@@ -28,7 +28,7 @@ from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
-from cnr_torchrec.errors import CnrError, ConfigError, SaveFailedError
+from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
 
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
 
@@ -209,6 +209,7 @@ class Checkpointer:
                 on some rank since the last save (raised on every rank, before anything is staged).
         """
         t0 = time.perf_counter()
+        self._check_open("save")
         self._check_lookups()
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
             self._settle(self._inflight)
@@ -277,6 +278,7 @@ class Checkpointer:
             StorageError: the storage failed while listing or reading (an S3 ``ClientError``, an
                 ``OSError``); the message names this rank and the original error.
         """
+        self._check_open("list")
         try:
             bodies = {i: load_manifest(self._storage, i) for i in committed_ids(self._storage)}
             return [CheckpointInfo.from_manifest(m, chain_ids(m, bodies)) for m in bodies.values()]
@@ -325,6 +327,7 @@ class Checkpointer:
                 or a blob of a dtype that is never written. Such a checkpoint was crafted or
                 edited: it is refused, never skipped.
         """
+        self._check_open("restore")
         if per_rank_state not in ("strict", "drop"):
             raise ConfigError(f"per_rank_state: {per_rank_state!r} is not one of ['strict', 'drop']")
         if self._inflight is not None:
@@ -345,6 +348,7 @@ class Checkpointer:
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
         """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.restore.partial.recover`."""
+        self._check_open("recover")
         return recover(self, failed_ranks, step)
 
     def close(self) -> None:
@@ -369,6 +373,11 @@ class Checkpointer:
         self.close()
 
     # ------------------------------------------------------------------ internals
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise CheckpointerClosedError(f"rank {self.rank}: {what}() on a closed Checkpointer (close() released its "
+                                          "storage); make a new Checkpointer for the same root instead")
 
     def _manifest_fields(self) -> dict[str, Any]:
         """The manifest's fields that describe the job rather than the save, as they are now."""

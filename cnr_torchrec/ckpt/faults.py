@@ -9,6 +9,10 @@ collection cut short), which a timer hits only by luck. The save path calls
     CNR_FAULT=commit.before_manifest                  # the first time any rank gets there
     CNR_FAULT=write.mid:rank=1:nth=3                  # the 3rd time rank 1 gets there
     CNR_FAULT=write.after:rank=0,gc.mid:nth=2         # several points, comma-separated
+    CNR_FAULT=write.mid:local_rank=1:nth=2            # by LOCAL_RANK (one node of a torchrun job)
+
+A fault stands for one crash. Under torchrun, workers that an agent restarted after a failure
+(``TORCHELASTIC_RESTART_COUNT`` above 0) arm nothing, so the restarted job can finish.
 
 The variable is read once, when this module is imported (:func:`configure` re-reads it,
 for harnesses that fork workers from a process that imported it earlier). With nothing
@@ -61,14 +65,19 @@ POINTS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """Kill the process the ``nth`` time it reaches ``point`` (only on ``rank``, if given)."""
+    """Kill the process the ``nth`` time it reaches ``point`` (only on ``rank`` and ``local_rank``, if given)."""
 
     point: str
     rank: int | None = None
     nth: int = 1
+    local_rank: int | None = None
 
     def __str__(self) -> str:
-        return self.point + (f":rank={self.rank}" if self.rank is not None else "") + f":nth={self.nth}"
+        where = "".join(f":{k}={v}" for k, v in (("rank", self.rank), ("local_rank", self.local_rank)) if v is not None)
+        return f"{self.point}{where}:nth={self.nth}"
+
+    def matches(self, rank: int, local_rank: int) -> bool:
+        return self.rank in (None, rank) and self.local_rank in (None, local_rank)
 
 
 def parse(text: str | None) -> list[FaultSpec]:
@@ -89,8 +98,8 @@ def parse(text: str | None) -> list[FaultSpec]:
         kw: dict[str, int] = {}
         for opt in opts:
             key, _, value = opt.partition("=")
-            if key not in ("rank", "nth") or not value.strip().isdigit():
-                raise ConfigError(f"{ENV}: {opt!r} in {item!r} is not rank=<int> or nth=<int>")
+            if key not in ("rank", "local_rank", "nth") or not value.strip().isdigit():
+                raise ConfigError(f"{ENV}: {opt!r} in {item!r} is not rank=<int>, local_rank=<int> or nth=<int>")
             kw[key] = int(value)
         if kw.get("nth", 1) < 1:
             raise ConfigError(f"{ENV}: nth counts from 1, got {kw['nth']} in {item!r}")
@@ -103,8 +112,16 @@ _counts: dict[str, int] = {}
 
 
 def configure(text: str | None = None) -> list[FaultSpec]:
-    """Arms the faults in ``text`` (default: re-read ``CNR_FAULT``) and resets the hit counters."""
+    """Arms the faults in ``text`` (default: re-read ``CNR_FAULT``) and resets the hit counters.
+
+    Reading the environment under a restarted torchrun worker arms nothing (the crash it
+    describes has happened); the specs are still parsed, so a misspelt one fails every time.
+    """
     specs = parse(os.environ.get(ENV) if text is None else text)
+    if text is None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:
+        if specs:
+            log.info("%s ignored: this worker was restarted after a failure", ENV)
+        specs = []
     _armed.clear()
     _counts.clear()
     for s in specs:
@@ -122,8 +139,8 @@ def hit(point: str) -> None:
     specs = _armed.get(point)
     if not specs:
         return
-    rank = _rank()
-    mine = [s for s in specs if s.rank is None or s.rank == rank]
+    rank, local_rank = _rank(), int(os.environ.get("LOCAL_RANK", "0") or 0)
+    mine = [s for s in specs if s.matches(rank, local_rank)]
     if not mine:
         return
     n = _counts[point] = _counts.get(point, 0) + 1

@@ -329,6 +329,11 @@ class ResumableReader:
                 f"reader state has keys {sorted(state) if isinstance(state, dict) else type(state).__name__}, "
                 "expected 'loader' and 'trained'; the checkpoint is of another job"
             ) from None
+        if isinstance(loader_state, dict) and loader_state.get("_iterator_finished"):
+            # The saving run had read its whole dataset (it ended at its train.steps). Loaded as
+            # is, a StatefulDataLoader would start that "finished" epoch over from batch 0; a run
+            # resumed with more steps reads on from where the saving run stopped.
+            loader_state = {**loader_state, "_iterator_finished": False}
         self.loader.load_state_dict(loader_state)
         self.trained = trained
         self._it = None

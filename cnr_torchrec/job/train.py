@@ -22,7 +22,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.job.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
+from cnr_torchrec.job.launch import init_distributed
 from cnr_torchrec.job.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
 from cnr_torchrec.job.config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
@@ -234,30 +234,6 @@ def _local_state(dmp: torch.nn.Module, dense: list[tuple[str, torch.nn.Parameter
     return out
 
 
-def _init_dist() -> tuple[torch.device, bool]:
-    cuda = torch.cuda.is_available()
-    backend = "nccl" if cuda else "gloo"
-    if "RANK" in os.environ:
-        # torchrun's agent shares its TCPStore with the workers and keeps it across restarts, so a
-        # restarted group would read the dead group's gloo addresses (pytorch/pytorch#135712) and hang.
-        # Keys are namespaced per incarnation; every worker restarts together, so all agree on it.
-        store, rank, world = next(dist.rendezvous("env://"))
-        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"cnr/attempt-{attempt}", store), rank=rank,
-                                world_size=world)
-    else:  # plain `python -m cnr_torchrec.job.train`: one rank
-        fd, path = tempfile.mkstemp(prefix="cnr-rdzv-")
-        os.close(fd)
-        os.remove(path)
-        dist.init_process_group(backend, init_method=f"file://{path}", rank=0, world_size=1)
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    return device, cuda
-
-
 def _committed(ckpt: Any) -> list[Any]:
     """``ckpt.list()``, or what can be listed: a corrupt manifest is restore's business, not the report's."""
     try:
@@ -373,11 +349,12 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[
         torch.save(_local_state(dmp, dense, dense_opt), os.path.join(args.dump_state, f"rank-{rank:05d}.pt"))
     snapshot = full_snapshot_nbytes(model_rows, cfg.model.embedding_dim, tc.embedding_optimizer,
                                     [p for _, p in dense], dense_opt)
+    committed = _committed(ckpt) if rank == 0 else []
     ckpt.close()
     if rank != 0:
         return None
     assert journal is not None
-    for info in _committed(ckpt):
+    for info in committed:
         journal.record(info, total_rows)
     report = {
         "format": "cnr-report",
@@ -559,7 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --fail-at-step must be in [1, train.steps={cfg.train.steps}] and --fail-rank in "
                   f"[0, {world_env}), got {args.fail_at_step} and {args.fail_rank}", file=sys.stderr)
         return 2
-    device, _ = _init_dist()
+    device, _ = init_distributed()
     try:
         report = run(cfg, args, device)
         if report is not None:
