@@ -67,17 +67,22 @@ def agree_round(store: dist.Store, rank: int, world: int, timeout: timedelta = t
     return number
 
 
-def init_distributed() -> tuple[torch.device, bool]:
-    """Starts the default process group (gloo on CPU, nccl on GPU); returns (device, cuda).
+def init_distributed() -> tuple[torch.device, int]:
+    """Starts the default process group (gloo on CPU, nccl on GPU); returns (device, incarnation).
 
-    Under torchrun the group's keys live under a prefix of this round (:func:`agree_round`);
-    a plain ``python -m cnr_torchrec.job.train`` is one rank with a file rendezvous.
+    Under torchrun the group's keys live under a prefix of this round (:func:`agree_round`), and
+    the incarnation counts the rounds before it: 0 for the job's first start, the same on every
+    rank. (With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round has a new store, and the
+    incarnation falls back to this node's restart count.) A plain ``python -m
+    cnr_torchrec.job.train`` is one rank, incarnation 0, with a file rendezvous.
     """
+    incarnation = 0
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:
         store, rank, world = next(dist.rendezvous("env://"))
         number = agree_round(store, rank, world)
+        incarnation = max(number - 1, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
         dist.init_process_group(backend, store=dist.PrefixStore(f"cnr/round-{number}", store), rank=rank,
                                 world_size=world)
     else:
@@ -90,4 +95,4 @@ def init_distributed() -> tuple[torch.device, bool]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return device, cuda
+    return device, incarnation

@@ -121,10 +121,9 @@ class Journal:
         }
         self.flush()
 
-    def record_restore(self, ckpt_id: int, step: int) -> None:
+    def record_restore(self, ckpt_id: int, step: int, incarnation: int) -> None:
         self.restores += 1
-        self.restored_from.append({"id": ckpt_id, "step": step,
-                                   "incarnation": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))})
+        self.restored_from.append({"id": ckpt_id, "step": step, "incarnation": incarnation})
         self.flush()
 
     def flush(self) -> None:
@@ -243,7 +242,7 @@ def _committed(ckpt: Any) -> list[Any]:
         return []
 
 
-def _restore(ckpt: Any, rank: int, journal: Journal | None, total_rows: int) -> int:
+def _restore(ckpt: Any, rank: int, journal: Journal | None, total_rows: int, incarnation: int) -> int:
     """Restores the newest committed checkpoint; 0 when there is none."""
     infos = _committed(ckpt) if rank == 0 else []
     if journal is not None:
@@ -262,11 +261,11 @@ def _restore(ckpt: Any, rank: int, journal: Journal | None, total_rows: int) -> 
     bar.close()
     if rank == 0 and journal is not None:
         restored = [i for i in infos if i.step == step]
-        journal.record_restore(restored[-1].id if restored else -1, step)
+        journal.record_restore(restored[-1].id if restored else -1, step, incarnation)
     return step
 
 
-def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[str, Any] | None:
+def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device, incarnation: int = 0) -> dict[str, Any] | None:
     """Trains, evaluates and reports. Returns the report on rank 0 (None elsewhere)."""
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
     from torchrec.distributed.types import ShardingEnv
@@ -293,7 +292,7 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[
     ckpt = Checkpointer(dmp, cfg.checkpoint, dense_optimizer=dense_opt, extra_state={"reader": reader})
     journal = Journal(cfg.checkpoint) if rank == 0 else None
 
-    start = _restore(ckpt, rank, journal, total_rows)
+    start = _restore(ckpt, rank, journal, total_rows, incarnation)
     if start > tc.steps:
         raise CheckpointError(f"the checkpoint is at step {start}, past train.steps={tc.steps}; raise train.steps "
                               "or use a new checkpoint.root")
@@ -306,14 +305,13 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device) -> dict[
 
     handles: list[Any] = []
     auto_interval = cfg.checkpoint.interval is not None
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     first_loss = last_loss = None
     t_train = time.perf_counter()
     if start < tc.steps:
         pipeline = TrainPipelineSparseDist(dmp, dense_opt, device, execute_all_batches=True)
         bar = _Bar(rank == 0, total=tc.steps, initial=start, desc="train", unit="step")
         for step in range(start + 1, tc.steps + 1):
-            if step == args.fail_at_step and rank == args.fail_rank and restart == 0:
+            if step == args.fail_at_step and rank == args.fail_rank and incarnation == 0:
                 sys.stderr.write(f"\n[rank {rank}] injected failure at step {step}: SIGKILL\n")
                 sys.stderr.flush()
                 sys.stdout.flush()
@@ -536,9 +534,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --fail-at-step must be in [1, train.steps={cfg.train.steps}] and --fail-rank in "
                   f"[0, {world_env}), got {args.fail_at_step} and {args.fail_rank}", file=sys.stderr)
         return 2
-    device, _ = init_distributed()
+    device, incarnation = init_distributed()
     try:
-        report = run(cfg, args, device)
+        report = run(cfg, args, device, incarnation)
         if report is not None:
             print(format_summary(report), flush=True)
         dist.barrier()
