@@ -68,7 +68,8 @@ soak: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --json soak.json
 
 accuracy: install
-	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --json accuracy.json --markdown accuracy.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task harsh --json out/accuracy-harsh.json --markdown out/accuracy-harsh.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task production --methods adaptive --json out/accuracy-production.json --markdown out/accuracy-production.md
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build
