@@ -66,8 +66,8 @@ from cnr_torchrec.errors import ConfigError
 METHODS = ("uniform_asym", "adaptive", "kmeans")
 BITS = (2, 3, 4, 8)
 RESTORES = (1, 3, 10, 20)
-# Check-N-Run's rule: most restores each width survives within 0.01% relative logloss
-# (the same table as cnr_torchrec.ckpt.config.DEFAULT_BITS_TABLE, which drives bits: auto).
+# Check-N-Run's rule: most restores each width survives within 0.01% relative logloss. bits: auto's default
+# (cnr_torchrec.ckpt.config.DEFAULT_BITS_TABLE) comes from these studies instead: recommend_bits_table().
 PAPER_RULE = {2: 1, 3: 3, 4: 20}
 PAPER_TOLERANCE = 1e-4
 EVAL_CHUNK = 4096
@@ -219,7 +219,8 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
         opt.step()
         opt.zero_grad()
         reader.step_done()
-        if ck is not None and args.interval and step % args.interval == 0 and not (points and step == points[0]):
+        interval = getattr(args, "interval", 0)
+        if ck is not None and interval and step % interval == 0 and not (points and step == points[0]):
             stats.add(ck.save(step).wait())
         if points and step == points[0]:
             points.pop(0)
@@ -368,6 +369,43 @@ def rule_check(cells: dict[str, dict[str, Any]], controls: dict[str, dict[str, A
                  for r in restores]
         lines.append(f"here, {m}: bits needed for {PAPER_TOLERANCE:.2%} (for no measurable loss): " + "; ".join(parts))
     return lines
+
+
+# The margin of a recommendation: a width passes at R restores when its cell's dlogloss_rel plus this many
+# paired standard errors (one: the upper end of a one-sided 84% interval) is within PAPER_TOLERANCE, or
+# within R's trajectory floor where that is larger. Two would make a width whose true cost is 0 fail
+# whenever its SE exceeds 0.005%, as a single 4-bit restore's does (0.005-0.007%).
+MARGIN_SE = 1.0
+
+
+def recommend_bits_table(studies: list[dict[str, Any]], method: str = "adaptive") -> dict[int, int]:
+    """``bits: auto``'s table from committed studies (their ``--json``): most restores -> bits.
+
+    For each R measured, the smallest width from which every wider width passes (see
+    :data:`MARGIN_SE`) in every study; the widest need over the studies wins. Consecutive R
+    that need the same width merge into the largest. An R at which no width passes ends the
+    table: beyond its last entry, ``bits: auto`` takes ``fallback_bits``.
+    """
+    need: dict[int, int] = {}
+    for study in studies:
+        (task, widths), = study["dlogloss"].items()
+        floor = study["floor"][task]
+        for r in sorted({int(r) for cells in widths.values() for r in cells}):
+            ok = []
+            for b in sorted(int(k.rsplit("_", 1)[1]) for k in widths if k.rsplit("_", 1)[0] == method):
+                cell = study[f"{method}_{b}_{r}"]
+                ok.append((b, cell["dlogloss_rel"] + MARGIN_SE * cell["se_rel"] <= max(PAPER_TOLERANCE,
+                                                                                        floor.get(str(r), 0.0))))
+            passing = [b for i, (b, _) in enumerate(ok) if all(good for _, good in ok[i:])]
+            need[r] = max(need.get(r, 0), passing[0]) if passing and need.get(r, 0) != -1 else -1
+    table: dict[int, int] = {}
+    for r in sorted(need):
+        if need[r] == -1:
+            break
+        if table and table[max(table)] == need[r]:
+            del table[max(table)]
+        table[r] = need[r]
+    return table
 
 
 def main() -> None:

@@ -71,3 +71,49 @@ def test_lr_decays_linearly_to_zero() -> None:
     assert accuracy.lr_at(args, 100) == pytest.approx(0.0005)
     args.schedule = "constant"
     assert accuracy.lr_at(args, 100) == 0.05
+
+
+# ---------------------------------------------------------------------- bits: auto's table from the studies
+
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "data")
+
+
+def _study(task: str, cells: dict[tuple[int, int], tuple[float, float]], floor: dict[int, float]) -> dict:
+    """A study's --json as accuracy.py writes it, for the adaptive widths and restores in ``cells``."""
+    out = {f"adaptive_{b}_{r}": {"dlogloss_rel": d, "se_rel": se} for (b, r), (d, se) in cells.items()}
+    widths: dict = {}
+    for (b, r), (d, _) in cells.items():
+        widths.setdefault(f"adaptive_{b}", {})[str(r)] = d
+    out["dlogloss"] = {task: widths}
+    out["floor"] = {task: {str(r): f for r, f in floor.items()}}
+    return out
+
+
+def test_recommendation_takes_the_margin_the_floor_and_the_widest_need():
+    ok, bad = (0.0, 0.00001), (0.0002, 0.00001)
+    a = _study("a", {(4, 1): ok, (8, 1): ok, (4, 3): bad, (8, 3): ok, (4, 20): bad, (8, 20): ok},
+               {1: 0.0, 3: 0.0, 20: 0.0})
+    assert accuracy.recommend_bits_table([a]) == {1: 4, 20: 8}
+    # Within 0.01% but not with 1 SE of margin: 4-bit fails at R=1.
+    b = _study("b", {(4, 1): (0.00009, 0.00002), (8, 1): ok}, {1: 0.0})
+    assert accuracy.recommend_bits_table([b]) == {1: 8}
+    # A floor above 0.01% lets a cell within it pass; the widest need over two studies wins.
+    c = _study("c", {(4, 1): (0.0003, 0.00001), (8, 1): ok}, {1: 0.001})
+    assert accuracy.recommend_bits_table([c]) == {1: 4}
+    assert accuracy.recommend_bits_table([c, b]) == {1: 8}
+    # No width passes at R=20: the table ends before it (bits: auto then takes fallback_bits).
+    d = _study("d", {(4, 1): ok, (8, 1): ok, (4, 20): bad, (8, 20): bad}, {1: 0.0, 20: 0.0})
+    assert accuracy.recommend_bits_table([d]) == {1: 4}
+
+
+def test_the_default_bits_table_is_the_committed_studies_recommendation():
+    import json
+
+    from cnr_torchrec.ckpt.config import DEFAULT_BITS_TABLE
+
+    studies = []
+    for task in ("harsh", "production"):
+        with open(os.path.join(DATA, f"accuracy-{task}.json")) as f:
+            studies.append(json.load(f))
+        assert set(studies[-1]["dlogloss"]) == {task}
+    assert accuracy.recommend_bits_table(studies) == DEFAULT_BITS_TABLE
