@@ -44,7 +44,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from reliability import Moto  # noqa: E402
 
-# The job of tests/test_train.py: tiny tables, two of them shared by several features.
+# The tiny job of the torchrun tests (tests/test_train.py uses it too): two tables shared by several features.
 TINY = {
     "data": {"scale": 0.0005, "min_rows": 16, "batch_size": 64},
     "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1],

@@ -20,6 +20,8 @@ from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.job.train import apply_overrides, auc, load_job_config, logloss, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import multinode  # noqa: E402
 
 
 def _write(tmp_path, doc) -> str:
@@ -179,14 +181,8 @@ def test_plan_splits_big_tables_by_rows_and_balances_the_rest():
 
 # ---------------------------------------------------------------------- the job under torchrun
 
-TINY = {
-    "data": {"scale": 0.0005, "min_rows": 16, "batch_size": 64},
-    # Two tables shared by several features (two, then three), as TorchRec users configure them.
-    "model": {"embedding_dim": 8, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1],
-              "row_wise_min_rows": 1000, "shared_tables": [["cat_0", "cat_1"], ["cat_2", "cat_3", "cat_4"]]},
-    "train": {"steps": 12, "checkpoint_interval": 4, "eval_batches": 2},
-    "checkpoint": {"policy": "consecutive", "quantization": {"method": "none"}},
-}
+# The job of the torchrun tests (tiny tables, two shared by several features), shared with benchmarks/multinode.py.
+TINY = multinode.TINY
 CHECKPOINT_KEYS = {"id": int, "step": int, "kind": str, "method": str, "bits": (int, type(None)), "rows_written": int,
                    "total_rows": int, "dirty_fraction": float, "nbytes": int, "stall_ms": float, "write_ms": float}
 
