@@ -1,9 +1,10 @@
-"""The ``cnr`` command: inspect, verify, compact, export and plot checkpoint roots offline.
+"""The ``cnr`` command: inspect, verify, compact, export, import and plot checkpoint roots offline.
 
 Exit codes: 0 success (``verify``: sound); 1 a checkpoint is corrupt (``verify`` found
-problems, or ``compact``/``export`` met a corrupt file); 2 the command could not run
-(bad arguments, missing root, nothing committed, unknown id, unreadable report, bad
-``--storage-option``). Errors are one line on stderr, without a traceback.
+problems, or ``compact``/``export``/``import-dcp`` met a corrupt file); 2 the command could
+not run (bad arguments, missing root, nothing committed, unknown id, unreadable report, bad
+``--storage-option``, a DCP checkpoint of another layout). Errors are one line on stderr,
+without a traceback.
 """
 
 from __future__ import annotations
@@ -224,6 +225,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
     from cnr_torchrec.ckpt.tools.compact import export_state_dict
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp
     from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain, resolve_id
 
     storage = _open(args)
@@ -232,11 +234,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
         chain = load_chain(storage, cid, verify=False)
         bar, update = _progress(count_entries(chain), "export")
         try:
-            state = export_state_dict(storage, cid, progress=update)
+            if args.format == "dcp":
+                summary = export_dcp(storage, args.out, cid, progress=update)
+            else:
+                state = export_state_dict(storage, cid, progress=update)
         finally:
             bar.close()
     finally:
         storage.close()
+    if args.format == "dcp":
+        print(f"exported checkpoint {cid} (step {summary['step']}) as a DCP checkpoint: {summary['tensors']} tensors, "
+              f"{_human_bytes(summary['nbytes'])} -> {args.out} (dcp.load it; see docs/dcp.md)")
+        return EXIT_OK
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -248,6 +257,28 @@ def _cmd_export(args: argparse.Namespace) -> int:
             os.remove(tmp)
     n = sum(t.numel() * t.element_size() for t in state.values())
     print(f"exported checkpoint {cid}: {len(state)} tensors, {_human_bytes(n)} -> {args.out}")
+    return EXIT_OK
+
+
+def _cmd_import_dcp(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.tools.dcp import import_dcp
+
+    local = args.root.removeprefix("fs://") if "://" not in args.root or args.root.startswith("fs://") else None
+    created = local is not None and not os.path.exists(local)
+    if created:
+        os.makedirs(local)  # a new root; removed again if the import fails
+    try:
+        storage = _open(args)
+        try:
+            body = import_dcp(args.src, storage, append=args.append, step=args.step)
+        finally:
+            storage.close()
+    except BaseException:
+        if created and not os.listdir(local):
+            os.rmdir(local)
+        raise
+    print(f"imported {args.src} as baseline {body['id']} (step {body['step']}) of {args.root}: "
+          f"{len(body['tables'])} tables, {_human_bytes(body['nbytes'])}. Checkpointer.restore() restores it")
     return EXIT_OK
 
 
@@ -286,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="cnr",
-        description="Inspect, verify, compact, export and plot cnr_torchrec checkpoint roots (offline: no model, "
-                    "no process group). Do not run compact while a training job writes to the same root.",
+        description="Inspect, verify, compact, export, import and plot cnr_torchrec checkpoint roots (offline: no "
+                    "model, no process group). Do not run compact or import-dcp while a training job writes to the "
+                    "same root.",
         epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
     )
     common = argparse.ArgumentParser(add_help=False)
@@ -329,14 +361,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bits", type=int, help="bits for a quantizing --method (2, 3, 4 or 8)")
     p.set_defaults(func=_cmd_compact)
 
-    p = sub.add_parser("export", parents=[common], help="write a plain, unsharded state_dict (torch.save)",
-                       description="Write a full-precision state_dict: each table under its unsharded name, the "
-                                   "dense parameters, and row optimizer state under '<weight>.optimizer_state.<i>'. "
-                                   "torch.load(FILE, weights_only=True) reads it.")
+    p = sub.add_parser("export", parents=[common], help="write a full-precision state_dict (torch.save or DCP)",
+                       description="--format torch (default): a plain, unsharded state_dict in one file: each table "
+                                   "under its unsharded name, the dense parameters, and row optimizer state under "
+                                   "'<weight>.optimizer_state.<i>'; torch.load(FILE, weights_only=True) reads it. "
+                                   "--format dcp: a torch.distributed.checkpoint directory laid out as a "
+                                   "DistributedModelParallel's state dicts ('model', 'optim', 'dense_optim'), which "
+                                   "dcp.load restores into a DMP of any plan and world size (docs/dcp.md).")
     p.add_argument("root", metavar="DIR")
-    p.add_argument("--out", required=True, metavar="FILE")
+    p.add_argument("--out", required=True, metavar="OUT", help="the file (torch), or a new directory (dcp)")
     p.add_argument("--id", type=int, help="checkpoint to export (default: the newest committed)")
+    p.add_argument("--format", choices=("torch", "dcp"), default="torch", help="torch.save file (default) or DCP")
     p.set_defaults(func=_cmd_export)
+
+    p = sub.add_parser("import-dcp", parents=[common], help="turn a DCP checkpoint of a DMP into a baseline",
+                       description="Write a DCP checkpoint of a DistributedModelParallel (dcp.save of {'model': "
+                                   "dmp.state_dict(), 'optim': dmp.fused_optimizer.state_dict()}, and optionally "
+                                   "'dense_optim') as a full-precision baseline of DIR, which Checkpointer.restore() "
+                                   "restores onto any plan (docs/dcp.md). DIR must hold no checkpoint unless --append.")
+    p.add_argument("src", metavar="DCP_DIR", help="the directory dcp.save wrote")
+    p.add_argument("root", metavar="DIR", help="checkpoint root (created if missing)")
+    p.add_argument("--append", action="store_true",
+                   help="add the import to a root that holds checkpoints, as a new baseline (same tables)")
+    p.add_argument("--step", type=int, default=0, help="the training step the baseline records (default 0)")
+    p.set_defaults(func=_cmd_import_dcp)
 
     p = sub.add_parser("report", parents=[common], help="PNG plots from a root or a report.json",
                        description="Write bytes_per_checkpoint.png, dirty_fraction.png and stall_ms.png from a "

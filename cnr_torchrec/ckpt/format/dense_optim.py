@@ -5,7 +5,8 @@ param groups. Those positions change with the plan: a table that is data_paralle
 one plan is a dense parameter there and a sharded one under another. A checkpoint
 therefore records each position's parameter name (``param_names``), and a restore
 gives every parameter of the optimizer the state saved under its own name, with the
-hyperparameters of the group that held it.
+hyperparameters of the group that held it. The same state can be keyed by parameter name
+throughout (:func:`by_fqn`), as the DCP interop writes and reads it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from torch import nn
 
 from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 
-__all__ = ["load_named_state", "named_state", "param_names"]
+__all__ = ["by_fqn", "from_fqn", "load_named_state", "named_state", "param_names"]
 
 log = logging.getLogger(__name__)
 
@@ -132,3 +133,33 @@ def _check_shapes(state: Mapping[str, Any], param: torch.Tensor, name: str, wher
                 f"{where}: dense optimizer state {key!r} of '{name}' is {list(value.shape)} in the checkpoint but "
                 f"the parameter is {list(param.shape)}; the model's dense part changed"
             )
+
+
+def by_fqn(named: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`named_state`'s form keyed by parameter name throughout: ``{"state": {name: {...}},
+    "param_groups": [{..., "params": [name, ...]}]}``."""
+    names = list(named["param_names"])
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[i] for i in g["params"]]}
+              for g in named["param_groups"]]
+    return {"state": {names[i]: dict(s) for i, s in named["state"].items()}, "param_groups": groups}
+
+
+def from_fqn(state: Any, where: str) -> dict[str, Any]:
+    """Inverse of :func:`by_fqn`: :func:`named_state`'s form, for :func:`load_named_state`.
+
+    Raises:
+        IncompatibleCheckpointError: ``state`` is not of :func:`by_fqn`'s form (``where`` names it).
+    """
+    try:
+        groups, names = [], []
+        for g in state["param_groups"]:
+            params = [str(p) for p in g["params"]]
+            groups.append({**{k: v for k, v in g.items() if k != "params"},
+                           "params": list(range(len(names), len(names) + len(params)))})
+            names += params
+        at = {n: i for i, n in enumerate(names)}
+        return {"state": {at[n]: dict(s) for n, s in state.get("state", {}).items()}, "param_groups": groups,
+                "param_names": names}
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise IncompatibleCheckpointError(
+            f"{where}: not a dense optimizer state keyed by parameter name ({type(e).__name__}: {e})") from None

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -228,26 +228,33 @@ def _decode_entry(
 
 
 def assemble_tables(
-    storage: Storage, chain: list[Mapping[str, Any]], progress: Progress | None = None
+    storage: Storage, chain: list[Mapping[str, Any]], progress: Progress | None = None,
+    tables: Collection[str] | None = None,
 ) -> dict[str, TableData]:
     """Applies every entry of ``chain`` (baseline first) to whole tables, by global row and column range.
 
     Replicated (data_parallel) tables come from the tip, as in a restore; they have no
     row states (the dense optimizer holds theirs).
 
+    Args:
+        tables: only these tables (default: every one). Their blobs are then read one by one
+            (range reads) instead of whole files, since only a part of each file is needed.
+
     Raises:
         CorruptCheckpointError: an entry does not decode, or the chain leaves part of a table unwritten.
     """
     tip = chain[-1]
-    shapes = {t: (int(s[0]), int(s[1])) for t, s in tip["tables"].items()}
-    replicated = set(tip.get("replicated", []))
+    shapes = {t: (int(s[0]), int(s[1])) for t, s in tip["tables"].items() if tables is None or t in tables}
+    replicated = set(tip.get("replicated", [])) & set(shapes)
     out: dict[str, TableData] = {}
     covered: dict[str, torch.Tensor] = {}
     for m in chain:
         for report in m["ranks"]:
             file = report["file"]
-            load = PayloadReader(storage, report)
+            load = PayloadReader(storage, report, whole=tables is None)
             for table, entries in report["tables"].items():
+                if tables is not None and table not in tables:
+                    continue
                 if table not in shapes:
                     raise CorruptCheckpointError(
                         f"{file}: table '{table}' is not among the tables of checkpoint {tip['id']}", path=file
@@ -285,7 +292,7 @@ def assemble_tables(
                     if progress is not None:
                         progress(1)
     first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load0 = PayloadReader(storage, first)
+    load0 = PayloadReader(storage, first, whole=tables is None)
     for table in sorted(replicated):
         if table not in first["replicated_tables"]:
             raise CorruptCheckpointError(
