@@ -367,3 +367,41 @@ def test_cli_refusals_are_one_line_and_exit_2(tmp_path, capsys):
     assert "exists; give --out a new directory" in err[0] and "pass --append" in err[1]
     assert "does not exist" in err[2] and not (tmp_path / "x").exists()
     assert "no .metadata" in err[3] and not (tmp_path / "new").exists()  # a failed import leaves no new root
+
+
+def _toy_import_worker(rank, world_size, tmp):
+    """The toy model has a non-persistent buffer, which dmp.state_dict() (and so DCP) leaves out."""
+    import torch.distributed.checkpoint as dcp
+
+    from _toy import build_dmp, local_state, train
+
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.ckpt.tools.dcp import import_dcp
+    from cnr_torchrec.examples.toy import TableSpec
+
+    specs = [TableSpec("t0", 40, 8, "row_wise"), TableSpec("t1", 24, 4, "table_wise")]
+    dmp, opt = build_dmp(specs)
+    train(dmp, specs, opt, 3, torch.Generator().manual_seed(0))
+    assert not any("_unused" in k for k in dmp.state_dict())
+    dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=f"{tmp}/dcp")
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(f"{tmp}/root")
+    try:
+        import_dcp(f"{tmp}/dcp", storage)
+    finally:
+        storage.close()
+    want = local_state(dmp)
+    fresh, _ = build_dmp(specs, seed=1)
+    fresh.module._unused.fill_(7.0)
+    with Checkpointer(fresh, load_config({"root": f"{tmp}/root"})) as ck:
+        assert ck.restore() == 0
+    got = local_state(fresh)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert float(fresh.module._unused) == 7.0  # not in the import: left as it was
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_an_import_restores_into_a_model_with_non_persistent_buffers(tmp_path):
+    run_ranks(_toy_import_worker, world_size=1, timeout=100, args=(str(tmp_path),))

@@ -16,7 +16,7 @@ from torch import nn
 from cnr_torchrec import ops
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["decode_ids", "dense_named_state", "encode_ids", "rng_state", "set_rng_state"]
+__all__ = ["decode_ids", "dense_named_state", "encode_ids", "non_persistent_buffers", "rng_state", "set_rng_state"]
 
 
 def encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
@@ -51,6 +51,22 @@ def dense_named_state(model: nn.Module, tracker: DirtyRowTracker) -> dict[str, t
         if any(clean == m or clean.startswith(m + ".") for m in sharded):
             continue
         out[clean] = t
+    return out
+
+
+def non_persistent_buffers(model: nn.Module) -> set[str]:
+    """Names (as :func:`dense_named_state` gives them) of the buffers registered with ``persistent=False``.
+
+    A checkpoint written by the Checkpointer holds them; one imported from a ``state_dict`` (DCP) does
+    not, and a restore then leaves them as they are.
+    """
+    from torchrec.distributed.model_parallel import get_unwrapped_module
+
+    out = set()
+    for prefix, module in get_unwrapped_module(model).named_modules():  # names as the DMP gives them
+        for b in getattr(module, "_non_persistent_buffers_set", ()):
+            name = f"{prefix}.{b}" if prefix else b
+            out.add(name.removeprefix("module.").replace("._orig_mod", ""))
     return out
 
 

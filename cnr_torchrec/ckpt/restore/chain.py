@@ -27,7 +27,7 @@ from torch import nn
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import load_named_state
 from cnr_torchrec.ckpt.format.payload import unflatten_state
-from cnr_torchrec.ckpt.format.state import decode_ids, dense_named_state, set_rng_state
+from cnr_torchrec.ckpt.format.state import decode_ids, dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
@@ -78,7 +78,7 @@ def check_model(target: Mapping[str, Any], model_tables: Mapping[str, list[int]]
     stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
     changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
                 for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
-    lacking = sorted(set(dense) - set(stored))
+    lacking = sorted(set(dense) - set(stored) - non_persistent_buffers(model))
     if missing or extra or changed or lacking:
         what = "; ".join(filter(None, [
             missing and f"tables missing from it {missing}", extra and f"tables the model lacks {extra}",
@@ -392,6 +392,8 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
     first = {r["rank"]: r for r in target["ranks"]}[0]
     load0 = PayloadReader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
     dense = dense_named_state(model, tracker)
+    transient = non_persistent_buffers(model)  # absent from a checkpoint imported from a state_dict: left as is
+    dense = {n: t for n, t in dense.items() if n in first["dense"] or n not in transient}
     missing = sorted(set(dense) - set(first["dense"]))
     if missing:
         raise IncompatibleCheckpointError(
