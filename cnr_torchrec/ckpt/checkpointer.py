@@ -27,6 +27,7 @@ from cnr_torchrec.ckpt.save.catalog import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
+from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
 from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
 
@@ -169,7 +170,8 @@ class Checkpointer:
                                   tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state)
         self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
                                     store=self._store, io=self._io, staging=self._staging,
-                                    tables=list(tracker.tables()), on_commit=self._retention.committed)
+                                    tables=list(tracker.tables()), on_commit=self._retention.committed,
+                                    reconstruction=Reconstruction() if config.quantization.residual else None)
 
     # ------------------------------------------------------------------ public
 
@@ -334,6 +336,8 @@ class Checkpointer:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
         chain, bad = self._restorer.run(step, per_rank_state)
+        if self._committer.reconstruction is not None:
+            self._committer.reconstruction.reset(self.tracker)  # residuals are coded against what was restored
         m = chain[-1]
         self.tracker.reset(baseline=True)
         self._continue_chain(chain)
@@ -349,7 +353,11 @@ class Checkpointer:
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
         """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.restore.partial.recover`."""
         self._check_open("recover")
-        return recover(self, failed_ranks, step)
+        failed = list(failed_ranks)
+        info = recover(self, failed, step)
+        if self._committer.reconstruction is not None and self.rank in failed:
+            self._committer.reconstruction.reset(self.tracker)  # survivors keep the chain's reconstruction
+        return info
 
     def close(self) -> None:
         """Waits for the save in flight, then releases the threads and closes the storage. Idempotent."""

@@ -45,12 +45,17 @@ class QuantizationConfig:
         state_dtype: how the fused optimizer's per-row state (momentum, row-wise Adagrad's
             sum of squares) is stored: ``float32`` (exact, the default), ``bfloat16`` (same
             range, 2 bytes, relative error below 0.4%) or ``float16``.
+        residual: code each row a delta writes as its difference from what the chain already
+            restores for it (closed loop), so that restores do not compound the codec's error
+            (docs/accuracy.md). Costs a float32 copy of this rank's shards in host memory.
+            Policy ``consecutive`` only, without compaction, and with a quantizing method.
     """
 
     method: str = "adaptive"
     bits: int | Literal["auto"] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    residual: bool = False
 
     def __post_init__(self) -> None:
         from cnr_torchrec.quant.codecs import _REGISTRY
@@ -319,6 +324,8 @@ class CheckpointConfig:
                 "already, a one_shot chain is two checkpoints long, and intermittent bounds its chains by writing "
                 "baselines. Use policy consecutive with compaction, or leave compaction out"
             )
+        if self.quantization.residual:
+            self._check_residual()
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
         if self.quantization.bits == "auto" and self.failure.estimate_restores is None:
@@ -337,6 +344,19 @@ class CheckpointConfig:
                 f"save_timeout_s: must be a positive number of seconds up to {_MAX_TIMEOUT_S:.0f}, "
                 f"got {self.save_timeout_s}"
             )
+
+    def _check_residual(self) -> None:
+        q = self.quantization
+        why = []
+        if self.policy != "consecutive":
+            why.append(f"policy {self.policy!r} (a residual is coded against the previous checkpoint's rows; use "
+                       "consecutive)")
+        if self.compaction is not None:
+            why.append("compaction (a merge would have to add residuals up; leave compaction out)")
+        if q.method in ("none", "fp16", "bf16"):
+            why.append(f"method {q.method!r}, which does not quantize (residuals gain nothing)")
+        if why:
+            raise ConfigError("quantization.residual: true does not work with " + "; ".join(why))
 
     @property
     def retention(self) -> KeepConfig:

@@ -248,6 +248,8 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
     r0, r1 = f.pair(entry.get("rows"), f"{where}.rows", 0, shape[0], empty=True)
     c0, c1 = f.pair(entry.get("cols"), f"{where}.cols", 0, shape[1], empty=False)
     f.value(entry.get("encoding"), f"{where}.encoding", _of("full", "rows"))
+    if "residual" in entry:
+        f.value(entry["residual"], f"{where}.residual", lambda v: "" if v is True else f"must be true, not {v!r}")
     n = r1 - r0
     if "ids" in entry:
         ids = entry["ids"]

@@ -26,6 +26,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.catalog import remove_partial
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
+from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.writer import write_rank
 from cnr_torchrec.errors import CheckpointError, SaveFailedError
 from cnr_torchrec.quant import Codec
@@ -79,8 +80,10 @@ class Committer:
 
     def __init__(self, config: Any, *, rank: int, world_size: int, distributed: bool, store: Any, io: IOPool,
                  staging: StagingBuffers, tables: list[str],
-                 on_commit: Callable[[dict[str, Any], Storage], None]) -> None:
+                 on_commit: Callable[[dict[str, Any], Storage], None],
+                 reconstruction: Reconstruction | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
+        self.reconstruction = reconstruction
         self._dist, self._store, self._io, self._staging = distributed, store, io, staging
         self._tables, self._on_commit = tables, on_commit
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
@@ -110,7 +113,8 @@ class Committer:
             try:
                 storage = self._background_storage()
                 report = write_rank(staged, codec, storage, state_dtype=self._state_dtype,
-                                    chunk_bytes=self.config.chunk_bytes, pool=self._io)
+                                    chunk_bytes=self.config.chunk_bytes, pool=self._io,
+                                    reconstruction=self.reconstruction)
                 faults.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
@@ -121,6 +125,8 @@ class Committer:
             result = self._commit(d, report, storage, fields)
         else:
             result = self._await_result(d, report)
+        if self.reconstruction is not None:
+            (self.reconstruction.commit if result["ok"] else self.reconstruction.discard)()
         if not result["ok"]:
             self._cleanup(d, storage)
             raise SaveFailedError(

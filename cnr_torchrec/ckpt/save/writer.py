@@ -20,7 +20,8 @@ from cnr_torchrec.ckpt.format.manifest import rank_file
 from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.staging import Staged
+from cnr_torchrec.ckpt.save.residual import Reconstruction
+from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
 from cnr_torchrec.quant import Codec, EncodedRows
 
 __all__ = ["ENCODE_BLOCK_BYTES", "encode_in_blocks", "write_rank"]
@@ -47,14 +48,29 @@ def encode_in_blocks(codec: Codec, rows: torch.Tensor, block_bytes: int = ENCODE
     return dataclasses.replace(first, **out)
 
 
+def _encode_shard(codec: Codec, s: StagedShard, kind: str, reconstruction: Reconstruction | None
+                  ) -> tuple[EncodedRows, bool]:
+    """The shard's encoded rows, and whether they are residuals (see :mod:`.residual`)."""
+    if reconstruction is None:
+        return encode_in_blocks(codec, s.weights), False
+    key = (s.table, tuple(s.rows), tuple(s.cols))
+    ref = None if kind == "baseline" else reconstruction.reference(key, s.ids)
+    encoded = encode_in_blocks(codec, s.weights if ref is None else s.weights.float() - ref)
+    decoded = codec.decode(encoded)
+    reconstruction.stage(key, s.ids, decoded if ref is None else ref + decoded, s.rows[1] - s.rows[0])
+    return encoded, ref is not None
+
+
 def write_rank(
     staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32,
-    chunk_bytes: int, pool: IOPool | None = None,
+    chunk_bytes: int, pool: IOPool | None = None, reconstruction: Reconstruction | None = None,
 ) -> dict[str, Any]:
     """Encodes and writes this rank's payload as chunks. Returns the rank's report for the manifest.
 
     Optimizer-state rows are stored as ``state_dtype`` (restore casts them back). Chunks
-    are written on ``pool`` (None: on this thread, through ``storage``).
+    are written on ``pool`` (None: on this thread, through ``storage``). With a
+    ``reconstruction`` (``quantization.residual``), a delta's rows are coded as residuals
+    and the reconstruction's updates are staged for the commit.
     """
     t0 = time.perf_counter()
     d = staged.decision
@@ -68,7 +84,9 @@ def write_rank(
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
             entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-        encoded = encode_in_blocks(codec, s.weights)
+        encoded, residual = _encode_shard(codec, s, d.kind, reconstruction)
+        if residual:
+            entry["residual"] = True
         entry["weights"] = {
             "meta": encoded.metadata(),
             "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
