@@ -98,7 +98,7 @@ class _Target:
     chain written under other plans may hold a row for some columns and not others.
     """
 
-    def __init__(self, kernel: Any, shard: Any, breaks: list[int]) -> None:
+    def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False) -> None:
         self.kernel, self.shard = kernel, shard
         c0, c1 = shard.cols
         edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
@@ -106,7 +106,8 @@ class _Target:
         self.filled = {seg: torch.zeros(shard.num_rows, dtype=torch.bool) for seg in self.segments}
         # Row-wise state comes with the weights of entries that span the shard's columns, and with
         # one segment every overlapping entry does: its rows are then restored exactly when the weights are.
-        self.state_follows_weights = len(self.segments) == 1
+        # (Not in an additive chain: there a residual's state is claimed while its weights are not.)
+        self.state_follows_weights = len(self.segments) == 1 and not additive
         self.state_filled = (next(iter(self.filled.values())) if self.state_follows_weights
                              else torch.zeros(shard.num_rows, dtype=torch.bool))
         self.weights = kernel.tbe.split_embedding_weights()[shard.local_index]
@@ -143,12 +144,21 @@ class _Applier:
             for report in m["ranks"]:
                 for table, entries in _entries(m, report, replicated):
                     breaks.setdefault(table, set()).update(c for e in entries for c in e["cols"])
+        # A chain with residual entries (quantization.residual) adds up: a row is its newest whole entry
+        # plus every newer residual, so the weights start from zero and every entry adds to them.
+        self.additive = any(e.get("residual") for m in manifests for r in m["ranks"]
+                            for es in r["tables"].values() for e in es)
         self.targets = {
-            table: [_Target(k, s, sorted(cuts)) for k, s in tracker.shards(table)] for table, cuts in breaks.items()
+            table: [_Target(k, s, sorted(cuts), self.additive) for k, s in tracker.shards(table)]
+            for table, cuts in breaks.items()
         }
         # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
         # column weight)]).
         self._rowwise: dict[int, tuple[_Target, list[tuple[int, torch.Tensor, torch.Tensor, float]]]] = {}
+        if self.additive:
+            with torch.no_grad():
+                for t in (t for ts in self.targets.values() for t in ts):
+                    t.weights.zero_()
 
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
@@ -191,22 +201,32 @@ class _Applier:
         if n_stored != (n_rows if offsets is None else offsets.numel()):
             raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
         states = [(s["rowwise"], load(s["blob"])) for s in entry.get("states", [])]
+        residual = bool(entry.get("residual"))
+        if residual and any(not rowwise for rowwise, _ in states):
+            raise IncompatibleCheckpointError(
+                f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "
+                "row-wise optimizer state only (EXACT_ROWWISE_ADAGRAD, SGD)")
         for target, row_ov, col_ov in hits:
-            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights, states)
+            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights, states,
+                            residual)
 
     def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights,
-                   states) -> None:
+                   states, residual=False) -> None:
         shard = target.shard
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
         segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]
-        maps = [claim_rows_(target.filled[seg], offsets, n_stored, lo, hi, shift) for seg in segs]
+        # A residual adds to the rows no newer whole entry restored, and claims none of them.
+        maps = [claim_rows_(target.filled[seg].clone() if residual else target.filled[seg], offsets, n_stored, lo,
+                            hi, shift) for seg in segs]
         if states and len(target.states) != len(states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
                         table, len(states), len(target.states))
             states = []
         with torch.no_grad():
-            if encoded is not None and len(segs) == 1 and segs[0] == cols:
+            if self.additive:
+                self._add_rows(target, segs, maps, cols, encoded, weights)
+            elif encoded is not None and len(segs) == 1 and segs[0] == cols:
                 # One segment spanning the stored columns (the usual case): decode straight into place.
                 codec_for(encoded).decode_into(encoded, target.columns(target.weights, segs[0]), maps[0])
             else:
@@ -226,8 +246,24 @@ class _Applier:
                         self._scatter(target, live, seg, cols, m, saved)
         rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
         if rowwise:
-            claimed = maps[0] if target.state_follows_weights else None
+            claimed = maps[0] if target.state_follows_weights and not residual else None
             self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
+
+    def _add_rows(self, target, segs, maps, cols, encoded, weights) -> None:
+        """Adds the stored rows that any segment maps to their shard rows (additive chains)."""
+        needed = maps[0] >= 0
+        for m in maps[1:]:
+            needed |= m >= 0
+        sel = _nonzero(needed)
+        if not sel.numel():
+            return
+        vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
+        for seg, m in zip(segs, maps):
+            index = m.index_select(0, sel)
+            keep = _nonzero(index >= 0)
+            part = vals.index_select(0, keep)[:, seg[0] - cols[0] : seg[1] - cols[0]]
+            out = target.columns(target.weights, seg)
+            out.index_add_(0, index.index_select(0, keep).to(out.device), part.to(device=out.device, dtype=out.dtype))
 
     @staticmethod
     def _scatter(target, live, seg, cols, index, stored) -> None:

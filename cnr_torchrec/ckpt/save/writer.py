@@ -22,6 +22,7 @@ from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
+from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import Codec, EncodedRows
 
 __all__ = ["ENCODE_BLOCK_BYTES", "encode_in_blocks", "write_rank"]
@@ -53,6 +54,9 @@ def _encode_shard(codec: Codec, s: StagedShard, kind: str, reconstruction: Recon
     """The shard's encoded rows, and whether they are residuals (see :mod:`.residual`)."""
     if reconstruction is None:
         return encode_in_blocks(codec, s.weights), False
+    if any(not rowwise for _, rowwise in s.states):
+        raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
+                          "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
     key = (s.table, tuple(s.rows), tuple(s.cols))
     ref = None if kind == "baseline" else reconstruction.reference(key, s.ids)
     encoded = encode_in_blocks(codec, s.weights if ref is None else s.weights.float() - ref)
