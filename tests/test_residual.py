@@ -99,6 +99,26 @@ def _residual_worker(rank, world_size, root):
         got = _weights(again)
         for key, want in expected.items():
             torch.testing.assert_close(got[key], want, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
+    _offline_tools(root, expected)
+
+
+def _offline_tools(root, expected):
+    """cnr export adds the residuals up as a restore does; a lossless compaction refuses, a re-encoding one works."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.compact import compact, export_state_dict
+    from cnr_torchrec.errors import CompactionError
+
+    storage = Storage(root)
+    try:
+        state = export_state_dict(storage)  # the newest: step 5
+        for (table, rows, cols), want in expected.items():
+            (name,) = [k for k in state if k.endswith(f".{table}.weight")]
+            torch.testing.assert_close(state[name][rows[0]:rows[1], cols[0]:cols[1]], want, rtol=0, atol=1e-6)
+        with pytest.raises(CompactionError, match="residual rows"):
+            compact(storage)
+        compact(storage, method="adaptive", bits=8)
+    finally:
+        storage.close()
 
 
 @pytest.mark.multirank

@@ -150,6 +150,11 @@ def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[st
         for report in m["ranks"]:
             load = PayloadReader(storage, report, whole=False)
             for table, entries in report["tables"].items():
+                if any(e.get("residual") for e in entries):
+                    raise CompactionError(
+                        f"checkpoint {m['id']} stores residual rows (quantization.residual): a row is the sum of "
+                        "several checkpoints' bytes, so no single stored row can be kept. Compact with a method "
+                        "(cnr compact --method M --bits B), which encodes the sums again")
                 out.setdefault(table, []).extend(_Stored(m["id"], table, e, load) for e in entries)
             for table, blob in report.get("replicated_tables", {}).items():
                 rows, cols = m["tables"][table]

@@ -233,6 +233,8 @@ def assemble_tables(
 ) -> dict[str, TableData]:
     """Applies every entry of ``chain`` (baseline first) to whole tables, by global row and column range.
 
+    A residual entry (``quantization.residual``) adds to the rows instead of replacing them.
+
     Replicated (data_parallel) tables come from the tip, as in a restore; they have no
     row states (the dense optimizer holds theirs).
 
@@ -280,7 +282,10 @@ def assemble_tables(
                             f"[{c0}, {c1})",
                             path=file,
                         )
-                    data.weights[global_rows, c0:c1] = weights.float()
+                    if entry.get("residual"):  # quantization.residual: added to what the older entries restore
+                        data.weights[global_rows, c0:c1] += weights.float()
+                    else:
+                        data.weights[global_rows, c0:c1] = weights.float()
                     covered[table][global_rows, c0:c1] = True
                     for j, (rowwise, t, dtype) in enumerate(states):
                         if j == len(data.states):
