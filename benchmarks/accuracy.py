@@ -203,6 +203,8 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
         dist.broadcast_object_list(holder)
         root = holder[0]
         quant = {"method": method, "bits": bits, "state_dtype": "float32"}
+        if getattr(args, "residual", False) and method not in ("none", "fp16", "bf16"):
+            quant["residual"] = True
         ck = Checkpointer(dmp, load_config({"root": root, "policy": args.policy, "quantization": quant,
                                             "on_busy": "wait", "keep_last": 1}),
                           dense_optimizer=opt, extra_state={"reader": reader})
@@ -431,6 +433,8 @@ def main() -> None:
     parser.add_argument("--zipf", type=float, default=1.05)
     parser.add_argument("--row-wise-min-rows", type=int, default=5000)
     parser.add_argument("--policy", choices=["consecutive", "full"], default="consecutive")
+    parser.add_argument("--residual", action="store_true",
+                        help="quantization.residual: deltas coded against what the chain restores (the grid only)")
     parser.add_argument("--no-controls", action="store_true",
                         help="skip the controls (none, fp16 and bf16 restores, another init seed)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny task, 2 and 8 bits, R in {1, 3}")
