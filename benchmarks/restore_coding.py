@@ -17,7 +17,8 @@ its weights changed since the previous save. Schemes, all with the adaptive code
 * ``hot<P>``: the P% of rows looked up most since the previous save are written at 8 bits,
   the others at ``--bits`` (Check-N-Run's MFU counters, used for width instead of order).
 
-This is a design study, not the product: ``dpcm`` is not implemented in the Checkpointer.
+This is the design study; ``dpcm`` is now the Checkpointer's ``quantization.residual``, whose real
+figures (``benchmarks/accuracy.py --residual``) match this simulation's (docs/accuracy.md).
 """
 
 from __future__ import annotations

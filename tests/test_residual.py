@@ -16,7 +16,6 @@ from _toy import build_dmp, train
 
 from cnr_torchrec.errors import ConfigError
 
-SPECS = None  # built inside the worker (TableSpec imports torchrec)
 
 
 def _specs():
