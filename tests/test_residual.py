@@ -53,6 +53,19 @@ def _written(root, ckpt_id):
         storage.close()
 
 
+def _follow(expected, written, live, before, roundtrip):
+    """The reference after a residual delta: each written row becomes before + roundtrip(live - before)."""
+    for key, (ids, residual) in written.items():
+        assert residual, key
+        rows = torch.arange(live[key].shape[0]) if ids is None else ids
+        expected[key][rows] = before[key][rows] + roundtrip(live[key][rows] - before[key][rows])
+
+
+def _assert_restored(got, expected):
+    for key, want in expected.items():
+        torch.testing.assert_close(got[key], want, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
+
+
 def _residual_worker(rank, world_size, root):
     from cnr_torchrec import Checkpointer, load_config
     from cnr_torchrec.quant import get_codec
@@ -64,40 +77,29 @@ def _residual_worker(rank, world_size, root):
                           "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(0)
-    expected: dict = {}
     with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
         for step in range(1, 5):
             train(dmp, specs, opt, 2, gen)
             info = ck.save(step).wait()
-            live = _weights(dmp)
-            for key, (ids, residual) in _written(root, info.id).items():
-                assert residual == (step > 1), (step, key)
-                if step == 1:
-                    expected[key] = roundtrip(live[key])
-                    continue
-                rows = torch.arange(live[key].shape[0]) if ids is None else ids
-                r = expected[key][rows]
-                expected[key][rows] = r + roundtrip(live[key][rows] - r)
+            live, written = _weights(dmp), _written(root, info.id)
+            if step == 1:  # the baseline: every row whole
+                assert not any(residual for _, residual in written.values())
+                expected = {key: roundtrip(live[key]) for key in written}
+            else:
+                _follow(expected, written, live, {k: v.clone() for k, v in expected.items()}, roundtrip)
     fresh, opt2 = build_dmp(specs, seed=1)
     with Checkpointer(fresh, config, dense_optimizer=opt2) as ck:
         assert ck.restore() == 4
         got = _weights(fresh)
-        for key, want in expected.items():
-            torch.testing.assert_close(got[key], want, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        _assert_restored(got, expected)
         # The reconstruction restarts from what was restored: the next delta is coded against it.
         train(fresh, specs, opt2, 2, gen)
         info = ck.save(5).wait()
-        live = _weights(fresh)
-        for key, (ids, residual) in _written(root, info.id).items():
-            assert residual
-            rows = torch.arange(live[key].shape[0]) if ids is None else ids
-            expected[key][rows] = got[key][rows] + roundtrip(live[key][rows] - got[key][rows])
+        _follow(expected, _written(root, info.id), _weights(fresh), got, roundtrip)
     again, opt3 = build_dmp(specs, seed=2)
     with Checkpointer(again, config, dense_optimizer=opt3) as ck:
         assert ck.restore() == 5
-        got = _weights(again)
-        for key, want in expected.items():
-            torch.testing.assert_close(got[key], want, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
+        _assert_restored(_weights(again), expected)
     _offline_tools(root, expected)
 
 

@@ -252,8 +252,9 @@ class Checkpointer:
         self._timer.exclude_pause(stall / 1e3)
         log.info("save %d at step %d: %s (%s), stall %.1f ms", decision.ckpt_id, step, decision.kind,
                  decision.reason, stall)
-        handle = SaveHandle(step, decision, self._executor.submit(self._committer.write, decision, staged, stage_error, self.codec,
-                                                          self._manifest_fields()), stall)
+        future = self._executor.submit(self._committer.write, decision, staged, stage_error, self.codec,
+                                       self._manifest_fields())
+        handle = SaveHandle(step, decision, future, stall)
         self._inflight = handle
         return handle
 

@@ -211,7 +211,7 @@ class _Applier:
                             residual)
 
     def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights,
-                   states, residual=False) -> None:
+                   states, residual) -> None:
         shard = target.shard
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
@@ -224,21 +224,21 @@ class _Applier:
                         table, len(states), len(target.states))
             states = []
         with torch.no_grad():
-            if self.additive:
-                self._add_rows(target, segs, maps, cols, encoded, weights)
-            elif encoded is not None and len(segs) == 1 and segs[0] == cols:
+            if not self.additive and encoded is not None and len(segs) == 1 and segs[0] == cols:
                 # One segment spanning the stored columns (the usual case): decode straight into place.
                 codec_for(encoded).decode_into(encoded, target.columns(target.weights, segs[0]), maps[0])
             else:
-                # Some segments of the stored columns: decode the rows any of them needs, once.
+                # Some segments of the stored columns, or an additive chain: decode the rows any segment
+                # needs, once, then write (or add) them.
                 needed = maps[0] >= 0
                 for m in maps[1:]:
                     needed |= m >= 0
                 sel = _nonzero(needed)
                 if sel.numel():
                     vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
+                    put = self._add if self.additive else self._scatter
                     for seg, m in zip(segs, maps):
-                        self._scatter(target, target.weights, seg, cols, m.index_select(0, sel), vals)
+                        put(target, target.weights, seg, cols, m.index_select(0, sel), vals)
             for j, (rowwise, saved) in enumerate(states):
                 if not rowwise:  # per-column state: where the weights went
                     live = target.states[j].reshape(shard.num_rows, -1)
@@ -249,28 +249,20 @@ class _Applier:
             claimed = maps[0] if target.state_follows_weights and not residual else None
             self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
 
-    def _add_rows(self, target, segs, maps, cols, encoded, weights) -> None:
-        """Adds the stored rows that any segment maps to their shard rows (additive chains)."""
-        needed = maps[0] >= 0
-        for m in maps[1:]:
-            needed |= m >= 0
-        sel = _nonzero(needed)
-        if not sel.numel():
-            return
-        vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
-        for seg, m in zip(segs, maps):
-            index = m.index_select(0, sel)
-            keep = _nonzero(index >= 0)
-            part = vals.index_select(0, keep)[:, seg[0] - cols[0] : seg[1] - cols[0]]
-            out = target.columns(target.weights, seg)
-            out.index_add_(0, index.index_select(0, keep).to(out.device), part.to(device=out.device, dtype=out.dtype))
-
     @staticmethod
     def _scatter(target, live, seg, cols, index, stored) -> None:
         """Writes columns ``seg`` of ``stored`` rows to ``live`` rows ``index`` (negative: skipped)."""
         part = stored[:, seg[0] - cols[0] : seg[1] - cols[0]]
         out = target.columns(live, seg)
         scatter_rows_(out, index.to(out.device), part.to(device=out.device, dtype=out.dtype))
+
+    @staticmethod
+    def _add(target, live, seg, cols, index, stored) -> None:
+        """Adds columns ``seg`` of ``stored`` rows to ``live`` rows ``index`` (negative: skipped)."""
+        keep = _nonzero(index >= 0)
+        part = stored.index_select(0, keep)[:, seg[0] - cols[0] : seg[1] - cols[0]]
+        out = target.columns(live, seg)
+        out.index_add_(0, index.index_select(0, keep).to(out.device), part.to(device=out.device, dtype=out.dtype))
 
     def _apply_rowwise(self, target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed) -> None:
         """Row-wise optimizer state (one value per row of a column shard), merged by column overlap.

@@ -14,7 +14,7 @@ import logging
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -25,13 +25,13 @@ from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.catalog import remove_partial
 from cnr_torchrec.ckpt.save.planner import Decision
-from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
 from cnr_torchrec.ckpt.save.residual import Reconstruction
+from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
 from cnr_torchrec.ckpt.save.writer import write_rank
 from cnr_torchrec.errors import CheckpointError, SaveFailedError
 from cnr_torchrec.quant import Codec
 
-__all__ = ["CheckpointInfo", "Committer"]
+__all__ = ["CheckpointInfo", "Committer", "manifest_body"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
@@ -63,6 +63,35 @@ class CheckpointInfo:
             write_ms=max(r["write_ms"] for r in m["ranks"]),
         )
 
+
+
+def manifest_body(d: Decision, reports: list[dict[str, Any]], fields: Mapping[str, Any],
+                  tables: list[str]) -> dict[str, Any]:
+    """The manifest of save ``d`` from its rank reports (ordered by rank) and the job-level ``fields``
+    (policy, world_size, codec, restores, table_fqns). ``tables``: every table of the model.
+
+    Raises:
+        CheckpointError: no report gives the shape of some table.
+    """
+    shapes: dict[str, list[int]] = {}
+    for r in reports:
+        shapes.update(r["table_shapes"])
+    missing = sorted(set(tables) - set(shapes))
+    if missing:
+        raise CheckpointError(f"no rank reported the shape of tables {missing}")
+    return {
+        **d.to_json(),
+        "policy": fields["policy"],
+        "world_size": fields["world_size"],
+        "codec": fields["codec"],
+        "restores": fields["restores"],
+        "tables": shapes,
+        "table_fqns": fields["table_fqns"],
+        "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
+        "nbytes": sum(r["nbytes"] for r in reports),
+        "created_unix": time.time(),
+        "ranks": reports,
+    }
 
 
 class Committer:
@@ -226,25 +255,7 @@ class Committer:
         return result
 
     def _manifest(self, d: Decision, reports: list[dict[str, Any]], fields: dict[str, Any]) -> dict[str, Any]:
-        shapes: dict[str, list[int]] = {}
-        for r in reports:
-            shapes.update(r["table_shapes"])
-        missing = sorted(set(self._tables) - set(shapes))
-        if missing:
-            raise CheckpointError(f"no rank reported the shape of tables {missing}")
-        return {
-            **d.to_json(),
-            "policy": fields["policy"],
-            "world_size": fields["world_size"],
-            "codec": fields["codec"],
-            "restores": fields["restores"],
-            "tables": shapes,
-            "table_fqns": fields["table_fqns"],
-            "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
-            "nbytes": sum(r["nbytes"] for r in reports),
-            "created_unix": time.time(),
-            "ranks": reports,
-        }
+        return manifest_body(d, reports, fields, self._tables)
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
         """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too).

@@ -71,6 +71,3 @@ class Reconstruction:
             for kernel, shard in tracker.shards(table):
                 weights = kernel.tbe.split_embedding_weights()[shard.local_index]
                 self._rows[(table, tuple(shard.rows), tuple(shard.cols))] = weights.detach().float().cpu().clone()
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._rows.values())

@@ -51,6 +51,7 @@ from cnr_torchrec.ckpt.format.manifest import (committed_ids, existing_dir_ids, 
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.save.commit import manifest_body
 from cnr_torchrec.ckpt.save.merge import regions_of_layout
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
@@ -587,11 +588,10 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
     try:
         report = write_rank(staged, codec, storage, chunk_bytes=DEFAULT_CHUNK_BYTES)  # consumes the shards lazily
         report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-        body = {**decision.to_json(), "policy": None, "world_size": 1, "restores": 0, "replicated": [],
-                "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params},
-                "tables": {t.name: list(t.shape) for t in tables.values()},
-                "table_fqns": {t.name: t.fqn for t in tables.values()}, "nbytes": int(report["nbytes"]),
-                "created_unix": time.time(), "per_rank_state": False, "ranks": [report]}
+        fields = {"policy": None, "world_size": 1, "restores": 0,
+                  "table_fqns": {t.name: t.fqn for t in tables.values()},
+                  "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
+        body = {**manifest_body(decision, [report], fields, [t.name for t in tables.values()]), "per_rank_state": False}
         storage.write_atomic(manifest_path(new_id), seal(body))
     except BaseException:
         remove_partial(storage, new_id, 0)
