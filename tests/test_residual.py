@@ -262,3 +262,59 @@ def test_a_residual_chain_of_torchrecs_models_restores_onto_other_plans(tmp_path
     run_ranks(_torchrec_save_worker, world_size=2, timeout=150, args=(root, model, ref))
     run_ranks(_torchrec_restore_worker, world_size=1, timeout=100, args=(root, model, ref))  # 2 ranks -> 1, plan B
     run_ranks(_torchrec_restore_worker, world_size=2, timeout=100, args=(root, model, ref))  # plan B on 2 ranks
+
+
+# ---------------------------------------------------------------------- CPR partial recovery
+
+def _recover_worker(rank, world_size, root):
+    """Rank 1 fails and recovers its shards from a residual chain while rank 0 keeps its live rows. Rank 0's
+    reconstruction must stay the chain's (not its live rows), rank 1's becomes what it restored: the next
+    residual delta of each then restores as the closed-loop reference says."""
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.quant import get_codec
+
+    codec = get_codec("adaptive", 4)
+    roundtrip = lambda x: codec.decode(codec.encode(x.float().contiguous()))  # noqa: E731
+    specs = _plan_specs(PLAN_A[:4])  # data_parallel tables are replicated, not recovered from the chain
+    dmp, opt = build_dmp(specs)
+    gen = torch.Generator().manual_seed(20 + rank)
+    mine = lambda written: {k: v for k, v in written.items() if k in expected}  # noqa: E731
+    with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
+        for step in (1, 2, 3):
+            train(dmp, specs, opt, 2, gen)
+            info = ck.save(step).wait()
+            live = _weights(dmp)
+            if step == 1:
+                expected = {key: roundtrip(w) for key, w in live.items()}
+            else:
+                _follow(expected, mine(_written(root, info.id)), live, {k: v.clone() for k, v in expected.items()},
+                        roundtrip)
+        train(dmp, specs, opt, 2, gen)  # progress after checkpoint 3: the survivor keeps it
+        live = _weights(dmp)
+        if rank == 1:
+            with torch.no_grad():
+                for t in dmp.dirty_tracker.tables():
+                    for k, s in dmp.dirty_tracker.shards(t):
+                        k.tbe.split_embedding_weights()[s.local_index].uniform_(-1, 1)
+            dmp.dirty_tracker.reset(baseline=True)
+        assert ck.recover([1]).step == 3
+        got = _weights(dmp)
+        if rank == 1:
+            _assert_restored(got, expected)
+        else:
+            assert all(torch.equal(got[k], live[k]) for k in live)
+        train(dmp, specs, opt, 1, gen)
+        info = ck.save(4).wait()
+        assert info.kind == "delta"
+        before = {k: (got[k] if rank == 1 else expected[k]).clone() for k in expected}
+        _follow(expected, mine(_written(root, info.id)), _weights(dmp), before, roundtrip)
+    fresh, opt2 = build_dmp(specs, seed=4)
+    with Checkpointer(fresh, _residual_config(root), dense_optimizer=opt2) as ck:
+        assert ck.restore() == 4
+        _assert_restored(_weights(fresh), expected)
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(240)
+def test_partial_recovery_of_a_residual_chain_keeps_the_survivors_reconstruction(tmp_path):
+    run_ranks(_recover_worker, world_size=2, timeout=200, args=(str(tmp_path / "ck"),))
