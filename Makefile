@@ -67,9 +67,12 @@ scale: install
 soak: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --json soak.json
 
+# Both accuracy studies, plain and with quantization.residual (~30 min in all on this machine); docs/accuracy.md.
 accuracy: install
 	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task harsh --json out/accuracy-harsh.json --markdown out/accuracy-harsh.md
 	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task production --methods adaptive --json out/accuracy-production.json --markdown out/accuracy-production.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task harsh --methods adaptive --residual --json out/accuracy-harsh-residual.json --markdown out/accuracy-harsh-residual.md
+	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task production --methods adaptive --residual --json out/accuracy-production-residual.json --markdown out/accuracy-production-residual.md
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build

@@ -384,9 +384,11 @@ def recommend_bits_table(studies: list[dict[str, Any]], method: str = "adaptive"
     """``bits: auto``'s table from committed studies (their ``--json``): most restores -> bits.
 
     For each R measured, the smallest width from which every wider width passes (see
-    :data:`MARGIN_SE`) in every study; the widest need over the studies wins. Consecutive R
-    that need the same width merge into the largest. An R at which no width passes ends the
-    table: beyond its last entry, ``bits: auto`` takes ``fallback_bits``.
+    :data:`MARGIN_SE`) in every study; the widest need over the studies wins, and no R needs
+    less than a smaller R does (a job that expects more restores gets at least as many bits;
+    the config refuses a table that lowers them). Consecutive R that need the same width
+    merge into the largest. An R at which no width passes ends the table: beyond its last
+    entry, ``bits: auto`` takes ``fallback_bits``.
     """
     need: dict[int, int] = {}
     for study in studies:
@@ -404,9 +406,10 @@ def recommend_bits_table(studies: list[dict[str, Any]], method: str = "adaptive"
     for r in sorted(need):
         if need[r] == -1:
             break
-        if table and table[max(table)] == need[r]:
+        bits = max(need[r], table[max(table)]) if table else need[r]
+        if table and table[max(table)] == bits:
             del table[max(table)]
-        table[r] = need[r]
+        table[r] = bits
     return table
 
 

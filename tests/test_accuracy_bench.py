@@ -104,16 +104,22 @@ def test_recommendation_takes_the_margin_the_floor_and_the_widest_need():
     # No width passes at R=20: the table ends before it (bits: auto then takes fallback_bits).
     d = _study("d", {(4, 1): ok, (8, 1): ok, (4, 20): bad, (8, 20): bad}, {1: 0.0, 20: 0.0})
     assert accuracy.recommend_bits_table([d]) == {1: 4}
+    # A larger R never gets fewer bits, even where its own cells would pass with them.
+    e = _study("e", {(4, 1): bad, (8, 1): ok, (4, 3): ok, (8, 3): ok}, {1: 0.0, 3: 0.0})
+    assert accuracy.recommend_bits_table([e]) == {3: 8}
 
 
-def test_the_default_bits_table_is_the_committed_studies_recommendation():
+@pytest.mark.parametrize("residual", [False, True])
+def test_the_default_bits_tables_are_the_committed_studies_recommendation(residual):
+    """bits: auto's tables, with and without quantization.residual, against the studies run that way."""
     import json
 
-    from cnr_torchrec.ckpt.config import DEFAULT_BITS_TABLE
+    from cnr_torchrec.ckpt.config import DEFAULT_BITS_TABLE, RESIDUAL_BITS_TABLE
 
     studies = []
     for task in ("harsh", "production"):
-        with open(os.path.join(DATA, f"accuracy-{task}.json")) as f:
+        with open(os.path.join(DATA, f"accuracy-{task}{'-residual' if residual else ''}.json")) as f:
             studies.append(json.load(f))
         assert set(studies[-1]["dlogloss"]) == {task}
-    assert accuracy.recommend_bits_table(studies) == DEFAULT_BITS_TABLE
+        assert studies[-1]["_study"]["config"].get("residual", False) == residual
+    assert accuracy.recommend_bits_table(studies) == (RESIDUAL_BITS_TABLE if residual else DEFAULT_BITS_TABLE)

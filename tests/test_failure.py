@@ -25,6 +25,19 @@ def test_bits_follow_the_default_table(restores, bits):
     assert bits_for_job(c, restores_done=0)[0] == bits
 
 
+def test_residual_coding_gets_its_own_measured_table_unless_one_is_given():
+    from cnr_torchrec.ckpt.config import RESIDUAL_BITS_TABLE
+
+    quant = {"method": "adaptive", "bits": "auto", "residual": True}
+    c = cfg(quantization=quant, failure={"expected_restores": 3})
+    assert c.failure.bits_table == RESIDUAL_BITS_TABLE == {1: 3, 20: 8}  # measured; see test_accuracy_bench
+    assert bits_for_job(c, 0)[0] == 8
+    given = cfg(quantization=quant, failure={"expected_restores": 3, "bits_table": {20: 3}})
+    assert bits_for_job(given, 0)[0] == 3
+    with pytest.raises(ConfigError, match="fallback_bits must be at least"):
+        cfg(quantization=quant, failure={"expected_restores": 3, "fallback_bits": 4})  # below the table's 8
+
+
 def test_expected_restores_from_rate_and_hours_and_an_edited_table():
     c = cfg(quantization={"bits": "auto"}, failure={"failure_rate_per_hour": 0.05, "job_hours": 50,
                                                     "bits_table": {2: 3, 10: 4}, "fallback_bits": 8})

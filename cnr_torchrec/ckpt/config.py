@@ -83,8 +83,10 @@ class QuantizationConfig:
 
 # Most restores expected -> bits; beyond: fallback_bits. Measured by the accuracy studies (docs/accuracy.md:
 # adaptive rows within 0.01% logloss with one standard error to spare on both tasks); Check-N-Run's table
-# was {1: 2, 3: 3, 20: 4}. tests/test_accuracy_bench.py checks it against the committed studies.
+# was {1: 2, 3: 3, 20: 4}. tests/test_accuracy_bench.py checks both against the committed studies.
 DEFAULT_BITS_TABLE = {1: 3, 20: 8}
+# The same, measured with quantization.residual: true, whose restores do not compound the codec's error.
+RESIDUAL_BITS_TABLE = {1: 3, 20: 8}
 
 
 @dataclass(frozen=True)
@@ -98,9 +100,11 @@ class FailureConfig:
         job_hours: planned length of the job.
         mtbf_hours: mean time between failures; ``1 / failure_rate_per_hour`` when left out.
         bits_table: ``{most restores: bits}``; the smallest key not below the expected
-            restores gives the bits (default: 1 -> 3, 20 -> 8, from our accuracy studies;
-            Check-N-Run's was 1 -> 2, 3 -> 3, 20 -> 4), and more than the largest key gives
-            ``fallback_bits``.
+            restores gives the bits, and more than the largest key gives ``fallback_bits``.
+            None (the default): measured by our accuracy studies for the quantization's
+            coding, :data:`DEFAULT_BITS_TABLE`, or :data:`RESIDUAL_BITS_TABLE` with
+            ``residual: true`` (:class:`CheckpointConfig` fills it in). Check-N-Run's was
+            1 -> 2, 3 -> 3, 20 -> 4.
         fallback_bits: bits once the restores performed exceed the estimate (and beyond the table).
         recovery: ``full`` (every rank restores; Young/Daly interval) or ``partial`` (only
             failed ranks restore, CPR; the interval keeps the lost updates under target).
@@ -112,7 +116,7 @@ class FailureConfig:
     failure_rate_per_hour: float | None = None
     job_hours: float | None = None
     mtbf_hours: float | None = None
-    bits_table: dict[int, int] = field(default_factory=lambda: dict(DEFAULT_BITS_TABLE))
+    bits_table: dict[int, int] | None = None
     fallback_bits: int = 8
     recovery: Literal["full", "partial"] = "full"
     target_lost_fraction: float = 0.001
@@ -125,6 +129,8 @@ class FailureConfig:
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{key} must be a positive number, got {value}")
         table = self.bits_table
+        if table is None:
+            return  # CheckpointConfig fills in the measured table for the quantization
         if not table or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in table):
             raise ConfigError(f"bits_table keys must be restore counts >= 0, got {table}")
         bits = [table[k] for k in sorted(table)]
@@ -326,6 +332,9 @@ class CheckpointConfig:
             )
         if self.quantization.residual:
             self._check_residual()
+        if self.failure.bits_table is None:
+            measured = RESIDUAL_BITS_TABLE if self.quantization.residual else DEFAULT_BITS_TABLE
+            object.__setattr__(self, "failure", dataclasses.replace(self.failure, bits_table=dict(measured)))
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
         if self.quantization.bits == "auto" and self.failure.estimate_restores is None:

@@ -1,9 +1,10 @@
 """Failure-aware choices: the bit width from expected restores, and the checkpoint interval.
 
 Check-N-Run picks the bit width from the number of restores a job expects, because
-quantization error compounds with every restore: 2 bits survive one, 3 bits three,
-4 bits twenty, and 8 bits beyond (``FailureConfig.bits_table``). Once a job has
-restored more often than it expected, later saves use ``fallback_bits``.
+quantization error compounds with every restore (the paper: 2 bits survive one, 3 bits
+three, 4 bits twenty). ``FailureConfig.bits_table`` holds the widths our own accuracy
+studies measured instead (docs/accuracy.md). Once a job has restored more often than it
+expected, later saves use ``fallback_bits``.
 
 The interval follows the recovery mode:
 
