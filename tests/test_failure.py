@@ -25,13 +25,19 @@ def test_bits_follow_the_default_table(restores, bits):
     assert bits_for_job(c, restores_done=0)[0] == bits
 
 
-def test_residual_coding_gets_its_own_measured_table_unless_one_is_given():
-    from cnr_torchrec.ckpt.config import RESIDUAL_BITS_TABLE
+def test_residual_coding_gets_its_own_measured_table_unless_one_is_given(monkeypatch):
+    from cnr_torchrec.ckpt import config
 
     quant = {"method": "adaptive", "bits": "auto", "residual": True}
     c = cfg(quantization=quant, failure={"expected_restores": 3})
-    assert c.failure.bits_table == RESIDUAL_BITS_TABLE == {1: 3, 20: 8}  # measured; see test_accuracy_bench
+    assert c.failure.bits_table == config.RESIDUAL_BITS_TABLE == {1: 3, 20: 8}  # measured; see test_accuracy_bench
     assert bits_for_job(c, 0)[0] == 8
+    # Today both measured tables agree; which one a config takes depends on the coding alone.
+    monkeypatch.setattr(config, "RESIDUAL_BITS_TABLE", {20: 3})
+    assert cfg(quantization=quant, failure={"expected_restores": 3}).failure.bits_table == {20: 3}
+    assert cfg(quantization={**quant, "residual": False},
+               failure={"expected_restores": 3}).failure.bits_table == config.DEFAULT_BITS_TABLE
+    monkeypatch.undo()
     given = cfg(quantization=quant, failure={"expected_restores": 3, "bits_table": {20: 3}})
     assert bits_for_job(given, 0)[0] == 3
     with pytest.raises(ConfigError, match="fallback_bits must be at least"):
