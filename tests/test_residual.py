@@ -104,22 +104,47 @@ def _residual_worker(rank, world_size, root):
 
 
 def _offline_tools(root, expected):
-    """cnr export adds the residuals up as a restore does; a lossless compaction refuses, a re-encoding one works."""
+    """cnr export adds the residuals up as a restore does; a lossless compaction refuses, and `--method none`
+    folds the chain into a float32 baseline of the sums, which a job then resumes from."""
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.tools.compact import compact, export_state_dict
     from cnr_torchrec.errors import CompactionError
 
-    storage = Storage(root)
-    try:
-        state = export_state_dict(storage)  # the newest: step 5
+    def assert_exported(state):
         for (table, rows, cols), want in expected.items():
             (name,) = [k for k in state if k.endswith(f".{table}.weight")]
             torch.testing.assert_close(state[name][rows[0]:rows[1], cols[0]:cols[1]], want, rtol=0, atol=1e-6)
-        with pytest.raises(CompactionError, match="residual rows"):
+
+    storage = Storage(root)
+    try:
+        assert_exported(export_state_dict(storage))  # the newest: step 5
+        with pytest.raises(CompactionError, match="--method none"):
             compact(storage)
-        compact(storage, method="adaptive", bits=8)
+        body = compact(storage, method="none")
+        assert body["kind"] == "baseline" and body["codec"]["method"] == "none"
+        assert_exported(export_state_dict(storage, body["id"]))
     finally:
         storage.close()
+    # A job resumes from the float32 baseline and goes on writing residual deltas against it.
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.quant import get_codec
+
+    specs, config = _specs(), load_config({"root": root, "keep_last": 10,
+                                           "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
+    dmp, opt = build_dmp(specs, seed=7)
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        assert ck.restore() == 5
+        _assert_restored(_weights(dmp), expected)
+        train(dmp, specs, opt, 1, torch.Generator().manual_seed(3))
+        info = ck.save(6).wait()
+        assert info.kind == "delta"
+        codec = get_codec("adaptive", 4)
+        _follow(expected, _written(root, info.id), _weights(dmp), {k: v.clone() for k, v in expected.items()},
+                lambda x: codec.decode(codec.encode(x.float().contiguous())))
+    again, opt2 = build_dmp(specs, seed=8)
+    with Checkpointer(again, config, dense_optimizer=opt2) as ck:
+        assert ck.restore() == 6
+        _assert_restored(_weights(again), expected)
 
 
 @pytest.mark.multirank

@@ -153,8 +153,9 @@ def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[st
                 if any(e.get("residual") for e in entries):
                     raise CompactionError(
                         f"checkpoint {m['id']} stores residual rows (quantization.residual): a row is the sum of "
-                        "several checkpoints' bytes, so no single stored row can be kept. Compact with a method "
-                        "(cnr compact --method M --bits B), which encodes the sums again")
+                        "several checkpoints' bytes, so no single stored row can be kept. Compact with "
+                        "`cnr compact --method none`, which stores the sums in float32 (or --method M --bits B, "
+                        "which encodes them again, adding that codec's error)")
                 out.setdefault(table, []).extend(_Stored(m["id"], table, e, load) for e in entries)
             for table, blob in report.get("replicated_tables", {}).items():
                 rows, cols = m["tables"][table]
