@@ -53,12 +53,20 @@ def _written(root, ckpt_id):
         storage.close()
 
 
-def _follow(expected, written, live, before, roundtrip):
-    """The reference after a residual delta: each written row becomes before + roundtrip(live - before)."""
+def _follow(expected, written, live, before):
+    """The reference after a residual delta: each written row becomes before + _roundtrip(live - before)."""
     for key, (ids, residual) in written.items():
         assert residual, key
         rows = torch.arange(live[key].shape[0]) if ids is None else ids
-        expected[key][rows] = before[key][rows] + roundtrip(live[key][rows] - before[key][rows])
+        expected[key][rows] = before[key][rows] + _roundtrip(live[key][rows] - before[key][rows])
+
+
+def _roundtrip(x):
+    """What the chain restores of rows ``x`` stored by adaptive 4-bit: the codec's own encode, then decode."""
+    from cnr_torchrec.quant import get_codec
+
+    codec = get_codec("adaptive", 4)
+    return codec.decode(codec.encode(x.float().contiguous()))
 
 
 def _assert_restored(got, expected):
@@ -68,10 +76,6 @@ def _assert_restored(got, expected):
 
 def _residual_worker(rank, world_size, root):
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.quant import get_codec
-
-    codec = get_codec("adaptive", 4)
-    roundtrip = lambda x: codec.decode(codec.encode(x.float().contiguous()))  # noqa: E731
     specs = _specs()
     config = load_config({"root": root, "keep_last": 10,
                           "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
@@ -84,9 +88,9 @@ def _residual_worker(rank, world_size, root):
             live, written = _weights(dmp), _written(root, info.id)
             if step == 1:  # the baseline: every row whole
                 assert not any(residual for _, residual in written.values())
-                expected = {key: roundtrip(live[key]) for key in written}
+                expected = {key: _roundtrip(live[key]) for key in written}
             else:
-                _follow(expected, written, live, {k: v.clone() for k, v in expected.items()}, roundtrip)
+                _follow(expected, written, live, {k: v.clone() for k, v in expected.items()})
     fresh, opt2 = build_dmp(specs, seed=1)
     with Checkpointer(fresh, config, dense_optimizer=opt2) as ck:
         assert ck.restore() == 4
@@ -95,7 +99,7 @@ def _residual_worker(rank, world_size, root):
         # The reconstruction restarts from what was restored: the next delta is coded against it.
         train(fresh, specs, opt2, 2, gen)
         info = ck.save(5).wait()
-        _follow(expected, _written(root, info.id), _weights(fresh), got, roundtrip)
+        _follow(expected, _written(root, info.id), _weights(fresh), got)
     again, opt3 = build_dmp(specs, seed=2)
     with Checkpointer(again, config, dense_optimizer=opt3) as ck:
         assert ck.restore() == 5
@@ -127,7 +131,6 @@ def _offline_tools(root, expected):
         storage.close()
     # A job resumes from the float32 baseline and goes on writing residual deltas against it.
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.quant import get_codec
 
     specs, config = _specs(), load_config({"root": root, "keep_last": 10,
                                            "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
@@ -138,9 +141,7 @@ def _offline_tools(root, expected):
         train(dmp, specs, opt, 1, torch.Generator().manual_seed(3))
         info = ck.save(6).wait()
         assert info.kind == "delta"
-        codec = get_codec("adaptive", 4)
-        _follow(expected, _written(root, info.id), _weights(dmp), {k: v.clone() for k, v in expected.items()},
-                lambda x: codec.decode(codec.encode(x.float().contiguous())))
+        _follow(expected, _written(root, info.id), _weights(dmp), {k: v.clone() for k, v in expected.items()})
     again, opt2 = build_dmp(specs, seed=8)
     with Checkpointer(again, config, dense_optimizer=opt2) as ck:
         assert ck.restore() == 6
@@ -235,10 +236,7 @@ def _torchrec_save_worker(rank, world_size, root, model, ref_path):
     import _torchrec_models as M
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.quant import get_codec
 
-    codec = get_codec("adaptive", 4)
-    roundtrip = lambda x: codec.decode(codec.encode(x.float().contiguous()))  # noqa: E731
     dmp, opt = M.build_dmp(model, "A")
     expected: dict[str, torch.Tensor] = {}
     with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
@@ -258,10 +256,10 @@ def _torchrec_save_worker(rank, world_size, root, model, ref_path):
                 piece = live[t][r, cols[0]:cols[1]]
                 if step == 1:
                     whole = expected.setdefault(t, torch.full_like(live[t], float("nan")))
-                    whole[r, cols[0]:cols[1]] = roundtrip(piece)
+                    whole[r, cols[0]:cols[1]] = _roundtrip(piece)
                 else:
                     before = expected[t][r, cols[0]:cols[1]]
-                    expected[t][r, cols[0]:cols[1]] = before + roundtrip(piece - before)
+                    expected[t][r, cols[0]:cols[1]] = before + _roundtrip(piece - before)
     if rank == 0:
         torch.save(expected, ref_path)
 
@@ -296,10 +294,7 @@ def _recover_worker(rank, world_size, root):
     reconstruction must stay the chain's (not its live rows), rank 1's becomes what it restored: the next
     residual delta of each then restores as the closed-loop reference says."""
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.quant import get_codec
 
-    codec = get_codec("adaptive", 4)
-    roundtrip = lambda x: codec.decode(codec.encode(x.float().contiguous()))  # noqa: E731
     specs = _plan_specs(PLAN_A[:4])  # data_parallel tables are replicated, not recovered from the chain
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(20 + rank)
@@ -310,10 +305,9 @@ def _recover_worker(rank, world_size, root):
             info = ck.save(step).wait()
             live = _weights(dmp)
             if step == 1:
-                expected = {key: roundtrip(w) for key, w in live.items()}
+                expected = {key: _roundtrip(w) for key, w in live.items()}
             else:
-                _follow(expected, mine(_written(root, info.id)), live, {k: v.clone() for k, v in expected.items()},
-                        roundtrip)
+                _follow(expected, mine(_written(root, info.id)), live, {k: v.clone() for k, v in expected.items()})
         train(dmp, specs, opt, 2, gen)  # progress after checkpoint 3: the survivor keeps it
         live = _weights(dmp)
         if rank == 1:
@@ -332,7 +326,7 @@ def _recover_worker(rank, world_size, root):
         info = ck.save(4).wait()
         assert info.kind == "delta"
         before = {k: (got[k] if rank == 1 else expected[k]).clone() for k in expected}
-        _follow(expected, mine(_written(root, info.id)), _weights(dmp), before, roundtrip)
+        _follow(expected, mine(_written(root, info.id)), _weights(dmp), before)
     fresh, opt2 = build_dmp(specs, seed=4)
     with Checkpointer(fresh, _residual_config(root), dense_optimizer=opt2) as ck:
         assert ck.restore() == 4
