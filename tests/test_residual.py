@@ -53,8 +53,10 @@ def _written(root, ckpt_id):
         storage.close()
 
 
-def _follow(expected, written, live, before):
-    """The reference after a residual delta: each written row becomes before + _roundtrip(live - before)."""
+def _follow(expected, written, live, before=None):
+    """The reference after a residual delta: each written row becomes before + _roundtrip(live - before),
+    ``before`` being what the chain restored until then (default: ``expected`` as it stands)."""
+    before = {k: v.clone() for k, v in expected.items()} if before is None else before
     for key, (ids, residual) in written.items():
         assert residual, key
         rows = torch.arange(live[key].shape[0]) if ids is None else ids
@@ -74,11 +76,20 @@ def _assert_restored(got, expected):
         torch.testing.assert_close(got[key], want, rtol=0, atol=1e-6, msg=lambda m: f"{key}: {m}")
 
 
+def _assert_fresh_restore(root, specs, seed, step, expected):
+    """A fresh model (init ``seed``) restores checkpoint ``step`` of the residual chain as ``expected``."""
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = build_dmp(specs, seed=seed)
+    with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
+        assert ck.restore() == step
+        _assert_restored(_weights(dmp), expected)
+
+
 def _residual_worker(rank, world_size, root):
-    from cnr_torchrec import Checkpointer, load_config
-    specs = _specs()
-    config = load_config({"root": root, "keep_last": 10,
-                          "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
+    from cnr_torchrec import Checkpointer
+
+    specs, config = _specs(), _residual_config(root)
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(0)
     with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
@@ -90,7 +101,7 @@ def _residual_worker(rank, world_size, root):
                 assert not any(residual for _, residual in written.values())
                 expected = {key: _roundtrip(live[key]) for key in written}
             else:
-                _follow(expected, written, live, {k: v.clone() for k, v in expected.items()})
+                _follow(expected, written, live)
     fresh, opt2 = build_dmp(specs, seed=1)
     with Checkpointer(fresh, config, dense_optimizer=opt2) as ck:
         assert ck.restore() == 4
@@ -100,10 +111,7 @@ def _residual_worker(rank, world_size, root):
         train(fresh, specs, opt2, 2, gen)
         info = ck.save(5).wait()
         _follow(expected, _written(root, info.id), _weights(fresh), got)
-    again, opt3 = build_dmp(specs, seed=2)
-    with Checkpointer(again, config, dense_optimizer=opt3) as ck:
-        assert ck.restore() == 5
-        _assert_restored(_weights(again), expected)
+    _assert_fresh_restore(root, specs, 2, 5, expected)
     _offline_tools(root, expected)
 
 
@@ -130,22 +138,18 @@ def _offline_tools(root, expected):
     finally:
         storage.close()
     # A job resumes from the float32 baseline and goes on writing residual deltas against it.
-    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec import Checkpointer
 
-    specs, config = _specs(), load_config({"root": root, "keep_last": 10,
-                                           "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
+    specs = _specs()
     dmp, opt = build_dmp(specs, seed=7)
-    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+    with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
         assert ck.restore() == 5
         _assert_restored(_weights(dmp), expected)
         train(dmp, specs, opt, 1, torch.Generator().manual_seed(3))
         info = ck.save(6).wait()
         assert info.kind == "delta"
-        _follow(expected, _written(root, info.id), _weights(dmp), {k: v.clone() for k, v in expected.items()})
-    again, opt2 = build_dmp(specs, seed=8)
-    with Checkpointer(again, config, dense_optimizer=opt2) as ck:
-        assert ck.restore() == 6
-        _assert_restored(_weights(again), expected)
+        _follow(expected, _written(root, info.id), _weights(dmp))
+    _assert_fresh_restore(root, specs, 8, 6, expected)
 
 
 @pytest.mark.multirank
@@ -307,7 +311,7 @@ def _recover_worker(rank, world_size, root):
             if step == 1:
                 expected = {key: _roundtrip(w) for key, w in live.items()}
             else:
-                _follow(expected, mine(_written(root, info.id)), live, {k: v.clone() for k, v in expected.items()})
+                _follow(expected, mine(_written(root, info.id)), live)
         train(dmp, specs, opt, 2, gen)  # progress after checkpoint 3: the survivor keeps it
         live = _weights(dmp)
         if rank == 1:
@@ -327,10 +331,7 @@ def _recover_worker(rank, world_size, root):
         assert info.kind == "delta"
         before = {k: (got[k] if rank == 1 else expected[k]).clone() for k in expected}
         _follow(expected, mine(_written(root, info.id)), _weights(dmp), before)
-    fresh, opt2 = build_dmp(specs, seed=4)
-    with Checkpointer(fresh, _residual_config(root), dense_optimizer=opt2) as ck:
-        assert ck.restore() == 4
-        _assert_restored(_weights(fresh), expected)
+    _assert_fresh_restore(root, specs, 4, 4, expected)
 
 
 @pytest.mark.multirank
