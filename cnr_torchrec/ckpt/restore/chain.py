@@ -246,7 +246,7 @@ class _Applier:
                         self._scatter(target, live, seg, cols, m, saved)
         rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
         if rowwise:
-            claimed = maps[0] if target.state_follows_weights and not residual else None
+            claimed = maps[0] if target.state_follows_weights else None  # never in an additive chain
             self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
 
     @staticmethod
