@@ -63,6 +63,9 @@ from torchrec.distributed.types import ShardingEnv
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
 from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
+
 # (label, policy, quantization); the reference is the one the targets are for. "Compact" storage:
 # row biases in float16 and the optimizer's row state in bfloat16 (configs/consecutive.yaml), 4 bytes
 # less per dirty row than the exact defaults (float32 bias and state), which "consecutive_exact" shows.
@@ -80,13 +83,13 @@ TARGETS = {"bytes_ratio_vs_torchsnapshot": (">=", 20.0), "stall_ratio_vs_torchsn
            "restore_ratio_vs_dcp": ("<=", 1.5)}
 
 
-def build(specs, world: int):
+def build(specs, world: int, device: torch.device = torch.device("cpu")):
     torch.manual_seed(0)
     model = ToyModel(specs)
     sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.01)
-    plan = build_plan(model, sharders, world)
+    plan = build_plan(model, sharders, world, device_type=device.type)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    dmp = CheckNRunDMP(model, env=env, device=torch.device("cpu"), plan=plan, sharders=sharders)
+    dmp = CheckNRunDMP(model, env=env, device=device, plan=plan, sharders=sharders)
     opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n], lr=0.01)
     return dmp, opt
 
@@ -100,22 +103,30 @@ def step(dmp, opt, batch) -> None:
 
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    all_reduce_(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def total(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
-    dist.all_reduce(t)
+    all_reduce_(t)
     return int(t)
 
 
 def timed(fn) -> float:
-    """Wall time of ``fn()`` on the slowest rank, in ms; all ranks start together."""
+    """Wall time of ``fn()`` on the slowest rank, in ms, queued GPU work included; all ranks start together."""
     dist.barrier()
+    sync()
     t0 = time.perf_counter()
     fn()
+    sync()
     return slowest((time.perf_counter() - t0) * 1e3)
+
+
+def sync() -> None:
+    """Waits for the GPU's queued work, so that a timer read next counts it (no-op on CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def dir_bytes(path: str) -> int:
@@ -149,7 +160,7 @@ def fresh_dir(path: str, rank: int) -> str:
 
 def run_policy(label, policy, quant, specs, args, rank, world, root):
     """Trains a fresh model and checkpoints it with one policy. Returns (dmp, opt, config, per-checkpoint rows)."""
-    dmp, opt = build(specs, world)
+    dmp, opt = build(specs, world, args.device_obj)
     config = load_config({"root": root, "policy": policy, "quantization": quant})
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
@@ -157,7 +168,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root):
     n_step = 0
     for _ in range(args.intervals + 1):
         for _ in range(args.steps_per_interval):
-            step(dmp, opt, zipf_batch(specs, args.batch_size, args.pooling, gen))
+            step(dmp, opt, zipf_batch(specs, args.batch_size, args.pooling, gen).to(args.device_obj))
             n_step += 1
         counts = dmp.dirty_tracker.dirty_counts()  # since the previous save, before this one resets it
         dirty.append(total(sum(counts.values())))
@@ -350,6 +361,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the checkpoints in --out-dir")
     parser.add_argument("--log-level", type=str, default="WARNING", help="level of cnr_torchrec's log")
     parser.add_argument("--json", type=str, default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -359,7 +371,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     t_start = time.perf_counter()
-    dist.init_process_group("gloo")
+    args.device_obj = init_process_group(args.device, parser)
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
              for i in range(args.tables)]
@@ -398,7 +410,7 @@ def main() -> None:
     elapsed = slowest(time.perf_counter() - t_start)
 
     if rank == 0:
-        print(f"\n{world} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
+        print(f"\n{world} ranks on {args.device}, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
               f"pooling {args.pooling}; baseline + {args.intervals} checkpoints, {args.steps_per_interval} steps "
               f"apart; medians of {args.reps} reps")
         if "error_with_dmp" in snap:
@@ -457,7 +469,7 @@ def main() -> None:
         print(f"run time {elapsed:.0f} s (after start-up)")
         if args.json:
             out = {
-                "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
+                "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level", "device_obj")}
                 | {"world_size": world},
                 "peers": peer,
                 "policies": {label: {"figures": figs[label], "checkpoints": runs[label],

@@ -127,6 +127,7 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.examples.toy import TableSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
 from checkpoint import LocalShards, build, dir_bytes, finish, fresh_dir, restore_ms, slowest, step, timed, total  # noqa: E402,E501
 
 REF_ROWS, TABLES, DIM = 200_000, 8, 32
@@ -144,7 +145,7 @@ def gather(value: float) -> list[float]:
     """``value`` of every rank, by rank."""
     t = torch.zeros(dist.get_world_size(), dtype=torch.float64)
     t[dist.get_rank()] = value
-    dist.all_reduce(t)
+    all_reduce_(t)
     return t.tolist()
 
 
@@ -351,7 +352,7 @@ def train_interval(dmp, opt, specs, frac: float, interval: int, pooling: int, ar
         values = torch.cat([c[pos % c.numel()] for c in chosen])
         lengths = torch.full((len(specs) * args.batch_size,), pooling, dtype=torch.int64)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=[s.feature for s in specs], values=values, lengths=lengths)
-        step(dmp, opt, kjt)
+        step(dmp, opt, kjt.to(args.device_obj))
 
 
 def make_config(root: str, args, notes: dict):
@@ -763,6 +764,7 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="leave the checkpoints in --out-dir")
     parser.add_argument("--log-level", type=str, default="WARNING", help="level of cnr_torchrec's log")
     parser.add_argument("--json", type=str, default=None)
+    add_device_argument(parser)
     args = parser.parse_args()
     if args.deltas < 1 or args.reps < 1 or not args.sizes or not args.dirty:
         parser.error("--deltas and --reps must be at least 1, and --sizes and --dirty non-empty")
@@ -775,7 +777,7 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
 
-    dist.init_process_group("gloo")
+    args.device_obj = init_process_group(args.device, parser)
     rank, world = dist.get_rank(), dist.get_world_size()
     fresh_dir(args.out_dir, rank)
     staged = StagedBytes()
@@ -789,7 +791,7 @@ def main() -> None:
         model_bytes = TABLES * rows * (DIM * 4 + 4)
         progress(f"size x{size:g}: {TABLES} tables x {rows:,d} rows x {DIM}, {model_bytes / 1e9:.2f} GB of fp32 "
                  "tables + optimizer state; building")
-        dmp, opt = build(specs, world)
+        dmp, opt = build(specs, world, args.device_obj)
         warmups[f"{size:g}"] = warm_up(dmp, opt, specs, size, args, rank, world, staged, notes)
         for frac in args.dirty:
             progress(f"cell x{size:g}, dirty {frac:g}")
@@ -839,7 +841,7 @@ def main() -> None:
             print(f"  {name:<22s} {v:>9s}  <= {t['limit']:<8.3g} {'pass' if t['pass'] else 'FAIL'}   {t['what']}")
         print(f"run time {elapsed:.0f} s")
         if args.json:
-            out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
+            out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level", "device_obj")}
                    | {"world_size": world}, "notes": notes, "warmup_saves": warmups, "cells": cells,
                    "peers": {f"{s:g}": p for s, p in peer.items()}, "targets": tg, "run_time_s": elapsed}
             with open(args.json, "w") as f:

@@ -57,6 +57,9 @@ from cnr_torchrec import CheckNRunDMP
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
+
 
 def build(kind: str, specs, world: int, device: torch.device):
     torch.manual_seed(0)
@@ -136,16 +139,6 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
     return mark, (time.perf_counter() - t0) * 1e3 / repeats
 
 
-def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-    """All-reduces a host tensor in place, through the GPU where the backend is NCCL."""
-    if dist.get_backend() == "nccl":
-        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_device, op=op)
-        t.copy_(on_device)
-    else:
-        dist.all_reduce(t, op=op)
-
-
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     all_reduce_(t, op=dist.ReduceOp.MAX)
@@ -160,20 +153,6 @@ def pin_to_own_core() -> None:
         os.sched_setaffinity(0, {cores[local_rank]})
 
 
-def cuda_device_or_exit(parser: argparse.ArgumentParser) -> torch.device:
-    """This rank's GPU, ``cuda:LOCAL_RANK``; exits with status 2 and a message where there is none."""
-    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count >= local_world:
-        return torch.device("cuda", local_rank)
-    why = (f"torch {torch.__version__} is not a CUDA build" if torch.version.cuda is None else
-           f"torch sees {count} CUDA device(s) for {local_world} rank(s) on this host")
-    if local_rank == 0:
-        sys.stderr.write(f"benchmarks/tracking.py: --device cuda needs one GPU per rank, but {why}. Run with "
-                         "--device cpu (the default), or start one rank per GPU (torchrun --nproc_per_node).\n")
-    parser.exit(2)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=200_000)
@@ -185,20 +164,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="batches per round, each timed once per configuration")
     parser.add_argument("--extractions", type=int, default=10, help="timed extractions per tracker")
     parser.add_argument("--json", type=str, default=None)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                        help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK); cpu: gloo, one core per rank")
+    add_device_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     logging.getLogger("torchrec").setLevel(logging.ERROR)
 
-    if args.device == "cuda":
-        device = cuda_device_or_exit(parser)
-        torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
-    else:
-        device = torch.device("cpu")
+    if args.device == "cpu":
         pin_to_own_core()  # before gloo starts its threads, so that they stay on this rank's core too
-        dist.init_process_group("gloo")
+    device = init_process_group(args.device, parser)
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
              for i in range(args.tables)]

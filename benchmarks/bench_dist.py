@@ -1,0 +1,55 @@
+"""The process group of a benchmark rank, on CPU (gloo) or on CUDA (NCCL, one GPU per rank), and
+all-reduces of host values that work on either.
+
+The benchmarks reduce their timings and byte counts as host tensors; NCCL only reduces device
+tensors, so ``all_reduce_`` goes through this rank's GPU there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: NCCL, one GPU per rank (cuda:LOCAL_RANK); cpu: gloo")
+
+
+def cuda_device_or_exit(parser: argparse.ArgumentParser) -> torch.device:
+    """This rank's GPU, ``cuda:LOCAL_RANK``; exits with status 2 and a message where there is none."""
+    local_rank, local_world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count >= local_world:
+        return torch.device("cuda", local_rank)
+    why = (f"torch {torch.__version__} is not a CUDA build" if torch.version.cuda is None else
+           f"torch sees {count} CUDA device(s) for {local_world} rank(s) on this host")
+    if local_rank == 0:
+        sys.stderr.write(f"{parser.prog}: --device cuda needs one GPU per rank, but {why}. Run with "
+                         "--device cpu (the default), or start one rank per GPU (torchrun --nproc_per_node).\n")
+    parser.exit(2)
+
+
+def init_process_group(device: str, parser: argparse.ArgumentParser) -> torch.device:
+    """Starts the default group for ``--device``: NCCL on this rank's GPU, or gloo. Returns the device."""
+    if device == "cuda":
+        dev = cuda_device_or_exit(parser)
+        torch.cuda.set_device(dev)
+        dist.init_process_group("nccl", device_id=dev)
+        return dev
+    dist.init_process_group("gloo")
+    return torch.device("cpu")
+
+
+def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
+    """All-reduces a host tensor in place, through the GPU where the backend is NCCL."""
+    if dist.get_backend() == "nccl":
+        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
+        dist.all_reduce(on_device, op=op)
+        t.copy_(on_device)
+    else:
+        dist.all_reduce(t, op=op)
