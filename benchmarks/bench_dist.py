@@ -1,8 +1,8 @@
 """The process group of a benchmark rank, on CPU (gloo) or on CUDA (NCCL, one GPU per rank), and
 all-reduces of host values that work on either.
 
-The benchmarks reduce their timings and byte counts as host tensors; NCCL only reduces device
-tensors, so ``all_reduce_`` goes through this rank's GPU there.
+The benchmarks reduce their timings and byte counts as host tensors. The CUDA group has gloo
+beside NCCL for them; ``all_reduce_`` also serves a group of NCCL alone, through this rank's GPU.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ def cuda_device_or_exit(parser: argparse.ArgumentParser) -> torch.device:
 
 
 def init_process_group(device: str, parser: argparse.ArgumentParser) -> torch.device:
-    """Starts the default group for ``--device``: NCCL on this rank's GPU, or gloo. Returns the device."""
+    """Starts the default group for ``--device``: on CUDA, NCCL for device tensors beside gloo for host
+    ones (``dcp.async_save`` refuses a group without a CPU backend); on CPU, gloo. Returns the device."""
     if device == "cuda":
         dev = cuda_device_or_exit(parser)
         torch.cuda.set_device(dev)
-        dist.init_process_group("nccl", device_id=dev)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=dev)
         return dev
     dist.init_process_group("gloo")
     return torch.device("cpu")

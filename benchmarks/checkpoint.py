@@ -1,6 +1,8 @@
 """Checkpoint size, stall and restore time: each Checkpointer policy vs torchsnapshot and DCP.
 
 Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/checkpoint.py [--json PATH]
+On GPUs:         torchrun --standalone --nproc_per_node N benchmarks/checkpoint.py --device cuda (the model on
+                 cuda:LOCAL_RANK, NCCL beside gloo; docs/gpu.md has one H200's figures)
 Quick run:       ... benchmarks/checkpoint.py --rows 20000 --batch-size 256 --steps-per-interval 1 --reps 2
 (about 1.5 minutes on the 2-core dev VM; the quick run, 20 s. Checkpoints go under --out-dir,
 one fresh directory per policy, wiped at the end unless --keep.)
@@ -158,9 +160,9 @@ def fresh_dir(path: str, rank: int) -> str:
     return path
 
 
-def run_policy(label, policy, quant, specs, args, rank, world, root):
+def run_policy(label, policy, quant, specs, args, rank, world, root, device):
     """Trains a fresh model and checkpoints it with one policy. Returns (dmp, opt, config, per-checkpoint rows)."""
-    dmp, opt = build(specs, world, args.device_obj)
+    dmp, opt = build(specs, world, device)
     config = load_config({"root": root, "policy": policy, "quantization": quant})
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
@@ -168,7 +170,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root):
     n_step = 0
     for _ in range(args.intervals + 1):
         for _ in range(args.steps_per_interval):
-            step(dmp, opt, zipf_batch(specs, args.batch_size, args.pooling, gen).to(args.device_obj))
+            step(dmp, opt, zipf_batch(specs, args.batch_size, args.pooling, gen).to(dmp.device))
             n_step += 1
         counts = dmp.dirty_tracker.dirty_counts()  # since the previous save, before this one resets it
         dirty.append(total(sum(counts.values())))
@@ -371,7 +373,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     t_start = time.perf_counter()
-    args.device_obj = init_process_group(args.device, parser)
+    device = init_process_group(args.device, parser)
     rank, world = dist.get_rank(), dist.get_world_size()
     specs = [TableSpec(f"t{i}", args.rows, args.dim, "row_wise" if i % 2 == 0 else "table_wise")
              for i in range(args.tables)]
@@ -383,7 +385,7 @@ def main() -> None:
     runs, peer, restores, breakdowns = {}, None, {}, {}
     for label, policy, quant in chosen:
         root = fresh_dir(os.path.join(args.out_dir, label), rank)
-        dmp, opt, config, rows = run_policy(label, policy, quant, specs, args, rank, world, root)
+        dmp, opt, config, rows = run_policy(label, policy, quant, specs, args, rank, world, root, device)
         runs[label] = rows
         breakdowns[label] = bytes_breakdown(root) if rank == 0 else {}
         if rank == 0:
@@ -410,9 +412,9 @@ def main() -> None:
     elapsed = slowest(time.perf_counter() - t_start)
 
     if rank == 0:
-        print(f"\n{world} ranks on {args.device}, {args.tables} tables x {args.rows} rows x {args.dim}, batch {args.batch_size}/rank, "
-              f"pooling {args.pooling}; baseline + {args.intervals} checkpoints, {args.steps_per_interval} steps "
-              f"apart; medians of {args.reps} reps")
+        print(f"\n{world} ranks on {args.device}, {args.tables} tables x {args.rows} rows x {args.dim}, "
+              f"batch {args.batch_size}/rank, pooling {args.pooling}; baseline + {args.intervals} checkpoints, "
+              f"{args.steps_per_interval} steps apart; medians of {args.reps} reps")
         if "error_with_dmp" in snap:
             print(f"torchsnapshot take {{'model': dmp}} failed ({snap['error_with_dmp']}); figures below use the "
                   "fallback LocalShards: each rank's embedding shards and dense parameters as plain tensors")
@@ -469,7 +471,7 @@ def main() -> None:
         print(f"run time {elapsed:.0f} s (after start-up)")
         if args.json:
             out = {
-                "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level", "device_obj")}
+                "config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
                 | {"world_size": world},
                 "peers": peer,
                 "policies": {label: {"figures": figs[label], "checkpoints": runs[label],

@@ -1,6 +1,8 @@
 """Scaling: Checkpointer (consecutive, adaptive 4-bit) over model sizes and dirty fractions, against DCP and torchsnapshot.
 
 Run on 2 ranks:  OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/scale.py [--json PATH]
+On GPUs:         torchrun --standalone --nproc_per_node N benchmarks/scale.py --device cuda (NCCL beside gloo,
+                 which DCP's async_save needs; the model on cuda:LOCAL_RANK; docs/gpu.md has one H200's figures)
 Quick run:       ... benchmarks/scale.py --sizes 1 --dirty 0.01,0.27   (31 s wall on the 2-core dev VM;
                  --sizes 10 with the default dirty fractions: 2 minutes)
 Checkpoints go under --out-dir (default /tmp/cnr_bench_scale), one directory per cell, deleted
@@ -352,7 +354,7 @@ def train_interval(dmp, opt, specs, frac: float, interval: int, pooling: int, ar
         values = torch.cat([c[pos % c.numel()] for c in chosen])
         lengths = torch.full((len(specs) * args.batch_size,), pooling, dtype=torch.int64)
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=[s.feature for s in specs], values=values, lengths=lengths)
-        step(dmp, opt, kjt.to(args.device_obj))
+        step(dmp, opt, kjt.to(dmp.device))
 
 
 def make_config(root: str, args, notes: dict):
@@ -503,9 +505,13 @@ class ShardCopyStager:
         from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
         if isinstance(obj, ShardedTensor):
-            shards = [Shard(s.tensor.detach().to("cpu", copy=True), s.metadata) for s in obj.local_shards()]
+            # The copies live in host memory, so their metadata says so: ShardedTensor checks each
+            # shard's device against its placement (cuda:N for the shards of a CUDA model).
+            shards = [Shard(s.tensor.detach().to("cpu", copy=True), _on_host(s.metadata)) for s in obj.local_shards()]
+            meta = obj.metadata()
+            meta = dataclasses.replace(meta, shards_metadata=[_on_host(m) for m in meta.shards_metadata])
             return ShardedTensor._init_from_local_shards_and_global_metadata(
-                shards, obj.metadata(), process_group=obj._process_group)
+                shards, meta, process_group=obj._process_group)
         if isinstance(obj, torch.Tensor):
             return obj.detach().to("cpu", copy=True)
         if isinstance(obj, dict):
@@ -519,6 +525,13 @@ class ShardCopyStager:
 
     def close(self) -> None:
         pass
+
+
+def _on_host(md):
+    """A copy of ShardMetadata ``md`` placed on the CPU of the same rank."""
+    from torch.distributed.remote_device import _remote_device
+
+    return dataclasses.replace(md, placement=_remote_device(f"rank:{md.placement.rank()}/cpu"))
 
 
 def make_stager(kind: str):
@@ -777,7 +790,7 @@ def main() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
     torch.set_num_threads(1)
 
-    args.device_obj = init_process_group(args.device, parser)
+    device = init_process_group(args.device, parser)
     rank, world = dist.get_rank(), dist.get_world_size()
     fresh_dir(args.out_dir, rank)
     staged = StagedBytes()
@@ -791,7 +804,7 @@ def main() -> None:
         model_bytes = TABLES * rows * (DIM * 4 + 4)
         progress(f"size x{size:g}: {TABLES} tables x {rows:,d} rows x {DIM}, {model_bytes / 1e9:.2f} GB of fp32 "
                  "tables + optimizer state; building")
-        dmp, opt = build(specs, world, args.device_obj)
+        dmp, opt = build(specs, world, device)
         warmups[f"{size:g}"] = warm_up(dmp, opt, specs, size, args, rank, world, staged, notes)
         for frac in args.dirty:
             progress(f"cell x{size:g}, dirty {frac:g}")
@@ -841,7 +854,7 @@ def main() -> None:
             print(f"  {name:<22s} {v:>9s}  <= {t['limit']:<8.3g} {'pass' if t['pass'] else 'FAIL'}   {t['what']}")
         print(f"run time {elapsed:.0f} s")
         if args.json:
-            out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level", "device_obj")}
+            out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
                    | {"world_size": world}, "notes": notes, "warmup_saves": warmups, "cells": cells,
                    "peers": {f"{s:g}": p for s, p in peer.items()}, "targets": tg, "run_time_s": elapsed}
             with open(args.json, "w") as f:
