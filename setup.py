@@ -18,6 +18,11 @@ import shutil
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CUDA_ARCHS = "8.0;9.0"
+# The extension shares the process's libstdc++ with torch, even under a compiler that links it
+# statically by default: a private copy breaks every C++ exception that crosses into torch (on one
+# GPU machine's toolchain, each error raised by an op killed the process; docs/gpu.md). Linked
+# ahead of the compiler's own libraries, the shared libstdc++ resolves every C++ runtime symbol.
+SHARED_LIBSTDCXX_FLAGS = ["-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"]
 
 
 def _find_cuda_home() -> str | None:
@@ -76,6 +81,10 @@ def _cxx_flags() -> list[str]:
     return flags
 
 
+def _shared_libstdcxx() -> list[str]:
+    return SHARED_LIBSTDCXX_FLAGS if platform.system() == "Linux" else []
+
+
 def _extension():
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     cxx_flags = _cxx_flags()
@@ -88,9 +97,10 @@ def _extension():
             "cnr_torchrec._C",
             sources,
             extra_compile_args={"cxx": cxx_flags + ["-DCNR_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17"]},
-            extra_link_args=["-fopenmp"],
+            extra_link_args=["-fopenmp", *_shared_libstdcxx()],
         )
-    return CppExtension("cnr_torchrec._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"])
+    return CppExtension("cnr_torchrec._C", sources, extra_compile_args=cxx_flags,
+                        extra_link_args=["-fopenmp", *_shared_libstdcxx()])
 
 
 def _emulated_cuda_extension():
@@ -108,6 +118,7 @@ def _emulated_cuda_extension():
         _sources("csrc/cuda_emu/*.cpp"),
         include_dirs=[os.path.join(ROOT, "csrc", "cuda_emu")],
         extra_compile_args=flags,
+        extra_link_args=_shared_libstdcxx(),
     )
 
 
