@@ -151,14 +151,14 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import _not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import not_found_hint, summarize
     from cnr_torchrec.errors import CheckpointNotFoundError
 
     storage = _open(args)
     try:
         summary = summarize(storage)
         if not summary["checkpoints"] and not summary["corrupt"] and not summary["uncommitted"]:
-            raise CheckpointNotFoundError(f"no checkpoint under {args.root}{_not_found_hint(storage)}")
+            raise CheckpointNotFoundError(f"no checkpoint under {args.root}{not_found_hint(storage)}")
     finally:
         storage.close()
     if args.json:
@@ -286,7 +286,7 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import _not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import not_found_hint, summarize
     from cnr_torchrec.errors import CheckpointNotFoundError
     from cnr_torchrec.job.plots import load_report, validate_report, write_plots
 
@@ -299,7 +299,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         try:
             report = summarize(storage)
             if not report["checkpoints"]:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {src}{_not_found_hint(storage)}")
+                raise CheckpointNotFoundError(f"no committed checkpoint under {src}{not_found_hint(storage)}")
         finally:
             storage.close()
         validate_report(report, src)

@@ -2,7 +2,8 @@
 
 ``imports SRC SITE``: the package comes from the install in SITE; every op that
 ``SRC/csrc/schemas.h`` declares is registered in ``torch.ops.cnr`` with a CPU kernel; the
-package and its ``cnr`` command work without the ``plot`` and ``s3`` extras.
+package ships ``py.typed``; the package and its ``cnr`` command work without the ``plot`` and
+``s3`` extras.
 
 ``digest``: prints a SHA-256 of every codec's encoded tensors and decoded rows, including a
 decode into a 32 MB table (the streaming-store path). Two builds of the extension that
@@ -44,12 +45,15 @@ def check_imports(src: str, site: str) -> int:
     if not where.startswith(os.path.realpath(site) + os.sep):
         print(f"cnr_torchrec was imported from {where}, not from the install in {site}")
         return 1
+    failed = False
+    if not os.path.isfile(os.path.join(os.path.dirname(where), "py.typed")):
+        print("the install has no py.typed (PEP 561): pyproject.toml's package-data must ship it")
+        failed = True
     declared = _declared_ops(src)
     registered = sorted({n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
                          if n.startswith("cnr::")})
     no_cpu = [n for n in registered if not torch._C._dispatch_has_kernel_for_dispatch_key(f"cnr::{n}", "CPU")]
     print(f"torch.ops.cnr: {len(registered)} ops registered, {len(declared)} declared in csrc/schemas.h")
-    failed = False
     if not declared or registered != declared:
         print(f"declared but not registered: {sorted(set(declared) - set(registered))}; "
               f"registered but not declared: {sorted(set(registered) - set(declared))}")

@@ -799,3 +799,24 @@ def test_dense_optimizer_state_errors_are_named():
         load_named_state(other, torch.optim.Adam([other.weight]), positional, "checkpoint 1")
     with pytest.raises(ConfigError, match="not in the model"):
         param_names(model, torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))
+
+
+@pytest.mark.parametrize("failed, why", [
+    ([], "give the ranks that failed"),
+    ([1], "give the ranks that failed"),  # outside a world of one rank
+    ([-1], "give the ranks that failed"),
+    ([0], "every rank failed"),
+])
+def test_recover_refuses_failed_ranks_that_leave_nothing_to_recover_from(group, tmp_path, failed, why):
+    from _toy import build_dmp
+
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.errors import ConfigError
+    from cnr_torchrec.examples.toy import TableSpec
+
+    dmp, opt = build_dmp([TableSpec("t0", 40, 4, "table_wise", "ebc")])
+    with Checkpointer(dmp, load_config({"root": str(tmp_path)}), dense_optimizer=opt) as ck:
+        ck.save(1).wait()
+        with pytest.raises(ConfigError, match=why):
+            ck.recover(failed)
+        assert ck.list()[-1].step == 1  # nothing was touched

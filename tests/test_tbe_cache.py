@@ -92,7 +92,7 @@ def test_saves_flush_before_reading_and_restores_drop_the_cache_after_writing(gr
 
 @pytest.mark.timeout(60)
 def test_a_tbe_without_a_cache_is_left_alone(group):
-    from cnr_torchrec.track._tbe_cache import flush_caches, has_cache, invalidate_caches
+    from cnr_torchrec.track.tbe_cache import flush_caches, has_cache, invalidate_caches
 
     dmp, _ = build_dmp(_specs())
     tbes = dmp.dirty_tracker.tbes()
@@ -106,8 +106,8 @@ def test_a_tbe_without_a_cache_is_left_alone(group):
 @pytest.mark.timeout(60)
 def test_a_cache_wider_than_its_weights_is_refused(group):
     from cnr_torchrec.errors import UnsupportedShardingError
-    from cnr_torchrec.track._discovery import find_kernels
-    from cnr_torchrec.track._tbe_cache import why_cache_inexact
+    from cnr_torchrec.track.discovery import find_kernels
+    from cnr_torchrec.track.tbe_cache import why_cache_inexact
 
     dmp, _ = build_dmp(_specs())
     tbe = dmp.dirty_tracker.shards("t_table_wise")[0][0].tbe

@@ -21,7 +21,7 @@ from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import param_names
 from cnr_torchrec.ckpt.format.manifest import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.partial import RecoveryInfo, recover
+from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.save.catalog import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
@@ -41,7 +41,7 @@ def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
     out = {}
     names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
     for table in tracker.tables():
-        module = str(tracker._entry(table)["module"])
+        module = tracker.table_module(table)
         hits = [n for n in names if n.startswith(module + ".") and n.endswith(f".{table}.weight")]
         out[table] = hits[0] if len(hits) == 1 else f"{module}.{table}.weight"
     return out
@@ -168,6 +168,9 @@ class Checkpointer:
         self._retention = Retention(config.retention, self._compactor.pinned)
         self._restorer = Restorer(config, storage=self._storage, io=self._io, ranks=self._ranks, model=model,
                                   tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state)
+        self._recovery = Recovery(restorer=self._restorer, storage=self._storage, io=self._io, ranks=self._ranks,
+                                  model=model, tracker=tracker, dense_optimizer=dense_optimizer,
+                                  extra_state=self.extra_state)
         self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
@@ -352,10 +355,29 @@ class Checkpointer:
         return int(m["step"])
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
-        """CPR partial recovery of ``failed_ranks``; see :func:`cnr_torchrec.ckpt.restore.partial.recover`."""
+        """CPR partial recovery: only ``failed_ranks`` reload their shards; survivors keep their live rows.
+
+        Every rank calls it at once, the replaced ranks as fresh processes; see
+        :class:`~cnr_torchrec.ckpt.restore.partial.Recovery` for what moves and what is lost.
+
+        Args:
+            failed_ranks: the ranks that failed and were replaced.
+            step: recover from the newest checkpoint of this step instead of the newest one.
+
+        Raises:
+            ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
+                (nothing survives: use :meth:`restore`).
+            CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError, StorageError:
+                as for :meth:`restore`, on every rank alike.
+        """
         self._check_open("recover")
-        failed = list(failed_ranks)
-        info = recover(self, failed, step)
+        failed = self._recovery.check(failed_ranks)
+        if self._inflight is not None:
+            self._settle(self._inflight)
+        self._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
+        info, chain = self._recovery.run(failed, step)
+        self._continue_chain(chain)
+        self._count_restore(chain[-1])
         if self._committer.reconstruction is not None and self.rank in failed:
             self._committer.reconstruction.reset(self.tracker)  # survivors keep the chain's reconstruction
         return info

@@ -26,6 +26,8 @@ __all__ = [
     "KeepConfig",
     "QuantizationConfig",
     "load_config",
+    "dataclass_from_mapping",
+    "convert_value",
 ]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
@@ -58,13 +60,13 @@ class QuantizationConfig:
     residual: bool = False
 
     def __post_init__(self) -> None:
-        from cnr_torchrec.quant.codecs import _REGISTRY
+        from cnr_torchrec.quant import available_codecs
 
-        codec_cls = _REGISTRY.get(self.method)
-        if self.bits is None and codec_cls is not None and 4 in codec_cls.bit_choices:
+        bit_choices = available_codecs().get(self.method)  # None for an unknown method: codec_for names it
+        if self.bits is None and bit_choices is not None and 4 in bit_choices:
             object.__setattr__(self, "bits", 4)
         if self.bits == "auto":
-            if codec_cls is not None and not {2, 3, 4, 8} <= set(codec_cls.bit_choices):
+            if bit_choices is not None and not {2, 3, 4, 8} <= set(bit_choices):
                 raise ConfigError(f"quantization: bits: auto needs a quantizing method, not {self.method!r}")
             for bits in (2, 3, 4, 8):  # any of them may be picked
                 self.codec_for(bits)
@@ -387,7 +389,7 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any)
             wrong type or an inconsistent value. The message names the key.
     """
     data, where = read_mapping(source, "config file")
-    return _build(CheckpointConfig, {**data, **overrides}, where)
+    return dataclass_from_mapping(CheckpointConfig, {**data, **overrides}, where)
 
 
 def read_mapping(
@@ -417,7 +419,18 @@ def read_mapping(
     return dict(data), where
 
 
-def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
+def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """An instance of the config dataclass ``cls`` from the keys of ``data``, each converted to its field's type.
+
+    Args:
+        cls: a dataclass whose fields are typed with what :func:`convert_value` knows.
+        data: the section's keys, as read from YAML.
+        where: how errors name the section (a file and a key path).
+
+    Raises:
+        ConfigError: an unknown key (with the closest valid one), a missing required key, or a value
+            of the wrong type; the message starts with ``where``.
+    """
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
@@ -428,7 +441,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str) -> Any:
     missing = [n for n, f in fields.items() if n not in data and _required(f)]
     if missing:
         raise ConfigError(f"{where}: missing required key(s) {missing}")
-    kwargs = {key: _convert(hints[key], value, f"{where}: {key}") for key, value in data.items()}
+    kwargs = {key: convert_value(hints[key], value, f"{where}: {key}") for key, value in data.items()}
     try:
         return cls(**kwargs)
     except ConfigError as e:
@@ -447,12 +460,18 @@ def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
 
 
-def _convert(tp: Any, value: Any, where: str) -> Any:
+def convert_value(tp: Any, value: Any, where: str) -> Any:
+    """``value`` as the annotated type ``tp``: a nested config dataclass, a Literal, a union, a dict, a
+    bool, int, float or str (an int is taken for a float, nothing else is coerced).
+
+    Raises:
+        ConfigError: ``value`` is not of ``tp``; the message starts with ``where``.
+    """
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return _build(tp, value, where)
+        return dataclass_from_mapping(tp, value, where)
     if origin is Literal:
         choices = typing.get_args(tp)
         if value not in choices:
@@ -467,7 +486,7 @@ def _convert(tp: Any, value: Any, where: str) -> Any:
             if arg is type(None):
                 continue
             try:
-                return _convert(arg, value, where)
+                return convert_value(arg, value, where)
             except ConfigError as e:
                 errors.append(str(e))
         if len(errors) == 1:

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from cnr_torchrec.ckpt.config import CheckpointConfig, _build, _convert, read_mapping
+from cnr_torchrec.ckpt.config import CheckpointConfig, convert_value, dataclass_from_mapping, read_mapping
 from cnr_torchrec.job.data import DataConfig
 from cnr_torchrec.job.dlrm import ModelConfig
 from cnr_torchrec.errors import ConfigError
@@ -114,15 +114,15 @@ def _convert_sequence(tp: Any, value: Any, where: str) -> tuple:
 
 
 def _build_section(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """``ckpt.config._build`` for a section whose dataclass also has list fields.
+    """``ckpt.config.dataclass_from_mapping`` for a section whose dataclass also has list fields.
 
     Same checks and messages (unknown keys with a did-you-mean, required keys, types via
-    ``_convert``); ``_convert`` has no list type, so those fields (lists of integers, and
+    ``convert_value``); ``convert_value`` has no list type, so those fields (lists of integers, and
     lists of lists of names) are converted here.
     """
     hints = typing.get_type_hints(cls)
     if not any(_is_sequence_type(tp) for tp in hints.values()):
-        return _build(cls, data, where)
+        return dataclass_from_mapping(cls, data, where)
     names = [f.name for f in dataclasses.fields(cls)]
     for key in data:
         if key not in names:
@@ -131,7 +131,7 @@ def _build_section(cls: type, data: Mapping[str, Any], where: str) -> Any:
             raise ConfigError(f"{where}: unknown key '{key}'{hint}; valid keys are {sorted(names)}")
     kwargs = {
         k: _convert_sequence(hints[k], v, f"{where}: {k}") if _is_sequence_type(hints[k])
-        else _convert(hints[k], v, f"{where}: {k}")
+        else convert_value(hints[k], v, f"{where}: {k}")
         for k, v in data.items()
     }
     try:
@@ -181,14 +181,14 @@ def load_job_config(source: str | os.PathLike | Mapping[str, Any], overrides: Se
     if where == "config":
         where = "job config"
     data = apply_overrides(data, overrides)
-    sections = _build(_Sections, data, where)
+    sections = dataclass_from_mapping(_Sections, data, where)
     if "checkpoint_interval" in sections.train and sections.checkpoint.get("interval") is not None:
         raise ConfigError(
             f"{where}: both train.checkpoint_interval and checkpoint.interval are set; keep one (checkpoint.interval "
             "lets the Checkpointer pick the steps, e.g. 'auto')"
         )
     return JobConfig(
-        checkpoint=_build(CheckpointConfig, sections.checkpoint, f"{where}: checkpoint"),
+        checkpoint=dataclass_from_mapping(CheckpointConfig, sections.checkpoint, f"{where}: checkpoint"),
         data=_build_section(DataConfig, sections.data, f"{where}: data"),
         model=_build_section(ModelConfig, sections.model, f"{where}: model"),
         train=_build_section(TrainConfig, sections.train, f"{where}: train"),

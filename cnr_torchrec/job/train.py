@@ -37,7 +37,7 @@ from cnr_torchrec.job.launch import init_distributed
 from cnr_torchrec.job.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
 from cnr_torchrec.job.config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from cnr_torchrec.track._tbe_cache import flush_caches
+from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["JobConfig", "Journal", "TrainConfig", "apply_overrides", "auc", "evaluate", "format_summary",
            "load_job_config", "logloss", "main", "run"]

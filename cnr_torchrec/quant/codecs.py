@@ -25,6 +25,9 @@ __all__ = ["Codec", "METHODS", "QUANT_BITS", "get_codec", "codec_for", "decode",
 QUANT_BITS: tuple[int, ...] = (2, 3, 4, 8)
 """Bit widths of the quantizing methods."""
 
+Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+"""The tensors of an encoding: ``{name: (dtype, shape)}``."""
+
 _DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _MAX_REPORTED_ROWS = 8
 
@@ -66,7 +69,7 @@ class Codec(abc.ABC):
            which rebuilds the codec from the metadata.
 
     Encoding is deterministic: the same rows give the same bytes whatever the thread
-    count. Subclasses implement ``_encode``, ``_decode``, ``_layout`` and ``bytes_per_row``.
+    count. Subclasses implement ``_encode``, ``_decode``, ``layout`` and ``bytes_per_row``.
     """
 
     method: ClassVar[str]
@@ -185,7 +188,7 @@ class Codec(abc.ABC):
                 f"rows encoded by {encoded.method!r} at {encoded.bits} bits cannot be decoded by {self!r}; "
                 "use cnr_torchrec.quant.decode(encoded)"
             )
-        expected = self._layout(encoded)
+        expected = self.layout(encoded.num_rows, encoded.dim, encoded.params)
         for name in ("payload", "scale", "bias", "codebook"):
             t = getattr(encoded, name)
             want = expected.get(name)
@@ -206,8 +209,9 @@ class Codec(abc.ABC):
     def _decode(self, encoded: EncodedRows) -> torch.Tensor: ...
 
     @abc.abstractmethod
-    def _layout(self, encoded: EncodedRows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Expected (dtype, shape) of each tensor of ``encoded`` (absent ones left out)."""
+    def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
+        """The tensors that ``num_rows`` rows of ``dim`` columns encode to with ``params`` (an encoding's
+        own, as its metadata records them): ``{name: (dtype, shape)}``, absent ones left out."""
 
     def _validate(self) -> None:
         """Checks parameter combinations; raises UnknownCodecError."""
@@ -256,8 +260,8 @@ class _FloatCodec(Codec):
         # A copy even for float32: decoded rows must not alias the stored payload.
         return values.to(torch.float32, copy=True)
 
-    def _layout(self, encoded: EncodedRows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {"payload": (torch.uint8, (encoded.num_rows, self.bytes_per_row(encoded.dim)))}
+    def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
+        return {"payload": (torch.uint8, (num_rows, self.bytes_per_row(dim)))}
 
 
 class NoneCodec(_FloatCodec):
@@ -326,10 +330,10 @@ class _UniformCodec(Codec):
             return super()._decode_into(encoded, out, rows)
         ops.dequantize_uniform_into_(encoded.payload, encoded.scale, encoded.bias, self.bits, rows, out)
 
-    def _layout(self, encoded: EncodedRows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        n, p = encoded.num_rows, encoded.params
+    def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
+        n, p = num_rows, params
         out = {
-            "payload": (torch.uint8, (n, ops.packed_bytes(encoded.dim, self.bits))),
+            "payload": (torch.uint8, (n, ops.packed_bytes(dim, self.bits))),
             "scale": (_DTYPES[p.get("scale_dtype", "float32")], (n,)),
         }
         if not self.symmetric:
@@ -510,12 +514,12 @@ class KMeansCodec(Codec):
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
         return ops.dequantize_codebook(encoded.payload, encoded.bias, encoded.codebook, self.bits, encoded.dim)
 
-    def _layout(self, encoded: EncodedRows) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        n, d = encoded.num_rows, encoded.dim
+    def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
+        n, d = num_rows, dim
         return {
             "payload": (torch.uint8, (n, ops.packed_bytes(d, self.bits))),
             "bias": (torch.float32, (n,)),
-            "codebook": (_DTYPES[encoded.params.get("codebook_dtype", "float16")], (n, self._centroids(d) - 1)),
+            "codebook": (_DTYPES[params.get("codebook_dtype", "float16")], (n, self._centroids(d) - 1)),
         }
 
 

@@ -14,7 +14,7 @@ import os
 
 from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
 
-from cnr_torchrec.track._discovery import TrackedKernel
+from cnr_torchrec.track.discovery import TrackedKernel
 
 __all__ = ["ENV_MODE", "NO_CHECK", "restore_configured_mode", "takeover_mode", "why_not_taken_over"]
 

@@ -17,7 +17,7 @@ from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisio
 from torchrec.distributed.types import ShardingType
 
 from cnr_torchrec.errors import UnsupportedShardingError
-from cnr_torchrec.track._tbe_cache import why_cache_inexact
+from cnr_torchrec.track.tbe_cache import why_cache_inexact
 
 __all__ = ["ShardSlice", "TrackedKernel", "find_kernels", "plan_table_shapes"]
 

@@ -19,7 +19,7 @@ from cnr_torchrec.errors import (
     UnknownTableError,
 )
 from cnr_torchrec.track._bounds import NO_CHECK, restore_configured_mode, takeover_mode, why_not_taken_over
-from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
+from cnr_torchrec.track.discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
 from cnr_torchrec.track._inflight import InFlight, Lookup
 from cnr_torchrec.track._sampling import sample_lookup
 
@@ -331,6 +331,14 @@ class DirtyRowTracker:
         """This rank's shards of ``table``, with the TBE that holds each."""
         self._entry(table)
         return [(state.info, s) for state, s in self._shards[table]]
+
+    def table_module(self, table: str) -> str:
+        """The name of the sharded module that holds ``table`` in the model (``"sparse.ebc"``).
+
+        Raises:
+            UnknownTableError: the model has no table of that name.
+        """
+        return str(self._entry(table)["module"])
 
     def table_shape(self, table: str) -> tuple[int, int] | None:
         """``(num_embeddings, embedding_dim)`` of the whole table, or None if this rank holds none of it."""

@@ -17,9 +17,10 @@ import torch
 from cnr_torchrec.ckpt.format.storage import checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
+__all__ = ["DTYPES", "BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
 
-_DTYPES = {
+# The dtypes a blob may hold, by the name a manifest gives them; nothing else is written or read.
+DTYPES = {
     str(d).removeprefix("torch."): d
     for d in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
               torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -28,8 +29,8 @@ _DTYPES = {
 
 def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
-    if str(t.dtype).removeprefix("torch.") not in _DTYPES:
-        raise CheckpointError(f"cannot store a tensor of dtype {t.dtype}; supported: {sorted(_DTYPES)}")
+    if str(t.dtype).removeprefix("torch.") not in DTYPES:
+        raise CheckpointError(f"cannot store a tensor of dtype {t.dtype}; supported: {sorted(DTYPES)}")
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
@@ -87,7 +88,7 @@ def read_blob(file: str, meta: Mapping[str, Any], what: str, data: Any, verified
         UnsafeCheckpointError: the dtype is one we never write.
     """
     start, nbytes = int(meta["offset"]), int(meta["nbytes"])
-    dtype = _DTYPES.get(meta["dtype"])
+    dtype = DTYPES.get(meta["dtype"])
     if dtype is None:
         raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {meta['dtype']!r}, which we never write")
     if len(data) != nbytes:

@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from types import SimpleNamespace
 from typing import Any
 
-from cnr_torchrec.ckpt.format.payload import _DTYPES
+from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
 from cnr_torchrec.quant.codecs import METHODS
@@ -74,7 +73,7 @@ _RANK: dict[str, Check] = {
     "dense_optimizer": _opt(_type(dict)), "extra": _type(dict),
 }
 _CHUNK: dict[str, Check] = {"nbytes": _int(), "xxh3": _type(str)}
-_BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*_DTYPES), "shape": _type(list),
+_BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*DTYPES), "shape": _type(list),
                            "xxh3": _type(str)}
 
 
@@ -215,18 +214,18 @@ def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> None:
 
 
 def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> None:
-    if isinstance(meta, dict) and meta.get("dtype") not in _DTYPES:
+    if isinstance(meta, dict) and meta.get("dtype") not in DTYPES:
         raise UnsafeCheckpointError(
             f"{f.path}: {field}.dtype is {meta.get('dtype')!r}, which is never written (payloads are raw tensors of "
-            f"{sorted(_DTYPES)}; nothing is unpickled). Refusing the checkpoint; restore another with "
+            f"{sorted(DTYPES)}; nothing is unpickled). Refusing the checkpoint; restore another with "
             "restore(step=...)")
     f.record(meta, field, _BLOB)
     shape = meta["shape"]
     if not all(type(s) is int and s >= 0 for s in shape):
         f.fail(f"{field}.shape", f"must be a list of sizes >= 0, not {shape!r}")
-    if math.prod(shape) * _DTYPES[meta["dtype"]].itemsize != meta["nbytes"]:
+    if math.prod(shape) * DTYPES[meta["dtype"]].itemsize != meta["nbytes"]:
         f.fail(f"{field}.nbytes", f"is {meta['nbytes']}, but shape {shape} of {meta['dtype']} needs "
-                                  f"{math.prod(shape) * _DTYPES[meta['dtype']].itemsize}")
+                                  f"{math.prod(shape) * DTYPES[meta['dtype']].itemsize}")
     if meta["offset"] + meta["nbytes"] > file_nbytes:
         f.fail(f"{field}.offset", f"puts the blob past the end of its {file_nbytes}-byte file")
 
@@ -286,7 +285,7 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
         codec = get_codec(meta["method"], meta["bits"], **meta["params"])
     except UnknownCodecError as e:
         f.fail(f"{where}.meta", f"names no valid codec ({e})")
-    layout = codec._layout(SimpleNamespace(num_rows=meta["num_rows"], dim=meta["dim"], params=meta["params"]))
+    layout = codec.layout(meta["num_rows"], meta["dim"], meta["params"])
     if set(names) != set(layout):
         f.fail(f"{where}.blobs", f"are {sorted(names)}; codec {meta['method']} writes {sorted(layout)}")
     for key, (dtype, shape) in layout.items():

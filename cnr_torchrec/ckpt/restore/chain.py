@@ -33,7 +33,7 @@ from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCh
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.track._tbe_cache import invalidate_caches
+from cnr_torchrec.track.tbe_cache import invalidate_caches
 
 __all__ = ["check_compatible", "check_model", "restore_chain", "restore_dense_optimizer"]
 

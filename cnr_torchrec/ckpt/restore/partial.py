@@ -20,14 +20,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from cnr_torchrec.ckpt._collective import Failure
+from cnr_torchrec.ckpt._collective import Failure, Ranks
+from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.manifest import load_manifest
 from cnr_torchrec.ckpt.format.state import dense_named_state
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
+from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["RecoveryInfo", "recover", "replicated_tensors", "sync_from_survivor"]
+__all__ = ["Recovery", "RecoveryInfo", "replicated_tensors", "sync_from_survivor"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
 
@@ -103,66 +106,85 @@ class RecoveryInfo:
     bytes_broadcast: int  # replicated state sent from the survivor
 
 
-def recover(ck: Any, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
-    """``Checkpointer.recover``: only the failed ranks reload their shards; survivors keep their live rows.
+class Recovery:
+    """CPR partial recoveries for one :class:`~cnr_torchrec.ckpt.Checkpointer`.
 
-    Every rank calls it at once, the replaced ranks as fresh processes. The failed ranks
-    restore their embedding shards with their optimizer state, their ``extra_state``
-    (reader position) and RNG from the newest complete checkpoint (or the newest of
-    ``step``); the survivors read nothing and keep training state as it is. What DDP
-    replicates (dense parameters and buffers, data_parallel tables, the dense
-    optimizer, the TBE step) is then broadcast from the lowest surviving rank. The
-    updates the failed ranks' rows received since the checkpoint are lost: that is
-    the trade CPR makes for not rolling every rank back (``failure.target_lost_fraction``).
+    Only the failed ranks reload, their embedding shards with their optimizer state, their
+    ``extra_state`` (reader position) and RNG, from the newest complete checkpoint (or the newest
+    of a step); the survivors read nothing and keep their training state. What DDP replicates
+    (dense parameters and buffers, data_parallel tables, the dense optimizer, the TBE step) is
+    then broadcast from the lowest surviving rank. The updates the failed ranks' rows received
+    since the checkpoint are lost: that is the trade CPR makes for not rolling every rank back
+    (``failure.target_lost_fraction``).
 
-    Raises:
-        ConfigError: ``failed_ranks`` is empty, names a rank outside the job, or names every rank
-            (nothing survives: use ``Checkpointer.restore``).
-        CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError, StorageError:
-            as for restore, on every rank alike, naming the rank where it happened (rank 0 for
-            the choice of checkpoint, a failed rank for its reads).
+    Call order, on every rank at once (the replaced ranks as fresh processes): :meth:`check`
+    the failed ranks, settle what is in flight, then :meth:`run`.
     """
-    failed = sorted({int(r) for r in failed_ranks})
-    if not failed or failed[0] < 0 or failed[-1] >= ck.world_size:
-        raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in "
-                          f"[0, {ck.world_size})")
-    survivors = [r for r in range(ck.world_size) if r not in failed]
-    if not survivors:
-        raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
-    if ck._inflight is not None:
-        ck._settle(ck._inflight)
-    ck._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
-    # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
-    pick, chain = ck._restorer.agree_on_pick(step, {}, local=False)
-    if not pick["chain"]:
-        raise CheckpointNotFoundError(ck._restorer.not_found(step))
-    stats: dict[str, int] = {}
-    failure, cause = None, None
-    try:
-        chain = chain or [load_manifest(ck._storage, i) for i in pick["chain"]]
-        if ck.rank in failed:
-            same_world = chain[-1]["world_size"] == ck.world_size
-            restore_chain(
-                chain, storage=ck._storage, model=ck.model, tracker=ck.tracker, rank=ck.rank,
-                world_size=ck.world_size, dense_optimizer=None, replicated=False, stats=stats,
-                extra_state=ck.extra_state if same_world else {}, pool=ck._io,
-            )
-            if ck.dense_optimizer is not None:  # its layout; the survivor's values follow
-                restore_dense_optimizer(chain[-1], ck._storage, ck.model, ck.dense_optimizer, stats)
-    except Exception as e:  # the other ranks must hear of it before any broadcast
-        failure, cause = Failure.of(e, ck.rank, f"recovering from checkpoint {pick['chain'][-1]}"), e
-    ck._ranks.raise_any(failure, cause)
-    sent = sync_from_survivor(ck.model, ck.tracker, ck.dense_optimizer, src=survivors[0])
-    m = chain[-1]
-    if ck.rank in failed:
-        ck.tracker.reset(baseline=True)
-    ck._continue_chain(chain)
-    ck._count_restore(m)
-    read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
-    if ck._dist:
-        dist.all_reduce(read)
-    info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
-                        bytes_read=int(read), bytes_broadcast=sent)
-    log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
-             "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivors[0])
-    return info
+
+    def __init__(self, *, restorer: Restorer, storage: Storage, io: IOPool, ranks: Ranks, model: nn.Module,
+                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any]) -> None:
+        self._restorer, self._storage, self._io, self._ranks = restorer, storage, io, ranks
+        self.model, self.tracker = model, tracker
+        self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
+
+    def check(self, failed_ranks: Iterable[int]) -> list[int]:
+        """The failed ranks, sorted.
+
+        Raises:
+            ConfigError: none given, a rank outside the job, or every rank (nothing survives: use
+                ``Checkpointer.restore``).
+        """
+        world = self._ranks.world_size
+        failed = sorted({int(r) for r in failed_ranks})
+        if not failed or failed[0] < 0 or failed[-1] >= world:
+            raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in [0, {world})")
+        if len(failed) == world:
+            raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
+        return failed
+
+    def run(self, failed: list[int], step: int | None) -> tuple[RecoveryInfo, list[dict[str, Any]]]:
+        """Recovers the ``failed`` ranks (from :meth:`check`). Collective. Returns what it did and the chain.
+
+        Raises:
+            CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError, StorageError:
+                as for restore, on every rank alike, naming the rank where it happened (rank 0 for
+                the choice of checkpoint, a failed rank for its reads).
+        """
+        rank, world = self._ranks.rank, self._ranks.world_size
+        survivor = min(r for r in range(world) if r not in failed)
+        # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
+        pick, chain = self._restorer.agree_on_pick(step, {}, local=False)
+        if not pick["chain"]:
+            raise CheckpointNotFoundError(self._restorer.not_found(step))
+        stats: dict[str, int] = {}
+        failure, cause = None, None
+        try:
+            chain = chain or [load_manifest(self._storage, i) for i in pick["chain"]]
+            if rank in failed:
+                self._reload(chain, stats)
+        except Exception as e:  # the other ranks must hear of it before any broadcast
+            failure, cause = Failure.of(e, rank, f"recovering from checkpoint {pick['chain'][-1]}"), e
+        self._ranks.raise_any(failure, cause)
+        sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivor)
+        if rank in failed:
+            self.tracker.reset(baseline=True)
+        read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
+        if self._ranks.distributed:
+            dist.all_reduce(read)
+        m = chain[-1]
+        info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
+                            bytes_read=int(read), bytes_broadcast=sent)
+        log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
+                 "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivor)
+        return info, chain
+
+    def _reload(self, chain: list[dict[str, Any]], stats: dict[str, int]) -> None:
+        """A failed rank's own shards, per-rank state and dense optimizer layout, from ``chain``."""
+        same_world = chain[-1]["world_size"] == self._ranks.world_size
+        restore_chain(
+            chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self._ranks.rank,
+            world_size=self._ranks.world_size, dense_optimizer=None, replicated=False, stats=stats,
+            extra_state=self.extra_state if same_world else {}, pool=self._io,
+        )
+        if self.dense_optimizer is not None:  # its layout; the survivor's values follow
+            restore_dense_optimizer(chain[-1], self._storage, self.model, self.dense_optimizer, stats)

@@ -19,7 +19,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     manifest_path,
     walk_chain,
 )
-from cnr_torchrec.ckpt.format.payload import _DTYPES
+from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -160,10 +160,10 @@ class _Resolver:
                 )
             nbytes = int(r["nbytes"])
             for name, meta in r["blobs"].items():
-                if meta["dtype"] not in _DTYPES:
+                if meta["dtype"] not in DTYPES:
                     raise UnsafeCheckpointError(
                         f"{rel}: blob {name!r} has dtype {meta['dtype']!r}, which is never written (payloads are "
-                        f"raw tensors of {sorted(_DTYPES)}; nothing is unpickled). Refusing checkpoint {cid}."
+                        f"raw tensors of {sorted(DTYPES)}; nothing is unpickled). Refusing checkpoint {cid}."
                     )
                 if not 0 <= int(meta["offset"]) <= int(meta["offset"]) + int(meta["nbytes"]) <= nbytes:
                     raise CorruptCheckpointError(f"{mpath}: blob {name!r} lies outside {rel}'s {nbytes} bytes",

@@ -41,7 +41,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
 
-__all__ = ["Region", "merge_rank", "regions_of_layout"]
+__all__ = ["Region", "copy_blob", "copy_blob_tree", "merge_rank", "regions_of_layout"]
 
 
 @dataclass(frozen=True)
@@ -283,16 +283,16 @@ def _merge_tables(stored: dict[str, list[_Stored]], regions: list[Region],
     return tables, rows_written
 
 
-def _copy(name: str, load: PayloadReader, out: BlobWriter) -> str:
+def copy_blob(name: str, load: PayloadReader, out: BlobWriter) -> str:
     """Copies one blob, byte for byte, under the same name."""
     if name not in out.index:
         out.add(name, load(name))
     return name
 
 
-def _copy_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
+def copy_blob_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
     """Copies the blobs a flattened state tree names (the tree stays valid)."""
-    unflatten_state(tree, lambda name: _copy(name, load, out))
+    unflatten_state(tree, lambda name: copy_blob(name, load, out))
     return tree
 
 
@@ -302,12 +302,12 @@ def _copy_state(storage: Storage, rank_state: Mapping[str, Any] | None, dense_st
     out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
     if dense_state is not None:
         load = PayloadReader(storage, dense_state, whole=False)
-        out["dense"] = {n: _copy(b, load, blobs) for n, b in dense_state["dense"].items()}
-        out["dense_optimizer"] = _copy_tree(dense_state.get("dense_optimizer"), load, blobs)
+        out["dense"] = {n: copy_blob(b, load, blobs) for n, b in dense_state["dense"].items()}
+        out["dense_optimizer"] = copy_blob_tree(dense_state.get("dense_optimizer"), load, blobs)
     if rank_state is not None:
         load = PayloadReader(storage, rank_state, whole=False)
-        out["extra"] = {n: _copy_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
-        out["rng"] = _copy_tree(rank_state.get("rng"), load, blobs)
+        out["extra"] = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
+        out["rng"] = copy_blob_tree(rank_state.get("rng"), load, blobs)
     return out
 
 

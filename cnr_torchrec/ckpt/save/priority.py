@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.track._discovery import ShardSlice, TrackedKernel
+from cnr_torchrec.track.discovery import ShardSlice, TrackedKernel
 
 __all__ = ["choose_rows", "gather_column_counts", "row_budget", "select_rows"]
 

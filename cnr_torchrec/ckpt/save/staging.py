@@ -25,7 +25,7 @@ from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.track._tbe_cache import flush_caches
+from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["Staged", "StagedShard", "StagingBuffers", "stage"]
 

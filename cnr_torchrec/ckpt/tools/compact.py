@@ -26,10 +26,10 @@ from cnr_torchrec.ckpt.format.manifest import (
     write_index,
 )
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter, payload_files
-from cnr_torchrec.ckpt.format.payload import _DTYPES
+from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.compaction import compacted_body
-from cnr_torchrec.ckpt.save.merge import _copy, _copy_tree, merge_rank, regions_of_layout
+from cnr_torchrec.ckpt.save.merge import copy_blob, copy_blob_tree, merge_rank, regions_of_layout
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec
@@ -163,7 +163,7 @@ def _write_compacted_rank(
                         path=report["file"],
                     )
                 state = data.states[j]
-                dtype = _DTYPES.get(report["blobs"].get(s["blob"], {}).get("dtype", "float32"), torch.float32)
+                dtype = DTYPES.get(report["blobs"].get(s["blob"], {}).get("dtype", "float32"), torch.float32)
                 t = state.for_shard(rows, cols).to(dtype)
                 states.append({"rowwise": state.rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)})
             out["states"] = states
@@ -171,13 +171,13 @@ def _write_compacted_rank(
             out_tables.setdefault(table, []).append(out)
             if progress is not None:
                 progress(1)
-    replicated = {t: _copy(name, load, blobs) for t, name in report["replicated_tables"].items()}
-    dense = {n: _copy(name, load, blobs) for n, name in report["dense"].items()}
+    replicated = {t: copy_blob(name, load, blobs) for t, name in report["replicated_tables"].items()}
+    dense = {n: copy_blob(name, load, blobs) for n, name in report["dense"].items()}
     dense_opt = report.get("dense_optimizer")
     if dense_opt is not None:
-        _copy_tree(dense_opt, load, blobs)
-    extra = {n: _copy_tree(tree, load, blobs) for n, tree in report.get("extra", {}).items()}
-    rng = _copy_tree(report.get("rng"), load, blobs)
+        copy_blob_tree(dense_opt, load, blobs)
+    extra = {n: copy_blob_tree(tree, load, blobs) for n, tree in report.get("extra", {}).items()}
+    rng = copy_blob_tree(report.get("rng"), load, blobs)
     return {
         "rank": report["rank"],
         "ok": True,

@@ -42,6 +42,7 @@ from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, 
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 
 __all__ = [
+    "not_found_hint",
     "RowState",
     "TableData",
     "open_storage",
@@ -87,7 +88,9 @@ def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) ->
         ) from None
 
 
-def _not_found_hint(storage: Storage) -> str:
+def not_found_hint(storage: Storage) -> str:
+    """What to add to a "no checkpoint under ROOT" message: a hint when ROOT looks like one checkpoint's
+    own directory rather than the root above it, else the empty string."""
     local = storage.local_dir
     if local is not None and os.path.basename(os.path.normpath(local)).startswith("ckpt-"):
         return f"; {local} looks like one checkpoint's directory: pass its parent, the checkpoint root"
@@ -102,7 +105,7 @@ def resolve_id(storage: Storage, ckpt_id: int | None = None) -> int:
     """
     ids = committed_ids(storage)
     if not ids:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root}{_not_found_hint(storage)}")
+        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root}{not_found_hint(storage)}")
     if ckpt_id is None:
         return ids[-1]
     if ckpt_id not in ids:

@@ -26,7 +26,7 @@ import torch
 
 from cnr_torchrec.ckpt.format.chunks import chunks_of
 from cnr_torchrec.ckpt.format.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
-from cnr_torchrec.ckpt.format.payload import _DTYPES, checksum, unflatten_state
+from cnr_torchrec.ckpt.format.payload import DTYPES, checksum, unflatten_state
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes, check_relative
@@ -239,7 +239,7 @@ def _check_blob(name: str, meta: Mapping[str, Any], data: bytes, file_nbytes: in
     try:
         offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
         shape = [int(s) for s in meta["shape"]]
-        dtype = _DTYPES.get(meta["dtype"])
+        dtype = DTYPES.get(meta["dtype"])
         digest = meta["xxh3"]
     except (KeyError, TypeError, ValueError) as e:
         return f"blob {name!r} is described incompletely ({type(e).__name__}: {e})"
@@ -281,7 +281,7 @@ class _References:
         start, n = int(meta["offset"]), int(meta["nbytes"])
         raw = bytearray(self.data[start : start + n])
         t = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        return t.view(_DTYPES[meta["dtype"]]).reshape([int(s) for s in meta["shape"]])
+        return t.view(DTYPES[meta["dtype"]]).reshape([int(s) for s in meta["shape"]])
 
     def tree(self, tree: Any, what: str) -> None:
         unflatten_state(tree, lambda name: self.blob(name, what))

@@ -1,0 +1,119 @@
+"""The library's import contract: a ``_``-name belongs to the package that defines it.
+
+A module or name that starts with an underscore may be imported by the modules of the package
+it lives in and of that package's subpackages, never from elsewhere: ``ckpt/restore/`` may
+import ``ckpt._collective``, but ``ckpt/restore/`` may not import ``track._tbe_cache`` nor
+``format.payload._DTYPES``. What another package needs gets a public name and a place in its
+module's ``__all__``. Every import statement of ``cnr_torchrec`` is read, those inside
+functions included. Tests and benchmarks are outside the contract.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+from dataclasses import dataclass
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LIBRARY = "cnr_torchrec"
+
+
+@dataclass(frozen=True)
+class Import:
+    where: str  # "cnr_torchrec/ckpt/save/staging.py:28"
+    importer: str  # the importing module's package, "cnr_torchrec.ckpt.save"
+    target: str  # "cnr_torchrec.track._tbe_cache" or "cnr_torchrec.ckpt.format.payload._DTYPES"
+
+
+def _is_private(part: str) -> bool:
+    return part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+
+
+def _is_package(dotted: str) -> bool:
+    return os.path.isdir(os.path.join(ROOT, *dotted.split(".")))
+
+
+def _package_of(path: str) -> str:
+    """The package a library file belongs to: its directory, dotted."""
+    return os.path.relpath(os.path.dirname(path), ROOT).replace(os.sep, ".")
+
+
+def _absolute(node: ast.ImportFrom, package: str) -> str:
+    """The module a ``from ... import`` names, with relative imports resolved against ``package``."""
+    if node.level == 0:
+        return node.module or ""
+    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def library_imports(root: str = ROOT) -> list[Import]:
+    """Every import of a ``cnr_torchrec`` module or name made by the library's own files."""
+    out = []
+    for dirpath, _, files in os.walk(os.path.join(root, LIBRARY)):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(dirpath, name)
+            package = _package_of(path)
+            rel = os.path.relpath(path, root)
+            with open(path) as f:
+                tree = ast.parse(f.read(), filename=rel)
+            for node in ast.walk(tree):
+                if isinstance(node, ast.Import):
+                    targets = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    module = _absolute(node, package)
+                    targets = [f"{module}.{a.name}" for a in node.names if a.name != "*"] or [module]
+                else:
+                    continue
+                out += [Import(f"{rel}:{node.lineno}", package, t) for t in targets
+                        if t == LIBRARY or t.startswith(LIBRARY + ".")]
+    return out
+
+
+def owner_of_private(target: str) -> str | None:
+    """The package that owns the first ``_``-part of ``target`` (None when it has none).
+
+    ``cnr_torchrec.track._tbe_cache.flush`` -> ``cnr_torchrec.track``; for a name defined in a
+    module, ``cnr_torchrec.ckpt.format.payload._DTYPES`` -> ``cnr_torchrec.ckpt.format``.
+    """
+    parts = target.split(".")
+    for i, part in enumerate(parts):
+        if _is_private(part):
+            owner = ".".join(parts[:i])
+            while owner and not _is_package(owner):  # a module's name: its package owns it
+                owner = owner.rsplit(".", 1)[0]
+            return owner
+    return None
+
+
+def violations(imports: list[Import]) -> list[str]:
+    bad = []
+    for imp in imports:
+        owner = owner_of_private(imp.target)
+        if owner is not None and imp.importer != owner and not imp.importer.startswith(owner + "."):
+            bad.append(f"{imp.where}: {imp.importer} imports {imp.target}, private to {owner}")
+    return bad
+
+
+def test_no_private_name_is_imported_across_packages():
+    imports = library_imports()
+    assert len(imports) > 100, "the walk found too few imports to be reading the library"
+    bad = violations(imports)
+    assert not bad, ("these imports take a _-name from another package; give what is needed a public name "
+                     "(and a place in its module's __all__):\n  " + "\n  ".join(bad))
+
+
+@pytest.mark.parametrize("importer, target, allowed", [
+    ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt._collective.Collective", True),  # a subpackage of the owner
+    ("cnr_torchrec.quant", "cnr_torchrec._ext.ops", True),  # the root owns _ext
+    ("cnr_torchrec.ckpt.format", "cnr_torchrec.ckpt.format.payload._as_bytes", True),  # same package
+    ("cnr_torchrec.ckpt.save", "cnr_torchrec.track._inflight", False),
+    ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.save.merge._region_rows", False),
+    ("cnr_torchrec.ckpt", "cnr_torchrec.ckpt.format.payload._as_bytes", False),  # the parent is another package
+    ("cnr_torchrec.job", "cnr_torchrec.ckpt.config.__all__", True),  # dunders are not private
+])
+def test_the_rule_on_known_cases(importer, target, allowed):
+    assert (violations([Import("x.py:1", importer, target)]) == []) == allowed
