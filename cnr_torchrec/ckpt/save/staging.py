@@ -169,86 +169,115 @@ def stage(
     """
     t0 = time.perf_counter()
     out = Staged(decision, rank, world_size)
-    since_baseline = decision.since == "baseline"
-    limited = budget is not None and budget.max_rows_fraction is not None and decision.kind == "delta"
-    if limited and since_baseline:
-        raise ConfigError(
-            "budget.max_rows_fraction needs policy consecutive: a one-shot delta is restored from the baseline "
-            "and the latest delta alone, so rows a budget left out would lose their saved updates"
-        )
+    limited = _budget_applies(decision, budget)
     column_counts = gather_column_counts(tracker, budget.priority, world_size) if limited else {}
     flush_caches(tracker.tbes())  # fused_uvm_caching: rows updated in the cache, written back before any read
-    dirty_total = left_total = 0
-    views: dict[int, tuple[list, list]] = {}
-    tbe_iters = []
+    tables = _TableStager(out, tracker, decision, budget if limited else None, column_counts, buffers)
     for table in tracker.tables():
         shape = tracker.table_shape(table)
         if shape is not None:
             out.table_shapes[table] = list(shape)
-        if tracker.is_data_parallel(table):
-            if rank == 0:
-                (kernel, shard), *_ = tracker.shards(table)
-                out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
-            continue
-        encoding = decision.encodings.get(table, "full")
-        if encoding == "full" and not limited:  # whole shards: no need for their dirty rows
-            tracker.check_lookups(table)
-            shard_dirty = [(kernel, shard, None) for kernel, shard in tracker.shards(table)]
-        else:
-            shard_dirty = tracker.shard_dirty_rows(table, since_baseline=since_baseline)
-        chosen: dict[tuple[int, int], torch.Tensor] = {}
-        if limited:
-            chosen, left_out = choose_rows(tracker, table, shard_dirty, budget.max_rows_fraction,
-                                           column_counts.get(table))
-            if left_out.numel():
-                out.left_out[table] = left_out
-            dirty_total += sum(int(d.numel()) for d in {s.rows: d for _, s, d in shard_dirty}.values())
-            left_total += int(left_out.numel())
-        for kernel, shard, dirty in shard_dirty:
-            weights, all_states = _tbe_views(kernel.tbe, views)
-            states = list(all_states[shard.local_index]) if all_states else []
-            weights = weights[shard.local_index]
-            shard_encoding = encoding
-            if shard.rows in chosen:  # the budget is smaller than the shard: selected rows, with ids
-                shard_encoding, dirty = "rows", chosen[shard.rows]
-            if shard_encoding == "full":
-                ids, rows = None, None
-            else:
-                ids = dirty
-                rows = dirty.to(weights.device)
-            key = (table, shard.rows, shard.cols)
-            n = shard.num_rows if rows is None else int(rows.numel())
-
-            def pick(t: torch.Tensor, what: Any, rows: torch.Tensor | None = rows, n: int = n) -> torch.Tensor:
-                buf = None if buffers is None else buffers.take((*key, what), t, n, out.buffers)
-                return _host_copy(t, buf) if rows is None else _gather_rows(t, rows, buf)
-
-            staged_states = []
-            for j, s in enumerate(states):
-                rowwise = s.dim() == 1 or s.numel() == shard.num_rows
-                s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
-                staged_states.append((pick(s2, j), rowwise))
-            out.shards.append(
-                StagedShard(table, shard.rows, shard.cols, shard_encoding, ids, pick(weights, "w"), staged_states)
-            )
-    for tbe in tracker.tbes():
-        it = getattr(tbe, "iter", None)
-        if isinstance(it, torch.Tensor) and it.numel() == 1:
-            tbe_iters.append(int(it.item()))
-    out.tbe_iter = max(tbe_iters, default=0)
-    if rank == 0:
-        out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker).items()}
-        if dense_optimizer is not None:
-            out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
-    out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
-    out.rng = _clone_tree(rng_state())
+        if not tracker.is_data_parallel(table):
+            tables.stage(table)
+        elif rank == 0:
+            (kernel, shard), *_ = tracker.shards(table)
+            out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
+    _stage_rank_state(out, model, tracker, dense_optimizer, extra_state)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned copies above were asynchronous
     out.stall_ms = (time.perf_counter() - t0) * 1e3
     if limited:
         log.info("budget-limited delta %d (%s, max_rows_fraction %s): %d of %d dirty rows written, %d left dirty",
-                 decision.ckpt_id, budget.priority, budget.max_rows_fraction, dirty_total - left_total, dirty_total,
-                 left_total)
+                 decision.ckpt_id, budget.priority, budget.max_rows_fraction, tables.dirty_total - tables.left_total,
+                 tables.dirty_total, tables.left_total)
     return out
+
+
+def _budget_applies(decision: Decision, budget: BudgetConfig | None) -> bool:
+    """Whether ``budget`` limits this save's rows: a delta of a consecutive chain with a row fraction set."""
+    limited = budget is not None and budget.max_rows_fraction is not None and decision.kind == "delta"
+    if limited and decision.since == "baseline":
+        raise ConfigError(
+            "budget.max_rows_fraction needs policy consecutive: a one-shot delta is restored from the baseline "
+            "and the latest delta alone, so rows a budget left out would lose their saved updates"
+        )
+    return limited
+
+
+class _TableStager:
+    """Stages the sharded tables of one save into ``out.shards``, shard by shard.
+
+    ``budget`` is given only when it limits this save; its counts of dirty and left-out rows
+    add up in ``dirty_total`` and ``left_total``.
+    """
+
+    def __init__(self, out: Staged, tracker: DirtyRowTracker, decision: Decision, budget: BudgetConfig | None,
+                 column_counts: dict[str, Any], buffers: StagingBuffers | None) -> None:
+        self.out, self.tracker, self.decision, self.budget = out, tracker, decision, budget
+        self.column_counts, self.buffers = column_counts, buffers
+        self.views: dict[int, tuple[list, list]] = {}
+        self.dirty_total = self.left_total = 0
+
+    def stage(self, table: str) -> None:
+        encoding = self.decision.encodings.get(table, "full")
+        if encoding == "full" and self.budget is None:  # whole shards: no need for their dirty rows
+            self.tracker.check_lookups(table)
+            shard_dirty = [(kernel, shard, None) for kernel, shard in self.tracker.shards(table)]
+        else:
+            shard_dirty = self.tracker.shard_dirty_rows(table, since_baseline=self.decision.since == "baseline")
+        chosen = self._choose(table, shard_dirty) if self.budget is not None else {}
+        for kernel, shard, dirty in shard_dirty:
+            if shard.rows in chosen:  # the budget is smaller than the shard: selected rows, with ids
+                self._shard(table, kernel, shard, "rows", chosen[shard.rows])
+            else:
+                self._shard(table, kernel, shard, encoding, dirty)
+
+    def _choose(self, table: str, shard_dirty: list) -> dict[tuple[int, int], torch.Tensor]:
+        """The rows the budget keeps per shard (those it leaves out stay dirty, in ``out.left_out``)."""
+        chosen, left_out = choose_rows(self.tracker, table, shard_dirty, self.budget.max_rows_fraction,
+                                       self.column_counts.get(table))
+        if left_out.numel():
+            self.out.left_out[table] = left_out
+        self.dirty_total += sum(int(d.numel()) for d in {s.rows: d for _, s, d in shard_dirty}.values())
+        self.left_total += int(left_out.numel())
+        return chosen
+
+    def _shard(self, table: str, kernel: Any, shard: Any, encoding: str, dirty: torch.Tensor | None) -> None:
+        """One shard's weights and optimizer states: whole (``full``), or the ``dirty`` rows with their ids."""
+        weights, all_states = _tbe_views(kernel.tbe, self.views)
+        states = list(all_states[shard.local_index]) if all_states else []
+        weights = weights[shard.local_index]
+        ids = None if encoding == "full" else dirty
+        rows = None if ids is None else ids.to(weights.device)
+        key = (table, shard.rows, shard.cols)
+        n = shard.num_rows if rows is None else int(rows.numel())
+
+        def pick(t: torch.Tensor, what: Any) -> torch.Tensor:
+            buf = None if self.buffers is None else self.buffers.take((*key, what), t, n, self.out.buffers)
+            return _host_copy(t, buf) if rows is None else _gather_rows(t, rows, buf)
+
+        staged_states = []
+        for j, s in enumerate(states):
+            rowwise = s.dim() == 1 or s.numel() == shard.num_rows
+            s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
+            staged_states.append((pick(s2, j), rowwise))
+        self.out.shards.append(
+            StagedShard(table, shard.rows, shard.cols, encoding, ids, pick(weights, "w"), staged_states)
+        )
+
+
+def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
+                      extra_state: dict[str, Any]) -> None:
+    """What is not a sharded table: the TBE step, the dense part and its optimizer (rank 0's: DDP
+    keeps them alike), this rank's ``extra_state`` and RNG."""
+    iters = [int(it.item()) for tbe in tracker.tbes()
+             if isinstance(it := getattr(tbe, "iter", None), torch.Tensor) and it.numel() == 1]
+    out.tbe_iter = max(iters, default=0)
+    if out.rank == 0:
+        out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker).items()}
+        if dense_optimizer is not None:
+            out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
+    out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
+    out.rng = _clone_tree(rng_state())
 
 
