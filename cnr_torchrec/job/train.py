@@ -265,20 +265,85 @@ def _restore(ckpt: Any, rank: int, journal: Journal | None, total_rows: int, inc
     return step
 
 
+@dataclasses.dataclass
+class _Job:
+    """What one run trains and checkpoints, built once on every rank."""
+
+    stream: SyntheticCriteo
+    model_rows: list[int]  # rows of each table of the model (a table shared by several features counted once)
+    dmp: Any  # CheckNRunDMP
+    dense: list[tuple[str, torch.nn.Parameter]]
+    dense_opt: torch.optim.Optimizer
+    dataset: ClickDataset
+    reader: ResumableReader
+    ckpt: Any  # Checkpointer
+    journal: Journal | None  # rank 0's
+
+    @property
+    def total_rows(self) -> int:
+        return sum(self.model_rows)
+
+
 def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device, incarnation: int = 0) -> dict[str, Any] | None:
     """Trains, evaluates and reports. Returns the report on rank 0 (None elsewhere)."""
-    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+    t_start = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    job = _build_job(cfg, device, rank, world)
+    start = _resume(job, cfg, rank, incarnation)
+    t_train = time.perf_counter()
+    first_loss, last_loss, pending = _train(job, cfg, args, device, start, rank, incarnation)
+    train_s = time.perf_counter() - t_train
+    job.ckpt.wait()
+    for handle in pending:
+        _settle(handle, job.journal, job.total_rows)
+    ev = evaluate(job.dmp, job.stream, rank, world, cfg.data.batch_size, cfg.train.eval_batches, device)
+    if args.dump_state:
+        os.makedirs(args.dump_state, exist_ok=True)
+        torch.save(_local_state(job.dmp, job.dense, job.dense_opt),
+                   os.path.join(args.dump_state, f"rank-{rank:05d}.pt"))
+    committed = _committed(job.ckpt) if rank == 0 else []
+    job.ckpt.close()
+    if rank != 0:
+        return None
+    assert job.journal is not None
+    for info in committed:
+        job.journal.record(info, job.total_rows)
+    snapshot = full_snapshot_nbytes(job.model_rows, cfg.model.embedding_dim, cfg.train.embedding_optimizer,
+                                    [p for _, p in job.dense], job.dense_opt)
+    report = {
+        "format": "cnr-report",
+        "version": 1,
+        "world_size": world,
+        "full_snapshot_nbytes": snapshot["total"],
+        "checkpoints": [job.journal.checkpoints[i] for i in sorted(job.journal.checkpoints)],
+        "restores": job.journal.restores,
+        "eval": {"logloss": ev["logloss"], "auc": ev["auc"]},
+        "full_snapshot": snapshot,
+        "restored_from": job.journal.restored_from,
+        "eval_detail": ev,
+        "steps": cfg.train.steps,
+        "start_step": start,
+        "first_loss": first_loss,
+        "last_loss": last_loss,
+        "train_s": train_s,
+        "wall_s": time.perf_counter() - t_start,
+        "job_wall_s": time.time() - job.journal.started_unix,
+        "policy": cfg.checkpoint.policy,
+        "config": _plain(cfg),
+    }
+    _write_report(report, job.journal, cfg, args)
+    return report
+
+
+def _build_job(cfg: JobConfig, device: torch.device, rank: int, world: int) -> _Job:
+    """The data, the sharded model with its dense optimizer, the resumable reader and the Checkpointer."""
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP, Checkpointer
 
-    t_start = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
     tc = cfg.train
     stream = SyntheticCriteo(cfg.data)
-    # Rows of each table of the model (a table shared by several features counted once).
     model_rows = [rows for rows, _ in table_features(cfg.model, stream.table_rows, stream.keys).values()]
-    total_rows = sum(model_rows)
     model = build_model(cfg.model, stream.table_rows, stream.keys, device)
     sharder = make_sharder(tc.embedding_optimizer, tc.embedding_lr)
     plan = build_plan(model, sharder, world, cfg.model.row_wise_min_rows, device.type)
@@ -286,44 +351,54 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device, incarnat
                        sharders=[sharder])
     dense = dense_parameters(dmp, dmp.dirty_tracker.module_fqns())
     dense_opt = _dense_optimizer(tc, [p for _, p in dense])
-
     dataset = ClickDataset(stream, rank, cfg.data.batch_size, tc.steps, split="train")
     reader = ResumableReader(make_loader(dataset, cfg.data.num_workers))
     ckpt = Checkpointer(dmp, cfg.checkpoint, dense_optimizer=dense_opt, extra_state={"reader": reader})
     journal = Journal(cfg.checkpoint) if rank == 0 else None
+    return _Job(stream, model_rows, dmp, dense, dense_opt, dataset, reader, ckpt, journal)
 
-    start = _restore(ckpt, rank, journal, total_rows, incarnation)
-    if start > tc.steps:
-        raise CheckpointError(f"the checkpoint is at step {start}, past train.steps={tc.steps}; raise train.steps "
+
+def _resume(job: _Job, cfg: JobConfig, rank: int, incarnation: int) -> int:
+    """Restores the newest checkpoint, if any, and puts the reader at its step. Returns the step."""
+    steps = cfg.train.steps
+    start = _restore(job.ckpt, rank, job.journal, job.total_rows, incarnation)
+    if start > steps:
+        raise CheckpointError(f"the checkpoint is at step {start}, past train.steps={steps}; raise train.steps "
                               "or use a new checkpoint.root")
-    if start and reader.trained != start:
+    if start and job.reader.trained != start:
         # Another world size: per-rank reader state was not restored; read each stream from `start`.
         log.warning("rank %d: reader state not restored (it says %d batches, the checkpoint %d); reading from "
-                    "batch %d", rank, reader.trained, start, start)
-        reader.loader = make_loader(torch.utils.data.Subset(dataset, range(start, tc.steps)), cfg.data.num_workers)
-        reader.trained = start
+                    "batch %d", rank, job.reader.trained, start, start)
+        job.reader.loader = make_loader(torch.utils.data.Subset(job.dataset, range(start, steps)),
+                                        cfg.data.num_workers)
+        job.reader.trained = start
+    return start
 
+
+def _train(job: _Job, cfg: JobConfig, args: argparse.Namespace, device: torch.device, start: int, rank: int,
+           incarnation: int) -> tuple[float | None, float | None, list[Any]]:
+    """Trains from ``start`` to ``train.steps``, saving as the config says. Returns the first and last loss
+    (rank 0's; None elsewhere or without a step) and the handles of the saves still in flight."""
+    from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+
+    tc, ckpt = cfg.train, job.ckpt
     handles: list[Any] = []
     auto_interval = cfg.checkpoint.interval is not None
     first_loss = last_loss = None
-    t_train = time.perf_counter()
     if start < tc.steps:
-        pipeline = TrainPipelineSparseDist(dmp, dense_opt, device, execute_all_batches=True)
+        pipeline = TrainPipelineSparseDist(job.dmp, job.dense_opt, device, execute_all_batches=True)
         bar = _Bar(rank == 0, total=tc.steps, initial=start, desc="train", unit="step")
         for step in range(start + 1, tc.steps + 1):
             if step == args.fail_at_step and rank == args.fail_rank and incarnation == 0:
-                sys.stderr.write(f"\n[rank {rank}] injected failure at step {step}: SIGKILL\n")
-                sys.stderr.flush()
-                sys.stdout.flush()
-                os.kill(os.getpid(), signal.SIGKILL)
+                _kill_self(rank, step)
             try:
-                loss, _, _ = pipeline.progress(reader)
+                loss, _, _ = pipeline.progress(job.reader)
             except StopIteration:
                 raise CheckpointError(
                     f"rank {rank}: the reader ran out before step {step} of {tc.steps}; its restored state does "
                     f"not match the checkpoint (use a new checkpoint.root)"
                 ) from None
-            reader.step_done()
+            job.reader.step_done()
             if rank == 0:
                 last_loss = float(loss)
                 first_loss = last_loss if first_loss is None else first_loss
@@ -332,49 +407,23 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device, incarnat
             if due or step == tc.steps:
                 handles.append(ckpt.save(step))
             while handles and handles[0].done():
-                _settle(handles.pop(0), journal, total_rows)
+                _settle(handles.pop(0), job.journal, job.total_rows)
             bar.update(1, loss=f"{last_loss:.4f}" if last_loss is not None else "")
         bar.close()
         pipeline.detach()
-    train_s = time.perf_counter() - t_train
-    ckpt.wait()
-    for h in handles:
-        _settle(h, journal, total_rows)
+    return first_loss, last_loss, handles
 
-    ev = evaluate(dmp, stream, rank, world, cfg.data.batch_size, tc.eval_batches, device)
-    if args.dump_state:
-        os.makedirs(args.dump_state, exist_ok=True)
-        torch.save(_local_state(dmp, dense, dense_opt), os.path.join(args.dump_state, f"rank-{rank:05d}.pt"))
-    snapshot = full_snapshot_nbytes(model_rows, cfg.model.embedding_dim, tc.embedding_optimizer,
-                                    [p for _, p in dense], dense_opt)
-    committed = _committed(ckpt) if rank == 0 else []
-    ckpt.close()
-    if rank != 0:
-        return None
-    assert journal is not None
-    for info in committed:
-        journal.record(info, total_rows)
-    report = {
-        "format": "cnr-report",
-        "version": 1,
-        "world_size": world,
-        "full_snapshot_nbytes": snapshot["total"],
-        "checkpoints": [journal.checkpoints[i] for i in sorted(journal.checkpoints)],
-        "restores": journal.restores,
-        "eval": {"logloss": ev["logloss"], "auc": ev["auc"]},
-        "full_snapshot": snapshot,
-        "restored_from": journal.restored_from,
-        "eval_detail": ev,
-        "steps": tc.steps,
-        "start_step": start,
-        "first_loss": first_loss,
-        "last_loss": last_loss,
-        "train_s": train_s,
-        "wall_s": time.perf_counter() - t_start,
-        "job_wall_s": time.time() - journal.started_unix,
-        "policy": cfg.checkpoint.policy,
-        "config": _plain(cfg),
-    }
+
+def _kill_self(rank: int, step: int) -> None:
+    """The injected failure of ``--fail-at-step``: this rank dies as a crashed process would."""
+    sys.stderr.write(f"\n[rank {rank}] injected failure at step {step}: SIGKILL\n")
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _write_report(report: dict[str, Any], journal: Journal, cfg: JobConfig, args: argparse.Namespace) -> None:
+    """Writes the report to ``--report``, or beside the checkpoints; records where in ``report_path``."""
     data = json.dumps(report, indent=1).encode()
     if args.report:
         os.makedirs(os.path.dirname(os.path.abspath(args.report)), exist_ok=True)
@@ -385,7 +434,6 @@ def run(cfg: JobConfig, args: argparse.Namespace, device: torch.device, incarnat
         journal.write(REPORT, data)
         report["report_path"] = f"{cfg.checkpoint.root.rstrip('/')}/{REPORT}"
     journal.close()
-    return report
 
 
 def _settle(handle: Any, journal: Journal | None, total_rows: int) -> None:
