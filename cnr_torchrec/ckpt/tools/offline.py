@@ -268,39 +268,53 @@ def assemble_tables(
                 if table not in out:
                     out[table] = TableData(torch.zeros(rows, dim, dtype=torch.float32), [])
                     covered[table] = torch.zeros(rows, dim, dtype=torch.bool)
-                data = out[table]
                 for entry in entries:
-                    c0, c1 = (int(v) for v in entry["cols"])
-                    r0, r1 = (int(v) for v in entry["rows"])
-                    if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= dim):
-                        raise CorruptCheckpointError(
-                            f"{file}: an entry of table '{table}' spans rows [{r0}, {r1}) x cols [{c0}, {c1}), "
-                            f"outside the table's {rows} x {dim}",
-                            path=file,
-                        )
-                    global_rows, weights, states = _decode_entry(table, entry, load, file)
-                    if weights.shape[1] != c1 - c0:
-                        raise CorruptCheckpointError(
-                            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns "
-                            f"[{c0}, {c1})",
-                            path=file,
-                        )
-                    if entry.get("residual"):  # quantization.residual: added to what the older entries restore
-                        data.weights[global_rows, c0:c1] += weights.float()
-                    else:
-                        data.weights[global_rows, c0:c1] = weights.float()
-                    covered[table][global_rows, c0:c1] = True
-                    for j, (rowwise, t, dtype) in enumerate(states):
-                        if j == len(data.states):
-                            data.states.append(RowState(rowwise, torch.zeros(rows, dim, dtype=torch.float32), dtype))
-                        state = data.states[j]
-                        state.rowwise, state.dtype = rowwise, dtype
-                        vals = t.float().reshape(t.shape[0], -1)
-                        state.values[global_rows, c0:c1] = vals.expand(-1, c1 - c0) if rowwise else vals
+                    _apply_entry(out[table], covered[table], table, entry, load, file)
                     if progress is not None:
                         progress(1)
+    out.update(_replicated_tables(storage, tip, replicated, shapes, whole=tables is None))
+    _check_covered(chain, [t for t in shapes if t not in replicated], covered)
+    return out
+
+
+def _apply_entry(data: TableData, covered: torch.Tensor, table: str, entry: Mapping[str, Any], load: PayloadReader,
+                 file: str) -> None:
+    """Writes one entry's rows and row states into ``data`` (adds them, for a residual entry), and marks them."""
+    rows, dim = data.weights.shape
+    c0, c1 = (int(v) for v in entry["cols"])
+    r0, r1 = (int(v) for v in entry["rows"])
+    if not (0 <= r0 < r1 <= rows and 0 <= c0 < c1 <= dim):
+        raise CorruptCheckpointError(
+            f"{file}: an entry of table '{table}' spans rows [{r0}, {r1}) x cols [{c0}, {c1}), "
+            f"outside the table's {rows} x {dim}",
+            path=file,
+        )
+    global_rows, weights, states = _decode_entry(table, entry, load, file)
+    if weights.shape[1] != c1 - c0:
+        raise CorruptCheckpointError(
+            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})",
+            path=file,
+        )
+    if entry.get("residual"):  # quantization.residual: added to what the older entries restore
+        data.weights[global_rows, c0:c1] += weights.float()
+    else:
+        data.weights[global_rows, c0:c1] = weights.float()
+    covered[global_rows, c0:c1] = True
+    for j, (rowwise, t, dtype) in enumerate(states):
+        if j == len(data.states):
+            data.states.append(RowState(rowwise, torch.zeros(rows, dim, dtype=torch.float32), dtype))
+        state = data.states[j]
+        state.rowwise, state.dtype = rowwise, dtype
+        vals = t.float().reshape(t.shape[0], -1)
+        state.values[global_rows, c0:c1] = vals.expand(-1, c1 - c0) if rowwise else vals
+
+
+def _replicated_tables(storage: Storage, tip: Mapping[str, Any], replicated: set[str],
+                       shapes: Mapping[str, tuple[int, int]], *, whole: bool) -> dict[str, TableData]:
+    """The data_parallel tables, whole, from rank 0's report of the tip (as a restore takes them)."""
     first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load0 = PayloadReader(storage, first, whole=tables is None)
+    load0 = PayloadReader(storage, first, whole=whole)
+    out = {}
     for table in sorted(replicated):
         if table not in first["replicated_tables"]:
             raise CorruptCheckpointError(
@@ -314,9 +328,12 @@ def assemble_tables(
                 path=first["file"],
             )
         out[table] = TableData(full.clone(), [])
-    for table in shapes:
-        if table in replicated:
-            continue
+    return out
+
+
+def _check_covered(chain: list[Mapping[str, Any]], tables: list[str], covered: Mapping[str, torch.Tensor]) -> None:
+    """Every row and column of the sharded ``tables`` was written by some entry of the chain."""
+    for table in tables:
         if table not in covered or not bool(covered[table].all()):
             base = manifest_path(chain[0]["id"])
             missing = 0 if table not in covered else int((~covered[table]).any(dim=1).sum())
@@ -325,7 +342,6 @@ def assemble_tables(
                 f"its baseline ({base}) is incomplete",
                 path=base,
             )
-    return out
 
 
 # ---------------------------------------------------------------------- summaries
