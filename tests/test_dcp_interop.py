@@ -274,8 +274,10 @@ def test_import_then_export_gives_back_the_dcp_checkpoint(tmp_path, capsys, monk
 
     src, root, out = str(tmp_path / "src"), str(tmp_path / "root"), str(tmp_path / "out")
     state = _synthetic(src)
-    reads, real_read = [], interop._read
-    monkeypatch.setattr(interop, "_read", lambda path, wanted: reads.append(sorted(wanted)) or real_read(path, wanted))
+    from cnr_torchrec.ckpt.tools.dcp import importer
+
+    reads, real_read = [], importer._read
+    monkeypatch.setattr(importer, "_read", lambda path, wanted: reads.append(sorted(wanted)) or real_read(path, wanted))
     assert main(["import-dcp", src, root, "--step", "5"]) == 0
     tables = [[k for k in keys if k.startswith("model.ebc.")] for keys in reads]  # table weights per read
     assert sorted(map(len, tables))[-1] == 1 and sum(map(len, tables)) == 2  # t0 (and its state), then t1

@@ -1,0 +1,25 @@
+"""Interop with torch.distributed.checkpoint (DCP): ``cnr export --format dcp`` and ``cnr import-dcp``.
+
+The layout is a DistributedModelParallel's own (docs/dcp.md): ``model`` (``dmp.state_dict()``), ``optim``
+(``dmp.fused_optimizer.state_dict()``: ``optim.state.<weight FQN>.<table>.momentum1``, row-wise ``[rows]`` or
+``[k * rows]`` for k column shards in column order, element-wise ``[rows, dim]``) and ``dense_optim`` (the
+dense optimizer by parameter FQN).
+
+**Export** writes the chunks of the tip's shard layout, as a DMP of that plan would save them. It streams:
+:class:`_ExportPlanner` plans from the manifest alone and assembles a table (the chain applied to it alone) in
+``resolve_data`` when DCP asks for its first chunk, once the previous one is dropped. Each chunk gets a file of
+its own, since ``FileSystemWriter`` holds every tensor of a file until it closes. ``OUT`` is renamed from
+``OUT.tmp-<pid>`` once DCP wrote ``.metadata``, so it only ever exists complete. **Load**: ``dcp.load``
+reshards weights by FQN; :class:`DMPLoadPlanner` also maps row-wise state across column splits and leaves
+optimizer state the checkpoint lacks alone. **Import** writes a baseline the way ``cnr compact`` does: ``none``
+entries by :func:`~cnr_torchrec.ckpt.save.writer.write_rank`, a table at a time, then the sealed manifest. DCP's
+metadata pickle is read through an allow-list, other values with ``torch.load(weights_only=True)``.
+"""
+
+from cnr_torchrec.ckpt.tools.dcp.export import export_dcp
+from cnr_torchrec.ckpt.tools.dcp.importer import import_dcp
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
+from cnr_torchrec.ckpt.tools.dcp.load import DMPLoadPlanner, dense_optimizer_state_dict, load_dense_optimizer
+
+__all__ = ["MODEL", "OPTIM", "DENSE_OPTIM", "DMPLoadPlanner", "dense_optimizer_state_dict", "export_dcp", "import_dcp",
+           "load_dense_optimizer"]

@@ -1,0 +1,161 @@
+"""``cnr export --format dcp``: a chain written as the chunks of its tip's shard layout, streamed table by table."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from cnr_torchrec.ckpt.format.chunks import PayloadReader
+from cnr_torchrec.ckpt.format.dense_optim import by_fqn
+from cnr_torchrec.ckpt.format.payload import unflatten_state
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.merge import regions_of_layout
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
+from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
+from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain, resolve_id
+from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+
+__all__ = ["export_dcp"]
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One DCP chunk of the export: its tensor's DCP path and size, its offsets and sizes there, and the block
+    of the assembled table it holds (``what``: ``weight``, element-wise ``state`` or ``rowwise`` state)."""
+
+    path: tuple[str, ...]
+    size: tuple[int, ...]
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    table: str
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    what: str = "weight"
+
+    def take(self, data: TableData) -> torch.Tensor:
+        (r0, r1), (c0, c1) = self.rows, self.cols
+        if self.what == "rowwise":
+            return data.states[0].for_shard(self.rows, self.cols)
+        return (data.weights if self.what == "weight" else data.states[0].values)[r0:r1, c0:c1]
+
+
+def _pieces(tip: Mapping[str, Any], table: str, blocks: list[tuple[tuple[int, int], ...]]) -> list[_Piece]:
+    """The weight of ``table`` in the tip's shard ``blocks``, and its fused optimizer state in TorchRec's layout."""
+    rows, dim = (int(v) for v in tip["tables"][table])
+    fqn = tip.get("table_fqns", {}).get(table, f"{table}.weight")
+    weight = [_Piece((MODEL, fqn), (rows, dim), (r[0], c[0]), (r[1] - r[0], c[1] - c[0]), table, r, c)
+              for r, c in blocks]
+    states = [e.get("states", []) for r in tip["ranks"] for e in r["tables"].get(table, [])]
+    count = max(map(len, states), default=0)
+    if count == 0:  # replicated (data_parallel) tables, and fused optimizers without state (SGD)
+        return weight
+    if count > 1:
+        raise IncompatibleCheckpointError(
+            f"table '{table}' stores {count} optimizer states per row; a DCP export names one, TorchRec's "
+            "'momentum1' (the row-wise or element-wise Adagrad sum). Export it with --format torch")
+    path = (OPTIM, "state", fqn, f"{table}.momentum1")
+    if not any(s[0]["rowwise"] for s in states if s):
+        return weight + [dataclasses.replace(p, path=path, what="state") for p in weight]
+    if all(c == (0, dim) for _, c in blocks):  # table-wise, row-wise: [rows], a chunk per shard
+        state = [_Piece(path, (rows,), (r[0],), (r[1] - r[0],), table, r, (0, dim), "rowwise") for r, _ in blocks]
+    elif all(r == (0, rows) for r, _ in blocks):  # column-wise: [k * rows], shard after shard in column order
+        cols = sorted(c for _, c in blocks)
+        state = [_Piece(path, (rows * len(cols),), (i * rows,), (rows,), table, (0, rows), c, "rowwise")
+                 for i, c in enumerate(cols)]
+    else:  # split both ways: the per-row mean, [rows]
+        state = [_Piece(path, (rows,), (0,), (rows,), table, (0, rows), (0, dim), "rowwise")]
+    return weight + state
+
+
+class _ExportPlanner(DefaultSavePlanner):
+    """The plan of the dense state (given to ``dcp.save``) plus every table's chunks, in table order, so that one
+    table is assembled and held at a time. ``decoded`` counts the assemblies."""
+
+    def __init__(self, storage: Storage, chain: list[dict[str, Any]], pieces: list[_Piece],
+                 progress: Progress | None) -> None:
+        super().__init__()
+        self._storage, self._chain, self._progress = storage, chain, progress
+        self._pieces = {(".".join(p.path), p.offsets): p for p in pieces}  # by DCP's flat key and offsets
+        self._held: tuple[str, TableData] | None = None
+        self.decoded = 0
+
+    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: StorageMeta | None = None,
+                       is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        paths = {fqn: p.path for (fqn, _), p in self._pieces.items()}
+        if set(paths) & set(self.mappings):
+            raise CorruptCheckpointError(f"dense state {sorted(set(paths) & set(self.mappings))} is named as a table")
+        self.mappings.update(paths)  # becomes metadata.planner_data
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [WriteItem(index=MetadataIndex(fqn, torch.Size(p.offsets)), type=WriteItemType.SHARD,
+                           tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
+                                                       TensorProperties(dtype=torch.float32), torch.Size(p.size)))
+                 for (fqn, _), p in self._pieces.items()]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        p = self._pieces.get((write_item.index.fqn, tuple(write_item.index.offset or ())))
+        if p is None:
+            return super().resolve_data(write_item)
+        if self._held is None or self._held[0] != p.table:
+            self._held = None  # the previous table goes before the next is assembled
+            tables = assemble_tables(self._storage, self._chain, self._progress, tables=[p.table])
+            self._held, self.decoded = (p.table, tables[p.table]), self.decoded + 1
+        return p.take(self._held[1])
+
+
+def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
+               progress: Progress | None = None) -> dict[str, Any]:
+    """Writes checkpoint ``ckpt_id`` (default: the newest committed) as a DCP checkpoint in new directory ``out``:
+    float32 tables, decoded one at a time once the chain verifies. Runs in this process alone.
+
+    Returns:
+        ``{"id", "step", "tensors", "nbytes", "tables_decoded"}`` (table assemblies: one per table).
+
+    Raises:
+        ConfigError: ``out`` exists.
+        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
+        CorruptCheckpointError: a file of the chain fails its checks (names it).
+        IncompatibleCheckpointError: a table stores more than one optimizer state per row.
+    """
+    out = os.path.abspath(out)
+    if os.path.lexists(out):
+        raise ConfigError(f"{out} exists; give --out a new directory (an export never overwrites)")
+    chain = load_chain(storage, resolve_id(storage, ckpt_id))
+    tip = chain[-1]
+    blocks: dict[str, list[tuple[tuple[int, int], ...]]] = {}  # the tip's shards: (rows, cols)
+    for g in (g for regions in regions_of_layout(tip).values() for g in regions if g.rows[1] > g.rows[0]):
+        blocks.setdefault(g.table, []).append((g.rows, g.cols))
+    pieces = [p for t in sorted(tip["tables"]) for p in _pieces(tip, t, sorted(blocks.get(t, [])))]
+    first = next(r for r in tip["ranks"] if r["rank"] == 0)
+    load = PayloadReader(storage, first, whole=False)  # the dense state: a few blobs of rank 0's file
+    dense: dict[str, Any] = {MODEL: {name: load(blob) for name, blob in first["dense"].items()}}
+    named = unflatten_state(first.get("dense_optimizer"), load)
+    if named is not None and "param_names" in named:  # by parameter name (an older build's is by position only)
+        dense[DENSE_OPTIM] = by_fqn(named)
+    planner, tmp = _ExportPlanner(storage, chain, pieces, progress), f"{out}.tmp-{os.getpid()}"
+    try:
+        writer = FileSystemWriter(tmp, single_file_per_rank=False, overwrite=False)
+        md = _dcp_call(dcp.save, dense, storage_writer=writer, planner=planner, no_dist=True)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
+    return {"id": tip["id"], "step": tip["step"], "tensors": len(tensors), "tables_decoded": planner.decoded,
+            "nbytes": sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors)}
+

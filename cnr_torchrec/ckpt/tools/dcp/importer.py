@@ -1,0 +1,178 @@
+"""``cnr import-dcp``: a DMP's DCP checkpoint written as a baseline, a table at a time."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+from torch.distributed.checkpoint.metadata import (Metadata, TensorStorageMetadata)
+
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
+from cnr_torchrec.ckpt.format.dense_optim import from_fqn
+from cnr_torchrec.ckpt.format.manifest import (committed_ids, existing_dir_ids, load_manifest, manifest_path, seal,
+                                               write_index)
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.save.commit import manifest_body
+from cnr_torchrec.ckpt.save.planner import Decision
+from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
+from cnr_torchrec.ckpt.save.writer import write_rank
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM, _column_shards
+from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
+from cnr_torchrec.ckpt.tools.offline import Progress
+from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
+from cnr_torchrec.quant import get_codec
+
+__all__ = ["import_dcp"]
+
+
+_TABLE_FQN = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
+
+
+class _DcpTable(NamedTuple):
+    name: str
+    fqn: str
+    shape: tuple[int, int]
+    state: str | None  # flat key of its fused optimizer state
+
+
+def _fp32(md: Metadata, key: str, where: str) -> TensorStorageMetadata:
+    """The metadata of tensor ``key``; IncompatibleCheckpointError unless it is float32."""
+    m = md.state_dict_metadata[key]
+    if not isinstance(m, TensorStorageMetadata) or m.properties.dtype != torch.float32:
+        raise IncompatibleCheckpointError(f"{where}: {key} is {getattr(m, 'properties', m)}; tables and their "
+                                          "optimizer state are imported from float32 only (cast them before dcp.save)")
+    return m
+
+
+def _dcp_tables(md: Metadata, where: str) -> dict[str, _DcpTable]:
+    """The tables: ``model`` weights with fused state under ``optim``, and those named like TorchRec's
+    (``...embedding_bags.<table>.weight``, ``...embeddings.<table>.weight``). Checks dtypes and shapes."""
+    paths = {k: _path(md, k) for k in md.state_dict_metadata}
+    fused: dict[str, dict[str, str]] = {}
+    for key, p in paths.items():
+        if len(p) == 4 and p[:2] == (OPTIM, "state"):
+            fused.setdefault(str(p[2]), {})[str(p[3])] = key
+    out: dict[str, _DcpTable] = {}
+    for key, p in sorted(paths.items()):
+        if len(p) != 2 or p[0] != MODEL:
+            continue
+        fqn, states, m = str(p[1]), fused.pop(str(p[1]), {}), _TABLE_FQN.search(str(p[1]))
+        if not states and m is None:
+            continue  # a dense parameter or buffer
+        name = m.group(1) if m else next(iter(states)).rsplit(".", 1)[0]
+        if set(states) - {f"{name}.momentum1"} or name in out:
+            raise IncompatibleCheckpointError(
+                f"{where}: '{OPTIM}' holds {sorted(states)} for {fqn}; a table has one state, '<table>.momentum1' (the "
+                f"row-wise or element-wise Adagrad sum), and a unique name. Save a dense optimizer as '{DENSE_OPTIM}'")
+        weight = _fp32(md, key, where)
+        if len(weight.size) != 2:
+            raise IncompatibleCheckpointError(f"{where}: {key} is {list(weight.size)}, not [rows, dim]")
+        rows, dim = (int(v) for v in weight.size)
+        state = next(iter(states.values()), None)
+        size = None if state is None else list(_fp32(md, state, where).size)
+        if size is not None and size != [rows, dim] and not (len(size) == 1 and rows and size[0] % rows == 0):
+            raise IncompatibleCheckpointError(f"{where}: {state} is {size}; for a table of {rows} x {dim} it must be "
+                                              f"[{rows}, {dim}] or [k * {rows}] (k column shards)")
+        out[name] = _DcpTable(name, fqn, (rows, dim), state)
+    if fused:
+        raise IncompatibleCheckpointError(f"{where}: it holds fused optimizer state of {sorted(fused)} but not their "
+                                          f"weights under '{MODEL}': it lacks those tables")
+    if not out:
+        raise IncompatibleCheckpointError(f"{where}: no embedding table under '{MODEL}'; dcp.save {{'{MODEL}': "
+                                          f"dmp.state_dict(), '{OPTIM}': dmp.fused_optimizer.state_dict()}}")
+    return out
+
+
+def _table_shards(path: str, md: Metadata, tables: dict[str, _DcpTable],
+                  progress: Progress | None) -> Iterator[StagedShard]:
+    """Each table as entries of whole rows, read one table at a time: one entry, or one per column shard when
+    its row-wise state was saved per column shard (each keeps its own value)."""
+    for t in sorted(tables.values(), key=lambda t: t.name):
+        (rows, dim), wkey = t.shape, f"{MODEL}.{t.fqn}"
+        got = _read(path, {wkey: torch.empty(rows, dim),
+                           **({} if t.state is None else {t.state: _empty(md.state_dict_metadata[t.state])})})
+        weights, state = got[wkey], got.get(t.state)
+        if state is None or state.dim() == 2:
+            states = [] if state is None else [(state, False)]
+            yield StagedShard(t.name, (0, rows), (0, dim), "full", None, weights, states)
+        else:
+            chunks = [(c.offsets, c.sizes) for c in md.state_dict_metadata[wkey].chunks]
+            for i, (c0, c1) in enumerate(_column_shards(chunks, rows, dim, state.numel() // rows, wkey)):
+                yield StagedShard(t.name, (0, rows), (c0, c1), "full", None, weights[:, c0:c1].contiguous(),
+                                  [(state[i * rows: (i + 1) * rows], True)])
+        if progress is not None:
+            progress(1)
+
+
+def _dense(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, torch.Tensor]:
+    """The dense parameters and buffers: every ``model`` entry that is not a table."""
+    taken = {t.fqn for t in tables.values()}
+    keys = {k: str(p[1]) for k in md.state_dict_metadata
+            if len(p := _path(md, k)) == 2 and p[0] == MODEL and str(p[1]) not in taken}
+    for k in keys:  # (a dtype our payloads do not store fails when it is written)
+        if not isinstance(md.state_dict_metadata[k], TensorStorageMetadata):
+            raise IncompatibleCheckpointError(f"{path}: {k} is not a tensor; every '{MODEL}' entry must be one")
+    return {keys[k]: v for k, v in _read(path, {k: _empty(md.state_dict_metadata[k]) for k in keys}).items()}
+
+
+def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int = 0,
+               progress: Progress | None = None) -> dict[str, Any]:
+    """Writes the DCP checkpoint in directory ``path`` (the module's layout, as ``dcp.save({"model":
+    dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(), "dense_optim": ...})`` wrote it) as a baseline
+    of ``storage`` with the next free id: full-precision entries, one table read at a time. A failure before
+    the commit (the sealed manifest) removes what was written.
+
+    Args:
+        append: import into a root that holds checkpoints, as a new baseline with the newest one's tables.
+        step: the training step the baseline records.
+
+    Returns:
+        The new checkpoint's manifest body.
+
+    Raises:
+        CheckpointNotFoundError: ``path`` holds no DCP checkpoint.
+        ConfigError: the root holds checkpoints and ``append`` is False.
+        IncompatibleCheckpointError: a table (or its weight) is missing, a shape differs (from the root's, or
+            between a table and its state), a table or its state is not float32, or the layout is another.
+        UnsafeCheckpointError, CorruptCheckpointError: its metadata pickles what DCP never writes, or does not load.
+    """
+    md = _metadata(path)
+    tables = _dcp_tables(md, path)
+    committed = committed_ids(storage)
+    if committed and not append:
+        raise ConfigError(f"{storage.root} already holds checkpoints (newest: {committed[-1]}); import into an empty "
+                          "root, or pass --append (append=True) to add the import as a new baseline")
+    if committed:  # the newest checkpoint's tables, shapes included
+        have = {t: [int(v) for v in shape] for t, shape in load_manifest(storage, committed[-1])["tables"].items()}
+        got = {t.name: list(t.shape) for t in tables.values()}
+        problems = [f"table '{t}' is {got.get(t, 'missing')} there and {have.get(t, 'missing')} in checkpoint "
+                    f"{committed[-1]}" for t in sorted(set(have) | set(got)) if have.get(t) != got.get(t)]
+        if problems:
+            raise IncompatibleCheckpointError(f"{path} is not of the model of {storage.root}: {'; '.join(problems)}. "
+                                              "Import it into a new root")
+    tree = _read_tree(path, md, DENSE_OPTIM)
+    new_id = max(existing_dir_ids(storage) + committed, default=-1) + 1
+    decision = Decision(new_id, step, "baseline", None, None, (new_id,), {t: "full" for t in tables},
+                        f"imported from DCP checkpoint {path}")
+    staged = Staged(decision, 0, 1, shards=_table_shards(path, md, tables, progress), dense=_dense(path, md, tables),
+                    dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
+                    table_shapes={t.name: list(t.shape) for t in tables.values()})
+    codec, t0 = get_codec("none"), time.perf_counter()
+    try:
+        report = write_rank(staged, codec, storage, chunk_bytes=DEFAULT_CHUNK_BYTES)  # consumes the shards lazily
+        report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        fields = {"policy": None, "world_size": 1, "restores": 0,
+                  "table_fqns": {t.name: t.fqn for t in tables.values()},
+                  "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
+        body = {**manifest_body(decision, [report], fields, [t.name for t in tables.values()]), "per_rank_state": False}
+        storage.write_atomic(manifest_path(new_id), seal(body))
+    except BaseException:
+        remove_partial(storage, new_id, 0)
+        raise
+    write_index(storage, committed_ids(storage))
+    return body
+
