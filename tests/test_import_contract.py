@@ -2,8 +2,8 @@
 
 A module or name that starts with an underscore may be imported by the modules of the package
 it lives in and of that package's subpackages, never from elsewhere: ``ckpt/restore/`` may
-import ``ckpt._collective``, but ``ckpt/restore/`` may not import ``track._tbe_cache`` nor
-``format.payload._DTYPES``. What another package needs gets a public name and a place in its
+import ``ckpt._collective``, but ``ckpt/save/`` may not import ``track._inflight`` nor
+``format.payload._as_bytes``. What another package needs gets a public name and a place in its
 module's ``__all__``. Every import statement of ``cnr_torchrec`` is read, those inside
 functions included. Tests and benchmarks are outside the contract.
 """
@@ -24,7 +24,7 @@ LIBRARY = "cnr_torchrec"
 class Import:
     where: str  # "cnr_torchrec/ckpt/save/staging.py:28"
     importer: str  # the importing module's package, "cnr_torchrec.ckpt.save"
-    target: str  # "cnr_torchrec.track._tbe_cache" or "cnr_torchrec.ckpt.format.payload._DTYPES"
+    target: str  # "cnr_torchrec.track._inflight" or "cnr_torchrec.ckpt.format.payload._as_bytes"
 
 
 def _is_private(part: str) -> bool:
@@ -76,8 +76,8 @@ def library_imports(root: str = ROOT) -> list[Import]:
 def owner_of_private(target: str) -> str | None:
     """The package that owns the first ``_``-part of ``target`` (None when it has none).
 
-    ``cnr_torchrec.track._tbe_cache.flush`` -> ``cnr_torchrec.track``; for a name defined in a
-    module, ``cnr_torchrec.ckpt.format.payload._DTYPES`` -> ``cnr_torchrec.ckpt.format``.
+    ``cnr_torchrec.track._inflight.x`` -> ``cnr_torchrec.track``; for a name defined in a
+    module, ``cnr_torchrec.ckpt.format.payload._as_bytes`` -> ``cnr_torchrec.ckpt.format``.
     """
     parts = target.split(".")
     for i, part in enumerate(parts):
