@@ -106,6 +106,32 @@ def test_no_private_name_is_imported_across_packages():
                      "(and a place in its module's __all__):\n  " + "\n  ".join(bad))
 
 
+# The lower layers know nothing of what is built on them: each package here imports none of those listed.
+_ABOVE = ("cnr_torchrec.job", "cnr_torchrec.examples", "cnr_torchrec.dmp", "cnr_torchrec.cli")
+LAYERS = {
+    "cnr_torchrec.track": ("cnr_torchrec.ckpt", "cnr_torchrec.quant", *_ABOVE),
+    "cnr_torchrec.quant": ("cnr_torchrec.ckpt", "cnr_torchrec.track", *_ABOVE),
+    # The on-disk format takes names, not live objects: no tracker, no save or restore machinery.
+    "cnr_torchrec.ckpt.format": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
+                                 "cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+}
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def layer_violations(imports: list[Import]) -> list[str]:
+    return [f"{imp.where}: {imp.importer} imports {imp.target}"
+            for imp in imports for layer, forbidden in LAYERS.items()
+            if _within(imp.importer, layer) and any(_within(imp.target, f) for f in forbidden)]
+
+
+def test_the_lower_layers_import_nothing_built_on_them():
+    bad = layer_violations(library_imports())
+    assert not bad, "these imports reach up a layer (tests/test_import_contract.py: LAYERS):\n  " + "\n  ".join(bad)
+
+
 @pytest.mark.parametrize("importer, target, allowed", [
     ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt._collective.Collective", True),  # a subpackage of the owner
     ("cnr_torchrec.quant", "cnr_torchrec._ext.ops", True),  # the root owns _ext

@@ -7,6 +7,7 @@ so they live here rather than with either side.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,6 @@ import torch
 from torch import nn
 
 from cnr_torchrec import ops
-from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["decode_ids", "dense_named_state", "encode_ids", "non_persistent_buffers", "rng_state", "set_rng_state"]
 
@@ -42,9 +42,14 @@ def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
     raise ValueError(f"unknown id encoding {kind!r}")
 
 
-def dense_named_state(model: nn.Module, tracker: DirtyRowTracker) -> dict[str, torch.Tensor]:
-    """Parameters and buffers outside the sharded embedding modules (replicated by DDP), by name."""
-    sharded = set(tracker.module_fqns())
+def dense_named_state(model: nn.Module, sharded_modules: Iterable[str]) -> dict[str, torch.Tensor]:
+    """Parameters and buffers outside the sharded embedding modules (replicated by DDP), by name.
+
+    Args:
+        model: the (DMP-wrapped) model.
+        sharded_modules: the names of its sharded embedding modules (``DirtyRowTracker.module_fqns()``).
+    """
+    sharded = set(sharded_modules)
     out: dict[str, torch.Tensor] = {}
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         clean = name.removeprefix("module.").replace("._orig_mod", "")

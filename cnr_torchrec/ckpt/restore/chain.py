@@ -74,7 +74,7 @@ def check_model(target: Mapping[str, Any], model_tables: Mapping[str, list[int]]
                f"{saved[t][1]} in the checkpoint" for t in sorted(set(saved) & set(model_tables))
                if model_tables[t] and list(saved[t]) != model_tables[t]]
     first = target["ranks"][0]
-    dense = {n: list(t.shape) for n, t in dense_named_state(model, tracker).items()}
+    dense = {n: list(t.shape) for n, t in dense_named_state(model, tracker.module_fqns()).items()}
     stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
     changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
                 for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
@@ -419,7 +419,7 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
     first = {r["rank"]: r for r in target["ranks"]}[0]
     load0 = PayloadReader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
-    dense = dense_named_state(model, tracker)
+    dense = dense_named_state(model, tracker.module_fqns())
     transient = non_persistent_buffers(model)  # absent from a checkpoint imported from a state_dict: left as is
     dense = {n: t for n, t in dense.items() if n in first["dense"] or n not in transient}
     missing = sorted(set(dense) - set(first["dense"]))

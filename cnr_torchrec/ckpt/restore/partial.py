@@ -41,7 +41,7 @@ def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimiz
     (The TBE step counters are replicated too, but each rank holds its own set of TBEs:
     :func:`sync_from_survivor` copies them separately.)
     """
-    out: list[tuple[str, Any]] = sorted(dense_named_state(model, tracker).items())
+    out: list[tuple[str, Any]] = sorted(dense_named_state(model, tracker.module_fqns()).items())
     for table in tracker.tables():
         if tracker.is_data_parallel(table):
             for i, (kernel, shard) in enumerate(tracker.shards(table)):

@@ -274,7 +274,7 @@ def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, d
              if isinstance(it := getattr(tbe, "iter", None), torch.Tensor) and it.numel() == 1]
     out.tbe_iter = max(iters, default=0)
     if out.rank == 0:
-        out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker).items()}
+        out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker.module_fqns()).items()}
         if dense_optimizer is not None:
             out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
     out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
