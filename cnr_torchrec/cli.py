@@ -66,7 +66,7 @@ def _progress(total: int, desc: str):
 
 
 def _open(args: argparse.Namespace):
-    from cnr_torchrec.ckpt.tools.offline import open_storage
+    from cnr_torchrec.ckpt.tools.root import open_storage
 
     return open_storage(args.root, _storage_options(args.storage_option))
 
@@ -151,7 +151,8 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.tools.root import not_found_hint
     from cnr_torchrec.errors import CheckpointNotFoundError
 
     storage = _open(args)
@@ -191,7 +192,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 def _cmd_compact(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.tools.compact import compact
-    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain, resolve_id
+    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
+    from cnr_torchrec.ckpt.tools.root import resolve_id
     from cnr_torchrec.errors import ConfigError
     from cnr_torchrec.quant import get_codec
 
@@ -226,7 +228,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     from cnr_torchrec.ckpt.tools.compact import export_state_dict
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
-    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain, resolve_id
+    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
+    from cnr_torchrec.ckpt.tools.root import resolve_id
 
     storage = _open(args)
     try:
@@ -286,7 +289,8 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import not_found_hint, summarize
+    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.tools.root import not_found_hint
     from cnr_torchrec.errors import CheckpointNotFoundError
     from cnr_torchrec.job.plots import load_report, validate_report, write_plots
 

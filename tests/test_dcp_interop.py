@@ -188,7 +188,8 @@ def test_export_loads_into_another_plan_and_world_size_and_import_restores(train
 @pytest.mark.timeout(240)
 def test_export_streams_one_table_at_a_time_and_import_verifies(trained, tmp_path):
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
-    from cnr_torchrec.ckpt.tools.offline import load_chain, open_storage
+    from cnr_torchrec.ckpt.tools.offline import load_chain
+    from cnr_torchrec.ckpt.tools.root import open_storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     storage = open_storage(os.path.join(trained, "fp32"))
@@ -255,7 +256,7 @@ def _zeros_like(tree):
 
 
 def _storage(root):
-    from cnr_torchrec.ckpt.tools.offline import open_storage
+    from cnr_torchrec.ckpt.tools.root import open_storage
 
     os.makedirs(root, exist_ok=True)
     return open_storage(root)

@@ -30,7 +30,8 @@ from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.compaction import compacted_body
 from cnr_torchrec.ckpt.save.merge import copy_blob, copy_blob_tree, merge_rank, regions_of_layout
-from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, count_entries, load_chain, resolve_id
+from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, count_entries, load_chain
+from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec
 

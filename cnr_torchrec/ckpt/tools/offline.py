@@ -38,15 +38,13 @@ from cnr_torchrec.ckpt.format.manifest import (
 from cnr_torchrec.ckpt.format.chunks import PayloadReader, chunks_of
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError
+from cnr_torchrec.ckpt.tools.verify import verify_checkpoint
+from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
 
 __all__ = [
-    "not_found_hint",
     "RowState",
     "TableData",
-    "open_storage",
-    "resolve_id",
     "load_chain",
     "assemble_tables",
     "count_entries",
@@ -59,65 +57,6 @@ log = logging.getLogger(__name__)
 
 Progress = Callable[[int], Any]
 """Called with the number of entries just processed (``tqdm.update`` fits)."""
-
-
-# ---------------------------------------------------------------------- opening a root
-
-
-def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
-    """A Storage on ``root``, with a clear error when the root or the plugin is unusable.
-
-    Raises:
-        CheckpointNotFoundError: a local root that does not exist.
-        ConfigError: the storage plugin refused the URL or the options.
-    """
-    if "://" not in root or root.startswith("fs://"):
-        local = root.removeprefix("fs://")
-        if not os.path.isdir(local):
-            raise CheckpointNotFoundError(
-                f"{root} does not exist or is not a directory; pass the checkpoint root "
-                "(the directory that holds the ckpt-*/ directories and index.json)"
-            )
-    try:
-        return Storage(root, dict(storage_options or {}))
-    except CnrError:
-        raise
-    except Exception as e:  # plugins raise RuntimeError, ImportError, botocore errors...
-        raise ConfigError(
-            f"cannot open storage {root!r}: {type(e).__name__}: {e}. Check the URL and the --storage-option values"
-        ) from None
-
-
-def not_found_hint(storage: Storage) -> str:
-    """What to add to a "no checkpoint under ROOT" message: a hint when ROOT looks like one checkpoint's
-    own directory rather than the root above it, else the empty string."""
-    local = storage.local_dir
-    if local is not None and os.path.basename(os.path.normpath(local)).startswith("ckpt-"):
-        return f"; {local} looks like one checkpoint's directory: pass its parent, the checkpoint root"
-    return "; pass the checkpoint root (the directory that holds the ckpt-*/ directories and index.json)"
-
-
-def resolve_id(storage: Storage, ckpt_id: int | None = None) -> int:
-    """``ckpt_id`` if it is committed, else the newest committed id when ``ckpt_id`` is None.
-
-    Raises:
-        CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
-    """
-    ids = committed_ids(storage)
-    if not ids:
-        raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root}{not_found_hint(storage)}")
-    if ckpt_id is None:
-        return ids[-1]
-    if ckpt_id not in ids:
-        raise CheckpointNotFoundError(
-            f"checkpoint {ckpt_id} is not committed under {storage.root}; committed ids: {_id_list(ids)} "
-            "(`cnr inspect` lists them)"
-        )
-    return ckpt_id
-
-
-def _id_list(ids: list[int]) -> str:
-    return ", ".join(map(str, ids)) if len(ids) <= 12 else f"{ids[0]}..{ids[-1]} ({len(ids)} ids)"
 
 
 # ---------------------------------------------------------------------- chains
@@ -134,12 +73,10 @@ def load_chain(storage: Storage, ckpt_id: int, *, verify: bool = True) -> list[d
         CheckpointNotFoundError: ``ckpt_id`` is not committed.
         CorruptCheckpointError: a member is missing or fails its checks; names the file.
     """
-    from cnr_torchrec.ckpt.tools.verify import _Verifier  # verify imports nothing from here; keep it that way
-
     if not storage.exists(manifest_path(ckpt_id)):
         raise CheckpointNotFoundError(f"checkpoint {ckpt_id} is not committed under {storage.root}")
     if verify:
-        problems = _Verifier(storage).checkpoint(ckpt_id)
+        problems = verify_checkpoint(storage, ckpt_id)
         if problems:
             p = problems[0]
             more = f" (and {len(problems) - 1} more problems; `cnr verify` lists them)" if len(problems) > 1 else ""

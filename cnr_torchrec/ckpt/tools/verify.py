@@ -30,6 +30,7 @@ from cnr_torchrec.ckpt.format.payload import DTYPES, checksum, unflatten_state
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes, check_relative
+from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows
 
@@ -368,8 +369,6 @@ def verify_root(root: str, storage_options: dict | None = None, ids: list[int] |
             or an id in ``ids`` is not committed.
         ConfigError: the storage plugin refused the root or the options.
     """
-    from cnr_torchrec.ckpt.tools.offline import open_storage, resolve_id
-
     storage = open_storage(root, storage_options)
     try:
         try:

@@ -24,7 +24,8 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.merge import regions_of_layout
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
-from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain, resolve_id
+from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
+from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["export_dcp"]
