@@ -219,6 +219,8 @@ class _TableStager:
         self.dirty_total = self.left_total = 0
 
     def stage(self, table: str) -> None:
+        """This rank's shards of ``table``: whole where the decision says ``full`` (and no budget applies),
+        else their dirty rows (or those the budget keeps), with ids."""
         encoding = self.decision.encodings.get(table, "full")
         if encoding == "full" and self.budget is None:  # whole shards: no need for their dirty rows
             self.tracker.check_lookups(table)
