@@ -11,9 +11,10 @@ dense optimizer by parameter FQN).
 its own, since ``FileSystemWriter`` holds every tensor of a file until it closes. ``OUT`` is renamed from
 ``OUT.tmp-<pid>`` once DCP wrote ``.metadata``, so it only ever exists complete. **Load**: ``dcp.load``
 reshards weights by FQN; :class:`DMPLoadPlanner` also maps row-wise state across column splits and leaves
-optimizer state the checkpoint lacks alone. **Import** writes a baseline the way ``cnr compact`` does: ``none``
-entries by :func:`~cnr_torchrec.ckpt.save.writer.write_rank`, a table at a time, then the sealed manifest. DCP's
-metadata pickle is read through an allow-list, other values with ``torch.load(weights_only=True)``.
+optimizer state the checkpoint lacks alone. **Import** writes a baseline with
+:func:`~cnr_torchrec.ckpt.save.baseline.write_baseline`: ``none`` entries, a table at a time, then the sealed
+manifest. DCP's metadata pickle is read through an allow-list, other values with
+``torch.load(weights_only=True)``.
 """
 
 from cnr_torchrec.ckpt.tools.dcp.export import export_dcp

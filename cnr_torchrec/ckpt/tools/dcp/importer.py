@@ -3,31 +3,23 @@
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.checkpoint.metadata import (Metadata, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
 from cnr_torchrec.ckpt.format.dense_optim import from_fqn
-from cnr_torchrec.ckpt.format.manifest import (committed_ids, existing_dir_ids, load_manifest, manifest_path, seal,
-                                               write_index)
+from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.catalog import remove_partial
-from cnr_torchrec.ckpt.save.commit import manifest_body
-from cnr_torchrec.ckpt.save.planner import Decision
-from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
-from cnr_torchrec.ckpt.save.writer import write_rank
+from cnr_torchrec.ckpt.save.baseline import write_baseline
+from cnr_torchrec.ckpt.save.staging import StagedShard
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM, _column_shards
 from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
 from cnr_torchrec.ckpt.tools.offline import Progress
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.quant import get_codec
 
 __all__ = ["import_dcp"]
-
 
 _TABLE_FQN = re.compile(r"(?:^|\.)(?:embedding_bags|embeddings)\.([^.]+)\.weight$")
 
@@ -155,24 +147,11 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
             raise IncompatibleCheckpointError(f"{path} is not of the model of {storage.root}: {'; '.join(problems)}. "
                                               "Import it into a new root")
     tree = _read_tree(path, md, DENSE_OPTIM)
-    new_id = max(existing_dir_ids(storage) + committed, default=-1) + 1
-    decision = Decision(new_id, step, "baseline", None, None, (new_id,), {t: "full" for t in tables},
-                        f"imported from DCP checkpoint {path}")
-    staged = Staged(decision, 0, 1, shards=_table_shards(path, md, tables, progress), dense=_dense(path, md, tables),
-                    dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
-                    table_shapes={t.name: list(t.shape) for t in tables.values()})
-    codec, t0 = get_codec("none"), time.perf_counter()
-    try:
-        report = write_rank(staged, codec, storage, chunk_bytes=DEFAULT_CHUNK_BYTES)  # consumes the shards lazily
-        report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-        fields = {"policy": None, "world_size": 1, "restores": 0,
-                  "table_fqns": {t.name: t.fqn for t in tables.values()},
-                  "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
-        body = {**manifest_body(decision, [report], fields, [t.name for t in tables.values()]), "per_rank_state": False}
-        storage.write_atomic(manifest_path(new_id), seal(body))
-    except BaseException:
-        remove_partial(storage, new_id, 0)
-        raise
-    write_index(storage, committed_ids(storage))
-    return body
+    return write_baseline(
+        storage, step=step, shards=_table_shards(path, md, tables, progress),
+        table_shapes={t.name: list(t.shape) for t in tables.values()},
+        table_fqns={t.name: t.fqn for t in tables.values()}, dense=_dense(path, md, tables),
+        dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
+        reason=f"imported from DCP checkpoint {path}",
+    )
 

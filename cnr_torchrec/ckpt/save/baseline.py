@@ -1,0 +1,63 @@
+"""Writing a baseline from tensors, outside a training job (what ``cnr import-dcp`` commits)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
+from cnr_torchrec.ckpt.format.manifest import committed_ids, existing_dir_ids, manifest_path, seal, write_index
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.catalog import remove_partial
+from cnr_torchrec.ckpt.save.commit import manifest_body
+from cnr_torchrec.ckpt.save.planner import Decision
+from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
+from cnr_torchrec.ckpt.save.writer import write_rank
+from cnr_torchrec.quant import get_codec
+
+__all__ = ["write_baseline"]
+
+
+def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard], table_shapes: Mapping[str, list[int]],
+                   table_fqns: Mapping[str, str], dense: Mapping[str, torch.Tensor], dense_optimizer: Any,
+                   reason: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+    """Commits whole tables and dense state as a one-rank, full-precision baseline with the next free id.
+
+    Shards are encoded and written as they come (a generator keeps one table in memory at a time);
+    then the sealed manifest commits the baseline and the index is rewritten. A failure before the
+    commit removes what was written, so the root is left as it was.
+
+    Args:
+        storage: the root to write into.
+        step: the training step the baseline records.
+        shards: every table whole (``full``, no ids), column slices allowed, with their optimizer states.
+        table_shapes: ``[rows, dim]`` of every table, in the manifest's order.
+        table_fqns: each table's weight name in the unsharded model, for exports.
+        dense: the dense parameters and buffers by name.
+        dense_optimizer: the dense optimizer's state by parameter name, or None.
+        reason: why this baseline was written, for the manifest.
+
+    Returns:
+        The committed manifest body.
+    """
+    new_id = max(existing_dir_ids(storage) + committed_ids(storage), default=-1) + 1
+    tables = list(table_shapes)
+    decision = Decision(new_id, step, "baseline", None, None, (new_id,), {t: "full" for t in tables}, reason)
+    staged = Staged(decision, 0, 1, shards=shards, dense=dict(dense), dense_optimizer=dense_optimizer,
+                    table_shapes={t: list(s) for t, s in table_shapes.items()})
+    codec, t0 = get_codec("none"), time.perf_counter()
+    try:
+        report = write_rank(staged, codec, storage, chunk_bytes=chunk_bytes)  # consumes the shards lazily
+        report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        fields = {"policy": None, "world_size": 1, "restores": 0, "table_fqns": dict(table_fqns),
+                  "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
+        body = {**manifest_body(decision, [report], fields, tables), "per_rank_state": False}
+        storage.write_atomic(manifest_path(new_id), seal(body))
+    except BaseException:
+        remove_partial(storage, new_id, 0)
+        raise
+    write_index(storage, committed_ids(storage))
+    return body
