@@ -2,7 +2,8 @@
 sync-free hot path on a CUDA-sharded TorchRec model.
 
 Run with ``pytest -m gpu`` on a machine with a CUDA device and a CUDA build of the extension;
-elsewhere every test here is skipped. None of it has run on a GPU yet (docs/gpu.md).
+elsewhere every test here is skipped. One partial run on an H200 so far; docs/gpu.md says what
+passed there and what did not.
 
 The model tests run TorchRec's ``TestSparseNN`` (tables shared by two and three features,
 id-score tables, dims 4, 8 and 16; tests/_torchrec_models.py) on one rank over NCCL, in a
