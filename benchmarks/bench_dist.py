@@ -1,8 +1,8 @@
-"""The process group of a benchmark rank, on CPU (gloo) or on CUDA (NCCL, one GPU per rank), and
-all-reduces of host values that work on either.
+"""The process group of a benchmark rank, on CPU (gloo) or on CUDA (NCCL, one GPU per rank), and the
+wait for queued GPU work that every timer needs.
 
-The benchmarks reduce their timings and byte counts as host tensors. The CUDA group has gloo
-beside NCCL for them; ``all_reduce_`` also serves a group of NCCL alone, through this rank's GPU.
+The benchmarks reduce their timings and byte counts as host tensors: the CUDA group has gloo beside
+NCCL for them, so ``dist.all_reduce`` takes host tensors on either device.
 """
 
 from __future__ import annotations
@@ -46,11 +46,7 @@ def init_process_group(device: str, parser: argparse.ArgumentParser) -> torch.de
     return torch.device("cpu")
 
 
-def all_reduce_(t: torch.Tensor, op=dist.ReduceOp.SUM) -> None:
-    """All-reduces a host tensor in place, through the GPU where the backend is NCCL."""
-    if dist.get_backend() == "nccl":
-        on_device = t.to(torch.device("cuda", torch.cuda.current_device()))
-        dist.all_reduce(on_device, op=op)
-        t.copy_(on_device)
-    else:
-        dist.all_reduce(t, op=op)
+def sync() -> None:
+    """Waits for the GPU's queued work, so that a timer read next counts it (no-op on CPU)."""
+    if torch.cuda.is_initialized():
+        torch.cuda.synchronize()

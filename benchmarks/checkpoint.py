@@ -66,7 +66,7 @@ from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
 from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
+from bench_dist import add_device_argument, init_process_group, sync  # noqa: E402
 
 # (label, policy, quantization); the reference is the one the targets are for. "Compact" storage:
 # row biases in float16 and the optimizer's row state in bfloat16 (configs/consecutive.yaml), 4 bytes
@@ -105,13 +105,13 @@ def step(dmp, opt, batch) -> None:
 
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    all_reduce_(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
 def total(value: int) -> int:
     t = torch.tensor([value], dtype=torch.int64)
-    all_reduce_(t)
+    dist.all_reduce(t)
     return int(t)
 
 
@@ -124,11 +124,6 @@ def timed(fn) -> float:
     sync()
     return slowest((time.perf_counter() - t0) * 1e3)
 
-
-def sync() -> None:
-    """Waits for the GPU's queued work, so that a timer read next counts it (no-op on CPU)."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def dir_bytes(path: str) -> int:

@@ -129,7 +129,7 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.examples.toy import TableSpec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
+from bench_dist import add_device_argument, init_process_group  # noqa: E402
 from checkpoint import LocalShards, build, dir_bytes, finish, fresh_dir, restore_ms, slowest, step, timed, total  # noqa: E402,E501
 
 REF_ROWS, TABLES, DIM = 200_000, 8, 32
@@ -147,7 +147,7 @@ def gather(value: float) -> list[float]:
     """``value`` of every rank, by rank."""
     t = torch.zeros(dist.get_world_size(), dtype=torch.float64)
     t[dist.get_rank()] = value
-    all_reduce_(t)
+    dist.all_reduce(t)
     return t.tolist()
 
 

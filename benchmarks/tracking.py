@@ -58,7 +58,7 @@ from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dist import add_device_argument, all_reduce_, init_process_group  # noqa: E402
+from bench_dist import add_device_argument, init_process_group, sync  # noqa: E402
 
 
 def build(kind: str, specs, world: int, device: torch.device):
@@ -81,11 +81,6 @@ def step(dmp, opt, batch) -> None:
     opt.step()
     opt.zero_grad()
 
-
-def sync() -> None:
-    """Waits for the GPU's queued work, so that a timer read next counts it (no-op on CPU)."""
-    if torch.cuda.is_initialized():
-        torch.cuda.synchronize()
 
 
 def extract(kind: str, dmp, mdt) -> None:
@@ -141,7 +136,7 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
 
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
-    all_reduce_(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
 
@@ -240,9 +235,9 @@ def main() -> None:
             extract(k, dmp, mdt)
             sync()
             extract_ms[k].append(slowest((time.perf_counter() - t0) * 1e3))
-    all_reduce_(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)  # a step takes as long as its slowest rank
     cpu_mean = cpu.clone()
-    all_reduce_(cpu_mean)  # CPU time: the ranks' mean
+    dist.all_reduce(cpu_mean)  # CPU time: the ranks' mean
     cpu_mean /= world
     col = {k: j for j, k in enumerate(timed_kinds)}
     med = {k: float(wall[..., col[k]].median()) for k in timed_kinds}
