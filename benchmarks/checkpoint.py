@@ -186,7 +186,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
 
 def bytes_breakdown(root: str) -> dict[str, int]:
     """What the latest checkpoint under ``root`` is made of, in bytes, from its manifest's blob index."""
-    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest, manifest_path
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, manifest_path
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
@@ -197,8 +197,8 @@ def bytes_breakdown(root: str) -> dict[str, int]:
         storage.close()
     out = {"id": cid, "ids": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0, "optimizer_state": 0,
            "replicated_tables": 0, "dense": 0, "dense_optimizer": 0, "rng_and_extra": 0}
-    for r in m["ranks"]:
-        for name, blob in r["blobs"].items():
+    for r in m.ranks:
+        for name, blob in r.blobs.items():
             head, _, rest = name.partition("/")
             if head.startswith("s") and head[1:].isdigit():
                 key = ("ids" if rest == "ids" else "weights_payload" if rest == "w/payload"
@@ -206,8 +206,8 @@ def bytes_breakdown(root: str) -> dict[str, int]:
             else:
                 key = {"rep": "replicated_tables", "dense": "dense", "dense_optimizer": "dense_optimizer"}.get(
                     head, "rng_and_extra")
-            out[key] += int(blob["nbytes"])
-    out["payload_files"] = m["nbytes"]
+            out[key] += blob.nbytes
+    out["payload_files"] = m.nbytes
     out["manifest_json"] = os.path.getsize(os.path.join(root, manifest_path(cid)))
     return out
 

@@ -240,7 +240,7 @@ def spy_restored() -> dict[str, int]:
     real = restorer_mod.restore_chain
 
     def spy(manifests, **kw):
-        seen["ids"].append(manifests[-1]["id"])
+        seen["ids"].append(manifests[-1].id)
         seen["ok"].append(False)
         real(manifests, **kw)
         seen["ok"][-1] = True

@@ -74,7 +74,7 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec import Checkpointer, load_config
-from cnr_torchrec.ckpt.format.manifest import ckpt_dir
+from cnr_torchrec.ckpt.format.commits import ckpt_dir
 from cnr_torchrec.examples.toy import TableSpec, zipf_batch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -151,7 +151,7 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.ckpt.tools.root import not_found_hint
     from cnr_torchrec.errors import CheckpointNotFoundError
 
@@ -191,7 +191,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_compact(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.compact import compact
+    from cnr_torchrec.ckpt.compact.offline import compact
     from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
     from cnr_torchrec.ckpt.tools.root import resolve_id
     from cnr_torchrec.errors import ConfigError
@@ -209,16 +209,16 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         total = count_entries(chain[-1:]) + (count_entries(chain) if args.method is not None else 0)
         bar, update = _progress(total, "compact")
         try:
-            body = compact(storage, tip, method=args.method, bits=args.bits, progress=update)
+            manifest = compact(storage, tip, method=args.method, bits=args.bits, progress=update)
         finally:
             bar.close()
     finally:
         storage.close()
     how = ("lossless: every row as stored" if args.method is None
            else f"re-encoded with {_codec_label(args.method, args.bits)}")
-    first, last = body["compacted_from"]
-    print(f"compacted chain {first}..{last} (step {body['step']}) into baseline {body['id']}: "
-          f"{_human_bytes(body['nbytes'])} in {body['world_size']} rank file(s), {how}. It restores what "
+    first, last = manifest.compacted_from
+    print(f"compacted chain {first}..{last} (step {manifest.step}) into baseline {manifest.id}: "
+          f"{_human_bytes(manifest.nbytes)} in {manifest.world_size} rank file(s), {how}. It restores what "
           f"checkpoint {last} restores")
     return EXIT_OK
 
@@ -226,7 +226,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from cnr_torchrec.ckpt.tools.compact import export_state_dict
+    from cnr_torchrec.ckpt.tools.export import export_state_dict
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
     from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
     from cnr_torchrec.ckpt.tools.root import resolve_id
@@ -273,15 +273,15 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
     try:
         storage = _open(args)
         try:
-            body = import_dcp(args.src, storage, append=args.append, step=args.step)
+            manifest = import_dcp(args.src, storage, append=args.append, step=args.step)
         finally:
             storage.close()
     except BaseException:
         if created and not os.listdir(local):
             os.rmdir(local)
         raise
-    print(f"imported {args.src} as baseline {body['id']} (step {body['step']}) of {args.root}: "
-          f"{len(body['tables'])} tables, {_human_bytes(body['nbytes'])}. Checkpointer.restore() restores it")
+    print(f"imported {args.src} as baseline {manifest.id} (step {manifest.step}) of {args.root}: "
+          f"{len(manifest.tables)} tables, {_human_bytes(manifest.nbytes)}. Checkpointer.restore() restores it")
     return EXIT_OK
 
 
@@ -289,7 +289,7 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.ckpt.tools.root import not_found_hint
     from cnr_torchrec.errors import CheckpointNotFoundError
     from cnr_torchrec.job.plots import load_report, validate_report, write_plots

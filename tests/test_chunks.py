@@ -14,7 +14,8 @@ import os
 import pytest
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, PayloadWriter, chunks_of
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.schema import check_payload
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 
@@ -40,6 +41,11 @@ def _write(storage, pool=None, file="ckpt-00000001/rank-00000.bin", chunk=CHUNK,
     return {"rank": 0, **w.finish()}
 
 
+def _payload(report):
+    """The payload a manifest's report describes, as the schema check builds it."""
+    return check_payload(json.loads(json.dumps(report)), "report")
+
+
 @pytest.fixture
 def storage(tmp_path):
     s = Storage(str(tmp_path))
@@ -56,9 +62,8 @@ def test_round_trip_across_chunk_boundaries(storage, tmp_path, threads):
         sizes = [os.path.getsize(f) for f in files]
         assert len(files) == -(-report["nbytes"] // CHUNK) >= 9 and max(sizes) == CHUNK and sum(sizes) == report[
             "nbytes"]
-        report = json.loads(json.dumps(report))  # as the manifest gives it back
         for whole in (True, False):
-            reader = PayloadReader(storage, report, whole=whole, pool=pool)
+            reader = PayloadReader(storage, _payload(report), whole=whole, pool=pool)
             for name, t in _tensors().items():
                 got = reader(name)
                 assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t), (name, whole)
@@ -69,29 +74,29 @@ def test_round_trip_across_chunk_boundaries(storage, tmp_path, threads):
 
 def test_a_corrupt_chunk_is_named(storage, tmp_path):
     report = _write(storage)
-    bad = chunks_of(report)[2]
+    bad = _payload(report).chunks[2]
     path = tmp_path / bad.path
     data = bytearray(path.read_bytes())
     data[100] ^= 1
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptCheckpointError, match="rank-00000.2.bin does not match its xxh3") as e:
-        PayloadReader(storage, report)("spans_four")
+        PayloadReader(storage, _payload(report))("spans_four")
     assert e.value.path == "ckpt-00000001/rank-00000.2.bin"
     # A blob read by range is checked against its own checksum, and names the payload.
     with pytest.raises(CorruptCheckpointError, match="blob spans_four does not match its checksum"):
-        PayloadReader(storage, report, whole=False)("spans_four")
-    assert torch.equal(PayloadReader(storage, report, whole=False)("small"), _tensors()["small"])
+        PayloadReader(storage, _payload(report), whole=False)("spans_four")
+    assert torch.equal(PayloadReader(storage, _payload(report), whole=False)("small"), _tensors()["small"])
 
 
 def test_a_missing_or_short_chunk_is_named(storage, tmp_path):
     report = _write(storage)
-    last = chunks_of(report)[-1]
+    last = _payload(report).chunks[-1]
     os.remove(tmp_path / last.path)
     with pytest.raises(Exception, match=f"{last.path} does not exist"):
-        PayloadReader(storage, report)("half")
-    os.truncate(tmp_path / chunks_of(report)[1].path, 100)
+        PayloadReader(storage, _payload(report))("half")
+    os.truncate(tmp_path / _payload(report).chunks[1].path, 100)
     with pytest.raises(CorruptCheckpointError, match=r"rank-00000.1.bin is 100 bytes, its manifest says 4096 \(trunc"):
-        PayloadReader(storage, report)("spans_two")
+        PayloadReader(storage, _payload(report))("spans_two")
 
 
 def test_a_failed_chunk_write_fails_the_payload(storage, tmp_path):
@@ -145,11 +150,11 @@ def _saved_and_restored(rank, world_size, root, options, chunk_bytes, rewrite=No
     dist.barrier()
     storage = Storage(root, options)
     try:
-        from cnr_torchrec.ckpt.format.manifest import load_manifest
+        from cnr_torchrec.ckpt.format.commits import load_manifest
 
-        reports = [r for i in infos for r in load_manifest(storage, i.id)["ranks"]]
-        sizes = [storage.size(c.path) for r in reports for c in chunks_of(r)]
-        counts = [len(chunks_of(r)) for r in reports]
+        reports = [r for i in infos for r in load_manifest(storage, i.id).ranks]
+        sizes = [storage.size(c.path) for r in reports for c in r.payload.chunks]
+        counts = [len(r.payload.chunks) for r in reports]
     finally:
         storage.close()
     fresh, _, opt2 = _build(world_size, seed=1)
@@ -182,16 +187,16 @@ def test_a_checkpoint_in_many_chunks_restores(tmp_path):
 
 def _as_format_3(root):
     """Rewrites every manifest under ``root`` as format 3 wrote it: each rank's payload one file."""
-    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest, manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, manifest_path, seal
     from cnr_torchrec.ckpt.format.storage import checksum
 
     storage = Storage(root)
     try:
         for i in committed_ids(storage):
-            body = load_manifest(storage, i)
-            for r in body["ranks"]:
-                data = b"".join(bytes(storage.read(c.path)) for c in chunks_of(r))
-                for c in chunks_of(r)[1:]:
+            body = json.loads(storage.read(manifest_path(i)))["body"]
+            for r, report in zip(body["ranks"], load_manifest(storage, i).ranks):
+                data = b"".join(bytes(storage.read(c.path)) for c in report.payload.chunks)
+                for c in report.payload.chunks[1:]:
                     storage.delete(c.path)
                 storage.write(r["file"], data)
                 del r["chunks"], r["chunk_bytes"]

@@ -14,17 +14,19 @@ import pytest
 import torch
 import xxhash
 
-from cnr_torchrec.ckpt.format.manifest import (
+from cnr_torchrec.ckpt.format.commits import (
     INDEX,
     ckpt_dir,
     committed_ids,
     load_manifest,
+    read_body,
     manifest_path,
     rank_file,
     seal,
     write_index,
 )
 from cnr_torchrec.ckpt.format.chunks import PayloadReader
+from cnr_torchrec.ckpt.format.schema import check_payload
 from cnr_torchrec.ckpt.format.payload import BlobWriter, flatten_state, read_blob, unflatten_state
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide, intermittent_wants_baseline
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids, rng_state, set_rng_state
@@ -279,7 +281,8 @@ def test_blob_round_trip(dtype, storage):
         assert got.dtype == dtype and got.shape == t.shape
         assert torch.equal(got, t)
         at = memoryview(whole)[index[name]["offset"] : index[name]["offset"] + index[name]["nbytes"]]
-        in_place = read_blob("p.bin", index[name], name, at)  # a view of the caller's buffer
+        blob = check_payload({"file": "p.bin", "nbytes": len(data), "xxh3": "", "blobs": index}, "r").blobs[name]
+        in_place = read_blob("p.bin", blob, name, at)  # a view of the caller's buffer
         assert torch.equal(in_place, t)
         if t.numel():
             assert in_place.untyped_storage().data_ptr() == torch.frombuffer(at, dtype=torch.uint8).data_ptr()
@@ -296,7 +299,8 @@ def test_blob_rejects_unsupported_dtype_and_duplicate_names():
 
 def _range_read(storage, file, index, name):
     """One blob by a range read, as restore reads a few small blobs of a big payload (a one-file report)."""
-    return PayloadReader(storage, {"file": file, "nbytes": 1 << 40, "xxh3": "", "blobs": index}, whole=False)(name)
+    payload = check_payload({"file": file, "nbytes": 1 << 40, "xxh3": "", "blobs": index}, "report")
+    return PayloadReader(storage, payload, whole=False)(name)
 
 
 def _written(storage, tensors):
@@ -445,7 +449,7 @@ def test_scheduler_state_can_be_sealed_into_a_manifest(storage):
     blobs = BlobWriter()
     body = {"id": 0, "extra": {"sched": flatten_state(sd, "extra/sched", blobs, "extra_state['sched']")}}
     storage.write(manifest_path(0), seal(body))
-    got = unflatten_state(load_manifest(storage, 0)["extra"]["sched"], lambda b: None)
+    got = unflatten_state(read_body(storage, 0)["extra"]["sched"], lambda b: None)
     assert_same(got, sd)
 
 
@@ -542,7 +546,7 @@ BODY = {"id": 3, "step": 12345, "kind": "delta", "base": 0, "depth": 2, "parent"
 def test_a_version_2_manifest_gets_the_links_its_chain_list_gave(storage):
     old = {k: v for k, v in BODY.items() if k not in ("base", "depth")} | {"chain": [0, 2, 3]}
     storage.write(manifest_path(3), seal(old, version=2))
-    assert load_manifest(storage, 3) == old | {"base": 0, "depth": 2}
+    assert read_body(storage, 3) == old | {"base": 0, "depth": 2}
 
 
 def test_manifest_paths():
@@ -561,7 +565,7 @@ def test_seal_and_load(storage):
     assert doc["xxh3"] == xxh3_reference(text)
     assert list(doc) == ["format", "version", "xxh3", "body"]
     storage.write(manifest_path(3), raw)
-    assert load_manifest(storage, 3) == BODY
+    assert read_body(storage, 3) == BODY
 
 
 @pytest.mark.parametrize("old,new", [

@@ -494,7 +494,7 @@ def _check_pngs(out_dir):
 
 @pytest.mark.timeout(60)
 def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
-    from cnr_torchrec.ckpt.tools.offline import summarize
+    from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.job.plots import build_series, make_figures
 

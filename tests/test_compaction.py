@@ -37,12 +37,12 @@ def _config(root, method="none", bits=None, params=None, state_dtype="float32", 
 
 
 def _bodies(root):
-    from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
-        return {i: load_manifest(storage, i) for i in committed_ids(storage)}
+        return {i: load_manifest(storage, i).body for i in committed_ids(storage)}  # as JSON
     finally:
         storage.close()
 
@@ -147,7 +147,7 @@ def test_retention_collects_the_folded_chain_and_every_kept_checkpoint_restores(
 @pytest.mark.timeout(120)
 def test_a_failed_compaction_leaves_the_chain_going_on(group, tmp_path, monkeypatch):
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.save import merge
+    from cnr_torchrec.ckpt.compact import merge
 
     def broken(*args, **kwargs):
         raise OSError("disk gone while merging")
@@ -239,7 +239,7 @@ def test_commit_cost_and_manifest_size_do_not_grow_with_the_chain(group, tmp_pat
 
 def _catalog(spec):
     """A catalog from (id, step, kind, parent, base, nbytes) rows."""
-    from cnr_torchrec.ckpt.save.catalog import Catalog, Entry
+    from cnr_torchrec.ckpt.retention import Catalog, Entry
 
     return Catalog(Entry(i, step, kind, parent, base, nbytes, 1) for i, step, kind, parent, base, nbytes in spec)
 

@@ -90,7 +90,7 @@ def _other_model(world_size, extra_table: bool):
 
 def _edit_manifest(root: str, ckpt_id: int, edit) -> None:
     """Edits a manifest's body and re-seals it, as someone crafting a checkpoint would."""
-    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
 
     path = os.path.join(root, manifest_path(ckpt_id))
     with open(path) as f:

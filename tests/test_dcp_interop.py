@@ -198,7 +198,7 @@ def test_export_streams_one_table_at_a_time_and_import_verifies(trained, tmp_pat
         tip = load_chain(storage, summary["id"])[-1]
     finally:
         storage.close()
-    assert summary["tables_decoded"] == len(tip["tables"]) == len(tm.SPARSE_NN)
+    assert summary["tables_decoded"] == len(tip.tables) == len(tm.SPARSE_NN)
     assert summary["step"] == 2 and sorted(os.listdir(tmp_path)) == ["again"]
     assert verify_root(os.path.join(trained, "imported")) == []
 
@@ -301,7 +301,7 @@ def test_import_then_export_gives_back_the_dcp_checkpoint(tmp_path, capsys, monk
 
 
 def test_import_refuses_what_it_cannot_import(tmp_path):
-    from cnr_torchrec.ckpt.format.manifest import committed_ids
+    from cnr_torchrec.ckpt.format.commits import committed_ids
     from cnr_torchrec.ckpt.tools.dcp import import_dcp
     from cnr_torchrec.errors import (CheckpointNotFoundError, ConfigError, IncompatibleCheckpointError,
                                      UnsafeCheckpointError)
@@ -326,20 +326,20 @@ def test_import_refuses_what_it_cannot_import(tmp_path):
         import_dcp(str(tmp_path / "evil"), storage)
 
     _synthetic(str(tmp_path / "good"))
-    assert import_dcp(str(tmp_path / "good"), storage)["id"] == 0
+    assert import_dcp(str(tmp_path / "good"), storage).id == 0
     with pytest.raises(ConfigError, match="--append"):
         import_dcp(str(tmp_path / "good"), storage)
     _synthetic(str(tmp_path / "wider"), weight=torch.randn(10, 8), momentum=torch.rand(10))
     with pytest.raises(IncompatibleCheckpointError, match=r"'t0' is \[10, 8\] there and \[10, 4\]"):
         import_dcp(str(tmp_path / "wider"), storage, append=True)
-    assert import_dcp(str(tmp_path / "good"), storage, append=True, step=9)["id"] == 1
+    assert import_dcp(str(tmp_path / "good"), storage, append=True, step=9).id == 1
     assert committed_ids(storage) == [0, 1]
     storage.close()
 
 
 def test_a_failed_import_commits_nothing(tmp_path, monkeypatch):
     from cnr_torchrec.ckpt.format import storage as storage_mod
-    from cnr_torchrec.ckpt.format.manifest import committed_ids
+    from cnr_torchrec.ckpt.format.commits import committed_ids
     from cnr_torchrec.ckpt.tools.dcp import import_dcp
 
     _synthetic(str(tmp_path / "src"))

@@ -152,16 +152,16 @@ def _bits_auto_worker(rank, world_size, root):
         _step(dmp, specs, gen)
         ck.save(restore + 1).wait()
     ck.close()
-    from cnr_torchrec.ckpt.format.manifest import load_manifest
+    from cnr_torchrec.ckpt.format.commits import load_manifest
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     manifests = [load_manifest(storage, i) for i in range(3)]
-    assert [m["restores"] for m in manifests] == [0, 1, 2]
-    assert [m["codec"]["bits"] for m in manifests] == [3, 3, 8]  # 1 restore expected -> 3-bit, then fallback 8
-    assert [m["codec"]["bits_setting"] for m in manifests] == ["auto"] * 3
-    entry = manifests[2]["ranks"][0]["tables"]["t0"][0]
-    assert entry["weights"]["meta"]["bits"] == 8  # the rows themselves are 8-bit
+    assert [m.restores for m in manifests] == [0, 1, 2]
+    assert [m.codec["bits"] for m in manifests] == [3, 3, 8]  # 1 restore expected -> 3-bit, then fallback 8
+    assert [m.codec["bits_setting"] for m in manifests] == ["auto"] * 3
+    entry = manifests[2].ranks[0].tables["t0"][0]
+    assert entry.weights.meta["bits"] == 8  # the rows themselves are 8-bit
 
 
 @pytest.mark.timeout(120)

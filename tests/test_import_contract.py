@@ -113,7 +113,14 @@ LAYERS = {
     "cnr_torchrec.quant": ("cnr_torchrec.ckpt", "cnr_torchrec.track", *_ABOVE),
     # The on-disk format takes names, not live objects: no tracker, no save or restore machinery.
     "cnr_torchrec.ckpt.format": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
-                                 "cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+                                 "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools",
+                                 "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+    # The save path writes checkpoints; what reads, folds or keeps them is built on it.
+    "cnr_torchrec.ckpt.save": ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools",
+                               "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+    # The offline tools read roots; compaction (cnr compact included) is built on them, not under them.
+    "cnr_torchrec.ckpt.tools": ("cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+    "cnr_torchrec.ckpt.compact": ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
 }
 
 
@@ -137,7 +144,7 @@ def test_the_lower_layers_import_nothing_built_on_them():
     ("cnr_torchrec.quant", "cnr_torchrec._ext.ops", True),  # the root owns _ext
     ("cnr_torchrec.ckpt.format", "cnr_torchrec.ckpt.format.payload._as_bytes", True),  # same package
     ("cnr_torchrec.ckpt.save", "cnr_torchrec.track._inflight", False),
-    ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.save.merge._region_rows", False),
+    ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.compact.merge._region_rows", False),
     ("cnr_torchrec.ckpt", "cnr_torchrec.ckpt.format.payload._as_bytes", False),  # the parent is another package
     ("cnr_torchrec.job", "cnr_torchrec.ckpt.config.__all__", True),  # dunders are not private
 ])

@@ -12,6 +12,7 @@ other values.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import re
@@ -100,7 +101,7 @@ def _set(body, path, how, value):
 
 @pytest.mark.timeout(600)
 def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
-    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
     from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
 
     root = str(tmp_path / "root")
@@ -161,7 +162,7 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
 ])
 def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(group, tmp_path, how):
     """Each crafted manifest breaks one check, and the error names that check's field in full."""
-    from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
     from cnr_torchrec.ckpt.tools.verify import verify_root
     from cnr_torchrec.errors import CorruptCheckpointError
 
@@ -199,3 +200,241 @@ def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(gr
     assert manifest_path(info.id) in str(e.value) and field in str(e.value), str(e.value)
     problems = verify_root(root)
     assert any(p.path == manifest_path(info.id) and field in p.message for p in problems), problems
+
+
+# ---------------------------------------------------------------------- one check at a time
+
+
+@pytest.fixture(scope="module")
+def saved_bodies(group, tmp_path_factory):
+    """The JSON bodies of a real baseline and a real delta over every sharding type (one rank)."""
+    from cnr_torchrec.ckpt.format.commits import read_body
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    root = str(tmp_path_factory.mktemp("schema") / "root")
+    ck, dmp, specs, opt = _checkpointer(root, 0)
+    gen = torch.Generator().manual_seed(0)
+    ids = []
+    for step in (1, 2):
+        train(dmp, specs, opt, 2, gen)
+        ids.append(ck.save(step).wait().id)
+    ck.close()
+    storage = Storage(root)
+    try:
+        return [read_body(storage, i) for i in ids]
+    finally:
+        storage.close()
+
+
+def _entry(body, where):
+    """The first entry of rank 0 that has ``where`` ("ids", "states"): (its field path, the entry)."""
+    for table, entries in body["ranks"][0]["tables"].items():
+        for j, e in enumerate(entries):
+            if e.get(where):
+                return f"ranks[0].tables[{table!r}][{j}]", table, e
+    raise AssertionError(f"no entry with {where}")
+
+
+def _blob_of(body, name):
+    return body["ranks"][0]["blobs"][name]
+
+
+def _shift_entry(body):
+    """An entry moved whole past the end of its table: every other field still agrees with it."""
+    at, table, e = _entry(body, "ids")
+    r0, r1 = e["rows"]
+    end = body["tables"][table][0]
+    e["rows"] = [end, end + r1 - r0]
+    return f"{at}.rows"
+
+
+def _rows_written(body):
+    body["ranks"][0]["rows_written"] += 1
+    return "ranks[0].rows_written"
+
+
+def _ids_count(body):
+    at, _, e = _entry(body, "ids")
+    e["ids"]["count"] = e["rows"][1] - e["rows"][0] + 1
+    return f"{at}.ids.count"
+
+
+def _ids_blob(body):
+    at, _, e = _entry(body, "ids")
+    blob = _blob_of(body, e["ids"]["blob"])
+    blob["shape"][0] += 1
+    blob["nbytes"] = blob["shape"][0] * (1 if blob["dtype"] == "uint8" else 4)  # bytes agree with the shape
+    return f"{at}.ids.blob"
+
+
+def _meta(key, delta):
+    def mutate(body):
+        at, _, e = _entry(body, "ids")
+        e["weights"]["meta"][key] += delta
+        return f"{at}.weights.meta.{key}"
+    return mutate
+
+
+def _weights_blobs(body):
+    at, _, e = _entry(body, "ids")
+    e["weights"]["blobs"]["zzz"] = e["weights"]["blobs"]["payload"]
+    return f"{at}.weights.blobs"
+
+
+def _state_blob(body):
+    at, _, e = _entry(body, "states")
+    e["states"][0]["rowwise"] = not e["states"][0]["rowwise"]
+    return f"{at}.states[0].blob"
+
+
+def _cols(body):
+    at, _, e = _entry(body, "ids")
+    e["cols"] = [e["cols"][0], e["cols"][0]]
+    return f"{at}.cols"
+
+
+def _chunk_nbytes(body):
+    body["ranks"][0]["chunks"][0]["nbytes"] += 64
+    return "ranks[0].chunks[0].nbytes"
+
+
+def _blob_offset(body):
+    name = next(iter(body["ranks"][0]["blobs"]))
+    _blob_of(body, name)["offset"] = body["ranks"][0]["nbytes"]
+    return f"ranks[0].blobs[{name!r}].offset"
+
+
+def _blob_nbytes(body):
+    name = next(iter(body["ranks"][0]["blobs"]))
+    _blob_of(body, name)["nbytes"] += 1
+    return f"ranks[0].blobs[{name!r}].nbytes"
+
+
+def _replicated_shape(body):
+    table, name = next(iter(body["ranks"][0]["replicated_tables"].items()))
+    blob = _blob_of(body, name)
+    blob["shape"][0] -= 1
+    blob["nbytes"] = blob["shape"][0] * blob["shape"][1] * 4
+    return f"ranks[0].replicated_tables[{table!r}]"
+
+
+def _dense_blob(body):
+    name = next(iter(body["ranks"][0]["dense"]))
+    body["ranks"][0]["dense"][name] = "no such blob"
+    return f"ranks[0].dense[{name!r}]"
+
+
+def _rng_tensor(body):
+    body["ranks"][0]["rng"]["torch"] = {"$tensor": "no such blob"}
+    return "ranks[0].rng['torch']"
+
+
+def _set_key(path, value):
+    def mutate(body):
+        node = body
+        for key in path[:-1]:
+            node = node[key]
+        node[path[-1]] = value(node[path[-1]]) if callable(value) else value
+        return "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in path).lstrip(".")
+    return mutate
+
+
+def _baseline_with_parent(body):
+    body["parent"] = 0
+    return "parent"
+
+
+def _replicated_list(body):
+    body["replicated"] = []
+    return "replicated"
+
+
+CHECKS = {  # the check: (which body, the mutation that only it catches; it returns the field the error names)
+    "a field is missing": (1, lambda b: b.pop("restores") * 0 or "restores"),
+    "a baseline has a parent": (0, _baseline_with_parent),
+    "equals names a newer checkpoint": (1, lambda b: b.update(equals=b["id"]) or "equals"),
+    "a table shape": (1, lambda b: b["tables"].update(t0=[10, 0]) or "tables['t0']"),
+    "encodings": (1, lambda b: b["encodings"].update(t0="zip") or "encodings['t0']"),
+    "replicated lists what the ranks store whole": (1, _replicated_list),
+    "one report per rank": (1, lambda b: b.update(world_size=2) or "ranks"),
+    "the total bytes": (1, _set_key(("nbytes",), lambda v: v + 1)),
+    "a report's rank": (1, _set_key(("ranks", 0, "rank"), 1)),
+    "the chunk stride": (1, _set_key(("ranks", 0, "chunk_bytes"), lambda v: v + 1)),
+    "a chunk's size": (1, _chunk_nbytes),
+    "a blob's size": (1, _blob_nbytes),
+    "a blob inside its file": (1, _blob_offset),
+    "rows written": (1, _rows_written),
+    "a replicated table's blob": (1, _replicated_shape),
+    "a dense parameter's blob": (1, _dense_blob),
+    "a state tree's blob": (1, _rng_tensor),
+    "an entry inside its table": (1, _shift_entry),
+    "an entry's columns": (1, _cols),
+    "an entry's encoding": (1, lambda b: _entry(b, "ids")[2].update(encoding="zip") or f"{_entry(b, 'ids')[0]}.encoding"),
+    "an entry's residual flag": (1, lambda b: _entry(b, "ids")[2].update(residual=False)
+                                 or f"{_entry(b, 'ids')[0]}.residual"),
+    "an entry's id count": (1, _ids_count),
+    "an entry's id blob": (1, _ids_blob),
+    "the rows the codec stores": (1, _meta("num_rows", 1)),
+    "the columns the codec stores": (1, _meta("dim", 1)),
+    "the blobs the codec writes": (1, _weights_blobs),
+    "an optimizer state's blob": (1, _state_blob),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_each_schema_check_alone_refuses_its_field(saved_bodies, check):
+    """One field broken, everything else as saved: the schema refuses it, and names that field first.
+
+    Each mutation is the smallest that breaks its check alone, so removing any one check from the
+    schema fails its case here (the entry shifted whole past its table is caught by nothing else)."""
+    from cnr_torchrec.ckpt.format.schema import check_manifest
+    from cnr_torchrec.errors import CorruptCheckpointError
+
+    which, mutate = CHECKS[check]
+    body = copy.deepcopy(saved_bodies[which])
+    check_manifest(copy.deepcopy(body), "ckpt/manifest.json")  # as saved, it passes
+    field = mutate(body)
+    with pytest.raises(CorruptCheckpointError) as e:
+        check_manifest(body, "ckpt/manifest.json")
+    assert str(e.value).startswith(f"ckpt/manifest.json: {field} "), (field, str(e.value))
+
+
+def test_a_blob_of_a_dtype_never_written_is_refused_as_unsafe(saved_bodies):
+    from cnr_torchrec.ckpt.format.schema import check_manifest
+    from cnr_torchrec.errors import UnsafeCheckpointError
+
+    body = copy.deepcopy(saved_bodies[1])
+    name = next(iter(body["ranks"][0]["blobs"]))
+    body["ranks"][0]["blobs"][name]["dtype"] = "object"
+    with pytest.raises(UnsafeCheckpointError, match=rf"ranks\[0\]\.blobs\['{re.escape(name)}'\]\.dtype is 'object'"):
+        check_manifest(body, "ckpt/manifest.json")
+
+
+def test_the_schema_builds_the_typed_manifest_it_checked(saved_bodies):
+    """What the schema check returns reads back every field of the JSON it checked."""
+    from cnr_torchrec.ckpt.format.schema import check_manifest
+
+    body = saved_bodies[1]
+    m = check_manifest(copy.deepcopy(body), "ckpt/manifest.json")
+    assert (m.id, m.step, m.kind, m.parent, m.base, m.depth) == tuple(
+        body[k] for k in ("id", "step", "kind", "parent", "base", "depth"))
+    assert dict(m.tables) == {t: tuple(s) for t, s in body["tables"].items()}
+    report, raw = m.ranks[0], body["ranks"][0]
+    assert report.nbytes == raw["nbytes"] and report.rows_written == raw["rows_written"]
+    assert [c.nbytes for c in report.payload.chunks] == [c["nbytes"] for c in raw["chunks"]]
+    assert {n: (b.offset, b.nbytes, b.dtype, list(b.shape)) for n, b in report.blobs.items()} == {
+        n: (b["offset"], b["nbytes"], b["dtype"], b["shape"]) for n, b in raw["blobs"].items()}
+    for table, entries in raw["tables"].items():
+        for got, e in zip(report.tables[table], entries):
+            assert (list(got.rows), list(got.cols), got.encoding) == (e["rows"], e["cols"], e["encoding"])
+            assert (got.ids is None) == ("ids" not in e)
+            if got.ids is not None:
+                assert (got.ids.kind, got.ids.count, got.ids.blob) == (e["ids"]["kind"], e["ids"]["count"],
+                                                                     e["ids"]["blob"])
+            assert dict(got.weights.blobs) == e["weights"]["blobs"] and dict(got.weights.meta) == e["weights"]["meta"]
+            assert [(s.rowwise, s.blob) for s in got.states] == [(s["rowwise"], s["blob"]) for s in e.get("states", [])]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        m.step = 0
+    with pytest.raises(TypeError):
+        report.tables["x"] = ()

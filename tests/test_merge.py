@@ -1,4 +1,4 @@
-"""Lossless compaction (``compact`` with no method, :mod:`cnr_torchrec.ckpt.save.merge`).
+"""Lossless compaction (``compact`` with no method, :mod:`cnr_torchrec.ckpt.compact.merge`).
 
 The reference is a restore no one here wrote differently: TorchRec's own test models
 (tests/_torchrec_models.py) restored by the Checkpointer from the chain, against the same model
@@ -11,6 +11,7 @@ and a row that no stored piece holds whole.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 
@@ -69,7 +70,7 @@ def _untouched(model, plan):
 
 
 def _compact(root, **kw):
-    from cnr_torchrec.ckpt.tools.compact import compact
+    from cnr_torchrec.ckpt.compact.offline import compact
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
@@ -81,7 +82,7 @@ def _compact(root, **kw):
 
 def _drop_chain(root, body):
     """Deletes the checkpoints ``body`` was compacted from: what restores now comes from ``body`` alone."""
-    first, tip = body["compacted_from"]
+    first, tip = body.compacted_from
     for i in range(first, tip + 1):
         shutil.rmtree(os.path.join(root, f"ckpt-{i:08d}"), ignore_errors=True)
 
@@ -94,7 +95,7 @@ def _assert_restores_alike(root, cfg, model, plans, body):
     """
     copy = root + "-check"
     shutil.copytree(root, copy)
-    shutil.rmtree(os.path.join(copy, f"ckpt-{body['id']:08d}"))
+    shutil.rmtree(os.path.join(copy, f"ckpt-{body.id:08d}"))
     os.remove(os.path.join(copy, "index.json"))
     from_chain = {plan: _restored(dataclasses.replace(cfg, root=copy), model, plan, per_rank_state="drop")
                   for plan in plans}
@@ -103,15 +104,15 @@ def _assert_restores_alike(root, cfg, model, plans, body):
     for plan in plans:
         got = _restored(cfg, model, plan, per_rank_state="drop")
         want = from_chain[plan]
-        assert got[0] == want[0] == body["step"]
-        M.assert_same(got[1], want[1], f"plan {plan}: compacted {body['id']} vs chain {body['compacted_from']}")
+        assert got[0] == want[0] == body.step
+        M.assert_same(got[1], want[1], f"plan {plan}: compacted {body.id} vs chain {body.compacted_from}")
         assert torch.equal(got[2], want[2])
         untouched = _untouched(model, plan)
         assert any(not torch.equal(untouched[k], got[1][k]) for k in untouched if k[-1] == "w")  # not vacuous
 
 
 def _weight_bytes(report):
-    return sum(meta["nbytes"] for name, meta in report["blobs"].items() if "/w/" in name)
+    return sum(blob.nbytes for name, blob in report.blobs.items() if "/w/" in name)
 
 
 def _coverage(storage, body):
@@ -119,14 +120,13 @@ def _coverage(storage, body):
     from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.state import decode_ids
 
-    grids = {t: torch.zeros(r, d, dtype=torch.int64) for t, (r, d) in body["tables"].items()}
-    for report in body["ranks"]:
-        load = PayloadReader(storage, report)
-        for table, entries in report["tables"].items():
+    grids = {t: torch.zeros(r, d, dtype=torch.int64) for t, (r, d) in body.tables.items()}
+    for report in body.ranks:
+        load = PayloadReader(storage, report.payload)
+        for table, entries in report.tables.items():
             for e in entries:
-                (r0, r1), (c0, c1) = e["rows"], e["cols"]
-                rows = torch.arange(r0, r1) if "ids" not in e else decode_ids(
-                    e["ids"]["kind"], load(e["ids"]["blob"]), r1 - r0) + r0
+                (r0, r1), (c0, c1) = e.rows, e.cols
+                rows = torch.arange(r0, r1) if e.ids is None else decode_ids(e.ids.kind, load(e.ids.blob), r1 - r0) + r0
                 grids[table][rows, c0:c1] += 1
     return grids
 
@@ -145,8 +145,8 @@ def test_compacted_chain_restores_bit_for_bit_for_every_codec(group, tmp_path, m
     assert kinds == ["baseline", "delta", "delta", "delta"]
 
     body = _compact(root)
-    assert (body["kind"], body["compacted_from"], body["equals"], body["step"]) == ("baseline", [0, 3], 3, step)
-    assert body["replicated"] == [] and all(r["replicated_tables"] == {} for r in body["ranks"])
+    assert (body.kind, body.compacted_from, body.equals, body.step) == ("baseline", (0, 3), 3, step)
+    assert body.replicated == () and all(not r.replicated_tables for r in body.ranks)
     storage = Storage(root)
     try:
         # Every (row, column) of every table stored once, a row once per column block of the layout.
@@ -154,15 +154,15 @@ def test_compacted_chain_restores_bit_for_bit_for_every_codec(group, tmp_path, m
             assert bool((grid == 1).all()), table
         tip = _bodies(root)[3]
         blocks = sum(e["rows"][1] - e["rows"][0] for r in tip["ranks"] for es in r["tables"].values() for e in es)
-        assert body["ranks"][0]["rows_written"] == blocks + sum(tip["tables"][t][0] for t in tip["replicated"])
+        assert body.ranks[0].rows_written == blocks + sum(tip["tables"][t][0] for t in tip["replicated"])
     finally:
         storage.close()
     # Kept as stored: a quantized chain stays smaller than its rows in float32 (replicated tables are float32).
-    f32 = sum(r * d * 4 for r, d in body["tables"].values())
+    f32 = sum(r * d * 4 for r, d in body.tables.values())
     if method == "none":
-        assert _weight_bytes(body["ranks"][0]) == f32
+        assert _weight_bytes(body.ranks[0]) == f32
     else:
-        assert _weight_bytes(body["ranks"][0]) < f32
+        assert _weight_bytes(body.ranks[0]) < f32
 
     _assert_restores_alike(root, cfg, "sparse_nn", ["A"], body)
     if method == "none":  # fp32 all along: the compacted baseline is the live model
@@ -182,7 +182,7 @@ def test_a_chain_across_a_plan_change_compacts_bit_for_bit(group, tmp_path, meth
     kinds, _, _ = _job(cfg, "sparse_nn", "B", 2, seed=3, restore=True)
     assert kinds == ["delta", "delta"]
     body = _compact(root)
-    assert body["compacted_from"] == [0, 3]
+    assert body.compacted_from == (0, 3)
     _assert_restores_alike(root, cfg, "sparse_nn", ["B", "A"], body)
 
 
@@ -200,7 +200,7 @@ def test_a_chain_across_a_change_of_world_size_compacts_bit_for_bit(group, tmp_p
     two = str(tmp_path / "two")
     shutil.copytree(root, two)
     body = _compact(two)
-    assert body["world_size"] == 2 and body["compacted_from"] == [0, 1]
+    assert body.world_size == 2 and body.compacted_from == (0, 1)
     _assert_restores_alike(two, _config(two, "kmeans", 3), "mixed", ["B"], body)
 
     # One rank goes on with the chain two ranks wrote, under another plan; then the whole chain compacts.
@@ -208,7 +208,7 @@ def test_a_chain_across_a_change_of_world_size_compacts_bit_for_bit(group, tmp_p
     kinds, _, _ = _job(cfg, "mixed", "B", 2, seed=3, restore=True)
     assert kinds == ["delta", "delta"]
     body = _compact(root)
-    assert body["world_size"] == 1 and body["compacted_from"] == [0, 3]
+    assert body.world_size == 1 and body.compacted_from == (0, 3)
     _assert_restores_alike(root, cfg, "mixed", ["B", "A"], body)
 
 
@@ -224,12 +224,12 @@ def test_compacting_a_compacted_baseline_again_keeps_one_entry_per_block(group, 
     kinds, _, _ = _job(cfg, "sparse_nn", "A", 2, seed=3, restore=True)
     assert kinds == ["delta", "delta"]  # on the compacted baseline
     second = _compact(root)
-    assert second["compacted_from"] == [first["id"], first["id"] + 2]
+    assert second.compacted_from == (first.id, first.id + 2)
 
     def entries(body):
-        return {t: len(es) for r in body["ranks"] for t, es in r["tables"].items()}
+        return {t: len(es) for r in body.ranks for t, es in r.tables.items()}
 
-    tip = _bodies(root)[first["id"] + 2]
+    tip = _bodies(root)[first.id + 2]
     blocks = {t: len({(tuple(e["rows"]), tuple(e["cols"])) for e in es})
               for r in tip["ranks"] for t, es in r["tables"].items()}
     blocks.update({t: 1 for t in tip["replicated"]})
@@ -261,10 +261,12 @@ def _add_entry(blobs, prefix, rows, cols, values, state, ids=None):
 
 
 def _write_ckpt(storage, ckpt_id, per_rank):
-    """A minimal manifest body of table ``t`` (6 x 8): ``per_rank`` lists each rank's entries as
-    (rows, cols, global row ids or None)."""
-    from cnr_torchrec.ckpt.format.manifest import rank_file
+    """Checkpoint ``ckpt_id`` of table ``t`` (6 x 8), the ``ckpt_id``-th link of a chain on baseline 0:
+    ``per_rank`` lists each rank's entries as (rows, cols, global row ids or None). Returns its manifest,
+    as the schema check builds it from the body."""
+    from cnr_torchrec.ckpt.format.commits import manifest_path, rank_file
     from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum
+    from cnr_torchrec.ckpt.format.schema import check_manifest
 
     ranks = []
     for rank, specs in enumerate(per_rank):
@@ -278,9 +280,17 @@ def _write_ckpt(storage, ckpt_id, per_rank):
         data = blobs.getvalue()
         file = rank_file(ckpt_id, rank)
         storage.write(file, data)
-        ranks.append({"rank": rank, "file": file, "nbytes": len(data), "xxh3": checksum(data),
-                      "blobs": blobs.index, "tables": {"t": entries}, "replicated_tables": {}, "tbe_iter": ckpt_id})
-    return {"id": ckpt_id, "tables": {"t": [6, 8]}, "ranks": ranks}
+        stored = sum(e["ids"]["count"] if "ids" in e else e["rows"][1] - e["rows"][0] for e in entries)
+        ranks.append({"rank": rank, "ok": True, "file": file, "nbytes": len(data), "xxh3": checksum(data),
+                      "blobs": blobs.index, "tables": {"t": entries}, "replicated_tables": {}, "dense": {},
+                      "tbe_iter": ckpt_id, "table_shapes": {"t": [6, 8]}, "rows_written": stored, "stall_ms": 0.0,
+                      "write_ms": 0.0, "dense_optimizer": None, "extra": {}})
+    body = {"id": ckpt_id, "step": ckpt_id, "kind": "delta" if ckpt_id else "baseline",
+            "since": "previous" if ckpt_id else None, "parent": ckpt_id - 1 if ckpt_id else None, "base": 0,
+            "depth": ckpt_id, "encodings": {"t": "rows"}, "reason": "test", "policy": "consecutive",
+            "world_size": len(ranks), "codec": {}, "restores": 0, "tables": {"t": [6, 8]}, "table_fqns": {},
+            "replicated": [], "nbytes": sum(r["nbytes"] for r in ranks), "created_unix": 0.0, "ranks": ranks}
+    return check_manifest(json.loads(json.dumps(body)), manifest_path(ckpt_id))
 
 
 def _table(ckpt_id):
@@ -289,19 +299,19 @@ def _table(ckpt_id):
 
 
 def _merged(storage, chain, regions, rank=0):
-    from cnr_torchrec.ckpt.save.merge import merge_rank
+    from cnr_torchrec.ckpt.compact.merge import merge_rank
 
-    return merge_rank(storage, chain, regions, new_id=9, rank=rank, rank_state=None, dense_state=None,
-                      table_shapes={"t": [6, 8]})
+    return merge_rank(storage, chain, regions, new_id=9, rank=rank, rank_state=None, dense_state=None)
 
 
 def _decoded(storage, report):
-    """(cols, global rows, decoded rows, row-wise state, payload) per entry of a merged report."""
+    """(cols, global rows, decoded rows, row-wise state, payload) per entry of a merged report (as written)."""
     from cnr_torchrec.ckpt.format.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.schema import check_payload
     from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.quant import EncodedRows, decode
 
-    load = PayloadReader(storage, report)
+    load = PayloadReader(storage, check_payload(report, "merged"))
     out = []
     for e in report["tables"]["t"]:
         (r0, r1), cols = e["rows"], tuple(e["cols"])
@@ -315,7 +325,7 @@ def _decoded(storage, report):
 
 @pytest.mark.timeout(30)
 def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_bytes(tmp_path):
-    from cnr_torchrec.ckpt.save.merge import Region
+    from cnr_torchrec.ckpt.format.layout import Region
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(str(tmp_path))
@@ -351,8 +361,8 @@ def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_
 
 @pytest.mark.timeout(30)
 def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_nothing(tmp_path):
-    from cnr_torchrec.ckpt.format.manifest import rank_file
-    from cnr_torchrec.ckpt.save.merge import Region
+    from cnr_torchrec.ckpt.format.commits import rank_file
+    from cnr_torchrec.ckpt.format.layout import Region
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import CheckpointError, CompactionError
 
@@ -378,13 +388,24 @@ def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_no
 
 @pytest.mark.timeout(30)
 def test_regions_of_a_layout_must_tile_every_table():
-    from cnr_torchrec.ckpt.save.merge import Region, regions_of_layout
+    from cnr_torchrec.ckpt.format.layout import Region, regions_of_layout
     from cnr_torchrec.errors import CorruptCheckpointError
 
     def tip(blocks):
-        return {"id": 5, "tables": {"t": [6, 8], "r": [3, 2]}, "replicated": ["r"],
-                "ranks": [{"rank": k, "tables": {"t": [{"rows": rows, "cols": cols} for rows, cols in bs]}}
-                          for k, bs in enumerate(blocks)]}
+        """Checkpoint 5 of tables t (6 x 8, sharded into ``blocks`` per rank) and r (3 x 2, replicated)."""
+        from cnr_torchrec.ckpt.format.manifest import Manifest, Payload, RankReport, TableEntry
+
+        def report(k, bs):
+            entries = tuple(TableEntry(rows=tuple(rows), cols=tuple(cols), encoding="full", weights=None)
+                            for rows, cols in bs)
+            return RankReport(rank=k, payload=Payload(f"ckpt-00000005/rank-{k:05d}.bin", 0, (), {}),
+                              tables={"t": entries}, replicated_tables={"r": "rep/r"} if k == 0 else {}, dense={},
+                              tbe_iter=0, table_shapes={}, rows_written=0, stall_ms=0.0, write_ms=0.0)
+
+        return Manifest(id=5, step=5, kind="baseline", parent=None, base=5, depth=0, since=None, reason="test",
+                        policy=None, world_size=len(blocks), codec={}, restores=0, tables={"t": (6, 8), "r": (3, 2)},
+                        table_fqns={}, replicated=("r",), encodings={}, nbytes=0, created_unix=0.0,
+                        ranks=tuple(report(k, bs) for k, bs in enumerate(blocks)))
 
     got = regions_of_layout(tip([[([0, 3], [0, 8])], [([3, 6], [0, 4]), ([3, 6], [4, 8])]]))
     assert got == {0: [Region("t", (0, 3), (0, 8)), Region("r", (0, 3), (0, 2))],

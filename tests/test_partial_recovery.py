@@ -105,10 +105,10 @@ def _worker(rank, world_size, root):
 
     storage = Storage(root)
     chain = load_chain(storage, info.ckpt_id, verify=False)
-    own = sum(r["nbytes"] for m in chain for r in m["ranks"] if r["rank"] == 1)
-    first = chain[-1]["ranks"][0]
-    opt_bytes = sum(b["nbytes"] for n, b in first["blobs"].items() if n.startswith("dense_optimizer"))
-    everything = sum(m["nbytes"] for m in chain)
+    own = sum(m.ranks[1].nbytes for m in chain)
+    first = chain[-1].ranks[0]
+    opt_bytes = sum(b.nbytes for n, b in first.blobs.items() if n.startswith("dense_optimizer"))
+    everything = sum(m.nbytes for m in chain)
     assert 0 < info.bytes_read <= own + opt_bytes < everything, (info.bytes_read, own, opt_bytes, everything)
 
     # The chain goes on: the next delta holds the survivor's rows changed since the checkpoint, and a

@@ -306,7 +306,7 @@ _local_state = local_state
 
 def _entries(root, ckpt_id, rank=None):
     """{table: [(rows, cols, encoding, ids or None)]} of one checkpoint (every rank, or one)."""
-    from cnr_torchrec.ckpt.format.manifest import load_manifest
+    from cnr_torchrec.ckpt.format.commits import load_manifest
     from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.ckpt.format.storage import Storage
@@ -314,15 +314,13 @@ def _entries(root, ckpt_id, rank=None):
     storage = Storage(root)
     m = load_manifest(storage, ckpt_id)
     out = {}
-    for report in m["ranks"]:
-        if rank is not None and report["rank"] != rank:
+    for report in m.ranks:
+        if rank is not None and report.rank != rank:
             continue
-        read = PayloadReader(storage, report)
-        for table, entries in report["tables"].items():
-            for e in entries:
-                n = e["rows"][1] - e["rows"][0]
-                ids = decode_ids(e["ids"]["kind"], read(e["ids"]["blob"]), n) if "ids" in e else None
-                out.setdefault(table, []).append((tuple(e["rows"]), tuple(e["cols"]), e["encoding"], ids))
+        read = PayloadReader(storage, report.payload)
+        for table, e in report.entries():
+            ids = decode_ids(e.ids.kind, read(e.ids.blob), e.num_rows) if e.ids is not None else None
+            out.setdefault(table, []).append((e.rows, e.cols, e.encoding, ids))
     storage.close()
     return m, out
 

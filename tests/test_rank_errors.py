@@ -154,7 +154,7 @@ def test_restore_storage_failing_on_one_rank_raises_on_every_rank(tmp_path, case
 
 
 def _save_worker(rank, world_size, root):
-    from cnr_torchrec.ckpt.format.manifest import existing_dir_ids
+    from cnr_torchrec.ckpt.format.commits import existing_dir_ids
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import SaveFailedError
 

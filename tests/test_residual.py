@@ -33,7 +33,7 @@ def _weights(dmp):
 def _written(root, ckpt_id):
     """(table, rows, cols) -> the shard rows checkpoint ``ckpt_id`` wrote (None: all), and whether as residuals."""
     from cnr_torchrec.ckpt.format.chunks import PayloadReader
-    from cnr_torchrec.ckpt.format.manifest import load_manifest
+    from cnr_torchrec.ckpt.format.commits import load_manifest
     from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.ckpt.format.storage import Storage
 
@@ -41,13 +41,11 @@ def _written(root, ckpt_id):
     try:
         m = load_manifest(storage, ckpt_id)
         out = {}
-        for report in m["ranks"]:
-            load = PayloadReader(storage, report)
-            for table, entries in report["tables"].items():
-                for e in entries:
-                    n = e["rows"][1] - e["rows"][0]
-                    ids = decode_ids(e["ids"]["kind"], load(e["ids"]["blob"]), n) if "ids" in e else None
-                    out[(table, tuple(e["rows"]), tuple(e["cols"]))] = (ids, bool(e.get("residual")))
+        for report in m.ranks:
+            load = PayloadReader(storage, report.payload)
+            for table, e in report.entries():
+                ids = decode_ids(e.ids.kind, load(e.ids.blob), e.num_rows) if e.ids is not None else None
+                out[(table, e.rows, e.cols)] = (ids, e.residual)
         return out
     finally:
         storage.close()
@@ -119,7 +117,8 @@ def _offline_tools(root, expected):
     """cnr export adds the residuals up as a restore does; a lossless compaction refuses, and `--method none`
     folds the chain into a float32 baseline of the sums, which a job then resumes from."""
     from cnr_torchrec.ckpt.format.storage import Storage
-    from cnr_torchrec.ckpt.tools.compact import compact, export_state_dict
+    from cnr_torchrec.ckpt.compact.offline import compact
+    from cnr_torchrec.ckpt.tools.export import export_state_dict
     from cnr_torchrec.errors import CompactionError
 
     def assert_exported(state):
@@ -133,8 +132,8 @@ def _offline_tools(root, expected):
         with pytest.raises(CompactionError, match="--method none"):
             compact(storage)
         body = compact(storage, method="none")
-        assert body["kind"] == "baseline" and body["codec"]["method"] == "none"
-        assert_exported(export_state_dict(storage, body["id"]))
+        assert body.kind == "baseline" and body.codec["method"] == "none"
+        assert_exported(export_state_dict(storage, body.id))
     finally:
         storage.close()
     # A job resumes from the float32 baseline and goes on writing residual deltas against it.
@@ -218,7 +217,7 @@ def test_a_residual_chain_of_two_ranks_restores_onto_one_rank_and_another_plan(t
     """Every sharding type, 2 ranks -> 1 under another plan, against the export (which adds the chain up
     oldest first over whole tables, apart from the restore's newest-first claims per shard)."""
     from cnr_torchrec.ckpt.format.storage import Storage
-    from cnr_torchrec.ckpt.tools.compact import export_state_dict
+    from cnr_torchrec.ckpt.tools.export import export_state_dict
 
     root = str(tmp_path / "ck")
     run_ranks(_write_plan_a, world_size=2, timeout=200, args=(root,))

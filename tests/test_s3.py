@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from cnr_torchrec.ckpt.format.manifest import committed_ids, existing_dir_ids, manifest_path, seal
+from cnr_torchrec.ckpt.format.commits import committed_ids, existing_dir_ids, manifest_path, seal
 from cnr_torchrec.ckpt.format.storage import S3Plugin, Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError
 

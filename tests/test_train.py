@@ -12,7 +12,7 @@ import pytest
 import torch
 import yaml
 
-from cnr_torchrec.ckpt.format.manifest import load_manifest
+from cnr_torchrec.ckpt.format.commits import load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.job.data import DataConfig
 from cnr_torchrec.job.dlrm import EBC_FQN, ModelConfig, build_model, plan_assignment
@@ -256,8 +256,8 @@ def test_killed_job_resumes_and_matches_an_uninterrupted_run(tmp_path):
     try:
         for c in report["checkpoints"]:
             m = load_manifest(storage, c["id"])
-            assert (m["step"], m["kind"], m["nbytes"]) == (c["step"], c["kind"], c["nbytes"])
-            assert c["rows_written"] == sum(r["rows_written"] for r in m["ranks"])
+            assert (m.step, m.kind, m.nbytes) == (c["step"], c["kind"], c["nbytes"])
+            assert c["rows_written"] == sum(r.rows_written for r in m.ranks)
             assert c["total_rows"] == sum(rows) and c["method"] == "none"
             assert c["dirty_fraction"] == pytest.approx(c["rows_written"] / sum(rows))
     finally:

@@ -19,13 +19,14 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import param_names
-from cnr_torchrec.ckpt.format.manifest import chain_ids, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
-from cnr_torchrec.ckpt.save.catalog import Retention
+from cnr_torchrec.ckpt.retention import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
-from cnr_torchrec.ckpt.save.compaction import Compaction, Compactor
+from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
@@ -286,8 +287,8 @@ class Checkpointer:
         """
         self._check_open("list")
         try:
-            bodies = {i: load_manifest(self._storage, i) for i in committed_ids(self._storage)}
-            return [CheckpointInfo.from_manifest(m, chain_ids(m, bodies)) for m in bodies.values()]
+            manifests = {i: load_manifest(self._storage, i) for i in committed_ids(self._storage)}
+            return [CheckpointInfo.from_manifest(m, chain_ids(m, manifests)) for m in manifests.values()]
         except CnrError:
             raise
         except Exception as e:
@@ -349,10 +350,10 @@ class Checkpointer:
         if self._dist:
             dist.barrier()
         if bad:
-            log.warning("restored checkpoint %d (step %d) instead of newer ones: %s", m["id"], m["step"],
+            log.warning("restored checkpoint %d (step %d) instead of newer ones: %s", m.id, m.step,
                         "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items())))
-        log.info("restored checkpoint %d (step %d, chain %s)", m["id"], m["step"], [c["id"] for c in chain])
-        return int(m["step"])
+        log.info("restored checkpoint %d (step %d, chain %s)", m.id, m.step, [c.id for c in chain])
+        return m.step
 
     def recover(self, failed_ranks: Iterable[int], step: int | None = None) -> RecoveryInfo:
         """CPR partial recovery: only ``failed_ranks`` reload their shards; survivors keep their live rows.
@@ -534,23 +535,23 @@ class Checkpointer:
                 log.log(level, "bits: auto -> %s-bit %s: %s", bits, self.config.quantization.method, why)
         return codec
 
-    def _continue_chain(self, chain: list[dict[str, Any]]) -> None:
+    def _continue_chain(self, chain: list[Manifest]) -> None:
         """Chain state after a restore of ``chain``: consecutive goes on from its tip; others take a baseline.
 
         Collective: rank 0 lists the root, and a failure raises StorageError on every rank.
         """
         m = chain[-1]
-        next_id = self._ranks.from_rank0(lambda: self._next_id(m["id"]),
+        next_id = self._ranks.from_rank0(lambda: self._next_id(m.id),
                                          what=f"listing the checkpoints under {self.config.root}")
         if self.config.policy == "consecutive":
-            self._state = ChainState(next_id, tuple(c["id"] for c in chain), chain[0]["nbytes"],
-                                     tuple(c["nbytes"] for c in chain[1:]))
+            self._state = ChainState(next_id, tuple(c.id for c in chain), chain[0].nbytes,
+                                     tuple(c.nbytes for c in chain[1:]))
         else:
             # The rows dirty between the baseline and this point are not in the tracker any more.
             self._state = ChainState(next_id)
             self._force_baseline = "after restore"
 
-    def _count_restore(self, manifest: dict[str, Any]) -> None:
+    def _count_restore(self, manifest: Manifest) -> None:
         """After a restore: one more restore for this job, and maybe wider codes (bits: auto)."""
-        self._restores = int(manifest.get("restores", 0)) + 1
+        self._restores = manifest.restores + 1
         self.codec = self._pick_codec()

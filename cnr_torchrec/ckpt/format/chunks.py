@@ -28,56 +28,22 @@ import mmap
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xxhash
 
+from cnr_torchrec.ckpt.format.manifest import Chunk, Payload, chunk_path
 from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "Chunk", "IOPool", "PayloadReader", "PayloadWriter", "chunk_path", "chunks_of",
-           "payload_files"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter"]
 
 # One sweep of benchmarks/scale.py at 10x (docs/scale.md), 4 to 256 MiB: baseline writes showed no trend,
 # restores got faster with bigger chunks and peak memory grew; 64 MiB sits between. An object store
 # holds up to io_threads + 1 joined chunks in memory while they upload.
 DEFAULT_CHUNK_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One object of a payload: bytes ``[start, start + nbytes)`` of the stream."""
-
-    path: str
-    start: int
-    nbytes: int
-    xxh3: str
-
-    @property
-    def end(self) -> int:
-        return self.start + self.nbytes
-
-
-def chunk_path(file: str, k: int) -> str:
-    """Chunk ``k``'s path: ``file`` itself for chunk 0, ``<stem>.<k>.bin`` after it."""
-    return file if k == 0 else f"{file.removesuffix('.bin')}.{k}.bin"
-
-
-def chunks_of(report: Mapping[str, Any]) -> list[Chunk]:
-    """The chunks a rank report describes (one, the whole file, for reports older than chunking)."""
-    file = report["file"]
-    if "chunks" not in report:
-        return [Chunk(file, 0, int(report["nbytes"]), report["xxh3"])]
-    stride = int(report["chunk_bytes"])
-    return [Chunk(chunk_path(file, k), k * stride, int(c["nbytes"]), c["xxh3"]) for k, c in enumerate(report["chunks"])]
-
-
-def payload_files(report: Mapping[str, Any]) -> list[str]:
-    """Every object a rank report's payload occupies."""
-    return [c.path for c in chunks_of(report)]
 
 
 class IOPool:
@@ -131,7 +97,7 @@ class PayloadWriter(BlobWriter):
 
     Args:
         storage: where to write when ``pool`` is None (chunks are then written in the caller's thread).
-        file: chunk 0's path (:func:`~cnr_torchrec.ckpt.format.manifest.rank_file`).
+        file: chunk 0's path (:func:`~cnr_torchrec.ckpt.format.commits.rank_file`).
         chunk_bytes: the stride; a multiple of :attr:`BlobWriter.ALIGN`.
         pool: threads to write on; None writes synchronously.
         in_flight: chunks handed to the pool and not yet written, at most, before :meth:`add` blocks
@@ -206,37 +172,36 @@ def _read_chunk(storage: Storage, chunk: Chunk) -> bytearray | mmap.mmap:
 
 
 class PayloadReader:
-    """The blobs of one rank report: ``reader(name)`` is the stored tensor.
+    """The blobs of one rank's payload: ``reader(name)`` is the stored tensor.
 
     Args:
         storage: the caller's storage (reads on the caller's thread when ``pool`` is None).
-        report: the rank report.
+        payload: the payload (a :class:`~cnr_torchrec.ckpt.format.manifest.RankReport`'s ``payload``).
         stats: counts ``bytes_read`` and ``reads`` into this dict.
         whole: read every chunk (at once, in parallel on ``pool``) and view blobs in place;
             False: one range read per blob, for a few small blobs of a big payload.
         pool: threads for the chunk reads.
     """
 
-    def __init__(self, storage: Storage, report: Mapping[str, Any], stats: dict[str, int] | None = None,
+    def __init__(self, storage: Storage, payload: Payload, stats: dict[str, int] | None = None,
                  whole: bool = True, pool: IOPool | None = None) -> None:
-        self.storage, self.report = storage, report
-        self.chunks = chunks_of(report)
+        self.storage, self.payload = storage, payload
+        self.chunks = payload.chunks
         self._stats, self._whole, self._pool = stats, whole, pool
         self._data: list[Future] | None = None
 
     def __call__(self, name: str) -> torch.Tensor:
+        file = self.payload.file
         try:
-            meta = self.report["blobs"][name]
+            blob = self.payload.blobs[name]
         except KeyError:
-            raise CorruptCheckpointError(
-                f"{self.report['file']}: the manifest names blob {name!r} but does not describe it", self.report["file"]
-            ) from None
-        start, end = int(meta["offset"]), int(meta["offset"]) + int(meta["nbytes"])
+            raise CorruptCheckpointError(f"{file}: the manifest names blob {name!r} but does not describe it",
+                                         file) from None
         if not self._whole:
-            self._count(end - start, 1)
-            return read_blob(self.report["file"], meta, name, self._range(start, end))
+            self._count(blob.nbytes, 1)
+            return read_blob(file, blob, name, self._range(blob.offset, blob.end))
         self.start()
-        return read_blob(self.report["file"], meta, name, self._view(start, end), verified=True)
+        return read_blob(file, blob, name, self._view(blob.offset, blob.end), verified=True)
 
     def start(self) -> None:
         """Starts reading every chunk (once), so that the reads overlap whatever the caller does next."""

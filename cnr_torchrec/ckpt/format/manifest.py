@@ -1,230 +1,271 @@
-"""Checkpoint manifests: sealed JSON commit markers, and the catalog of committed checkpoints.
+"""The manifest as types: what a committed checkpoint holds, read by attribute.
 
-Layout under the root::
+A manifest body is JSON on disk (:mod:`~cnr_torchrec.ckpt.format.commits` seals and loads
+it). It becomes a :class:`Manifest` in one place, the schema check
+(:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`), which builds these classes as it
+checks each field. So everything past the check can trust what it reads: a :class:`Blob` lies
+inside its payload and matches its dtype and shape, a :class:`TableEntry` lies inside its
+table, and every name an entry gives is a blob its report describes.
 
-    ckpt-00000003/
-        rank-00000.bin      payload of rank 0 (blobs back to back), its first chunk
-        rank-00000.1.bin    its second chunk, and so on (format/chunks.py)
-        rank-00001.bin
-        manifest.json       written last, atomically, by rank 0: the commit marker
-    index.json              committed ids, rewritten after each commit (for stores that cannot list)
+The classes are frozen; their mappings are read-only views. The writers build JSON, not
+these classes: a save's body is checked, and so typed, before it is sealed.
 
-A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`` last;
-``xxh3`` covers the body's text exactly as it stands in the file, so an edited or
-bit-flipped manifest is caught even when it still parses, and checking it needs no second
-serialization of the body.
+Nesting, outermost first::
 
-A body links to its chain by ``parent`` (the checkpoint whose restored state it applies on),
-``base`` (the chain's baseline) and ``depth`` (links from the baseline: 0 for a baseline), so
-its size does not grow with the chain; :func:`walk_chain` follows the links back. Version 2
-bodies listed the whole chain instead; they are read, and given the links, on load. Version 4
-payloads are chunked (each rank report lists its chunks); a version 3 report's payload is one file.
+    Manifest            one checkpoint: chain links, tables, job-level fields
+      RankReport        one rank's part: its payload, entries, dense and per-rank state
+        Payload         the rank's bytes: chunk files and the blobs inside them
+          Chunk, Blob
+        TableEntry      one shard's rows of one table: row ids, encoded weights, optimizer states
+          RowIds, Weights, StateRef
 """
 
 from __future__ import annotations
 
-import json
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-from cnr_torchrec.ckpt.format.payload import checksum
-from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
-
 __all__ = [
-    "FORMAT",
-    "VERSION",
-    "ckpt_dir",
-    "ckpt_id_of",
-    "manifest_path",
-    "rank_file",
-    "seal",
-    "load_manifest",
-    "committed_ids",
-    "write_index",
-    "walk_chain",
-    "chain_ids",
+    "Blob",
+    "Chunk",
+    "Manifest",
+    "Payload",
+    "RankReport",
+    "RowIds",
+    "StateRef",
+    "TableEntry",
+    "Weights",
+    "chunk_path",
+    "frozen",
 ]
 
-FORMAT = "cnr-checkpoint"
-# 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1: sha256)
-VERSION = 4
-INDEX = "index.json"
-_DIR_RE = re.compile(r"^ckpt-(\d{8})$")
+
+def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A read-only view of a copy of ``mapping``."""
+    return MappingProxyType(dict(mapping))
 
 
-def ckpt_dir(ckpt_id: int) -> str:
-    return f"ckpt-{ckpt_id:08d}"
+_EMPTY: Mapping[str, Any] = MappingProxyType({})
 
 
-def manifest_path(ckpt_id: int) -> str:
-    return f"{ckpt_dir(ckpt_id)}/manifest.json"
+def chunk_path(file: str, k: int) -> str:
+    """Chunk ``k``'s path: ``file`` itself for chunk 0, ``<stem>.<k>.bin`` after it."""
+    return file if k == 0 else f"{file.removesuffix('.bin')}.{k}.bin"
 
 
-def rank_file(ckpt_id: int, rank: int) -> str:
-    return f"{ckpt_dir(ckpt_id)}/rank-{rank:05d}.bin"
+@dataclass(frozen=True)
+class Chunk:
+    """One object of a payload: bytes ``[start, start + nbytes)`` of the stream."""
+
+    path: str
+    start: int
+    nbytes: int
+    xxh3: str
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
 
 
-def ckpt_id_of(path: str) -> int | None:
-    """The checkpoint a file belongs to (``ckpt-00000007/rank-00001.bin`` -> 7); None for other paths."""
-    m = _DIR_RE.match(path.split("/", 1)[0]) if path else None
-    return int(m.group(1)) if m else None
+@dataclass(frozen=True)
+class Blob:
+    """One tensor of a payload: raw bytes ``[offset, offset + nbytes)`` of ``dtype`` and ``shape``."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+    xxh3: str
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.nbytes
 
 
-_BODY_KEY = b'"body": '
+@dataclass(frozen=True)
+class Payload:
+    """A rank's bytes: one logical stream of ``nbytes``, stored as ``chunks``, holding ``blobs`` by name.
 
-
-def seal(body: dict[str, Any], version: int = VERSION) -> bytes:
-    """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers."""
-    text = json.dumps(body, indent=1, allow_nan=False).encode()
-    head = json.dumps({"format": FORMAT, "version": version, "xxh3": checksum(text)}).encode()
-    return head[:-1] + b", " + _BODY_KEY + text + b"}"
-
-
-def _body_text(raw: bytes | bytearray) -> bytes | bytearray:
-    """The body's text in a sealed manifest: from the first ``"body": `` (the header holds none) to the last brace."""
-    start = raw.find(_BODY_KEY)
-    end = raw.rfind(b"}")
-    return raw[start + len(_BODY_KEY) : end] if 0 <= start < end else b""
-
-
-def load_manifest(storage: Storage, ckpt_id: int) -> dict[str, Any]:
-    """Reads and checks one manifest.
-
-    Raises:
-        CheckpointNotFoundError: the checkpoint was never committed.
-        CorruptCheckpointError: the manifest does not parse or does not match its checksum.
+    ``file`` is chunk 0's path; a report older than chunking (format 3) is one chunk.
     """
-    path = manifest_path(ckpt_id)
-    raw = storage.read(path)
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt", path=path) from None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
-        raise CorruptCheckpointError(f"{path} is not a cnr_torchrec manifest", path=path)
-    version = doc.get("version")
-    if version not in _READABLE:
-        if isinstance(version, int) and 0 < version < VERSION:
-            how = ("it was written by an earlier cnr_torchrec (version 1 used sha256 checksums). Restore it with the "
-                   "build that wrote it and save a new baseline with this one")
-        else:
-            how = "upgrade cnr_torchrec to read it"
-        raise CorruptCheckpointError(
-            f"{path} has format version {version!r}; this build reads versions 2 to {VERSION}: {how}.", path=path
-        )
-    body = doc["body"]
-    if checksum(_body_text(raw)) != doc.get("xxh3"):
-        raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
-    if not isinstance(body, dict) or body.get("id") != ckpt_id:
-        what = body.get("id") if isinstance(body, dict) else type(body).__name__
-        raise CorruptCheckpointError(f"{path} describes checkpoint {what}, not {ckpt_id}", path=path)
-    if version == 2:
-        _links_from_chain(body, path)
-    return body
+
+    file: str
+    nbytes: int
+    chunks: tuple[Chunk, ...]
+    blobs: Mapping[str, Blob]
+    chunk_bytes: int | None = None  # None: unchunked (format 3)
+
+    @property
+    def files(self) -> list[str]:
+        """Every object the payload occupies."""
+        return [c.path for c in self.chunks]
 
 
-_READABLE = (2, 3, VERSION)
+@dataclass(frozen=True)
+class RowIds:
+    """Which rows of its range an entry stores: ``count`` row offsets, packed as a ``bitmap`` or a ``list``."""
+
+    kind: str
+    count: int
+    blob: str
 
 
-def _links_from_chain(body: dict[str, Any], path: str) -> None:
-    """A version 2 body listed its chain; it gets the links a version 3 body holds."""
-    chain = body.get("chain")
-    if not (isinstance(chain, list) and chain and all(type(i) is int for i in chain)):
-        raise CorruptCheckpointError(f"{path} has an invalid chain {chain!r}", path=path)
-    body["base"], body["depth"] = chain[0], len(chain) - 1
+@dataclass(frozen=True)
+class Weights:
+    """An entry's encoded rows: the codec's metadata (:meth:`~cnr_torchrec.quant.EncodedRows.metadata`)
+    and, for each tensor the codec writes, the blob that holds it."""
+
+    meta: Mapping[str, Any]
+    blobs: Mapping[str, str]
 
 
-def walk_chain(tip: dict[str, Any], load: Callable[[int], dict[str, Any]]) -> list[dict[str, Any]]:
-    """The bodies of ``tip``'s chain, baseline first, following ``parent`` links with ``load(id)``.
+@dataclass(frozen=True)
+class StateRef:
+    """One optimizer state of an entry's rows: one value per row (``rowwise``), or one per row and column."""
 
-    Every member must pass the schema (:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`),
-    and every link must hold: a parent older than its child, of the same ``base`` and one
-    ``depth`` less, and the walk must end at a baseline whose id is the ``base``. So a
-    crafted or mixed-up manifest can neither loop, nor splice chains together, nor size a
-    buffer beyond its tables.
+    rowwise: bool
+    blob: str
 
-    Raises:
-        CorruptCheckpointError: a member breaks the schema, a link does not hold, or a member is not
-            committed (names its manifest, and the field).
+
+@dataclass(frozen=True)
+class TableEntry:
+    """The rows one shard stored of one table: global ``rows`` x ``cols`` ranges, half open.
+
+    Without ``ids`` the entry stores every row of its range, in order. A ``residual`` entry
+    adds to the rows the chain restored before it (``quantization.residual``). ``replicated``
+    is never stored: it names the blob of a whole float32 table (a data_parallel table, which
+    rank 0 stores whole), which restore reads as an entry spanning the table.
     """
-    check_manifest(tip, manifest_path(tip["id"]))
-    chain = [tip]
-    node = tip
-    while node["kind"] != "baseline":
-        parent = node.get("parent")
-        path = manifest_path(node["id"])
-        if type(parent) is not int or not 0 <= parent < node["id"] or node["depth"] < 1:
-            raise CorruptCheckpointError(f"{path}: delta {node['id']} has parent {parent!r} at depth "
-                                         f"{node['depth']}; a delta's parent is an older checkpoint", path=path)
-        try:
-            up = load(parent)
-            check_manifest(up, manifest_path(parent))
-        except CheckpointNotFoundError:
-            raise CorruptCheckpointError(
-                f"{manifest_path(parent)} is missing: checkpoint {tip['id']} needs checkpoint {parent}, which is "
-                "not committed", path=manifest_path(parent)) from None
-        if up["base"] != node["base"] or up["depth"] != node["depth"] - 1:
-            raise CorruptCheckpointError(
-                f"{manifest_path(parent)}: checkpoint {parent} (base {up['base']}, depth {up['depth']}) does not fit "
-                f"the chain of checkpoint {node['id']} (base {node['base']}, depth {node['depth']})",
-                path=manifest_path(parent))
-        chain.append(up)
-        node = up
-    if node["id"] != node["base"] or node["depth"] != 0 or node.get("parent") is not None:
-        path = manifest_path(node["id"])
-        raise CorruptCheckpointError(f"{path}: baseline {node['id']} has base {node['base']}, depth "
-                                     f"{node['depth']} and parent {node.get('parent')!r}; a baseline is its own "
-                                     "base, at depth 0, with no parent", path=path)
-    return chain[::-1]
+
+    rows: tuple[int, int]
+    cols: tuple[int, int]
+    encoding: str
+    weights: Weights | None
+    ids: RowIds | None = None
+    states: tuple[StateRef, ...] = ()
+    residual: bool = False
+    replicated: str | None = None
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in the entry's range."""
+        return self.rows[1] - self.rows[0]
+
+    @property
+    def num_stored(self) -> int:
+        """Rows the entry stores."""
+        return self.ids.count if self.ids is not None else self.num_rows
 
 
-def committed_ids(storage: Storage) -> list[int]:
-    """Ids of the checkpoints whose manifest exists, ascending (manifests are not checked here)."""
-    dirs = storage.list_dirs()
-    if dirs is not None:
-        ids = [int(m.group(1)) for d in dirs if (m := _DIR_RE.match(d))]
-        return [i for i in ids if storage.exists(manifest_path(i))]
-    # Stores that cannot list: the index, plus any commit that landed after the index was last written.
-    try:
-        ids = [int(i) for i in json.loads(storage.read(INDEX)).get("committed", [])]
-    except CheckpointNotFoundError:
-        ids = []
-    except (ValueError, AttributeError, TypeError):
-        raise CorruptCheckpointError(
-            f"{INDEX} is corrupt. This store cannot list directories, so the index is the catalog of "
-            "committed checkpoints: rewrite it as {\"committed\": [ids...]} from the ckpt-*/manifest.json "
-            "objects that exist, or restore it from a copy",
-            path=INDEX,
-        )
-    ids = [i for i in ids if storage.exists(manifest_path(i))]
-    nxt = (max(ids) + 1) if ids else 0
-    while storage.exists(manifest_path(nxt)):
-        ids.append(nxt)
-        nxt += 1
-    return sorted(set(ids))
+@dataclass(frozen=True)
+class RankReport:
+    """One rank's part of a checkpoint.
+
+    Attributes:
+        tables: the entries this rank wrote, by table.
+        replicated_tables: data_parallel tables stored whole (rank 0 only), by table: blob names.
+        dense: dense parameters and buffers, by name: blob names (rank 0 holds them; others may).
+        table_shapes: the global shape of each table this rank holds.
+        dense_optimizer, rng, extra: flattened state trees
+            (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`); ``extra`` by name.
+    """
+
+    rank: int
+    payload: Payload
+    tables: Mapping[str, tuple[TableEntry, ...]]
+    replicated_tables: Mapping[str, str]
+    dense: Mapping[str, str]
+    tbe_iter: int
+    table_shapes: Mapping[str, Any]
+    rows_written: int
+    stall_ms: float
+    write_ms: float
+    dense_optimizer: Any = None
+    rng: Any = None
+    extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+
+    @property
+    def file(self) -> str:
+        return self.payload.file
+
+    @property
+    def nbytes(self) -> int:
+        return self.payload.nbytes
+
+    @property
+    def blobs(self) -> Mapping[str, Blob]:
+        return self.payload.blobs
+
+    def entries(self) -> list[tuple[str, TableEntry]]:
+        """Every (table, entry) this rank wrote."""
+        return [(t, e) for t, es in self.tables.items() for e in es]
 
 
-def existing_dir_ids(storage: Storage) -> list[int]:
-    """Ids of every checkpoint directory, committed or not (filesystem only; else the committed ones)."""
-    dirs = storage.list_dirs()
-    if dirs is None:
-        return committed_ids(storage)
-    return [int(m.group(1)) for d in dirs if (m := _DIR_RE.match(d))]
+@dataclass(frozen=True)
+class Manifest:
+    """One committed checkpoint.
 
+    A baseline is its own ``base`` at ``depth`` 0 with no ``parent``; a delta applies on
+    ``parent`` (one ``depth`` less, same ``base``). ``since`` says what a delta's rows
+    changed since: the ``"baseline"`` or the ``"previous"`` checkpoint. A compacted baseline
+    ``equals`` the checkpoint whose restore it reproduces and names the chain it folds in
+    ``compacted_from``.
 
-def write_index(storage: Storage, ids: list[int]) -> None:
-    storage.write_atomic(INDEX, json.dumps({"format": "cnr-index", "committed": sorted(ids)}).encode())
+    ``body`` is the JSON the manifest was built from, for tools that print it or copy fields.
+    """
 
+    id: int
+    step: int
+    kind: str
+    parent: int | None
+    base: int
+    depth: int
+    since: str | None
+    reason: str
+    policy: str | None
+    world_size: int
+    codec: Mapping[str, Any]
+    restores: int
+    tables: Mapping[str, tuple[int, int]]
+    table_fqns: Mapping[str, Any]
+    replicated: tuple[str, ...]
+    encodings: Mapping[str, str]
+    nbytes: int
+    created_unix: float
+    ranks: tuple[RankReport, ...]
+    equals: int | None = None
+    compacted_from: tuple[int, ...] | None = None
+    per_rank_state: bool = True
+    body: Mapping[str, Any] = field(default_factory=lambda: _EMPTY, repr=False, compare=False)
 
-def chain_ids(body: Mapping[str, Any], bodies: Mapping[int, Mapping[str, Any]]) -> tuple[int, ...]:
-    """``body``'s chain as ids, baseline first, as far as ``bodies`` hold its members (for listings;
-    a restore checks every link with :func:`walk_chain`)."""
-    ids = [body["id"]]
-    node = body
-    while node.get("parent") is not None and node["parent"] in bodies and len(ids) <= body["depth"]:
-        node = bodies[node["parent"]]
-        ids.append(node["id"])
-    return tuple(ids[::-1])
+    @property
+    def is_baseline(self) -> bool:
+        return self.kind == "baseline"
+
+    @property
+    def rows_written(self) -> int:
+        return sum(r.rows_written for r in self.ranks)
+
+    @property
+    def files(self) -> list[str]:
+        """Every payload object of every rank."""
+        return [f for r in self.ranks for f in r.payload.files]
+
+    def entries(self) -> list[tuple[RankReport, str, TableEntry]]:
+        """Every (report, table, entry) of the checkpoint, as stored."""
+        return [(r, t, e) for r in self.ranks for t, e in r.entries()]
+
+    def rows_of(self, report: RankReport, replicated: bool = True) -> list[tuple[str, TableEntry]]:
+        """Every (table, entry) of ``report`` that holds rows; with ``replicated``, each table it stores
+        whole (a data_parallel table, on rank 0) too, as one float32 entry spanning the table. So a chain
+        whose plans differ (a table replicated in some checkpoints, sharded in others) reads like any other.
+        """
+        out = report.entries()
+        if replicated:
+            for table, blob in report.replicated_tables.items():
+                rows, cols = self.tables[table]
+                out.append((table, TableEntry(rows=(0, rows), cols=(0, cols), encoding="full", weights=None,
+                                              replicated=blob)))
+        return out

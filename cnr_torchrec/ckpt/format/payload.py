@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from cnr_torchrec.ckpt.format.manifest import Blob
 from cnr_torchrec.ckpt.format.storage import checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -75,7 +76,7 @@ class BlobWriter:
         return b"".join(self._parts)
 
 
-def read_blob(file: str, meta: Mapping[str, Any], what: str, data: Any, verified: bool = False) -> torch.Tensor:
+def read_blob(file: str, blob: Blob, what: str, data: Any, verified: bool = False) -> torch.Tensor:
     """The tensor of one blob, from its bytes ``data``, checked against its size and checksum.
 
     Args:
@@ -87,16 +88,16 @@ def read_blob(file: str, meta: Mapping[str, Any], what: str, data: Any, verified
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
         UnsafeCheckpointError: the dtype is one we never write.
     """
-    start, nbytes = int(meta["offset"]), int(meta["nbytes"])
-    dtype = DTYPES.get(meta["dtype"])
+    start, nbytes = blob.offset, blob.nbytes
+    dtype = DTYPES.get(blob.dtype)
     if dtype is None:
-        raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {meta['dtype']!r}, which we never write")
+        raise UnsafeCheckpointError(f"{file}: blob {what} has dtype {blob.dtype!r}, which we never write")
     if len(data) != nbytes:
         raise CorruptCheckpointError(
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
             path=file,
         )
-    if not verified and checksum(data) != meta["xxh3"]:
+    if not verified and checksum(data) != blob.xxh3:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)
@@ -104,8 +105,7 @@ def read_blob(file: str, meta: Mapping[str, Any], what: str, data: Any, verified
         out = torch.frombuffer(data, dtype=torch.uint8)  # shares the caller's buffer: no copy
     else:
         out = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    shape = [int(s) for s in meta["shape"]]
-    return out.view(dtype).reshape(shape)
+    return out.view(dtype).reshape(blob.shape)
 
 
 # ---------------------------------------------------------------------- nested state

@@ -2,15 +2,18 @@
 
 A manifest's seal is a checksum, not a MAC: a crafted manifest re-sealed with a valid xxh3
 reaches the parser. So before anything reads a blob or sizes a buffer, every manifest of a
-chain is checked against this schema (:func:`check_manifest`, called by
-:func:`~cnr_torchrec.ckpt.format.manifest.walk_chain`, which restore, recover, compaction, ``cnr
-compact``/``export`` go through, and by ``cnr verify``): types and ranges, chain links, entries
+manifest is checked against this schema as it is loaded (:func:`check_manifest`, called by
+:func:`~cnr_torchrec.ckpt.format.commits.load_manifest`, and by a save before it seals one):
+types and ranges, chain links, entries
 inside their table's shape, row ids and encoded rows that fit their entry, and blob shapes that
 match their bytes and dtype and lie inside their file. A buffer is then never sized beyond what
 the manifest's tables need, and restore compares those tables with the model's own before it
 changes anything. Every violation is a :class:`CorruptCheckpointError` naming the manifest and
 the field, e.g. ``ranks[1].tables['t0'][2].rows``; a dtype that is never written is an
 :class:`UnsafeCheckpointError` (refused, never skipped).
+
+The check is also the parser: it builds the typed :class:`~cnr_torchrec.ckpt.format.manifest.Manifest`
+as it goes, so nothing downstream reads a string key or checks a field again.
 
 What it does not check: the bytes themselves (the checksums do, as they are read), and whether
 a manifest that is consistent in itself is the one the job wrote (a checksum cannot tell; see
@@ -23,12 +26,25 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cnr_torchrec.ckpt.format.manifest import (
+    Blob,
+    Chunk,
+    Manifest,
+    Payload,
+    RankReport,
+    RowIds,
+    StateRef,
+    TableEntry,
+    Weights,
+    chunk_path,
+    frozen,
+)
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
 from cnr_torchrec.quant.codecs import METHODS
 
-__all__ = ["check_manifest"]
+__all__ = ["check_manifest", "check_payload"]
 
 Check = Callable[[Any], str]
 """A field's check: the empty string when the value is fine, else what is wrong with it."""
@@ -117,25 +133,18 @@ class _Fields:
         return v[0], v[1]
 
 
-def check_manifest(body: Any, path: str) -> None:
-    """Checks a manifest body against the schema.
+def check_manifest(body: Any, path: str) -> Manifest:
+    """Checks a manifest body against the schema, and builds its :class:`Manifest`.
 
     Raises:
         CorruptCheckpointError: a field is missing, of another type, out of range, or does not fit the
             rest of the manifest; the message names ``path`` and the field.
+        UnsafeCheckpointError: a blob has a dtype that is never written.
     """
     f = _Fields(path)
     f.record(body, "", _BODY, _BODY_OPTIONAL)
     _check_links(f, body)
-    shapes = {}
-    for name, shape in body["tables"].items():
-        ok = isinstance(shape, list) and len(shape) == 2 and all(type(x) is int for x in shape)
-        if not ok or not (0 <= shape[0] <= 1 << 40 and 1 <= shape[1] <= 1 << 20):
-            f.fail(f"tables[{name!r}]", f"must be [rows, columns] with rows >= 0 and columns >= 1, not {shape!r}")
-        shapes[name] = tuple(shape)
-    for name in body["replicated"]:
-        if name not in shapes:
-            f.fail("replicated", f"names table {name!r}, which tables does not list")
+    shapes = _table_shapes(f, body)
     for table, encoding in body["encodings"].items():
         f.value(encoding, f"encodings[{table!r}]", _of("full", "rows"))
     ranks = body["ranks"]
@@ -145,10 +154,44 @@ def check_manifest(body: Any, path: str) -> None:
         f.fail("replicated", f"lists {sorted(body['replicated'])}, but the ranks store {stored_whole} whole")
     if len(ranks) != body["world_size"]:
         f.fail("ranks", f"holds {len(ranks)} reports for a world size of {body['world_size']}")
-    for i, report in enumerate(ranks):
-        _check_rank(f, report, f"ranks[{i}]", i, shapes)
-    if sum(r["nbytes"] for r in ranks) != body["nbytes"]:
-        f.fail("nbytes", f"is {body['nbytes']}, but the rank files hold {sum(r['nbytes'] for r in ranks)} bytes")
+    reports = tuple(_check_rank(f, report, f"ranks[{i}]", i, shapes) for i, report in enumerate(ranks))
+    if sum(r.nbytes for r in reports) != body["nbytes"]:
+        f.fail("nbytes", f"is {body['nbytes']}, but the rank files hold {sum(r.nbytes for r in reports)} bytes")
+    compacted = body.get("compacted_from")
+    return Manifest(
+        id=body["id"], step=body["step"], kind=body["kind"], parent=body["parent"], base=body["base"],
+        depth=body["depth"], since=body["since"], reason=body["reason"], policy=body["policy"],
+        world_size=body["world_size"], codec=frozen(body["codec"]), restores=body["restores"], tables=frozen(shapes),
+        table_fqns=frozen(body["table_fqns"]), replicated=tuple(body["replicated"]),
+        encodings=frozen(body["encodings"]), nbytes=body["nbytes"], created_unix=float(body["created_unix"]),
+        ranks=reports, equals=body.get("equals"), compacted_from=tuple(compacted) if compacted else None,
+        per_rank_state=body.get("per_rank_state", True), body=body,
+    )
+
+
+def check_payload(report: Any, where: str, path: str = "payload") -> Payload:
+    """Checks the payload keys of a rank report (``file``, ``nbytes``, chunks, ``blobs``; what
+    :meth:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter.finish` returns) and builds its :class:`Payload`.
+
+    Raises:
+        CorruptCheckpointError: as :func:`check_manifest`, naming ``path`` and ``where``.
+    """
+    f = _Fields(path)
+    f.record(report, where, {"file": _type(str), "nbytes": _int(), "blobs": _type(dict)})
+    return _payload(f, report, where)
+
+
+def _table_shapes(f: _Fields, body: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    shapes = {}
+    for name, shape in body["tables"].items():
+        ok = isinstance(shape, list) and len(shape) == 2 and all(type(x) is int for x in shape)
+        if not ok or not (0 <= shape[0] <= 1 << 40 and 1 <= shape[1] <= 1 << 20):
+            f.fail(f"tables[{name!r}]", f"must be [rows, columns] with rows >= 0 and columns >= 1, not {shape!r}")
+        shapes[name] = (shape[0], shape[1])
+    for name in body["replicated"]:
+        if name not in shapes:
+            f.fail("replicated", f"names table {name!r}, which tables does not list")
+    return shapes
 
 
 def _check_links(f: _Fields, body: Mapping[str, Any]) -> None:
@@ -164,42 +207,58 @@ def _check_links(f: _Fields, body: Mapping[str, Any]) -> None:
         f.fail("equals", f"must name an older checkpoint than {cid}, not {body['equals']}")
 
 
-def _check_rank(f: _Fields, report: Any, where: str, index: int, shapes: Mapping[str, tuple[int, int]]) -> None:
+def _check_rank(f: _Fields, report: Any, where: str, index: int,
+                shapes: Mapping[str, tuple[int, int]]) -> RankReport:
     f.record(report, where, _RANK)
     if report["rank"] != index:
         f.fail(f"{where}.rank", f"is {report['rank']}, at position {index}")
-    _check_chunks(f, report, where)
-    blobs = report["blobs"]
-    for name, meta in blobs.items():
-        _check_blob(f, meta, f"{where}.blobs[{name!r}]", report["nbytes"])
-    stored = 0
+    payload = _payload(f, report, where)
+    blobs = payload.blobs
+    tables = {}
     for table, entries in report["tables"].items():
         if table not in shapes or not isinstance(entries, list):
             f.fail(f"{where}.tables[{table!r}]", "is not a list of entries of a table the manifest lists")
-        for j, entry in enumerate(entries):
-            stored += _check_entry(f, entry, f"{where}.tables[{table!r}][{j}]", shapes[table], blobs)
+        tables[table] = tuple(_check_entry(f, entry, f"{where}.tables[{table!r}][{j}]", shapes[table], blobs)
+                              for j, entry in enumerate(entries))
+    stored = sum(e.num_stored for es in tables.values() for e in es)
     if stored != report["rows_written"]:
         f.fail(f"{where}.rows_written", f"is {report['rows_written']}, but the entries hold {stored} rows")
     for table, blob in report["replicated_tables"].items():
         field = f"{where}.replicated_tables[{table!r}]"
         if table not in shapes:
             f.fail(field, "names a table the manifest does not list")
-        _blob_shape(f, blobs, blob, field, list(shapes[table]))
+        _blob_shape(f, blobs, blob, field, shapes[table])
     for name, blob in report["dense"].items():
         _blob_shape(f, blobs, blob, f"{where}.dense[{name!r}]", None)
     for key in ("dense_optimizer", "rng"):
         _check_tree(f, report.get(key), f"{where}.{key}", blobs)
     for name, tree in report.get("extra", {}).items():
         _check_tree(f, tree, f"{where}.extra[{name!r}]", blobs)
+    return RankReport(
+        rank=index, payload=payload, tables=frozen(tables), replicated_tables=frozen(report["replicated_tables"]),
+        dense=frozen(report["dense"]), tbe_iter=report["tbe_iter"], table_shapes=frozen(report["table_shapes"]),
+        rows_written=report["rows_written"], stall_ms=float(report["stall_ms"]), write_ms=float(report["write_ms"]),
+        dense_optimizer=report["dense_optimizer"], rng=report.get("rng"), extra=frozen(report["extra"]),
+    )
 
 
-def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> None:
+def _payload(f: _Fields, report: Mapping[str, Any], where: str) -> Payload:
+    """The payload of a report whose ``file``, ``nbytes`` and ``blobs`` have their types."""
+    chunks = _check_chunks(f, report, where)
+    blobs = {name: _check_blob(f, meta, f"{where}.blobs[{name!r}]", report["nbytes"])
+             for name, meta in report["blobs"].items()}
+    return Payload(file=report["file"], nbytes=report["nbytes"], chunks=chunks, blobs=frozen(blobs),
+                   chunk_bytes=report.get("chunk_bytes"))
+
+
+def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> tuple[Chunk, ...]:
     """A chunked payload's chunks tile its bytes at the stride; an unchunked one (format 3) has its xxh3."""
+    file, nbytes = report["file"], report["nbytes"]
     if "chunks" not in report:
         f.value(report.get("xxh3"), f"{where}.xxh3", _type(str))
-        return
+        return (Chunk(file, 0, nbytes, report["xxh3"]),)
     f.value(report.get("chunk_bytes"), f"{where}.chunk_bytes", _int(64, 1 << 40))
-    stride, chunks, nbytes = report["chunk_bytes"], report["chunks"], report["nbytes"]
+    stride, chunks = report["chunk_bytes"], report["chunks"]
     if stride % 64:
         f.fail(f"{where}.chunk_bytes", f"is {stride}, not a multiple of 64")
     if not isinstance(chunks, list) or len(chunks) != max(1, -(-nbytes // stride)):
@@ -211,9 +270,10 @@ def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> None:
         if chunk["nbytes"] != want:
             f.fail(f"{where}.chunks[{k}].nbytes", f"is {chunk['nbytes']}; chunk {k} of {nbytes} bytes at a stride of "
                                                    f"{stride} holds {want}")
+    return tuple(Chunk(chunk_path(file, k), k * stride, c["nbytes"], c["xxh3"]) for k, c in enumerate(chunks))
 
 
-def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> None:
+def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> Blob:
     if isinstance(meta, dict) and meta.get("dtype") not in DTYPES:
         raise UnsafeCheckpointError(
             f"{f.path}: {field}.dtype is {meta.get('dtype')!r}, which is never written (payloads are raw tensors of "
@@ -228,20 +288,22 @@ def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> None:
                                   f"{math.prod(shape) * DTYPES[meta['dtype']].itemsize}")
     if meta["offset"] + meta["nbytes"] > file_nbytes:
         f.fail(f"{field}.offset", f"puts the blob past the end of its {file_nbytes}-byte file")
+    return Blob(offset=meta["offset"], nbytes=meta["nbytes"], dtype=meta["dtype"], shape=tuple(shape),
+                xxh3=meta["xxh3"])
 
 
-def _blob_shape(f: _Fields, blobs: Mapping[str, Any], name: Any, field: str, shape: list[int] | None) -> list[int]:
+def _blob_shape(f: _Fields, blobs: Mapping[str, Blob], name: Any, field: str,
+                shape: tuple[int, ...] | None) -> tuple[int, ...]:
     """The shape of blob ``name``, which must exist (and have ``shape``, when given)."""
     if not isinstance(name, str) or name not in blobs:
         f.fail(field, f"names blob {name!r}, which the report does not describe")
-    got = blobs[name]["shape"]
-    if shape is not None and got != shape:
-        f.fail(field, f"names a blob of shape {got}, where {shape} is needed")
+    got = blobs[name].shape
+    if shape is not None and got != tuple(shape):
+        f.fail(field, f"names a blob of shape {list(got)}, where {list(shape)} is needed")
     return got
 
 
-def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blobs: Mapping[str, Any]) -> int:
-    """Checks one entry; returns how many rows it stores."""
+def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blobs: Mapping[str, Blob]) -> TableEntry:
     if not isinstance(entry, dict):
         f.fail(where, "must be an object")
     r0, r1 = f.pair(entry.get("rows"), f"{where}.rows", 0, shape[0], empty=True)
@@ -249,36 +311,44 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
     f.value(entry.get("encoding"), f"{where}.encoding", _of("full", "rows"))
     if "residual" in entry:
         f.value(entry["residual"], f"{where}.residual", lambda v: "" if v is True else f"must be true, not {v!r}")
-    n = r1 - r0
+    ids = None
     if "ids" in entry:
-        ids = entry["ids"]
-        f.record(ids, f"{where}.ids", {"kind": _of("bitmap", "list"), "count": _int(0, r1 - r0),
-                                       "blob": _type(str)})
-        want = [(r1 - r0 + 7) // 8] if ids["kind"] == "bitmap" else [ids["count"]]
-        _blob_shape(f, blobs, ids["blob"], f"{where}.ids.blob", want)
-        n = ids["count"]
-    weights = entry.get("weights")
-    f.record(weights, f"{where}.weights", {"meta": _type(dict), "blobs": _type(dict)})
-    meta = weights["meta"]
-    f.record(meta, f"{where}.weights.meta", _META)
-    f.value(meta["num_rows"], f"{where}.weights.meta.num_rows", _of(n))
-    f.value(meta["dim"], f"{where}.weights.meta.dim", _of(c1 - c0))
-    _check_layout(f, meta, weights["blobs"], blobs, f"{where}.weights")
-    for key, blob in weights["blobs"].items():
-        got = _blob_shape(f, blobs, blob, f"{where}.weights.blobs[{key!r}]", None)
-        if not got or got[0] != n:
-            f.fail(f"{where}.weights.blobs[{key!r}]", f"names a blob of shape {got}, not one row per stored row ({n})")
+        raw = entry["ids"]
+        f.record(raw, f"{where}.ids", {"kind": _of("bitmap", "list"), "count": _int(0, r1 - r0), "blob": _type(str)})
+        want = ((r1 - r0 + 7) // 8,) if raw["kind"] == "bitmap" else (raw["count"],)
+        _blob_shape(f, blobs, raw["blob"], f"{where}.ids.blob", want)
+        ids = RowIds(kind=raw["kind"], count=raw["count"], blob=raw["blob"])
+    n = ids.count if ids is not None else r1 - r0
+    weights = _check_weights(f, entry.get("weights"), f"{where}.weights", n, c1 - c0, blobs)
     states = entry.get("states", [])
     if not isinstance(states, list):
         f.fail(f"{where}.states", "must be a list")
+    refs = []
     for k, state in enumerate(states):
         field = f"{where}.states[{k}]"
         f.record(state, field, {"rowwise": _type(bool), "blob": _type(str)})
-        _blob_shape(f, blobs, state["blob"], f"{field}.blob", [n] if state["rowwise"] else [n, c1 - c0])
-    return n
+        _blob_shape(f, blobs, state["blob"], f"{field}.blob", (n,) if state["rowwise"] else (n, c1 - c0))
+        refs.append(StateRef(rowwise=state["rowwise"], blob=state["blob"]))
+    return TableEntry(rows=(r0, r1), cols=(c0, c1), encoding=entry["encoding"], weights=weights, ids=ids,
+                      states=tuple(refs), residual=bool(entry.get("residual")))
 
 
-def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any], blobs: Mapping[str, Any],
+def _check_weights(f: _Fields, weights: Any, where: str, n: int, dim: int, blobs: Mapping[str, Blob]) -> Weights:
+    """An entry's encoded rows: ``n`` rows of ``dim`` columns, in the blobs their codec writes."""
+    f.record(weights, where, {"meta": _type(dict), "blobs": _type(dict)})
+    meta = weights["meta"]
+    f.record(meta, f"{where}.meta", _META)
+    f.value(meta["num_rows"], f"{where}.meta.num_rows", _of(n))
+    f.value(meta["dim"], f"{where}.meta.dim", _of(dim))
+    _check_layout(f, meta, weights["blobs"], blobs, where)
+    for key, blob in weights["blobs"].items():
+        got = _blob_shape(f, blobs, blob, f"{where}.blobs[{key!r}]", None)
+        if not got or got[0] != n:
+            f.fail(f"{where}.blobs[{key!r}]", f"names a blob of shape {list(got)}, not one row per stored row ({n})")
+    return Weights(meta=frozen(meta), blobs=frozen(weights["blobs"]))
+
+
+def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any], blobs: Mapping[str, Blob],
                   where: str) -> None:
     """The encoded rows' blobs are exactly those their codec writes, of its dtypes and shapes."""
     try:
@@ -290,8 +360,8 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
         f.fail(f"{where}.blobs", f"are {sorted(names)}; codec {meta['method']} writes {sorted(layout)}")
     for key, (dtype, shape) in layout.items():
         want = [str(dtype).removeprefix("torch."), list(shape)]
-        name = _blob_shape(f, blobs, names[key], f"{where}.blobs[{key!r}]", None) and names[key]
-        got = [blobs[name]["dtype"], blobs[name]["shape"]]
+        _blob_shape(f, blobs, names[key], f"{where}.blobs[{key!r}]", None)
+        got = [blobs[names[key]].dtype, list(blobs[names[key]].shape)]
         if got != want:
             f.fail(f"{where}.blobs[{key!r}]", f"names a blob of {got[0]} {got[1]}; the codec writes {want[0]} {want[1]}")
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import load_named_state
+from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import decode_ids, dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -40,14 +41,14 @@ __all__ = ["check_compatible", "check_model", "restore_chain", "restore_dense_op
 log = logging.getLogger(__name__)
 
 
-def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> None:
+def check_compatible(manifest: Manifest, tracker: DirtyRowTracker) -> None:
     """Raises IncompatibleCheckpointError if the checkpoint's tables differ from the model's."""
-    saved = manifest["tables"]
+    saved = manifest.tables
     have = set(tracker.tables())
     missing, extra = sorted(have - set(saved)), sorted(set(saved) - have)
     if missing or extra:
         raise IncompatibleCheckpointError(
-            f"checkpoint {manifest['id']} is of another model: tables missing from it {missing}, tables the model "
+            f"checkpoint {manifest.id} is of another model: tables missing from it {missing}, tables the model "
             f"lacks {extra}. Restore a checkpoint of this model, or start from scratch with a new root."
         )
     for table in sorted(have):
@@ -55,7 +56,7 @@ def check_compatible(manifest: Mapping[str, Any], tracker: DirtyRowTracker) -> N
         if shape is not None and list(shape) != list(saved[table]):
             raise IncompatibleCheckpointError(
                 f"table '{table}' is {shape[0]} x {shape[1]} in the model but {saved[table][0]} x {saved[table][1]} "
-                f"in checkpoint {manifest['id']}; the model changed shape since it was saved"
+                f"in checkpoint {manifest.id}; the model changed shape since it was saved"
             )
 
 
@@ -64,18 +65,18 @@ def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
     return (lo, hi) if lo < hi else None
 
 
-def check_model(target: Mapping[str, Any], model_tables: Mapping[str, list[int]], model: nn.Module,
-            tracker: DirtyRowTracker) -> None:
+def check_model(target: Manifest, model_tables: Mapping[str, list[int]], model: nn.Module,
+                tracker: DirtyRowTracker) -> None:
     """IncompatibleCheckpointError, on every rank alike, if ``target`` is of another model than ``model``, whose
     tables have the shapes ``model_tables`` (the whole model's, gathered from every rank)."""
-    saved = target["tables"]
+    saved = target.tables
     missing, extra = sorted(set(model_tables) - set(saved)), sorted(set(saved) - set(model_tables))
     changed = [f"'{t}' is {model_tables[t][0]} x {model_tables[t][1]} in the model but {saved[t][0]} x "
                f"{saved[t][1]} in the checkpoint" for t in sorted(set(saved) & set(model_tables))
                if model_tables[t] and list(saved[t]) != model_tables[t]]
-    first = target["ranks"][0]
+    first = target.ranks[0]
     dense = {n: list(t.shape) for n, t in dense_named_state(model, tracker.module_fqns()).items()}
-    stored = {n: first["blobs"][b]["shape"] for n, b in first["dense"].items() if b in first["blobs"]}
+    stored = {n: list(first.blobs[b].shape) for n, b in first.dense.items()}
     changed += [f"dense parameter '{n}' is {shape} in the model but {stored[n]} in the checkpoint"
                 for n, shape in sorted(dense.items()) if n in stored and list(stored[n]) != shape]
     lacking = sorted(set(dense) - set(stored) - non_persistent_buffers(model))
@@ -84,7 +85,7 @@ def check_model(target: Mapping[str, Any], model_tables: Mapping[str, list[int]]
             missing and f"tables missing from it {missing}", extra and f"tables the model lacks {extra}",
             lacking and f"dense parameters missing from it {lacking}", *changed]))
         raise IncompatibleCheckpointError(
-            f"checkpoint {target['id']} is of another model: {what}. Restore a checkpoint of this model, or "
+            f"checkpoint {target.id} is of another model: {what}. Restore a checkpoint of this model, or "
             "start from scratch with a new root."
         )
 
@@ -138,16 +139,15 @@ class _Applier:
     the rows are then decoded (or copied) straight to their places by that map.
     """
 
-    def __init__(self, tracker: DirtyRowTracker, manifests: list[Mapping[str, Any]], replicated: bool = True) -> None:
+    def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True) -> None:
         breaks: dict[str, set[int]] = {}
         for m in manifests:
-            for report in m["ranks"]:
-                for table, entries in _entries(m, report, replicated):
-                    breaks.setdefault(table, set()).update(c for e in entries for c in e["cols"])
+            for report in m.ranks:
+                for table, entry in m.rows_of(report, replicated):
+                    breaks.setdefault(table, set()).update(entry.cols)
         # A chain with residual entries (quantization.residual) adds up: a row is its newest whole entry
         # plus every newer residual, so the weights start from zero and every entry adds to them.
-        self.additive = any(e.get("residual") for m in manifests for r in m["ranks"]
-                            for es in r["tables"].values() for e in es)
+        self.additive = any(e.residual for m in manifests for _, _, e in m.entries())
         self.targets = {
             table: [_Target(k, s, sorted(cuts), self.additive) for k, s in tracker.shards(table)]
             for table, cuts in breaks.items()
@@ -163,45 +163,45 @@ class _Applier:
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
 
-    def _hits(self, table: str, entry: Mapping[str, Any]) -> list[tuple[_Target, tuple[int, int], tuple[int, int]]]:
-        rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
+    def _hits(self, table: str, entry: TableEntry) -> list[tuple[_Target, tuple[int, int], tuple[int, int]]]:
+        rows, cols = entry.rows, entry.cols
         return [
             (t, r, c)
             for t in self.targets.get(table, ())
             if not t.done and (r := _overlap(rows, t.shard.rows)) and (c := _overlap(cols, t.shard.cols))
         ]
 
-    def wants(self, table: str, entry: Mapping[str, Any]) -> bool:
+    def wants(self, table: str, entry: TableEntry) -> bool:
         """Whether ``entry`` holds rows of this rank's shards that no newer checkpoint restored."""
         return bool(self._hits(table, entry))
 
-    def apply(self, table: str, entry: Mapping[str, Any], load: Any) -> None:
+    def apply(self, table: str, entry: TableEntry, load: Any) -> None:
         hits = self._hits(table, entry)
         if not hits:
             return
-        rows, cols = tuple(entry["rows"]), tuple(entry["cols"])
-        n_rows = rows[1] - rows[0]
-        if "ids" in entry:
-            offsets = decode_ids(entry["ids"]["kind"], load(entry["ids"]["blob"]), n_rows)
-            if offsets.numel() != entry["ids"]["count"] or (offsets.numel() and int(offsets[-1]) >= n_rows):
+        rows, cols = entry.rows, entry.cols
+        n_rows = entry.num_rows
+        if entry.ids is not None:
+            offsets = decode_ids(entry.ids.kind, load(entry.ids.blob), n_rows)
+            if offsets.numel() != entry.ids.count or (offsets.numel() and int(offsets[-1]) >= n_rows):
                 raise CorruptCheckpointError("row ids do not match the entry they describe")
         else:
             offsets = None  # every row of the entry, in order
         encoded = weights = None
-        if "replicated" in entry:
-            weights = load(entry["replicated"]).float()
+        if entry.replicated is not None:
+            weights = load(entry.replicated).float()
             n_stored = weights.shape[0]
         else:
-            tensors = {k: load(name) for k, name in entry["weights"]["blobs"].items()}
+            tensors = {k: load(name) for k, name in entry.weights.blobs.items()}
             try:
-                encoded = EncodedRows.from_tensors(tensors, entry["weights"]["meta"])
+                encoded = EncodedRows.from_tensors(tensors, dict(entry.weights.meta))
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{table}' are inconsistent: {e}") from None
             n_stored = encoded.num_rows
         if n_stored != (n_rows if offsets is None else offsets.numel()):
             raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
-        states = [(s["rowwise"], load(s["blob"])) for s in entry.get("states", [])]
-        residual = bool(entry.get("residual"))
+        states = [(s.rowwise, load(s.blob)) for s in entry.states]
+        residual = entry.residual
         if residual and any(not rowwise for rowwise, _ in states):
             raise IncompatibleCheckpointError(
                 f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "
@@ -314,18 +314,6 @@ class _Applier:
                     t.refresh()
 
 
-def _entries(manifest: Mapping[str, Any], report: Mapping[str, Any], replicated: bool = True):
-    """(table, entries) of one rank's report. A replicated (data_parallel) table, which rank 0
-    stores whole in float32, is one entry spanning the table; so a chain whose plans differ
-    (a table replicated in some checkpoints, sharded in others) restores like any other."""
-    yield from report["tables"].items()
-    if not replicated:
-        return
-    for table, blob in report.get("replicated_tables", {}).items():
-        rows, cols = manifest["tables"][table]
-        yield table, [{"rows": [0, rows], "cols": [0, cols], "encoding": "full", "replicated": blob}]
-
-
 def _all(mask: torch.Tensor) -> bool:
     """Whether every entry of a 1-D CPU bool mask is set (numpy's all: 20x torch's here)."""
     return bool(mask.numpy().all())
@@ -337,7 +325,7 @@ def _nonzero(mask: torch.Tensor) -> torch.Tensor:
 
 
 def restore_chain(
-    manifests: list[dict[str, Any]],
+    manifests: list[Manifest],
     *,
     storage: Storage,
     model: nn.Module,
@@ -369,11 +357,11 @@ def restore_chain(
             if applier.done():
                 break
             work = []
-            for report in m["ranks"]:
-                load = PayloadReader(storage, report, stats, pool=pool)
-                if m is target and report["rank"] == rank:
+            for report in m.ranks:
+                load = PayloadReader(storage, report.payload, stats, pool=pool)
+                if m is target and report.rank == rank:
                     own = load
-                todo = [(t, e) for t, es in _entries(m, report, replicated) for e in es if applier.wants(t, e)]
+                todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
                 if todo:
                     load.start()  # every needed file of this checkpoint is read at once
                     work.append((load, todo))
@@ -386,50 +374,49 @@ def restore_chain(
         # are stale now (even after a failure part way, when the rows are a mix).
         invalidate_caches(tracker.tbes())
 
-    reports = {r["rank"]: r for r in target["ranks"]}
     if replicated:
         _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
-    if target["world_size"] != world_size or not target.get("per_rank_state", True):
+    if target.world_size != world_size or not target.per_rank_state:
         log.warning(
             "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
             "state are resharded; per-rank state (%s, RNG) is not restored",
-            target["id"], target["world_size"], world_size, ", ".join(sorted(extra_state)) or "no extra_state",
+            target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
         )
         return
-    mine = reports[rank]
-    load = own if own is not None and own.has_data else PayloadReader(storage, mine, stats, whole=False)
-    unknown = sorted(set(extra_state) - set(mine["extra"]))
+    mine = target.ranks[rank]
+    load = own if own is not None and own.has_data else PayloadReader(storage, mine.payload, stats, whole=False)
+    unknown = sorted(set(extra_state) - set(mine.extra))
     if unknown:
         raise IncompatibleCheckpointError(
-            f"extra_state {unknown} is not in checkpoint {target['id']} (it has {sorted(mine['extra'])})"
+            f"extra_state {unknown} is not in checkpoint {target.id} (it has {sorted(mine.extra)})"
         )
     try:
         for name, obj in extra_state.items():
-            obj.load_state_dict(unflatten_state(mine["extra"][name], load))
-        set_rng_state(unflatten_state(mine["rng"], load))
+            obj.load_state_dict(unflatten_state(mine.extra[name], load))
+        set_rng_state(unflatten_state(mine.rng, load))
     except CnrError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as e:
         raise CorruptCheckpointError(
-            f"{mine['file']}: this rank's saved extra_state or RNG state is malformed ({type(e).__name__}: {e}); the "
-            f"manifest of checkpoint {target['id']} was edited or crafted", path=mine["file"]) from None
+            f"{mine.file}: this rank's saved extra_state or RNG state is malformed ({type(e).__name__}: {e}); the "
+            f"manifest of checkpoint {target.id} was edited or crafted", path=mine.file) from None
 
 
 def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
-    first = {r["rank"]: r for r in target["ranks"]}[0]
-    load0 = PayloadReader(storage, first, stats, whole=False)  # a few small blobs of rank 0's file
+    first = target.ranks[0]
+    load0 = PayloadReader(storage, first.payload, stats, whole=False)  # a few small blobs of rank 0's file
     dense = dense_named_state(model, tracker.module_fqns())
     transient = non_persistent_buffers(model)  # absent from a checkpoint imported from a state_dict: left as is
-    dense = {n: t for n, t in dense.items() if n in first["dense"] or n not in transient}
-    missing = sorted(set(dense) - set(first["dense"]))
+    dense = {n: t for n, t in dense.items() if n in first.dense or n not in transient}
+    missing = sorted(set(dense) - set(first.dense))
     if missing:
         raise IncompatibleCheckpointError(
-            f"dense parameters {missing} are not in checkpoint {target['id']}; the model's dense part changed"
+            f"dense parameters {missing} are not in checkpoint {target.id}; the model's dense part changed"
         )
     with torch.no_grad():
         for name, t in dense.items():
-            saved = load0(first["dense"][name])
+            saved = load0(first.dense[name])
             if saved.shape != t.shape:
                 raise IncompatibleCheckpointError(
                     f"dense parameter '{name}' is {list(t.shape)} in the model, {list(saved.shape)} in the checkpoint"
@@ -441,18 +428,18 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
         if isinstance(it, torch.Tensor) and it.numel() == 1:
-            it.fill_(max(int(r["tbe_iter"]) for r in target["ranks"]))
+            it.fill_(max(r.tbe_iter for r in target.ranks))
 
 
-def restore_dense_optimizer(target: Mapping[str, Any], storage: Storage, model: nn.Module, dense_optimizer: Any,
+def restore_dense_optimizer(target: Manifest, storage: Storage, model: nn.Module, dense_optimizer: Any,
                             stats: dict[str, int] | None = None) -> None:
     """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
     each parameter's by its name (see dense_optim.py)."""
-    first = {r["rank"]: r for r in target["ranks"]}[0]
-    if first["dense_optimizer"] is None:
+    first = target.ranks[0]
+    if first.dense_optimizer is None:
         raise IncompatibleCheckpointError(
-            f"checkpoint {target['id']} holds no dense optimizer state; pass dense_optimizer=None to restore it"
+            f"checkpoint {target.id} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
-    load0 = PayloadReader(storage, first, stats, whole=False)
-    saved = unflatten_state(first["dense_optimizer"], load0)
-    load_named_state(model, dense_optimizer, saved, f"checkpoint {target['id']}")
+    load0 = PayloadReader(storage, first.payload, stats, whole=False)
+    saved = unflatten_state(first.dense_optimizer, load0)
+    load_named_state(model, dense_optimizer, saved, f"checkpoint {target.id}")

@@ -22,7 +22,8 @@ from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.manifest import load_manifest
+from cnr_torchrec.ckpt.format.commits import load_manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
@@ -55,7 +56,7 @@ def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimiz
     return out
 
 
-def _optimizer_states(optimizer: Any) -> list[dict[str, Any]]:
+def _optimizer_states(optimizer: Any) -> list[Manifest]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return [optimizer.state.get(p, {}) for p in params]
 
@@ -142,7 +143,7 @@ class Recovery:
             raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
         return failed
 
-    def run(self, failed: list[int], step: int | None) -> tuple[RecoveryInfo, list[dict[str, Any]]]:
+    def run(self, failed: list[int], step: int | None) -> tuple[RecoveryInfo, list[Manifest]]:
         """Recovers the ``failed`` ranks (from :meth:`check`). Collective. Returns what it did and the chain.
 
         Raises:
@@ -172,15 +173,15 @@ class Recovery:
         if self._ranks.distributed:
             dist.all_reduce(read)
         m = chain[-1]
-        info = RecoveryInfo(ckpt_id=m["id"], step=int(m["step"]), failed_ranks=tuple(failed),
+        info = RecoveryInfo(ckpt_id=m.id, step=m.step, failed_ranks=tuple(failed),
                             bytes_read=int(read), bytes_broadcast=sent)
         log.info("partial recovery of ranks %s from checkpoint %d (step %d): %d bytes read, %d bytes of replicated "
-                 "state from rank %d", failed, m["id"], m["step"], info.bytes_read, sent, survivor)
+                 "state from rank %d", failed, m.id, m.step, info.bytes_read, sent, survivor)
         return info, chain
 
-    def _reload(self, chain: list[dict[str, Any]], stats: dict[str, int]) -> None:
+    def _reload(self, chain: list[Manifest], stats: dict[str, int]) -> None:
         """A failed rank's own shards, per-rank state and dense optimizer layout, from ``chain``."""
-        same_world = chain[-1]["world_size"] == self._ranks.world_size
+        same_world = chain[-1].world_size == self._ranks.world_size
         restore_chain(
             chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self._ranks.rank,
             world_size=self._ranks.world_size, dense_optimizer=None, replicated=False, stats=stats,

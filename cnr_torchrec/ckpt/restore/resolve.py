@@ -7,20 +7,18 @@ outcome (:meth:`cnr_torchrec.ckpt.Checkpointer.restore`).
 from __future__ import annotations
 
 import logging
-import posixpath
 from typing import Any
 
-from cnr_torchrec.ckpt.format.chunks import chunks_of
-from cnr_torchrec.ckpt.format.manifest import (
-    ckpt_dir,
+from cnr_torchrec.ckpt.format.commits import (
+    check_files_inside,
     ckpt_id_of,
     committed_ids,
     load_manifest,
     manifest_path,
     walk_chain,
 )
-from cnr_torchrec.ckpt.format.payload import DTYPES
-from cnr_torchrec.ckpt.format.storage import Storage, check_relative
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["resolve_chain"]
@@ -30,13 +28,12 @@ log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # its messages belong
 
 def resolve_chain(
     storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False
-) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+) -> tuple[dict[str, Any], list[Manifest] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
-    Sound: every manifest of the chain loads and matches its checksum, its links
-    (parent, base, depth) lead back to a baseline (:func:`walk_chain`), every rank file lies in its
-    checkpoint's directory, exists and has the size the manifest gives, and every blob
-    has a dtype we write. Checkpoints in ``bad`` (and chains through them) are skipped;
+    Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
+    links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
+    file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in ``bad`` (and chains through them) are skipped;
     unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
     ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's).
 
@@ -67,15 +64,15 @@ class _Resolver:
     def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool) -> None:
         self.storage, self.bad, self.fail, self.quiet = storage, bad, fail, quiet
         self.skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
-        self._loaded: dict[int, dict[str, Any]] = {}
+        self._loaded: dict[int, Manifest] = {}
 
-    def pick(self, step: int | None) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    def pick(self, step: int | None) -> tuple[dict[str, Any], list[Manifest] | None]:
         for m in self._candidates():
-            if step is not None and m.get("step") != step:
+            if step is not None and m.step != step:
                 continue
             chain = self._sound_chain_or_skip(m)
             if chain is not None:
-                return {"chain": [c["id"] for c in chain], "skipped": self.skipped}, chain
+                return {"chain": [c.id for c in chain], "skipped": self.skipped}, chain
         return {"chain": [], "skipped": self.skipped}, None
 
     def _skip(self, cid: int, why: str) -> None:
@@ -84,12 +81,12 @@ class _Resolver:
         if not self.quiet:
             log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
 
-    def _manifest(self, i: int) -> dict[str, Any]:
+    def _manifest(self, i: int) -> Manifest:
         if i not in self._loaded:
             self._loaded[i] = load_manifest(self.storage, i)
         return self._loaded[i]
 
-    def _member(self, i: int) -> dict[str, Any]:
+    def _member(self, i: int) -> Manifest:
         if i in self.bad:
             raise _Through(i)
         return self._manifest(i)
@@ -98,9 +95,9 @@ class _Resolver:
         """Committed manifests, newest state first: by id, except that a compacted baseline comes right
         before the tip it reproduces (deltas after that tip, though older ids, hold newer state)."""
         ids = committed_ids(self.storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
-        deferred: list[dict[str, Any]] = []
+        deferred: list[Manifest] = []
         for cid in reversed(ids):
-            while deferred and deferred[-1]["equals"] >= cid:
+            while deferred and deferred[-1].equals >= cid:
                 yield deferred.pop()
             if cid in self.bad:
                 continue
@@ -113,16 +110,16 @@ class _Resolver:
                     raise
                 self._skip(cid, str(e))
                 continue
-            tip = m.get("equals")
-            if type(tip) is int and any(tip < j < cid for j in ids):
-                deferred = sorted(deferred + [m], key=lambda c: c["equals"])
+            tip = m.equals
+            if tip is not None and any(tip < j < cid for j in ids):
+                deferred = sorted(deferred + [m], key=lambda c: c.equals)
                 continue
             yield m
         yield from reversed(deferred)
 
-    def _sound_chain_or_skip(self, m: dict[str, Any]) -> list[dict[str, Any]] | None:
+    def _sound_chain_or_skip(self, m: Manifest) -> list[Manifest] | None:
         """``m``'s chain if it is sound; else None, with the culprit skipped (or raised under ``fail``)."""
-        cid = m["id"]
+        cid = m.id
         try:
             chain = walk_chain(m, self._member)
             for c in chain:
@@ -146,30 +143,11 @@ class _Resolver:
             self._skip(cid, str(err))
         return None
 
-    def _check_files(self, c: dict[str, Any]) -> None:
-        cid, mpath = c["id"], manifest_path(c["id"])
-        if [r["rank"] for r in c["ranks"]] != list(range(c["world_size"])):
-            raise CorruptCheckpointError(f"{mpath} has rank reports {[r['rank'] for r in c['ranks']]} for a "
-                                         f"world size of {c['world_size']}", path=mpath)
-        for r in c["ranks"]:
-            rel = check_relative(r["file"])  # UnsafeCheckpointError for ../x and absolute paths
-            if posixpath.dirname(rel) != ckpt_dir(cid):
-                raise UnsafeCheckpointError(
-                    f"{mpath} names rank file {r['file']!r}, outside {ckpt_dir(cid)}/. The manifest was crafted "
-                    "or edited; refusing it. Restore another checkpoint with restore(step=...)."
-                )
-            nbytes = int(r["nbytes"])
-            for name, meta in r["blobs"].items():
-                if meta["dtype"] not in DTYPES:
-                    raise UnsafeCheckpointError(
-                        f"{rel}: blob {name!r} has dtype {meta['dtype']!r}, which is never written (payloads are "
-                        f"raw tensors of {sorted(DTYPES)}; nothing is unpickled). Refusing checkpoint {cid}."
-                    )
-                if not 0 <= int(meta["offset"]) <= int(meta["offset"]) + int(meta["nbytes"]) <= nbytes:
-                    raise CorruptCheckpointError(f"{mpath}: blob {name!r} lies outside {rel}'s {nbytes} bytes",
-                                                 path=mpath)
-            for chunk in chunks_of(r):
-                self._check_size(chunk.path, chunk.nbytes, cid)
+    def _check_files(self, c: Manifest) -> None:
+        check_files_inside(c)  # UnsafeCheckpointError for ../x, absolute paths and other checkpoints' files
+        for r in c.ranks:
+            for chunk in r.payload.chunks:
+                self._check_size(chunk.path, chunk.nbytes, c.id)
 
     def _check_size(self, rel: str, nbytes: int, cid: int) -> None:
         try:

@@ -12,7 +12,8 @@ from typing import Any
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.manifest import ckpt_id_of, load_manifest
+from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.chain import check_model, restore_chain
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
@@ -33,7 +34,7 @@ class Restorer:
         self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
         self.rank, self.world_size = ranks.rank, ranks.world_size
 
-    def run(self, step: int | None, per_rank_state: str) -> tuple[list[dict[str, Any]], dict[int, str]]:
+    def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
         """Picks, applies and agrees on a chain (collective). Returns it, and the checkpoints skipped as unsound
         (id -> why), the same on every rank. Raises what :meth:`Checkpointer.restore` documents."""
         model_tables = self._model_tables()
@@ -56,14 +57,14 @@ class Restorer:
             self._after_failed_attempt(failed, own, ids, bad)
         return chain, bad
 
-    def _attempt(self, ids: list[int], chain: list[dict[str, Any]] | None, model_tables: dict[str, list[int]],
-                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[dict[str, Any]] | None]:
+    def _attempt(self, ids: list[int], chain: list[Manifest] | None, model_tables: dict[str, list[int]],
+                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[Manifest] | None]:
         """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain)."""
         try:
             if chain is None:
                 chain = [load_manifest(self._storage, i) for i in ids]
             check_model(chain[-1], model_tables, self.model, self.tracker)
-            written_by = chain[-1]["world_size"]
+            written_by = chain[-1].world_size
             if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
                 raise IncompatibleCheckpointError(
                     f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
@@ -118,13 +119,13 @@ class Restorer:
 
     def _resolve(
         self, step: int | None, bad: dict[int, str], quiet: bool = False
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    ) -> tuple[dict[str, Any], list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
 
     def agree_on_pick(
         self, step: int | None, bad: dict[int, str], *, local: bool
-    ) -> tuple[dict[str, Any], list[dict[str, Any]] | None]:
+    ) -> tuple[dict[str, Any], list[Manifest] | None]:
         """Rank 0's pick for a restore, on every rank, and the pick's manifests where this rank has them.
 
         Collective. Rank 0 resolves (and adds what it finds unsound to ``bad``); if it
@@ -134,7 +135,7 @@ class Restorer:
         the manifests it has loaded; its own failures are rank 0's to report.
         """
         mine: dict[str, Any] = {}
-        chain: list[dict[str, Any]] | None = None
+        chain: list[Manifest] | None = None
         if local and self.rank != 0:
             try:
                 mine, chain = self._resolve(step, dict(bad), quiet=True)

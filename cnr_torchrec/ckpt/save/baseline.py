@@ -9,9 +9,17 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
-from cnr_torchrec.ckpt.format.manifest import committed_ids, existing_dir_ids, manifest_path, seal, write_index
+from cnr_torchrec.ckpt.format.commits import (
+    committed_ids,
+    existing_dir_ids,
+    manifest_path,
+    remove_partial,
+    seal,
+    write_index,
+)
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.catalog import remove_partial
 from cnr_torchrec.ckpt.save.commit import manifest_body
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
@@ -23,7 +31,7 @@ __all__ = ["write_baseline"]
 
 def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard], table_shapes: Mapping[str, list[int]],
                    table_fqns: Mapping[str, str], dense: Mapping[str, torch.Tensor], dense_optimizer: Any,
-                   reason: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict[str, Any]:
+                   reason: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Manifest:
     """Commits whole tables and dense state as a one-rank, full-precision baseline with the next free id.
 
     Shards are encoded and written as they come (a generator keeps one table in memory at a time);
@@ -41,7 +49,7 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
         reason: why this baseline was written, for the manifest.
 
     Returns:
-        The committed manifest body.
+        The committed manifest.
     """
     new_id = max(existing_dir_ids(storage) + committed_ids(storage), default=-1) + 1
     tables = list(table_shapes)
@@ -55,9 +63,10 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
         fields = {"policy": None, "world_size": 1, "restores": 0, "table_fqns": dict(table_fqns),
                   "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
         body = {**manifest_body(decision, [report], fields, tables), "per_rank_state": False}
+        manifest = check_manifest(body, manifest_path(new_id))
         storage.write_atomic(manifest_path(new_id), seal(body))
     except BaseException:
         remove_partial(storage, new_id, 0)
         raise
     write_index(storage, committed_ids(storage))
-    return body
+    return manifest

@@ -21,9 +21,10 @@ import torch
 
 from cnr_torchrec.ckpt import faults
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.manifest import manifest_path, seal
+from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.catalog import remove_partial
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
@@ -49,18 +50,17 @@ class CheckpointInfo:
     nbytes: int
     rows_written: int
     world_size: int
-    codec: dict[str, Any]
+    codec: Mapping[str, Any]
     stall_ms: float
     write_ms: float
 
     @classmethod
-    def from_manifest(cls, m: dict[str, Any], chain: tuple[int, ...]) -> CheckpointInfo:
-        """The info of manifest body ``m``, whose chain (ids, baseline first) is ``chain``."""
+    def from_manifest(cls, m: Manifest, chain: tuple[int, ...]) -> CheckpointInfo:
+        """The info of manifest ``m``, whose chain (ids, baseline first) is ``chain``."""
         return cls(
-            id=m["id"], step=m["step"], kind=m["kind"], parent=m["parent"], chain=tuple(chain),
-            policy=m["policy"], nbytes=m["nbytes"], rows_written=sum(r["rows_written"] for r in m["ranks"]),
-            world_size=m["world_size"], codec=m["codec"], stall_ms=max(r["stall_ms"] for r in m["ranks"]),
-            write_ms=max(r["write_ms"] for r in m["ranks"]),
+            id=m.id, step=m.step, kind=m.kind, parent=m.parent, chain=tuple(chain), policy=m.policy,
+            nbytes=m.nbytes, rows_written=m.rows_written, world_size=m.world_size, codec=m.codec,
+            stall_ms=max(r.stall_ms for r in m.ranks), write_ms=max(r.write_ms for r in m.ranks),
         )
 
 
@@ -109,7 +109,7 @@ class Committer:
 
     def __init__(self, config: Any, *, rank: int, world_size: int, distributed: bool, store: Any, io: IOPool,
                  staging: StagingBuffers, tables: list[str],
-                 on_commit: Callable[[dict[str, Any], Storage], None],
+                 on_commit: Callable[[Manifest, Storage], None],
                  reconstruction: Reconstruction | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.reconstruction = reconstruction
@@ -217,9 +217,10 @@ class Committer:
             if bad:
                 result = {"ok": False, "error": "; ".join(bad)}
             else:
-                manifest = self._manifest(d, sorted(reports, key=lambda r: r["rank"]), fields)
+                body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
+                manifest = check_manifest(body, manifest_path(d.ckpt_id))  # a body the schema refuses never commits
                 faults.hit("commit.before_manifest")
-                storage.write_atomic(manifest_path(d.ckpt_id), seal(manifest))
+                storage.write_atomic(manifest_path(d.ckpt_id), seal(body))
                 faults.hit("commit.after_manifest")
                 result = {"ok": True, "manifest": manifest}
         except Exception as e:
@@ -243,7 +244,7 @@ class Committer:
         slim = {k: v for k, v in result.items() if k != "manifest"}
         if result["ok"]:
             info = CheckpointInfo.from_manifest(result["manifest"], d.chain)
-            slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=info.codec,
+            slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=dict(info.codec),
                         stall_ms=info.stall_ms, write_ms=info.write_ms)
         try:
             self._store.set(self._key(d, "result"), json.dumps(slim))
@@ -253,9 +254,6 @@ class Committer:
             return {"ok": False, "error": f"rank 0 could not tell the other ranks the outcome ({type(e).__name__}: "
                                           f"{e})"}
         return result
-
-    def _manifest(self, d: Decision, reports: list[dict[str, Any]], fields: dict[str, Any]) -> dict[str, Any]:
-        return manifest_body(d, reports, fields, self._tables)
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
         """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too).

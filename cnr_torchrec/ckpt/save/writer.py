@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
-from cnr_torchrec.ckpt.format.manifest import rank_file
+from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage

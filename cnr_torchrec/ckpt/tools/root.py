@@ -10,7 +10,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from cnr_torchrec.ckpt.format.manifest import committed_ids
+from cnr_torchrec.ckpt.format.commits import committed_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 

@@ -1,13 +1,14 @@
 """Offline integrity check of a checkpoint root: every byte the manifests vouch for, and every reference.
 
-For each committed checkpoint: the manifest loads and matches its seal and is byte for
-byte the sealed form of its body (so even a flipped whitespace byte is caught); every rank
-file exists and has the size and whole-file xxh3 the manifest gives; every blob lies
-inside its file, has a known dtype whose size matches its shape, and matches its own
-xxh3; every entry references blobs that exist, its ranges lie inside its table, its
-row ids decode to the count it claims and its encoded rows are consistent; nested state
-refers only to existing blobs; and a delta's chain members exist and verify. index.json,
-when present, must be a valid index listing only committed checkpoints.
+For each committed checkpoint: the manifest loads, matches its seal and passes the schema
+(:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`, which checks everything a manifest
+says about itself: ranges, shapes, dtypes, references), and is byte for byte the sealed form
+of its body (so even a flipped whitespace byte is caught). What the schema cannot see is
+checked here, from the bytes: every rank file lies in its checkpoint's directory, and each
+chunk exists with the size and xxh3 the manifest gives; every blob matches its own xxh3 and
+overlaps no other; every entry's row ids decode to the count it claims and its encoded rows
+are consistent; and a delta's chain members exist, verify, link up and have its tables.
+index.json, when present, must be a valid index listing only committed checkpoints.
 
 Nothing is unpickled: manifests are JSON and payloads are raw bytes.
 """
@@ -16,22 +17,26 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-import posixpath
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import chunks_of
-from cnr_torchrec.ckpt.format.manifest import INDEX, ckpt_dir, committed_ids, load_manifest, manifest_path, seal
-from cnr_torchrec.ckpt.format.payload import DTYPES, checksum, unflatten_state
-from cnr_torchrec.ckpt.format.schema import check_manifest
+from cnr_torchrec.ckpt.format.commits import (
+    INDEX,
+    check_files_inside,
+    committed_ids,
+    load_manifest,
+    manifest_path,
+    seal,
+    walk_chain,
+)
+from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
+from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.state import decode_ids
-from cnr_torchrec.ckpt.format.storage import Storage, check_bytes, check_relative
+from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
-from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError
+from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows
 
 __all__ = ["Problem", "verify_checkpoint", "verify_root"]
@@ -65,16 +70,16 @@ class _Verifier:
     def __init__(self, storage: Storage) -> None:
         self.storage = storage
         self._own: dict[int, list[Problem]] = {}
-        self._bodies: dict[int, dict[str, Any]] = {}
+        self._manifests: dict[int, Manifest] = {}
 
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self, ckpt_id: int) -> list[Problem]:
         """This checkpoint's own problems, then those of its chain."""
         problems = list(self.own(ckpt_id))
-        body = self._bodies.get(ckpt_id)
-        if body is not None:
-            problems += self._chain(ckpt_id, body)
+        manifest = self._manifests.get(ckpt_id)
+        if manifest is not None:
+            problems += self._chain(manifest)
         return problems
 
     def own(self, ckpt_id: int) -> list[Problem]:
@@ -84,10 +89,6 @@ class _Verifier:
                 self._check_own(ckpt_id, problems)
             except CnrError as e:
                 problems.append(Problem(ckpt_id, getattr(e, "path", "") or manifest_path(ckpt_id), str(e)))
-            except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
-                # A manifest that carries a valid seal but not the expected structure.
-                problems.append(Problem(ckpt_id, manifest_path(ckpt_id),
-                                        f"the manifest is malformed ({type(e).__name__}: {e})"))
             self._own[ckpt_id] = problems
         return self._own[ckpt_id]
 
@@ -97,41 +98,32 @@ class _Verifier:
             problems.append(Problem(ckpt_id, mpath, "is missing: the checkpoint is not committed"))
             return
         try:
-            body = load_manifest(self.storage, ckpt_id)
+            manifest = load_manifest(self.storage, ckpt_id)  # the seal and the schema
         except CorruptCheckpointError as e:
             problems.append(Problem(ckpt_id, e.path or mpath, _strip_path(str(e), e.path or mpath)))
             return
+        body = manifest.body
         if "chain" in body:  # version 2: load_manifest gave it the links it lacked
             sealed = seal({k: v for k, v in body.items() if k not in ("base", "depth")}, version=2)
         else:
-            sealed = seal(body)
+            sealed = seal(dict(body))
         if self.storage.read(mpath) != sealed:
             problems.append(Problem(ckpt_id, mpath, "differs from the sealed form of its body: a byte outside "
                                                     "the sealed body was changed"))
         try:
-            check_manifest(body, mpath)
-        except CorruptCheckpointError as e:
+            check_files_inside(manifest)
+        except UnsafeCheckpointError as e:
             problems.append(Problem(ckpt_id, mpath, _strip_path(str(e), mpath)))
             return
-        self._bodies[ckpt_id] = body
-        self._check_body(ckpt_id, body, problems)
+        self._manifests[ckpt_id] = manifest
+        for report in manifest.ranks:
+            self._check_rank(ckpt_id, report, problems)
 
-    def _check_body(self, ckpt_id: int, body: Mapping[str, Any], problems: list[Problem]) -> None:
-        mpath = manifest_path(ckpt_id)
-        ranks = body["ranks"]
-        if [r.get("rank") for r in ranks] != list(range(body["world_size"])):
-            problems.append(Problem(ckpt_id, mpath, f"has reports of ranks {[r.get('rank') for r in ranks]} for a "
-                                                    f"world size of {body['world_size']}"))
-        if sum(int(r["nbytes"]) for r in ranks) != body["nbytes"]:
-            problems.append(Problem(ckpt_id, mpath, "its total bytes do not add up to its rank files' bytes"))
-        for report in ranks:
-            self._check_rank(ckpt_id, body, report, problems)
-
-    def _read_chunks(self, ckpt_id: int, report: Mapping[str, Any], problems: list[Problem]) -> bytearray | None:
+    def _read_chunks(self, ckpt_id: int, payload: Payload, problems: list[Problem]) -> bytearray | None:
         """The payload, each chunk checked (a problem per bad chunk, cut or padded to its size so that the blobs
         after it stay at their offsets); None if a chunk is missing."""
         data = bytearray()
-        for chunk in chunks_of(report):
+        for chunk in payload.chunks:
             try:
                 got = self.storage.read(chunk.path)
             except CheckpointNotFoundError:
@@ -144,192 +136,111 @@ class _Verifier:
             data += got[: chunk.nbytes] + bytes(max(0, chunk.nbytes - len(got)))
         return data
 
-    def _check_rank(
-        self, ckpt_id: int, body: Mapping[str, Any], report: Mapping[str, Any], problems: list[Problem]
-    ) -> None:
-        file = check_relative(report["file"])
-        if posixpath.dirname(file) != ckpt_dir(ckpt_id):
-            problems.append(Problem(ckpt_id, manifest_path(ckpt_id),
-                                    f"names rank file {file}, outside {ckpt_dir(ckpt_id)}/"))
-            return
-        data = self._read_chunks(ckpt_id, report, problems)
+    def _check_rank(self, ckpt_id: int, report: RankReport, problems: list[Problem]) -> None:
+        """The bytes of one rank's payload: chunks, then blobs, then what the entries' bytes must decode to."""
+        data = self._read_chunks(ckpt_id, report.payload, problems)
         if data is None:
             return
-        want = int(report["nbytes"])
-
-        blob_problems: list[str] = []
-        sound: set[str] = set()
-        spans = []
-        for name, meta in report["blobs"].items():
-            msg = _check_blob(name, meta, data, want)
-            if msg:
-                blob_problems.append(msg)
-            else:
-                sound.add(name)
-                spans.append((int(meta["offset"]), int(meta["offset"]) + int(meta["nbytes"]), name))
-        spans.sort()
-        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
-            if start < end:
-                blob_problems.append(f"blobs {a!r} and {b!r} overlap")
+        blob_problems = _blob_problems(report.blobs, data)
         for msg in blob_problems[:_MAX_BLOB_PROBLEMS]:
-            problems.append(Problem(ckpt_id, file, msg))
+            problems.append(Problem(ckpt_id, report.file, msg))
         if len(blob_problems) > _MAX_BLOB_PROBLEMS:
-            problems.append(Problem(ckpt_id, file, f"... and {len(blob_problems) - _MAX_BLOB_PROBLEMS} more "
-                                                   "blob problems"))
-
-        refs = _References(ckpt_id, file, report, data, sound, problems)
-        shapes = body["tables"]
-        for table, entries in report["tables"].items():
-            if table not in shapes:
-                refs.problem(f"holds entries of table '{table}', which the manifest does not list")
-                continue
-            for entry in entries:
-                refs.entry(table, entry, shapes[table])
-        for table, name in report["replicated_tables"].items():
-            refs.blob(name, f"replicated table '{table}'")
-        for pname, name in report["dense"].items():
-            refs.blob(name, f"dense parameter '{pname}'")
-        for what in ("dense_optimizer", "rng"):
-            refs.tree(report.get(what), what)
-        for ename, tree in report.get("extra", {}).items():
-            refs.tree(tree, f"extra state '{ename}'")
+            problems.append(Problem(ckpt_id, report.file, f"... and {len(blob_problems) - _MAX_BLOB_PROBLEMS} more "
+                                                          "blob problems"))
+        sound = {name for name, blob in report.blobs.items() if _blob_sound(blob, data)}
+        entries = _Entries(ckpt_id, report, data, sound, problems)
+        for table, entry in report.entries():
+            entries.check(table, entry)
 
     # ------------------------------------------------------------------ chains
 
-    def _chain(self, ckpt_id: int, body: Mapping[str, Any]) -> list[Problem]:
-        """Problems of the members ``ckpt_id``'s links lead to: missing, unsound, or not fitting the links."""
+    def _chain(self, manifest: Manifest) -> list[Problem]:
+        """Problems of the members ``manifest``'s links lead to: missing, unsound, or not fitting the links."""
         problems = []
-        node = body
-        while node["kind"] != "baseline" or node["id"] != node["base"]:
-            mpath = manifest_path(node["id"])
-            parent = node.get("parent")
-            if node["kind"] == "baseline" or type(parent) is not int or not 0 <= parent < node["id"]:
-                return problems + [Problem(ckpt_id, mpath, f"checkpoint {node['id']} ({node['kind']}, base "
-                                                           f"{node['base']}) has parent {parent!r}, which cannot "
-                                                           "lead back to its baseline")]
+
+        def load(parent: int) -> Manifest:
             own = self.own(parent)
             if own:
                 first = own[0]
                 if first.message.startswith("is missing: the checkpoint is not committed"):
-                    msg = f"checkpoint {ckpt_id} needs checkpoint {parent}, which is not committed"
+                    msg = f"checkpoint {manifest.id} needs checkpoint {parent}, which is not committed"
                 else:
-                    msg = f"checkpoint {ckpt_id} needs checkpoint {parent}, which does not verify: {first.message}"
-                return problems + [Problem(ckpt_id, first.path, msg)]
-            up = self._bodies[parent]
-            if (up["base"], up["depth"]) != (node["base"], node["depth"] - 1):
-                return problems + [Problem(ckpt_id, manifest_path(parent),
-                                           f"checkpoint {ckpt_id} needs checkpoint {parent} (base {up['base']}, depth "
-                                           f"{up['depth']}), which does not fit the link of checkpoint {node['id']} "
-                                           f"(base {node['base']}, depth {node['depth']})")]
-            if up["tables"] != body["tables"]:
-                problems.append(Problem(ckpt_id, manifest_path(parent),
-                                        f"checkpoint {ckpt_id} and its chain member {parent} have different tables"))
-            node = up
-        if node["depth"] != 0 or node.get("parent") is not None:
-            problems.append(Problem(ckpt_id, manifest_path(node["id"]),
-                                    f"baseline {node['id']} has depth {node['depth']} and parent {node.get('parent')!r}"))
+                    msg = f"checkpoint {manifest.id} needs checkpoint {parent}, which does not verify: {first.message}"
+                raise CorruptCheckpointError(msg, path=first.path)
+            return self._manifests[parent]
+
+        try:
+            chain = walk_chain(manifest, load)
+        except CorruptCheckpointError as e:
+            return [Problem(manifest.id, e.path or manifest_path(manifest.id), _strip_path(str(e), e.path or ""))]
+        for member in chain[:-1]:
+            if member.tables != manifest.tables:
+                problems.append(Problem(manifest.id, manifest_path(member.id), f"checkpoint {manifest.id} and its "
+                                                                               f"chain member {member.id} have "
+                                                                               "different tables"))
         return problems
 
 
 def _strip_path(message: str, path: str) -> str:
-    return message[len(path) :].lstrip(" :") if message.startswith(path) else message
+    return message[len(path) :].lstrip(" :") if path and message.startswith(path) else message
 
 
-def _check_blob(name: str, meta: Mapping[str, Any], data: bytes, file_nbytes: int) -> str | None:
-    """Why this blob is unsound, or None."""
-    try:
-        offset, nbytes = int(meta["offset"]), int(meta["nbytes"])
-        shape = [int(s) for s in meta["shape"]]
-        dtype = DTYPES.get(meta["dtype"])
-        digest = meta["xxh3"]
-    except (KeyError, TypeError, ValueError) as e:
-        return f"blob {name!r} is described incompletely ({type(e).__name__}: {e})"
-    if dtype is None:
-        return f"blob {name!r} has dtype {meta['dtype']!r}, which is never written"
-    if offset < 0 or nbytes < 0 or any(s < 0 for s in shape):
-        return f"blob {name!r} has a negative offset, size or dimension"
-    if math.prod(shape) * dtype.itemsize != nbytes:
-        return f"blob {name!r} is {nbytes} bytes, but {meta['dtype']} {shape} needs {math.prod(shape) * dtype.itemsize}"
-    if offset + nbytes > file_nbytes:
-        return f"blob {name!r} spans bytes [{offset}, {offset + nbytes}), past the file's {file_nbytes} bytes"
-    if offset + nbytes > len(data):
-        return f"blob {name!r} spans bytes [{offset}, {offset + nbytes}), past the end of the file (truncated)"
-    if checksum(memoryview(data)[offset : offset + nbytes]) != digest:
-        return f"blob {name!r} does not match its checksum"
-    return None
+def _blob_sound(blob: Blob, data: bytes) -> bool:
+    return blob.end <= len(data) and checksum(memoryview(data)[blob.offset : blob.end]) == blob.xxh3
 
 
-class _References:
-    """Checks that what a rank report refers to exists and is consistent."""
+def _blob_problems(blobs: Mapping[str, Blob], data: bytes) -> list[str]:
+    """What is wrong with the blobs' bytes (the schema checked their descriptions): short, changed, overlapping."""
+    out = []
+    for name, blob in blobs.items():
+        if blob.end > len(data):
+            out.append(f"blob {name!r} spans bytes [{blob.offset}, {blob.end}), past the end of the file (truncated)")
+        elif not _blob_sound(blob, data):
+            out.append(f"blob {name!r} does not match its checksum")
+    spans = sorted((b.offset, b.end, name) for name, b in blobs.items())
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            out.append(f"blobs {a!r} and {b!r} overlap")
+    return out
 
-    def __init__(self, ckpt_id: int, file: str, report: Mapping[str, Any], data: bytes, sound: set[str],
+
+class _Entries:
+    """Checks what a rank's entries decode to, from the bytes of its sound blobs: row ids that match their
+    count and range, and encoded rows their codec accepts."""
+
+    def __init__(self, ckpt_id: int, report: RankReport, data: bytes, sound: set[str],
                  problems: list[Problem]) -> None:
-        self.ckpt_id, self.file, self.report, self.data = ckpt_id, file, report, data
+        self.ckpt_id, self.report, self.data = ckpt_id, report, data
         self.sound, self.problems = sound, problems
 
     def problem(self, msg: str) -> None:
-        self.problems.append(Problem(self.ckpt_id, self.file, msg))
-
-    def blob(self, name: Any, what: str) -> bool:
-        """True if blob ``name`` is described and sound; a problem if it is not described."""
-        if not isinstance(name, str) or name not in self.report["blobs"]:
-            self.problem(f"{what} refers to blob {name!r}, which the manifest does not describe")
-            return False
-        return name in self.sound
+        self.problems.append(Problem(self.ckpt_id, self.report.file, msg))
 
     def tensor(self, name: str) -> torch.Tensor:
-        meta = self.report["blobs"][name]
-        start, n = int(meta["offset"]), int(meta["nbytes"])
-        raw = bytearray(self.data[start : start + n])
-        t = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
-        return t.view(DTYPES[meta["dtype"]]).reshape([int(s) for s in meta["shape"]])
+        blob = self.report.blobs[name]
+        raw = bytearray(self.data[blob.offset : blob.end])
+        t = torch.frombuffer(raw, dtype=torch.uint8) if blob.nbytes else torch.empty(0, dtype=torch.uint8)
+        return t.view(DTYPES[blob.dtype]).reshape(blob.shape)
 
-    def tree(self, tree: Any, what: str) -> None:
-        unflatten_state(tree, lambda name: self.blob(name, what))
-
-    def entry(self, table: str, entry: Mapping[str, Any], shape: list[int]) -> None:
-        """Checks one table entry."""
-        rows, cols = [int(v) for v in entry["rows"]], [int(v) for v in entry["cols"]]
-        where = f"an entry of table '{table}' (rows {rows}, cols {cols})"
-        if not (0 <= rows[0] < rows[1] <= shape[0] and 0 <= cols[0] < cols[1] <= shape[1]):
-            self.problem(f"{where} lies outside the table's {shape[0]} x {shape[1]}")
-            return
-        n_rows = rows[1] - rows[0]
-        count = n_rows
-        if entry.get("encoding") not in ("rows", "full"):
-            self.problem(f"{where} has encoding {entry.get('encoding')!r}")
-        if "ids" in entry:
-            ids = entry["ids"]
-            count = int(ids["count"])
-            if self.blob(ids["blob"], f"{where}: row ids"):
-                try:
-                    decoded = decode_ids(ids["kind"], self.tensor(ids["blob"]), n_rows)
-                except (ValueError, RuntimeError) as e:
-                    self.problem(f"{where}: row ids do not decode ({e})")
-                else:
-                    if decoded.numel() != count or (decoded.numel() and int(decoded[-1]) >= n_rows):
-                        self.problem(f"{where}: row ids do not match their count or range")
-        elif entry.get("encoding") == "rows":
+    def check(self, table: str, entry: TableEntry) -> None:
+        where = f"an entry of table '{table}' (rows {list(entry.rows)}, cols {list(entry.cols)})"
+        if entry.ids is None and entry.encoding == "rows":
             self.problem(f"{where} stores selected rows without row ids")
-        weights = entry["weights"]
-        names = weights["blobs"]
-        present = {k: n for k, n in names.items() if self.blob(n, f"{where}: weights {k}")}
-        if len(present) == len(names):
+        ids = entry.ids
+        if ids is not None and ids.blob in self.sound:
             try:
-                enc = EncodedRows.from_tensors({k: self.tensor(n) for k, n in present.items()}, weights["meta"])
+                decoded = decode_ids(ids.kind, self.tensor(ids.blob), entry.num_rows)
+            except (ValueError, RuntimeError) as e:
+                self.problem(f"{where}: row ids do not decode ({e})")
+            else:
+                if decoded.numel() != ids.count or (decoded.numel() and int(decoded[-1]) >= entry.num_rows):
+                    self.problem(f"{where}: row ids do not match their count or range")
+        names = entry.weights.blobs
+        if all(n in self.sound for n in names.values()):
+            try:
+                EncodedRows.from_tensors({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
             except CnrError as e:
                 self.problem(f"{where}: encoded rows are inconsistent ({e})")
-            else:
-                if enc.num_rows != count:
-                    self.problem(f"{where} stores {enc.num_rows} rows for {count} row ids")
-                if enc.dim != cols[1] - cols[0]:
-                    self.problem(f"{where} stores rows of {enc.dim} values for {cols[1] - cols[0]} columns")
-        for j, s in enumerate(entry.get("states", [])):
-            if self.blob(s["blob"], f"{where}: optimizer state {j}"):
-                state_shape = self.report["blobs"][s["blob"]]["shape"]
-                got = int(state_shape[0]) if state_shape else -1
-                if got != count:
-                    self.problem(f"{where}: optimizer state {j} has {got} rows for {count} row ids")
 
 
 def _check_index(storage: Storage, committed: set[int]) -> list[Problem]:

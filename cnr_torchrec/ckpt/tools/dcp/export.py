@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,9 +18,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from cnr_torchrec.ckpt.format.chunks import PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import by_fqn
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.merge import regions_of_layout
+from cnr_torchrec.ckpt.format.layout import regions_of_layout
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
@@ -52,13 +52,13 @@ class _Piece:
         return (data.weights if self.what == "weight" else data.states[0].values)[r0:r1, c0:c1]
 
 
-def _pieces(tip: Mapping[str, Any], table: str, blocks: list[tuple[tuple[int, int], ...]]) -> list[_Piece]:
+def _pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ...]]) -> list[_Piece]:
     """The weight of ``table`` in the tip's shard ``blocks``, and its fused optimizer state in TorchRec's layout."""
-    rows, dim = (int(v) for v in tip["tables"][table])
-    fqn = tip.get("table_fqns", {}).get(table, f"{table}.weight")
+    rows, dim = tip.tables[table]
+    fqn = tip.table_fqns.get(table, f"{table}.weight")
     weight = [_Piece((MODEL, fqn), (rows, dim), (r[0], c[0]), (r[1] - r[0], c[1] - c[0]), table, r, c)
               for r, c in blocks]
-    states = [e.get("states", []) for r in tip["ranks"] for e in r["tables"].get(table, [])]
+    states = [e.states for r in tip.ranks for e in r.tables.get(table, ())]
     count = max(map(len, states), default=0)
     if count == 0:  # replicated (data_parallel) tables, and fused optimizers without state (SGD)
         return weight
@@ -67,7 +67,7 @@ def _pieces(tip: Mapping[str, Any], table: str, blocks: list[tuple[tuple[int, in
             f"table '{table}' stores {count} optimizer states per row; a DCP export names one, TorchRec's "
             "'momentum1' (the row-wise or element-wise Adagrad sum). Export it with --format torch")
     path = (OPTIM, "state", fqn, f"{table}.momentum1")
-    if not any(s[0]["rowwise"] for s in states if s):
+    if not any(s[0].rowwise for s in states if s):
         return weight + [dataclasses.replace(p, path=path, what="state") for p in weight]
     if all(c == (0, dim) for _, c in blocks):  # table-wise, row-wise: [rows], a chunk per shard
         state = [_Piece(path, (rows,), (r[0],), (r[1] - r[0],), table, r, (0, dim), "rowwise") for r, _ in blocks]
@@ -84,7 +84,7 @@ class _ExportPlanner(DefaultSavePlanner):
     """The plan of the dense state (given to ``dcp.save``) plus every table's chunks, in table order, so that one
     table is assembled and held at a time. ``decoded`` counts the assemblies."""
 
-    def __init__(self, storage: Storage, chain: list[dict[str, Any]], pieces: list[_Piece],
+    def __init__(self, storage: Storage, chain: list[Manifest], pieces: list[_Piece],
                  progress: Progress | None) -> None:
         super().__init__()
         self._storage, self._chain, self._progress = storage, chain, progress
@@ -142,11 +142,11 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
     blocks: dict[str, list[tuple[tuple[int, int], ...]]] = {}  # the tip's shards: (rows, cols)
     for g in (g for regions in regions_of_layout(tip).values() for g in regions if g.rows[1] > g.rows[0]):
         blocks.setdefault(g.table, []).append((g.rows, g.cols))
-    pieces = [p for t in sorted(tip["tables"]) for p in _pieces(tip, t, sorted(blocks.get(t, [])))]
-    first = next(r for r in tip["ranks"] if r["rank"] == 0)
-    load = PayloadReader(storage, first, whole=False)  # the dense state: a few blobs of rank 0's file
-    dense: dict[str, Any] = {MODEL: {name: load(blob) for name, blob in first["dense"].items()}}
-    named = unflatten_state(first.get("dense_optimizer"), load)
+    pieces = [p for t in sorted(tip.tables) for p in _pieces(tip, t, sorted(blocks.get(t, [])))]
+    first = tip.ranks[0]
+    load = PayloadReader(storage, first.payload, whole=False)  # the dense state: a few blobs of rank 0's file
+    dense: dict[str, Any] = {MODEL: {name: load(blob) for name, blob in first.dense.items()}}
+    named = unflatten_state(first.dense_optimizer, load)
     if named is not None and "param_names" in named:  # by parameter name (an older build's is by position only)
         dense[DENSE_OPTIM] = by_fqn(named)
     planner, tmp = _ExportPlanner(storage, chain, pieces, progress), f"{out}.tmp-{os.getpid()}"
@@ -157,6 +157,6 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     tensors = [m for m in md.state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
-    return {"id": tip["id"], "step": tip["step"], "tensors": len(tensors), "tables_decoded": planner.decoded,
+    return {"id": tip.id, "step": tip.step, "tensors": len(tensors), "tables_decoded": planner.decoded,
             "nbytes": sum(m.size.numel() * m.properties.dtype.itemsize for m in tensors)}
 

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from cnr_torchrec.ckpt.format.dense_optim import from_fqn
-from cnr_torchrec.ckpt.format.manifest import committed_ids, load_manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.baseline import write_baseline
 from cnr_torchrec.ckpt.save.staging import StagedShard
@@ -112,7 +113,7 @@ def _dense(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, t
 
 
 def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int = 0,
-               progress: Progress | None = None) -> dict[str, Any]:
+               progress: Progress | None = None) -> Manifest:
     """Writes the DCP checkpoint in directory ``path`` (the module's layout, as ``dcp.save({"model":
     dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(), "dense_optim": ...})`` wrote it) as a baseline
     of ``storage`` with the next free id: full-precision entries, one table read at a time. A failure before
@@ -123,7 +124,7 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
         step: the training step the baseline records.
 
     Returns:
-        The new checkpoint's manifest body.
+        The new checkpoint's manifest.
 
     Raises:
         CheckpointNotFoundError: ``path`` holds no DCP checkpoint.
@@ -139,7 +140,7 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
         raise ConfigError(f"{storage.root} already holds checkpoints (newest: {committed[-1]}); import into an empty "
                           "root, or pass --append (append=True) to add the import as a new baseline")
     if committed:  # the newest checkpoint's tables, shapes included
-        have = {t: [int(v) for v in shape] for t, shape in load_manifest(storage, committed[-1])["tables"].items()}
+        have = {t: list(shape) for t, shape in load_manifest(storage, committed[-1]).tables.items()}
         got = {t.name: list(t.shape) for t in tables.values()}
         problems = [f"table '{t}' is {got.get(t, 'missing')} there and {have.get(t, 'missing')} in checkpoint "
                     f"{committed[-1]}" for t in sorted(set(have) | set(got)) if have.get(t) != got.get(t)]

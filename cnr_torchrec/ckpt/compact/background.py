@@ -3,7 +3,7 @@
 DECK's shape: trainers write only deltas, and a merge decoupled from training folds them
 into a baseline. Here every rank merges the rows of its current shards (no rank reads the
 whole model) on a thread of its own, keeping each row's stored bytes
-(:mod:`cnr_torchrec.ckpt.save.merge`), and the result commits like a save: per-rank reports
+(:mod:`cnr_torchrec.ckpt.compact.merge`), and the result commits like a save: per-rank reports
 to rank 0 through the c10d store, then rank 0 writes the sealed manifest.
 
 How it meets the saves (all of it agreed through the saves' all-gather, so that every rank
@@ -37,11 +37,12 @@ from typing import Any
 from cnr_torchrec.ckpt import faults
 from cnr_torchrec.ckpt.config import CompactionConfig
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
-from cnr_torchrec.ckpt.format.manifest import load_manifest, manifest_path, seal, walk_chain
+from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
+from cnr_torchrec.ckpt.format.layout import Region
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save import merge
-from cnr_torchrec.ckpt.save.catalog import remove_partial
-from cnr_torchrec.ckpt.save.merge import Region
+from cnr_torchrec.ckpt.compact import merge
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
@@ -71,7 +72,7 @@ class Outcome:
     """How a compaction ended, the same on every rank."""
 
     ok: bool
-    manifest: dict[str, Any] | None = None  # the compacted checkpoint's body (rank 0), or its summary
+    nbytes: int = 0  # the compacted checkpoint's bytes
     error: str = ""
 
 
@@ -81,12 +82,12 @@ class Compaction:
     Args:
         open_storage: opens a Storage for the compaction's thread (Storage is not thread-safe).
         store: the Checkpointer's c10d store (None on one process).
-        on_commit: rank 0 calls it with the committed body (to update the catalog).
+        on_commit: rank 0 calls it with the committed manifest (to update the catalog).
     """
 
     def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int, tracker: Any,
                  open_storage: Callable[[], Storage], store: Any, timeout_s: float,
-                 on_commit: Callable[[dict[str, Any], Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 on_commit: Callable[[Manifest, Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  pool: IOPool | None = None) -> None:
         self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
         self._chunk_bytes, self._pool = chunk_bytes, pool
@@ -119,8 +120,8 @@ class Compaction:
             regions = regions_of_tracker(self._tracker, self.rank)  # the plan's layout: fixed while training runs
             storage = self._open_storage()
             chain = walk_chain(load_manifest(storage, self.tip), lambda i: load_manifest(storage, i))
-            if tuple(c["id"] for c in chain) != self.chain:
-                raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c['id'] for c in chain]} on storage, not "
+            if tuple(c.id for c in chain) != self.chain:
+                raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
             report = self._merge(storage, chain, regions)
             faults.hit("compact.after_write")
@@ -139,14 +140,13 @@ class Compaction:
             if storage is not None:
                 storage.close()
 
-    def _merge(self, storage: Storage, chain: list[dict[str, Any]], regions: list[Region]) -> dict[str, Any]:
+    def _merge(self, storage: Storage, chain: list[Manifest], regions: list[Region]) -> dict[str, Any]:
         tip = chain[-1]
-        reports = {r["rank"]: r for r in tip["ranks"]}
-        same_ranks = tip["world_size"] == self.world_size and tip.get("per_rank_state", True)
+        same_ranks = tip.world_size == self.world_size and tip.per_rank_state
         return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank,
-                          rank_state=reports.get(self.rank) if same_ranks else None,
-                          dense_state=reports[0] if self.rank == 0 else None, table_shapes=tip["tables"],
-                          chunk_bytes=self._chunk_bytes, pool=self._pool)
+                                rank_state=tip.ranks[self.rank] if same_ranks else None,
+                                dense_state=tip.ranks[0] if self.rank == 0 else None,
+                                chunk_bytes=self._chunk_bytes, pool=self._pool)
 
     def _key(self, what: str) -> str:
         return f"compact/{self.new_id}/{what}"
@@ -168,7 +168,7 @@ class Compaction:
             got = json.loads(self._store.get(self._key("result")))
         except Exception as e:
             return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
-        return Outcome(got["ok"], got.get("manifest"), got.get("error", ""))
+        return Outcome(got["ok"], got.get("nbytes", 0), got.get("error", ""))
 
     def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
         keys = [self._key(f"report/{r}") for r in range(1, self.world_size)]
@@ -177,7 +177,7 @@ class Compaction:
             return [own] + [{"rank": r, "ok": False, "error": "no report in time"} for r in missing]
         return [own] + [json.loads(self._store.get(k)) for k in keys]
 
-    def _commit(self, own: dict[str, Any], chain: list[dict[str, Any]], storage: Storage | None,
+    def _commit(self, own: dict[str, Any], chain: list[Manifest], storage: Storage | None,
                 t0: float) -> Outcome:
         """Rank 0: the reports, the manifest if all are good, and the outcome for every rank. Never raises."""
         try:
@@ -188,22 +188,22 @@ class Compaction:
             else:
                 body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
                                       self.world_size, (time.perf_counter() - t0) * 1e3)
+                manifest = check_manifest(body, manifest_path(self.new_id))
                 faults.hit("compact.before_manifest")
                 storage.write_atomic(manifest_path(self.new_id), seal(body))
                 faults.hit("compact.after_manifest")
-                out = Outcome(True, body)
+                out = Outcome(True, manifest.nbytes)
         except Exception as e:
             log.error("compaction %d: rank 0 could not commit", self.new_id, exc_info=True)
             out = Outcome(False, error=f"rank 0 could not commit: {type(e).__name__}: {e}")
         if self._store is not None:
-            summary = {"ok": out.ok, "error": out.error,
-                       "manifest": {"id": self.new_id, "nbytes": out.manifest["nbytes"]} if out.ok else None}
+            summary = {"ok": out.ok, "error": out.error, "nbytes": out.nbytes}
             try:
                 self._store.set(self._key("result"), json.dumps(summary))
             except Exception as e:
                 out = Outcome(False, error=f"rank 0 could not tell the other ranks ({type(e).__name__}: {e})")
         if out.ok:
-            self._on_commit(out.manifest, storage)
+            self._on_commit(manifest, storage)
         return out
 
     def _cleanup(self, storage: Storage | None) -> None:
@@ -214,20 +214,20 @@ class Compaction:
             log.warning("could not remove the partial files of compaction %d: %s", self.new_id, e)
 
 
-def compacted_body(chain: list[dict[str, Any]], reports: list[dict[str, Any]], new_id: int, world_size: int,
+def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id: int, world_size: int,
                    write_ms: float) -> dict[str, Any]:
     """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks."""
     tip = chain[-1]
     for r in reports:
         r["write_ms"] = round(write_ms, 3)
     return {
-        "id": new_id, "step": tip["step"], "kind": "baseline", "since": None, "parent": None, "base": new_id,
-        "depth": 0, "encodings": {t: "rows" for t in tip["tables"]},
-        "reason": f"compacted from chain {chain[0]['id']}..{tip['id']} ({len(chain)} checkpoints)",
-        "policy": tip.get("policy"), "world_size": world_size, "codec": tip["codec"],
-        "restores": tip.get("restores", 0), "tables": tip["tables"], "table_fqns": tip.get("table_fqns", {}),
+        "id": new_id, "step": tip.step, "kind": "baseline", "since": None, "parent": None, "base": new_id,
+        "depth": 0, "encodings": {t: "rows" for t in tip.tables},
+        "reason": f"compacted from chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)",
+        "policy": tip.policy, "world_size": world_size, "codec": dict(tip.codec), "restores": tip.restores,
+        "tables": {t: list(shape) for t, shape in tip.tables.items()}, "table_fqns": dict(tip.table_fqns),
         "replicated": [], "nbytes": sum(int(r["nbytes"]) for r in reports), "created_unix": time.time(),
-        "equals": tip["id"], "compacted_from": [chain[0]["id"], tip["id"]],
+        "equals": tip.id, "compacted_from": [chain[0].id, tip.id],
         "per_rank_state": all(r.get("rng") is not None for r in reports),
         "ranks": reports,
     }
@@ -266,7 +266,7 @@ class Compactor:
             if committed and comp.tip in state.chain and state.chain[0] == comp.chain[0]:
                 log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
                          comp.chain[0], comp.tip)
-                return ChainState(state.next_id, (comp.new_id,), int(out.manifest["nbytes"]), ()), True
+                return ChainState(state.next_id, (comp.new_id,), out.nbytes, ()), True
             why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
                    else "is moot: the chain changed meanwhile")
             log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],

@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
@@ -34,29 +33,16 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadReader, PayloadWriter
-from cnr_torchrec.ckpt.format.manifest import manifest_path, rank_file
+from cnr_torchrec.ckpt.format.commits import rank_file
+from cnr_torchrec.ckpt.format.layout import Region
+from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
 
-__all__ = ["Region", "copy_blob", "copy_blob_tree", "merge_rank", "regions_of_layout"]
-
-
-@dataclass(frozen=True)
-class Region:
-    """A block of a table that one rank writes in a merge.
-
-    Attributes:
-        table: the table's name.
-        rows: global rows ``[start, end)``.
-        cols: columns ``[start, end)``.
-    """
-
-    table: str
-    rows: tuple[int, int]
-    cols: tuple[int, int]
+__all__ = ["copy_blob", "copy_blob_tree", "merge_rank"]
 
 
 def _none_rows(weights: torch.Tensor) -> EncodedRows:
@@ -72,69 +58,63 @@ class _Stored:
 
     ckpt: int
     table: str
-    entry: Mapping[str, Any]
+    entry: TableEntry
     load: PayloadReader
     _global: torch.Tensor | None = field(default=None, repr=False)  # row ids, read once for every region
 
     @property
     def rows(self) -> tuple[int, int]:
-        return int(self.entry["rows"][0]), int(self.entry["rows"][1])
+        return self.entry.rows
 
     @property
     def cols(self) -> tuple[int, int]:
-        return int(self.entry["cols"][0]), int(self.entry["cols"][1])
+        return self.entry.cols
 
     def corrupt(self, what: str) -> CorruptCheckpointError:
-        file = self.load.report["file"]
+        file = self.load.payload.file
         return CorruptCheckpointError(f"{file}: table '{self.table}' (checkpoint {self.ckpt}): {what}", path=file)
 
     def global_rows(self) -> torch.Tensor:
         """The entry's stored rows as global row ids, in stored order (its ids blob is read once)."""
         if self._global is None:
             r0, r1 = self.rows
-            ids = self.entry.get("ids")
+            ids = self.entry.ids
             if ids is None:
                 self._global = torch.arange(r0, r1)
             else:
-                offsets = decode_ids(ids["kind"], self.load(ids["blob"]), r1 - r0)
-                if offsets.numel() != int(ids["count"]) or (offsets.numel() and int(offsets[-1]) >= r1 - r0):
+                offsets = decode_ids(ids.kind, self.load(ids.blob), r1 - r0)
+                if offsets.numel() != ids.count or (offsets.numel() and int(offsets[-1]) >= r1 - r0):
                     raise self.corrupt("row ids do not match the entry they describe")
                 self._global = offsets + r0
         return self._global
 
-    def blob_meta(self, name: str) -> Mapping[str, Any]:
-        try:
-            return self.load.report["blobs"][name]
-        except KeyError:
-            raise self.corrupt(f"the manifest names blob {name!r} but does not describe it") from None
-
     def group_key(self) -> str:
         """Pieces with equal keys fit in one entry: same columns, codec metadata and state layout."""
-        if "replicated" in self.entry:
+        if self.entry.replicated is not None:
             meta = _none_rows(torch.empty(0, self.cols[1] - self.cols[0])).metadata()
         else:
-            meta = dict(self.entry["weights"]["meta"])
+            meta = dict(self.entry.weights.meta)
         meta.pop("num_rows", None)
         states = []
-        for s in self.entry.get("states", []):
-            blob = self.blob_meta(s["blob"])
-            states.append([bool(s["rowwise"]), blob["dtype"], list(blob["shape"])[1:]])
+        for s in self.entry.states:
+            blob = self.load.payload.blobs[s.blob]
+            states.append([s.rowwise, blob.dtype, list(blob.shape)[1:]])
         return json.dumps([list(self.cols), meta, states], sort_keys=True)
 
     def rows_at(self, positions: torch.Tensor) -> tuple[EncodedRows, list[tuple[bool, torch.Tensor]]]:
         """The stored rows at ``positions``, still encoded, and their optimizer-state rows."""
         n = self.global_rows().numel()
-        if "replicated" in self.entry:
-            weights = self.load(self.entry["replicated"])
+        if self.entry.replicated is not None:
+            weights = self.load(self.entry.replicated)
             if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
                 raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
             return _none_rows(weights.index_select(0, positions)), []
-        tensors = {k: self.load(name) for k, name in self.entry["weights"]["blobs"].items()}
+        tensors = {k: self.load(name) for k, name in self.entry.weights.blobs.items()}
         try:
-            encoded = EncodedRows.from_tensors(tensors, self.entry["weights"]["meta"])
+            encoded = EncodedRows.from_tensors(tensors, dict(self.entry.weights.meta))
         except EncodingFormatError as e:
             raise self.corrupt(f"encoded rows are inconsistent: {e}") from None
-        states = [(bool(s["rowwise"]), self.load(s["blob"])) for s in self.entry.get("states", [])]
+        states = [(s.rowwise, self.load(s.blob)) for s in self.entry.states]
         if encoded.num_rows != n or encoded.dim != self.cols[1] - self.cols[0] or any(
                 t.shape[0] != n for _, t in states):
             raise self.corrupt(f"{encoded.num_rows} rows of {encoded.dim} values (and states of "
@@ -142,25 +122,21 @@ class _Stored:
         return encoded.take(positions), [(rw, t.index_select(0, positions)) for rw, t in states]
 
 
-def _stored_entries(chain: list[Mapping[str, Any]], storage: Storage) -> dict[str, list[_Stored]]:
+def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_Stored]]:
     """Every entry of the chain by table, newest checkpoint first. Nothing is read yet: blobs are
     range-read as needed (a rank needs a few of each file)."""
     out: dict[str, list[_Stored]] = {}
     for m in reversed(chain):
-        for report in m["ranks"]:
-            load = PayloadReader(storage, report, whole=False)
-            for table, entries in report["tables"].items():
-                if any(e.get("residual") for e in entries):
+        for report in m.ranks:
+            load = PayloadReader(storage, report.payload, whole=False)
+            for table, entry in m.rows_of(report):
+                if entry.residual:
                     raise CompactionError(
-                        f"checkpoint {m['id']} stores residual rows (quantization.residual): a row is the sum of "
+                        f"checkpoint {m.id} stores residual rows (quantization.residual): a row is the sum of "
                         "several checkpoints' bytes, so no single stored row can be kept. Compact with "
                         "`cnr compact --method none`, which stores the sums in float32 (or --method M --bits B, "
                         "which encodes them again, adding that codec's error)")
-                out.setdefault(table, []).extend(_Stored(m["id"], table, e, load) for e in entries)
-            for table, blob in report.get("replicated_tables", {}).items():
-                rows, cols = m["tables"][table]
-                entry = {"rows": [0, int(rows)], "cols": [0, int(cols)], "replicated": blob}
-                out.setdefault(table, []).append(_Stored(m["id"], table, entry, load))
+                out.setdefault(table, []).append(_Stored(m.id, table, entry, load))
     return out
 
 
@@ -197,7 +173,7 @@ def _survivors(region: Region, stored: list[_Stored]) -> list[tuple[_Stored, tor
         claimer[keep.unsqueeze(1), cover] = s.ckpt
         if region.cols[0] <= s.cols[0] < region.cols[1] and keep.numel():
             out.append((s, positions[fresh], keep + r0))
-    if any(st["rowwise"] for s in stored for st in s.entry.get("states", [])):
+    if any(st.rowwise for s in stored for st in s.entry.states):
         _check_one_source(region, claimer)
     return out
 
@@ -296,31 +272,30 @@ def copy_blob_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
     return tree
 
 
-def _copy_state(storage: Storage, rank_state: Mapping[str, Any] | None, dense_state: Mapping[str, Any] | None,
+def _copy_state(storage: Storage, rank_state: RankReport | None, dense_state: RankReport | None,
                 blobs: BlobWriter) -> dict[str, Any]:
     """The report keys a merge copies from the tip: dense and dense_optimizer, extra and rng."""
     out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
     if dense_state is not None:
-        load = PayloadReader(storage, dense_state, whole=False)
-        out["dense"] = {n: copy_blob(b, load, blobs) for n, b in dense_state["dense"].items()}
-        out["dense_optimizer"] = copy_blob_tree(dense_state.get("dense_optimizer"), load, blobs)
+        load = PayloadReader(storage, dense_state.payload, whole=False)
+        out["dense"] = {n: copy_blob(b, load, blobs) for n, b in dense_state.dense.items()}
+        out["dense_optimizer"] = copy_blob_tree(dense_state.dense_optimizer, load, blobs)
     if rank_state is not None:
-        load = PayloadReader(storage, rank_state, whole=False)
-        out["extra"] = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.get("extra", {}).items()}
-        out["rng"] = copy_blob_tree(rank_state.get("rng"), load, blobs)
+        load = PayloadReader(storage, rank_state.payload, whole=False)
+        out["extra"] = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.extra.items()}
+        out["rng"] = copy_blob_tree(rank_state.rng, load, blobs)
     return out
 
 
 def merge_rank(
     storage: Storage,
-    chain: list[Mapping[str, Any]],
+    chain: list[Manifest],
     regions: list[Region],
     *,
     new_id: int,
     rank: int,
-    rank_state: Mapping[str, Any] | None,
-    dense_state: Mapping[str, Any] | None,
-    table_shapes: Mapping[str, Any],
+    rank_state: RankReport | None,
+    dense_state: RankReport | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     pool: IOPool | None = None,
 ) -> dict[str, Any]:
@@ -328,7 +303,7 @@ def merge_rank(
 
     Args:
         storage: the checkpoint root.
-        chain: the chain's manifest bodies, baseline first.
+        chain: the chain's manifests, baseline first.
         regions: the blocks this rank writes; over all ranks they must partition every table's
             (row, first column) space (see the module docstring).
         new_id: the merged checkpoint's id.
@@ -337,7 +312,6 @@ def merge_rank(
             ``rng=None``).
         dense_state: a tip rank report whose ``dense`` and ``dense_optimizer`` this rank copies (rank 0
             passes the tip's rank 0 report; None: ``dense={}``, ``dense_optimizer=None``).
-        table_shapes: every table's shape, for the report.
 
     Returns:
         The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.writer.write_rank`'s
@@ -354,48 +328,7 @@ def merge_rank(
     return {
         "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
         "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],
-        "tbe_iter": max(int(r.get("tbe_iter", 0)) for r in chain[-1]["ranks"]),
-        "table_shapes": {t: list(s) for t, s in table_shapes.items()}, "rows_written": rows_written,
+        "tbe_iter": max(r.tbe_iter for r in chain[-1].ranks),
+        "table_shapes": {t: list(s) for t, s in chain[-1].tables.items()}, "rows_written": rows_written,
         "stall_ms": 0.0, "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
     }
-
-
-def regions_of_layout(tip: Mapping[str, Any]) -> dict[int, list[Region]]:
-    """Regions from a checkpoint's own layout, by rank: each rank report's entry blocks, and on rank 0
-    every table the checkpoint stored replicated (offline compaction keeps the tip's layout).
-
-    Raises:
-        CorruptCheckpointError: the blocks do not tile some table exactly once (a merge would
-            drop or repeat rows).
-    """
-    out: dict[int, list[Region]] = {int(r["rank"]): [] for r in tip["ranks"]}
-    for r in tip["ranks"]:
-        blocks = {(t, tuple(e["rows"]), tuple(e["cols"])) for t, es in r["tables"].items() for e in es}
-        out[int(r["rank"])] += [Region(t, rows, cols) for t, rows, cols in sorted(blocks)]
-    for table in tip.get("replicated", []):
-        rows, cols = tip["tables"][table]
-        out.setdefault(0, []).append(Region(table, (0, int(rows)), (0, int(cols))))
-    _check_tiling([g for rs in out.values() for g in rs], tip)
-    return out
-
-
-def _check_tiling(regions: list[Region], tip: Mapping[str, Any]) -> None:
-    """Raises CorruptCheckpointError unless ``regions`` cover every cell of every table of ``tip`` once."""
-    for table, (n_rows, n_cols) in tip["tables"].items():
-        mine = [g for g in regions if g.table == table]
-        rows = sorted({0, int(n_rows), *(v for g in mine for v in g.rows)})
-        cols = sorted({0, int(n_cols), *(v for g in mine for v in g.cols)})
-        at_row, at_col = {v: i for i, v in enumerate(rows)}, {v: i for i, v in enumerate(cols)}
-        count = np.zeros((len(rows), len(cols)), dtype=np.int64)  # a 2-D difference array on the block edges
-        for g in mine:
-            (a, b), (c, d) = [at_row[v] for v in g.rows], [at_col[v] for v in g.cols]
-            count[a, c] += 1
-            count[b, c] -= 1
-            count[a, d] -= 1
-            count[b, d] += 1
-        cells = count.cumsum(0).cumsum(1)[:-1, :-1]  # how many blocks hold each cell of the edge grid
-        if (rows[0], rows[-1], cols[0], cols[-1]) != (0, int(n_rows), 0, int(n_cols)) or not (cells == 1).all():
-            path = manifest_path(int(tip["id"]))
-            raise CorruptCheckpointError(
-                f"{path}: the shards of checkpoint {tip['id']} do not cover table '{table}' "
-                f"({n_rows} x {n_cols}) exactly once, so a merge in its layout would drop or repeat rows", path=path)

@@ -1,4 +1,4 @@
-"""The catalog of committed checkpoints: what retention and garbage collection decide from.
+"""Retention: which committed checkpoints are kept, and garbage collection of the rest.
 
 Rank 0 loads it once, when a Checkpointer opens the root, and then updates it in memory
 with each commit, so committing checkpoint n costs the same whatever n is: one entry
@@ -11,23 +11,22 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from cnr_torchrec.ckpt.config import KeepConfig
-from cnr_torchrec.ckpt.format.manifest import (
+from cnr_torchrec.ckpt.format.commits import (
     ckpt_dir,
     committed_ids,
-    existing_dir_ids,
     load_manifest,
     manifest_path,
     rank_file,
+    remove_uncommitted,
     write_index,
 )
-from cnr_torchrec.ckpt.format.chunks import payload_files
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
+from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["Catalog", "Entry", "Retention"]
 
@@ -49,10 +48,9 @@ class Entry:
     files: tuple[str, ...] = ()  # every payload chunk of every rank
 
     @classmethod
-    def of(cls, body: Mapping[str, Any]) -> Entry:
-        return cls(id=body["id"], step=body["step"], kind=body["kind"], parent=body.get("parent"), base=body["base"],
-                   nbytes=int(body["nbytes"]), world_size=int(body["world_size"]), equals=body.get("equals"),
-                   files=tuple(f for r in body["ranks"] for f in payload_files(r)))
+    def of(cls, m: Manifest) -> Entry:
+        return cls(id=m.id, step=m.step, kind=m.kind, parent=m.parent, base=m.base, nbytes=m.nbytes,
+                   world_size=m.world_size, equals=m.equals, files=tuple(m.files))
 
 
 class Catalog:
@@ -72,12 +70,12 @@ class Catalog:
         for i in committed_ids(storage):
             try:
                 entries.append(Entry.of(load_manifest(storage, i)))
-            except (CorruptCheckpointError, CheckpointNotFoundError, KeyError, TypeError, ValueError) as e:
+            except (CorruptCheckpointError, CheckpointNotFoundError, UnsafeCheckpointError) as e:
                 log.warning("catalog: checkpoint %d is left alone (%s: %s)", i, type(e).__name__, e)
         return cls(entries)
 
-    def add(self, body: Mapping[str, Any]) -> None:
-        self.entries[body["id"]] = Entry.of(body)
+    def add(self, manifest: Manifest) -> None:
+        self.entries[manifest.id] = Entry.of(manifest)
 
     def needs(self, ids: Iterable[int]) -> set[int]:
         """``ids`` and every kept checkpoint their chains need, through parent links."""
@@ -127,26 +125,6 @@ class Catalog:
         write_index(storage, sorted(self.entries))
 
 
-def remove_partial(storage: Storage, ckpt_id: int, rank: int) -> None:
-    """Removes ``rank``'s file of a write that did not commit; rank 0 also its manifest (first: a checkpoint
-    the other ranks count as failed must not stay committed) and what is left of its directory."""
-    if rank == 0:
-        storage.delete(manifest_path(ckpt_id))
-    storage.delete(rank_file(ckpt_id, rank))
-    if rank == 0:
-        storage.remove_dir(ckpt_dir(ckpt_id), [])
-
-
-def remove_uncommitted(storage: Storage, newest: int, keep: Iterable[int] = ()) -> list[int]:
-    """Deletes the directories of saves older than ``newest`` that never committed (a crash's leftovers),
-    but those in ``keep`` (a compaction being written)."""
-    committed = set(committed_ids(storage)) | set(keep)
-    stale = [i for i in existing_dir_ids(storage) if i < newest and i not in committed]
-    for i in stale:
-        storage.remove_dir(ckpt_dir(i), [])
-    return stale
-
-
 class Retention:
     """Rank 0's catalog, and the retention rule run after each commit.
 
@@ -159,19 +137,19 @@ class Retention:
         self._catalog: Catalog | None = None
         self._lock = threading.Lock()
 
-    def committed(self, body: Mapping[str, Any], storage: Storage) -> None:
-        """``body`` committed: the catalog takes it and what ``keep`` does not keep is deleted. Never raises
+    def committed(self, manifest: Manifest, storage: Storage) -> None:
+        """``manifest`` committed: the catalog takes it and what ``keep`` does not keep is deleted. Never raises
         (a commit must not fail for it); the next commit tries again."""
         try:
             with self._lock:
                 pinned = tuple(self._pinned())
                 if self._catalog is None:
                     self._catalog = Catalog.load(storage)  # once per Checkpointer: it reads every manifest
-                    stale = remove_uncommitted(storage, body["id"], keep=pinned)
+                    stale = remove_uncommitted(storage, manifest.id, keep=pinned)
                     if stale:
                         log.info("removed the directories of saves that never committed: %s", stale)
                 else:
-                    self._catalog.add(body)
+                    self._catalog.add(manifest)
                 drop = self._catalog.collect(storage, self.keep, pinned=pinned)
             if drop:
                 log.info("garbage-collected checkpoints %s (%s)", drop, self.keep)

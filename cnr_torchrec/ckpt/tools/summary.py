@@ -1,0 +1,117 @@
+"""What ``cnr inspect`` and the job's report show about a root: one row per checkpoint, and the root's totals.
+
+Everything here reads manifests only (and, on a filesystem, the sizes of the files in a
+checkpoint's directory); no payload is read.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from cnr_torchrec.ckpt.format.commits import (
+    chain_ids,
+    ckpt_dir,
+    committed_ids,
+    existing_dir_ids,
+    load_manifest,
+    manifest_path,
+)
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["checkpoint_row", "full_snapshot_nbytes", "summarize"]
+
+
+def full_snapshot_nbytes(m: Manifest, *, with_state: bool = True) -> int:
+    """Bytes of a full fp32 snapshot of the checkpoint's tables (and their row optimizer state)."""
+    if not with_state:
+        return sum(r * d * 4 for r, d in m.tables.values())
+    total = sum(m.tables[t][0] * m.tables[t][1] * 4 for t in m.replicated)
+    for _, _, e in m.entries():
+        n, w = e.num_rows, e.cols[1] - e.cols[0]
+        total += n * w * 4 + sum(n * 4 if s.rowwise else n * w * 4 for s in e.states)
+    return total
+
+
+def checkpoint_row(m: Manifest) -> dict[str, Any]:
+    """One checkpoint as a report row (the ``checkpoints`` items of a ``cnr-report``, plus a few keys).
+
+    ``total_rows`` counts the rows the sharded tables' shards hold (a row split over k
+    column shards counts k times, as ``rows_written`` counts it), so a baseline's
+    ``dirty_fraction`` is 1.
+    """
+    total_rows = sum(e.num_rows for _, _, e in m.entries())
+    return {
+        "id": m.id,
+        "step": m.step,
+        "kind": m.kind,
+        "method": m.codec.get("method"),
+        "bits": m.codec.get("bits"),
+        "rows_written": m.rows_written,
+        "total_rows": total_rows,
+        "dirty_fraction": m.rows_written / total_rows if total_rows else 0.0,
+        "nbytes": m.nbytes,
+        "stall_ms": max(r.stall_ms for r in m.ranks),
+        "write_ms": max(r.write_ms for r in m.ranks),
+        "policy": m.policy,
+        "parent": m.parent,
+        "base": m.base,
+        "depth": m.depth,
+        "world_size": m.world_size,
+        "reason": m.reason,
+        "compacted_from": list(m.compacted_from) if m.compacted_from else None,
+        "files": {c.path: c.nbytes for r in m.ranks for c in r.payload.chunks},
+    }
+
+
+def _dir_files(storage: Storage, ckpt_id: int) -> dict[str, int]:
+    if storage.local_dir is None:
+        return {}
+    d = os.path.join(storage.local_dir, ckpt_dir(ckpt_id))
+    try:
+        names = sorted(os.listdir(d))
+    except OSError:
+        return {}
+    return {f"{ckpt_dir(ckpt_id)}/{n}": os.path.getsize(os.path.join(d, n)) for n in names
+            if os.path.isfile(os.path.join(d, n))}
+
+
+def summarize(storage: Storage) -> dict[str, Any]:
+    """Everything ``cnr inspect`` and the job's report show about a root, in the ``cnr-report`` schema.
+
+    Returns:
+        ``{"format": "cnr-report", "version": 1, "world_size", "full_snapshot_nbytes",
+        "checkpoints": [checkpoint_row(...)...], ...}`` plus ``root``,
+        ``full_snapshot_table_nbytes`` (weights alone), ``total_nbytes``, ``uncommitted``
+        (directories without a manifest: ``{"id", "files"}``) and ``corrupt``
+        (``{"id", "path", "message"}`` for manifests that do not load or break the schema).
+    """
+    rows, corrupt, manifests = [], [], []
+    for i in committed_ids(storage):
+        try:
+            m = load_manifest(storage, i)
+        except (CorruptCheckpointError, UnsafeCheckpointError) as e:
+            corrupt.append({"id": i, "path": getattr(e, "path", None) or manifest_path(i), "message": str(e)})
+            continue
+        manifests.append(m)
+        rows.append(checkpoint_row(m))
+    by_id = {m.id: m for m in manifests}
+    for r, m in zip(rows, manifests):
+        r["chain"] = list(chain_ids(m, by_id))
+    committed = {r["id"] for r in rows} | {c["id"] for c in corrupt}
+    uncommitted = [{"id": i, "files": _dir_files(storage, i)} for i in existing_dir_ids(storage) if i not in committed]
+    newest = manifests[-1] if manifests else None
+    return {
+        "format": "cnr-report",
+        "version": 1,
+        "root": storage.root,
+        "world_size": newest.world_size if newest else None,
+        "full_snapshot_nbytes": full_snapshot_nbytes(newest) if newest else 0,
+        "full_snapshot_table_nbytes": full_snapshot_nbytes(newest, with_state=False) if newest else 0,
+        "total_nbytes": sum(r["nbytes"] for r in rows),
+        "checkpoints": rows,
+        "uncommitted": uncommitted,
+        "corrupt": corrupt,
+    }
