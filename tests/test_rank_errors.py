@@ -114,7 +114,8 @@ def _saved_then_moved_on(rank, root):
 
 
 def _restore_worker(rank, world_size, root, case):
-    from cnr_torchrec.ckpt.format.storage import FSPlugin, Storage
+    from cnr_torchrec.ckpt.format.plugins import FSPlugin
+    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import StorageError
 
     dmp, opt, ck, saved = _saved_then_moved_on(rank, root)

@@ -1,19 +1,22 @@
-"""Checkpoint configuration: frozen dataclasses, loaded from YAML with strict checking."""
+"""Checkpoint configuration: frozen dataclasses, each checking its values, and :func:`load_config`.
+
+The dataclasses say what a :class:`~cnr_torchrec.ckpt.Checkpointer` may be asked for, and
+each refuses out-of-range values and inconsistent combinations when it is built, naming the
+key. :func:`load_config` builds them from YAML or a mapping with the strict, typed loader of
+:mod:`cnr_torchrec.ckpt.config_loading`, which names unknown keys, missing keys and wrong types.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import os
-import types
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, Union
+from typing import Any, Literal
 
-import yaml
-
+from cnr_torchrec.ckpt.config_loading import dataclass_from_mapping, read_mapping
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
 from cnr_torchrec.errors import ConfigError
 
@@ -26,8 +29,6 @@ __all__ = [
     "KeepConfig",
     "QuantizationConfig",
     "load_config",
-    "dataclass_from_mapping",
-    "convert_value",
 ]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
@@ -390,126 +391,3 @@ def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any)
     """
     data, where = read_mapping(source, "config file")
     return dataclass_from_mapping(CheckpointConfig, {**data, **overrides}, where)
-
-
-def read_mapping(
-    source: str | os.PathLike | Mapping[str, Any], what: str, empty_ok: bool = False
-) -> tuple[dict[str, Any], str]:
-    """The top-level mapping of a YAML file (or a mapping, copied), and how to name it in errors.
-
-    An empty file is an empty mapping when ``empty_ok`` (every key has a default), else an error.
-
-    Raises:
-        ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
-    """
-    if isinstance(source, Mapping):
-        return dict(source), "config"
-    where = os.fspath(source)
-    try:
-        with open(where) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"{what} {where} does not exist; pass the path of a YAML file") from None
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{where} is not valid YAML: {e}") from None
-    if data is None and empty_ok:
-        data = {}
-    if not isinstance(data, Mapping):
-        raise ConfigError(f"{where}: the top level must be a mapping of config keys, got {type(data).__name__}")
-    return dict(data), where
-
-
-def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """An instance of the config dataclass ``cls`` from the keys of ``data``, each converted to its field's type.
-
-    Args:
-        cls: a dataclass whose fields are typed with what :func:`convert_value` knows.
-        data: the section's keys, as read from YAML.
-        where: how errors name the section (a file and a key path).
-
-    Raises:
-        ConfigError: an unknown key (with the closest valid one), a missing required key, or a value
-            of the wrong type; the message starts with ``where``.
-    """
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in fields:
-            close = difflib.get_close_matches(str(key), fields, n=1)
-            hint = f" (did you mean '{close[0]}'?)" if close else ""
-            raise ConfigError(f"{where}: unknown key '{key}'{hint}; valid keys are {sorted(fields)}")
-    missing = [n for n, f in fields.items() if n not in data and _required(f)]
-    if missing:
-        raise ConfigError(f"{where}: missing required key(s) {missing}")
-    kwargs = {key: convert_value(hints[key], value, f"{where}: {key}") for key, value in data.items()}
-    try:
-        return cls(**kwargs)
-    except ConfigError as e:
-        raise ConfigError(f"{where}: {e}") from None
-
-
-def _describe(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if typing.get_origin(tp) is Literal:
-        return " or ".join(repr(c) for c in typing.get_args(tp))
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
-
-
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
-def convert_value(tp: Any, value: Any, where: str) -> Any:
-    """``value`` as the annotated type ``tp``: a nested config dataclass, a Literal, a union, a dict, a
-    bool, int, float or str (an int is taken for a float, nothing else is coerced).
-
-    Raises:
-        ConfigError: ``value`` is not of ``tp``; the message starts with ``where``.
-    """
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dataclass_from_mapping(tp, value, where)
-    if origin is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {list(choices)}")
-        return value
-    if origin in (Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return convert_value(arg, value, where)
-            except ConfigError as e:
-                errors.append(str(e))
-        if len(errors) == 1:
-            raise ConfigError(errors[0])
-        raise ConfigError(f"{where}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
-    if origin is dict or tp is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return dict(value)
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ConfigError(f"{where}: expected a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
-    raise TypeError(f"config field type {tp} is not supported by the loader")  # a bug in this module

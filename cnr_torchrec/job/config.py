@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 import yaml
 
-from cnr_torchrec.ckpt.config import CheckpointConfig, convert_value, dataclass_from_mapping, read_mapping
+from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.config_loading import convert_value, dataclass_from_mapping, read_mapping
 from cnr_torchrec.job.data import DataConfig
 from cnr_torchrec.job.dlrm import ModelConfig
 from cnr_torchrec.errors import ConfigError
@@ -114,7 +115,7 @@ def _convert_sequence(tp: Any, value: Any, where: str) -> tuple:
 
 
 def _build_section(cls: type, data: Mapping[str, Any], where: str) -> Any:
-    """``ckpt.config.dataclass_from_mapping`` for a section whose dataclass also has list fields.
+    """``ckpt.config_loading.dataclass_from_mapping`` for a section whose dataclass also has list fields.
 
     Same checks and messages (unknown keys with a did-you-mean, required keys, types via
     ``convert_value``); ``convert_value`` has no list type, so those fields (lists of integers, and

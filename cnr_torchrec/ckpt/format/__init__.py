@@ -1,1 +1,2 @@
-"""The on-storage format, shared by the save and restore sides: storage, payload blobs and chunks, manifests, schema."""
+"""The on-storage format, shared by the save and restore sides: storage and its plugins, payload blobs and chunks,
+manifests, schema."""

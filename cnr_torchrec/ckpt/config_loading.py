@@ -1,0 +1,152 @@
+"""Strict, typed loading of config dataclasses from YAML files or mappings.
+
+Every config section of the library is a frozen dataclass whose fields are annotated with
+plain types; this module builds one from what YAML gives, checking as it goes. An unknown key
+is refused with the closest valid one, a missing required key is named, and a value of the
+wrong type is refused rather than coerced (only an integer is taken for a float). Each error
+message starts with where the value was (the file and the key path), so a typo in a nested
+section points at itself.
+
+It knows nothing of checkpoints: :func:`cnr_torchrec.ckpt.config.load_config` builds a
+:class:`~cnr_torchrec.ckpt.config.CheckpointConfig` with it, and the training job's config
+(``cnr_torchrec.job.config``) builds its sections with it, so both report errors alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal, Union
+
+import yaml
+
+from cnr_torchrec.errors import ConfigError
+
+__all__ = ["convert_value", "dataclass_from_mapping", "read_mapping"]
+
+
+def read_mapping(
+    source: str | os.PathLike | Mapping[str, Any], what: str, empty_ok: bool = False
+) -> tuple[dict[str, Any], str]:
+    """The top-level mapping of a YAML file (or a mapping, copied), and how to name it in errors.
+
+    An empty file is an empty mapping when ``empty_ok`` (every key has a default), else an error.
+
+    Raises:
+        ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
+    """
+    if isinstance(source, Mapping):
+        return dict(source), "config"
+    where = os.fspath(source)
+    try:
+        with open(where) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{what} {where} does not exist; pass the path of a YAML file") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML: {e}") from None
+    if data is None and empty_ok:
+        data = {}
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: the top level must be a mapping of config keys, got {type(data).__name__}")
+    return dict(data), where
+
+
+def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> Any:
+    """An instance of the config dataclass ``cls`` from the keys of ``data``, each converted to its field's type.
+
+    Args:
+        cls: a dataclass whose fields are typed with what :func:`convert_value` knows.
+        data: the section's keys, as read from YAML.
+        where: how errors name the section (a file and a key path).
+
+    Raises:
+        ConfigError: an unknown key (with the closest valid one), a missing required key, or a value
+            of the wrong type; the message starts with ``where``.
+    """
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), fields, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            raise ConfigError(f"{where}: unknown key '{key}'{hint}; valid keys are {sorted(fields)}")
+    missing = [n for n, f in fields.items() if n not in data and _required(f)]
+    if missing:
+        raise ConfigError(f"{where}: missing required key(s) {missing}")
+    kwargs = {key: convert_value(hints[key], value, f"{where}: {key}") for key, value in data.items()}
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def _describe(tp: Any) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) is Literal:
+        return " or ".join(repr(c) for c in typing.get_args(tp))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, str(tp))
+
+
+def _required(f: dataclasses.Field) -> bool:
+    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def convert_value(tp: Any, value: Any, where: str) -> Any:
+    """``value`` as the annotated type ``tp``: a nested config dataclass, a Literal, a union, a dict, a
+    bool, int, float or str (an int is taken for a float, nothing else is coerced).
+
+    Raises:
+        ConfigError: ``value`` is not of ``tp``; the message starts with ``where``.
+    """
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dataclass_from_mapping(tp, value, where)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(choices)}")
+        return value
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return convert_value(arg, value, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        if len(errors) == 1:
+            raise ConfigError(errors[0])
+        raise ConfigError(f"{where}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    if origin is dict or tp is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise TypeError(f"config field type {tp} is not supported by the loader")  # a library bug, not a bad file
