@@ -349,7 +349,8 @@ def _dir_files(storage: Storage, ckpt_id: int) -> dict[str, int]:
 
 
 def summarize(storage: Storage) -> dict[str, Any]:
-    """Everything ``cnr inspect`` and ``cnr report`` show about a root, in the ``cnr-report`` schema.
+    """Everything ``cnr inspect`` shows about a root, in the ``cnr-report`` schema (which the example job's
+    plots read too).
 
     Returns:
         ``{"format": "cnr-report", "version": 1, "world_size", "full_snapshot_nbytes",
