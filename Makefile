@@ -45,10 +45,12 @@ cuda-check: $(CUDA_DEPS) $(DEPS)
 test: install nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The example job (cnr_dlrm/, beside the library, not in its wheel): torchrun's `-m` workers start in this
+# directory, which is how they find it. `python -m cnr_dlrm.report /tmp/cnr_demo --out plots/` plots the run.
 demo: install
 	rm -rf /tmp/cnr_demo
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 --max-restarts 1 \
-	  -m cnr_torchrec.job.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1
+	  -m cnr_dlrm.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1
 
 bench: install
 	$(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/tracking.py

@@ -3,8 +3,8 @@
 Run:  python benchmarks/accuracy.py [--json PATH] [--markdown PATH]     (one process, world size 1)
       torchrun --standalone --nproc_per_node 2 benchmarks/accuracy.py   (2 ranks; about twice the time here)
 
-Every run trains the same DLRM (cnr_torchrec.job.dlrm) on the same synthetic Criteo stream
-(cnr_torchrec.job.data) from the same seed, for the same steps, sharded by the real ``CheckNRunDMP``.
+Every run trains the same DLRM (cnr_dlrm.dlrm) on the same synthetic Criteo stream
+(cnr_dlrm.data) from the same seed, for the same steps, sharded by the real ``CheckNRunDMP``.
 A cell (method, bits, R) restores R times, at steps ``k * T / (R + 1)`` for k = 1..R: at each,
 ``Checkpointer.save(s).wait()`` and then ``Checkpointer.restore()``: a failure right after a
 checkpoint, so no step is lost or replayed and the only effect is the codec's, on the embedding
@@ -59,9 +59,12 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
-from cnr_torchrec.job.data import DataConfig, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.job.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder
 from cnr_torchrec.errors import ConfigError
+
+# The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cnr_dlrm.data import DataConfig, ResumableReader, SyntheticCriteo, make_loader  # noqa: E402
+from cnr_dlrm.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder  # noqa: E402
 
 METHODS = ("uniform_asym", "adaptive", "kmeans")
 BITS = (2, 3, 4, 8)

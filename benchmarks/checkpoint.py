@@ -63,7 +63,10 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
-from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+# The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dist import add_device_argument, init_process_group, sync  # noqa: E402

@@ -2,8 +2,8 @@
 
 Run on 2 ranks:  torchrun --standalone --nproc_per_node 2 benchmarks/cpr.py [--json PATH]
 
-Every scenario trains the same DLRM (cnr_torchrec.job.dlrm) on the same synthetic Criteo
-stream (cnr_torchrec.job.data) from the same seed, checkpointing with the consecutive policy
+Every scenario trains the same DLRM (cnr_dlrm.dlrm) on the same synthetic Criteo
+stream (cnr_dlrm.data) from the same seed, checkpointing with the consecutive policy
 every ``--interval`` steps (by default the interval that partial recovery's rule gives for
 ``--target-lost-fraction`` at this failure rate), and fails rank 1 at each ``--fail-at`` step:
 
@@ -34,6 +34,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import time
 import warnings
 
@@ -42,9 +43,12 @@ import torch.distributed as dist
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
 from cnr_torchrec.ckpt.failure import lost_fraction
-from cnr_torchrec.job.data import ClickDataset, DataConfig, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.job.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder
-from cnr_torchrec.job.train import evaluate
+
+# The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from cnr_dlrm.data import ClickDataset, DataConfig, ResumableReader, SyntheticCriteo, make_loader  # noqa: E402
+from cnr_dlrm.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder  # noqa: E402
+from cnr_dlrm.train import evaluate  # noqa: E402
 
 SCENARIOS = ("none", "full", "partial", "partial_ssu")
 

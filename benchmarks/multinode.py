@@ -20,7 +20,7 @@ same code, ``tests/test_multinode.py``):
 4. **2 -> 4.** The two nodes again restore the 2-rank checkpoint and must hold the same
    model as the 2-rank job that wrote it.
 
-Every phase runs the real job (``python -m cnr_torchrec.job.train``) under the real launcher;
+Every phase runs the real job (``python -m cnr_dlrm.train``) under the real launcher;
 the comparisons are against the weights the other world size dumped, never against our reader.
 """
 
@@ -87,7 +87,7 @@ class Cluster:
         with open(path, "w") as f:
             yaml.safe_dump(cfg, f)
         dump, report = os.path.join(self.work, f"dump-{name}"), os.path.join(self.work, f"report-{name}.json")
-        job = ["-m", "cnr_torchrec.job.train", "--config", path, "--dump-state", dump, "--report", report, *extra_args]
+        job = ["-m", "cnr_dlrm.train", "--config", path, "--dump-state", dump, "--report", report, *extra_args]
         if nodes == 1:
             launch = ["--standalone"]
         else:

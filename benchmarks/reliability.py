@@ -65,6 +65,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+# The repository root, for the example models (examples.toy), which are not in the installed package; the
+# forkserver and its ranks get this sys.path too.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 log = logging.getLogger("reliability")
 
 ROWS = {"t0": 240, "t1": 160, "t2": 200}
@@ -84,7 +88,7 @@ NAMED_FAULTS = (
     ("compact.after_write", 0), ("compact.after_write", 1), ("compact.before_manifest", 0),
     ("compact.after_manifest", 0),
 )
-_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "cnr_torchrec.examples.toy",
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "examples.toy",
             "cnr_torchrec.ckpt", "torchsnapshot", "aiobotocore.session", "boto3"]
 
 
@@ -97,7 +101,7 @@ def build(world_size: int, seed: int = 0):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     torch.manual_seed(seed)
     specs = [TableSpec(t, ROWS[t], DIM, SHARDING[t], "ebc") for t in ROWS]
@@ -110,7 +114,7 @@ def build(world_size: int, seed: int = 0):
 
 
 def train(dmp, specs, opt, steps: int, gen: torch.Generator) -> None:
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     for _ in range(steps):
         loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))

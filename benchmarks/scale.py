@@ -126,7 +126,10 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cnr_torchrec import Checkpointer, load_config
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.examples.toy import TableSpec
+
+# The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.toy import TableSpec  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dist import add_device_argument, init_process_group  # noqa: E402

@@ -75,7 +75,10 @@ import torch.distributed as dist
 
 from cnr_torchrec import Checkpointer, load_config
 from cnr_torchrec.ckpt.format.commits import ckpt_dir
-from cnr_torchrec.examples.toy import TableSpec, zipf_batch
+
+# The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from examples.toy import TableSpec, zipf_batch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from checkpoint import COMPACT, build, dir_bytes, finish, fresh_dir, slowest, step, timed  # noqa: E402

@@ -1,8 +1,8 @@
-"""The ``cnr`` command: inspect, verify, compact, export, import and plot checkpoint roots offline.
+"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline.
 
 Exit codes: 0 success (``verify``: sound); 1 a checkpoint is corrupt (``verify`` found
 problems, or ``compact``/``export``/``import-dcp`` met a corrupt file); 2 the command could
-not run (bad arguments, missing root, nothing committed, unknown id, unreadable report, bad
+not run (bad arguments, missing root, nothing committed, unknown id, bad
 ``--storage-option``, a DCP checkpoint of another layout). Errors are one line on stderr,
 without a traceback.
 """
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError
+from cnr_torchrec.errors import CnrError, CorruptCheckpointError
 
 __all__ = ["main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_ERROR"]
 
@@ -25,22 +25,6 @@ EXIT_OK, EXIT_CORRUPT, EXIT_ERROR = 0, 1, 2
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
-    """``KEY=VALUE`` pairs; a VALUE that parses as JSON (true, 3, {"a": 1}) is taken as such, else as a string."""
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(
-                f"--storage-option expects KEY=VALUE, got {pair!r}; e.g. --storage-option region=us-east-1"
-            )
-        try:
-            out[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            out[key.strip()] = value
-    return out
 
 
 def _human_bytes(n: float) -> str:
@@ -66,9 +50,9 @@ def _progress(total: int, desc: str):
 
 
 def _open(args: argparse.Namespace):
-    from cnr_torchrec.ckpt.tools.root import open_storage
+    from cnr_torchrec.ckpt.tools.root import open_storage, parse_storage_options
 
-    return open_storage(args.root, _storage_options(args.storage_option))
+    return open_storage(args.root, parse_storage_options(args.storage_option))
 
 
 # ---------------------------------------------------------------------- inspect
@@ -173,9 +157,11 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.tools.root import parse_storage_options
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
-    problems = verify_root(args.root, _storage_options(args.storage_option), None if args.id is None else [args.id])
+    options = parse_storage_options(args.storage_option)
+    problems = verify_root(args.root, options, None if args.id is None else [args.id])
     if problems:
         for p in problems:
             print(f"PROBLEM {p}")
@@ -285,34 +271,6 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-# ---------------------------------------------------------------------- report
-
-
-def _cmd_report(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.summary import summarize
-    from cnr_torchrec.ckpt.tools.root import not_found_hint
-    from cnr_torchrec.errors import CheckpointNotFoundError
-    from cnr_torchrec.job.plots import load_report, validate_report, write_plots
-
-    src = args.src
-    if os.path.isfile(src) or src.endswith(".json"):
-        report = load_report(src)
-    else:
-        args.root = src
-        storage = _open(args)
-        try:
-            report = summarize(storage)
-            if not report["checkpoints"]:
-                raise CheckpointNotFoundError(f"no committed checkpoint under {src}{not_found_hint(storage)}")
-        finally:
-            storage.close()
-        validate_report(report, src)
-    paths = write_plots(report, args.out)
-    for p in paths:
-        print(p)
-    return EXIT_OK
-
-
 # ---------------------------------------------------------------------- parser
 
 
@@ -321,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="cnr",
-        description="Inspect, verify, compact, export, import and plot cnr_torchrec checkpoint roots (offline: no "
+        description="Inspect, verify, compact, export and import cnr_torchrec checkpoint roots (offline: no "
                     "model, no process group). Do not run compact or import-dcp while a training job writes to the "
                     "same root.",
         epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
@@ -390,12 +348,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=0, help="the training step the baseline records (default 0)")
     p.set_defaults(func=_cmd_import_dcp)
 
-    p = sub.add_parser("report", parents=[common], help="PNG plots from a root or a report.json",
-                       description="Write bytes_per_checkpoint.png, dirty_fraction.png and stall_ms.png from a "
-                                   "checkpoint root or a report.json written by the training job.")
-    p.add_argument("src", metavar="SRC", help="checkpoint root, or a report.json")
-    p.add_argument("--out", required=True, metavar="DIR")
-    p.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -1,9 +1,10 @@
 """Checks an installed cnr_torchrec from outside the source tree (``scripts/install_check.sh``).
 
-``imports SRC SITE``: the package comes from the install in SITE; every op that
-``SRC/csrc/schemas.h`` declares is registered in ``torch.ops.cnr`` with a CPU kernel; the
-package ships ``py.typed``; the package and its ``cnr`` command work without the ``plot`` and
-``s3`` extras.
+``imports SRC SITE``: the package comes from the install in SITE; the install holds the
+library alone (not the example job ``cnr_dlrm``, nor the example models ``examples``, which stay
+in the source tree); every op that ``SRC/csrc/schemas.h`` declares is registered in
+``torch.ops.cnr`` with a CPU kernel; the package ships ``py.typed``; the package and its ``cnr``
+command work without the ``plot`` and ``s3`` extras.
 
 ``digest``: prints a SHA-256 of every codec's encoded tensors and decoded rows, including a
 decode into a 32 MB table (the streaming-store path). Two builds of the extension that
@@ -30,6 +31,30 @@ def _declared_ops(src: str) -> list[str]:
         return sorted(set(re.findall(r'm\.def\(\s*"(\w+)\(', f.read())))
 
 
+def installed_outside_the_library(site: str) -> list[str]:
+    """What an install of the wheel into ``site`` (``pip install --target``) holds beyond the library: every
+    file its RECORD lists outside ``cnr_torchrec/``, its dist-info and the console scripts, and the example
+    job and models wherever they appear. Empty when the wheel ships the library alone."""
+    records = [os.path.join(site, d, "RECORD") for d in os.listdir(site)
+               if d.startswith("cnr_torchrec-") and d.endswith(".dist-info")]
+    if len(records) != 1:
+        return [f"{site} holds {len(records)} cnr_torchrec dist-info folders, expected 1"]
+    extra = []
+    with open(records[0]) as f:
+        for line in f:
+            path = line.rsplit(",", 2)[0]
+            top = path.split("/", 1)[0]
+            if not (top == "cnr_torchrec" or (top.startswith("cnr_torchrec-") and top.endswith(".dist-info"))
+                    or top == ".." or top == "bin"):
+                extra.append(path)
+            elif path.startswith(("cnr_torchrec/job/", "cnr_torchrec/examples/")):
+                extra.append(path)
+    for name in ("cnr_dlrm", "examples", os.path.join("cnr_torchrec", "job"), os.path.join("cnr_torchrec", "examples")):
+        if os.path.exists(os.path.join(site, name)) and not any(e.startswith(name) for e in extra):
+            extra.append(name)
+    return extra
+
+
 def check_imports(src: str, site: str) -> int:
     """Runs the ``imports`` checks against the cnr_torchrec on ``sys.path``."""
     for name in EXTRA_MODULES:
@@ -46,6 +71,11 @@ def check_imports(src: str, site: str) -> int:
         print(f"cnr_torchrec was imported from {where}, not from the install in {site}")
         return 1
     failed = False
+    extra = installed_outside_the_library(site)
+    if extra:
+        print("the wheel ships more than the library (the example job and models stay in the source tree; "
+              f"pyproject.toml's packages.find includes cnr_torchrec only): {extra[:10]}")
+        failed = True
     if not os.path.isfile(os.path.join(os.path.dirname(where), "py.typed")):
         print("the install has no py.typed (PEP 561): pyproject.toml's package-data must ship it")
         failed = True
@@ -71,7 +101,8 @@ def check_imports(src: str, site: str) -> int:
         print(f"`cnr --help` failed (exit {out.returncode}):\n{out.stdout}{out.stderr}")
         failed = True
     if not failed:
-        print("imports without the plot and s3 extras, all ops registered with CPU kernels, `cnr --help` runs")
+        print("the library alone is installed, imports without the plot and s3 extras, all ops registered with CPU "
+              "kernels, `cnr --help` runs")
     return 1 if failed else 0
 
 

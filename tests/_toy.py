@@ -13,7 +13,7 @@ def build_dmp(specs, *, seed=0, dense_optimizer=torch.optim.Adam, **tracker_kwar
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import ToyModel, build_plan, sharders_for
+    from examples.toy import ToyModel, build_plan, sharders_for
 
     torch.manual_seed(seed)
     model = ToyModel(specs)
@@ -26,7 +26,7 @@ def build_dmp(specs, *, seed=0, dense_optimizer=torch.optim.Adam, **tracker_kwar
 
 
 def train(dmp, specs, opt, steps, gen):
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     for _ in range(steps):
         loss = dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen, alpha=1.05))

@@ -28,7 +28,7 @@ PLAN_B = ("row_wise", "column_wise", "table_row_wise", "data_parallel", "table_w
 
 
 def _build(world_size, plan=PLAN_A, seed=0, rows=ROWS):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", rows, DIM, st, "ebc") for i, st in enumerate(plan)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -314,7 +314,7 @@ def _errors_worker(rank, world_size, root):
         CorruptCheckpointError,
         IncompatibleCheckpointError,
     )
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     dmp, specs, opt = _build(world_size)
     with pytest.raises(CheckpointNotFoundError, match="no complete checkpoint"):
@@ -332,7 +332,7 @@ def _errors_worker(rank, world_size, root):
 
     # Another model: one more table, and a table of another width.
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import ToyModel, build_plan, sharders_for
+    from examples.toy import ToyModel, build_plan, sharders_for
     from torchrec.distributed.types import ShardingEnv
 
     for extra in ([TableSpec("t5", ROWS, DIM, "row_wise")], []):

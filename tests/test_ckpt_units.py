@@ -816,7 +816,7 @@ def test_recover_refuses_failed_ranks_that_leave_nothing_to_recover_from(group, 
 
     from cnr_torchrec import Checkpointer, load_config
     from cnr_torchrec.errors import ConfigError
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     dmp, opt = build_dmp([TableSpec("t0", 40, 4, "table_wise", "ebc")])
     with Checkpointer(dmp, load_config({"root": str(tmp_path)}), dense_optimizer=opt) as ck:

@@ -1,4 +1,5 @@
-"""The ``cnr`` command line, on checkpoints written by the real Checkpointer.
+"""The ``cnr`` command line, and the example job's ``python -m cnr_dlrm.report``, on checkpoints written by
+the real Checkpointer.
 
 References are independent of the code under test: the manifests read as plain JSON and
 the CheckpointInfo the Checkpointer returned (inspect, report), bytes flipped or cut by
@@ -43,7 +44,7 @@ class Counter:
 
 
 def _build(world_size, seed=0):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(PLAN)]
     dmp, opt = build_dmp(specs, seed=seed)
@@ -171,6 +172,15 @@ def _copy(src, tmp_path, name="copy"):
 
 def _run(capsys, *argv):
     from cnr_torchrec.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _report(capsys, *argv):
+    """``python -m cnr_dlrm.report ARGV``, in this process."""
+    from cnr_dlrm.report import main
 
     code = main(list(argv))
     out, err = capsys.readouterr()
@@ -332,7 +342,7 @@ def test_quantized_compaction_equals_the_codec_applied_to_the_chain(roots, tmp_p
 
 @pytest.mark.timeout(90)
 def test_export_loads_with_weights_only_into_an_unsharded_model(roots, tmp_path, capsys):
-    from cnr_torchrec.examples.toy import ToyModel, zipf_batch
+    from examples.toy import ToyModel, zipf_batch
 
     out_file = str(tmp_path / "sub" / "export.pt")
     code, out, _ = _run(capsys, "export", roots["q"], "--out", out_file, "--id", "3")
@@ -455,7 +465,7 @@ def test_s3_root_through_storage_options(roots, tmp_path, capsys):
         server.stop()
 
 
-# ---------------------------------------------------------------------- report
+# ---------------------------------------------------------------------- report (python -m cnr_dlrm.report)
 
 
 def _series_from_manifests(root, ids, held_rows):
@@ -471,7 +481,7 @@ def _series_from_manifests(root, ids, held_rows):
 
 
 def _figure_data(figs):
-    from cnr_torchrec.job.plots import PLOTS
+    from cnr_dlrm.plots import PLOTS
 
     bytes_ax, dirty_ax, stall_ax = (figs[name].axes[0] for name in PLOTS)
     return {
@@ -484,7 +494,7 @@ def _figure_data(figs):
 
 
 def _check_pngs(out_dir):
-    from cnr_torchrec.job.plots import PLOTS
+    from cnr_dlrm.plots import PLOTS
 
     for name in PLOTS:
         with open(os.path.join(out_dir, name), "rb") as f:
@@ -496,10 +506,10 @@ def _check_pngs(out_dir):
 def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
     from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.ckpt.format.storage import Storage
-    from cnr_torchrec.job.plots import build_series, make_figures
+    from cnr_dlrm.plots import build_series, make_figures
 
     out_dir = str(tmp_path / "plots")
-    code, out, _ = _run(capsys, "report", roots["q"], "--out", out_dir)
+    code, out, _ = _report(capsys, roots["q"], "--out", out_dir)
     assert code == 0 and len(out.splitlines()) == 3
     _check_pngs(out_dir)
 
@@ -523,7 +533,7 @@ def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
 
 @pytest.mark.timeout(60)
 def test_report_from_a_training_report_json(tmp_path, capsys):
-    from cnr_torchrec.job.plots import load_report, make_figures
+    from cnr_dlrm.plots import load_report, make_figures
 
     rows = [
         {"id": i, "step": 100 * (i + 1), "kind": "baseline" if i % 3 == 0 else "delta", "method": "adaptive",
@@ -536,7 +546,7 @@ def test_report_from_a_training_report_json(tmp_path, capsys):
     path = tmp_path / "report.json"
     path.write_text(json.dumps(doc))
     out_dir = str(tmp_path / "plots")
-    code, _, _ = _run(capsys, "report", str(path), "--out", out_dir)
+    code, _, _ = _report(capsys, str(path), "--out", out_dir)
     assert code == 0
     _check_pngs(out_dir)
     drawn = _figure_data(make_figures(load_report(str(path))))
@@ -556,7 +566,7 @@ def test_report_without_matplotlib_says_what_to_install(tmp_path, capsys, monkey
                                                  "dirty_fraction": 1.0, "nbytes": 1, "stall_ms": 0.0,
                                                  "write_ms": 0.0}]}))
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # an import of it now raises ImportError
-    code, _, err = _run(capsys, "report", str(path), "--out", str(tmp_path / "plots"))
+    code, _, err = _report(capsys, str(path), "--out", str(tmp_path / "plots"))
     assert code != 0 and "pip install matplotlib" in err and "`plot` extra" in err
     assert not (tmp_path / "plots").exists()
 
@@ -584,9 +594,6 @@ def test_bad_inputs_give_one_line_and_a_nonzero_exit(roots, tmp_path, capsys):
         (["compact", root, "--id", "42"], "checkpoint 42 is not committed"),
         (["export", root, "--out", str(tmp_path / "x.pt"), "--id", "42"], "checkpoint 42 is not committed"),
         (["verify", root, "--id", "7"], "checkpoint 7 is not committed"),
-        (["report", str(bad_json), "--out", str(tmp_path / "p")], "is not valid JSON"),
-        (["report", str(wrong), "--out", str(tmp_path / "p")], "checkpoints[0].nbytes is missing"),
-        (["report", str(tmp_path / "nope.json"), "--out", str(tmp_path / "p")], "cannot read"),
         (["inspect", root, "--storage-option", "novalue"], "expects KEY=VALUE"),
         (["inspect", "foo://bucket/x"], "cannot open storage"),
         (["compact", root, "--method", "adaptive", "--bits", "5"], "does not support bits=5"),
@@ -596,9 +603,38 @@ def test_bad_inputs_give_one_line_and_a_nonzero_exit(roots, tmp_path, capsys):
         assert code == 2, (argv, code, err)
         assert message in err and "Traceback" not in err, (argv, err)
         assert len(err.strip().splitlines()) == 1, (argv, err)
-    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "p").exists()
+    assert not (tmp_path / "x.pt").exists()
     code, _, err = _run(capsys, "compact", root, "--id", "notanumber")  # argparse: usage + error
     assert code == 2 and "invalid int value" in err
+
+
+@pytest.mark.timeout(60)
+def test_report_bad_inputs_give_one_line_and_a_nonzero_exit(roots, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    bad_json = tmp_path / "bad.json"
+    bad_json.write_text("{not json")
+    wrong = tmp_path / "wrong.json"
+    wrong.write_text(json.dumps({"format": "cnr-report", "version": 1, "world_size": 1, "full_snapshot_nbytes": 1,
+                                 "checkpoints": [{"id": 0, "step": 1, "kind": "baseline", "method": "none",
+                                                  "bits": None, "rows_written": 1, "total_rows": 1,
+                                                  "dirty_fraction": 1.0, "stall_ms": 0.0, "write_ms": 0.0}]}))
+    cases = [
+        ([str(bad_json), "--out", str(tmp_path / "p")], "is not valid JSON"),
+        ([str(wrong), "--out", str(tmp_path / "p")], "checkpoints[0].nbytes is missing"),
+        ([str(tmp_path / "nope.json"), "--out", str(tmp_path / "p")], "cannot read"),
+        ([str(tmp_path / "missing"), "--out", str(tmp_path / "p")], "does not exist"),
+        ([str(empty), "--out", str(tmp_path / "p")], "no committed checkpoint under"),
+        ([roots["q"], "--out", str(tmp_path / "p"), "--storage-option", "novalue"], "expects KEY=VALUE"),
+    ]
+    for argv, message in cases:
+        code, out, err = _report(capsys, *argv)
+        assert code == 2, (argv, code, err)
+        assert message in err and "Traceback" not in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, (argv, err)
+    assert not (tmp_path / "p").exists()
+    code, _, err = _report(capsys, str(bad_json))  # argparse: usage + error
+    assert code == 2 and "--out" in err
 
 
 @pytest.mark.timeout(60)
@@ -618,8 +654,20 @@ def test_installed_entry_point_help():
     exe = os.path.join(os.path.dirname(sys.executable), "cnr")
     result = subprocess.run([exe, "--help"], capture_output=True, text=True, timeout=110)
     assert result.returncode == 0, result.stderr
-    for command in ("inspect", "verify", "compact", "export", "report"):
+    for command in ("inspect", "verify", "compact", "export"):
         assert command in result.stdout
+
+
+def test_report_is_the_jobs_command_not_the_librarys(capsys):
+    """The plots moved out of the library with the training job: ``cnr report`` is gone, ``python -m
+    cnr_dlrm.report`` runs from the repository root."""
+    code, _, err = _run(capsys, "report", "x.json", "--out", "p")
+    assert code == 2 and "invalid choice: 'report'" in err
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    result = subprocess.run([sys.executable, "-m", "cnr_dlrm.report", "--help"], cwd=root, capture_output=True,
+                            text=True, timeout=110)
+    assert result.returncode == 0, result.stderr
+    assert "usage: python -m cnr_dlrm.report" in result.stdout and "--storage-option" in result.stdout
 
 
 def test_inspect_of_a_thousand_checkpoints_stays_short():

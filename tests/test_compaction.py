@@ -22,7 +22,7 @@ ROWS, DIM = 300, 8
 
 
 def _build(plan=PLAN_A, seed=0):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(plan)]
     dmp, opt = build_dmp(specs, seed=seed)

@@ -76,7 +76,7 @@ def _other_model(world_size, extra_table: bool):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     specs = [TableSpec(t, R.ROWS[t], 16 if (t == "t1" and not extra_table) else R.DIM, R.SHARDING[t]) for t in R.ROWS]
     if extra_table:

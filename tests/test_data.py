@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from cnr_torchrec.job.data import (
+from cnr_dlrm.data import (
     CHUNK,
     CRITEO_KAGGLE_CARDINALITIES,
     ClickDataset,

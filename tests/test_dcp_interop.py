@@ -380,7 +380,7 @@ def _toy_import_worker(rank, world_size, tmp):
 
     from cnr_torchrec import Checkpointer, load_config
     from cnr_torchrec.ckpt.tools.dcp import import_dcp
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec("t0", 40, 8, "row_wise"), TableSpec("t1", 24, 4, "table_wise")]
     dmp, opt = build_dmp(specs)

@@ -28,8 +28,9 @@ def _build(world_size: int, row_wise_min_rows: int, seed: int = 0):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.job.data import DataConfig, SyntheticCriteo
-    from cnr_torchrec.job.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder, table_features
+
+    from cnr_dlrm.data import DataConfig, SyntheticCriteo
+    from cnr_dlrm.dlrm import ModelConfig, build_model, build_plan, dense_parameters, make_sharder, table_features
 
     stream = SyntheticCriteo(DataConfig(**DATA))
     cfg = ModelConfig(embedding_dim=DIM, dense_arch_layer_sizes=(16, DIM), over_arch_layer_sizes=(16, 1),

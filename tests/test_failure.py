@@ -116,7 +116,7 @@ def _build():
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     torch.manual_seed(0)
     specs = [TableSpec("t0", 300, 8, "row_wise"), TableSpec("t1", 200, 8, "table_wise")]
@@ -128,7 +128,7 @@ def _build():
 
 
 def _step(dmp, specs, gen):
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     dmp(zipf_batch(specs, batch_size=8, pooling=3, generator=gen)).backward()
 

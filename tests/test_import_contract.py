@@ -6,6 +6,10 @@ import ``ckpt._collective``, but ``ckpt/save/`` may not import ``track._inflight
 ``format.payload._as_bytes``. What another package needs gets a public name and a place in its
 module's ``__all__``. Every import statement of ``cnr_torchrec`` is read, those inside
 functions included. Tests and benchmarks are outside the contract.
+
+The example training job (``cnr_dlrm``) and the example models (``examples``) live beside the
+library, not in it: they are users of it, so they import none of its ``_``-names, and no library
+module imports them.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LIBRARY = "cnr_torchrec"
+USERS = ("cnr_dlrm", "examples")  # the example job and models: outside the library and its wheel
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,11 @@ def _absolute(node: ast.ImportFrom, package: str) -> str:
     return ".".join(base + ([node.module] if node.module else []))
 
 
-def library_imports(root: str = ROOT) -> list[Import]:
-    """Every import of a ``cnr_torchrec`` module or name made by the library's own files."""
+def library_imports(root: str = ROOT, top: str = LIBRARY, of: str | None = LIBRARY) -> list[Import]:
+    """Every import made by the files under ``top`` (default: the library's own) of a module or name of the
+    package ``of`` (default ``cnr_torchrec``; None: every import)."""
     out = []
-    for dirpath, _, files in os.walk(os.path.join(root, LIBRARY)):
+    for dirpath, _, files in os.walk(os.path.join(root, top)):
         for name in sorted(files):
             if not name.endswith(".py"):
                 continue
@@ -68,8 +74,7 @@ def library_imports(root: str = ROOT) -> list[Import]:
                     targets = [f"{module}.{a.name}" for a in node.names if a.name != "*"] or [module]
                 else:
                     continue
-                out += [Import(f"{rel}:{node.lineno}", package, t) for t in targets
-                        if t == LIBRARY or t.startswith(LIBRARY + ".")]
+                out += [Import(f"{rel}:{node.lineno}", package, t) for t in targets if of is None or _within(t, of)]
     return out
 
 
@@ -107,7 +112,9 @@ def test_no_private_name_is_imported_across_packages():
 
 
 # The lower layers know nothing of what is built on them: each package here imports none of those listed.
-_ABOVE = ("cnr_torchrec.job", "cnr_torchrec.examples", "cnr_torchrec.dmp", "cnr_torchrec.cli")
+# (The example job and models, which sit above everything, are kept out of the whole library by
+# test_the_library_imports_none_of_its_users.)
+_ABOVE = ("cnr_torchrec.dmp", "cnr_torchrec.cli")
 LAYERS = {
     "cnr_torchrec.track": ("cnr_torchrec.ckpt", "cnr_torchrec.quant", *_ABOVE),
     "cnr_torchrec.quant": ("cnr_torchrec.ckpt", "cnr_torchrec.track", *_ABOVE),
@@ -139,6 +146,33 @@ def test_the_lower_layers_import_nothing_built_on_them():
     assert not bad, "these imports reach up a layer (tests/test_import_contract.py: LAYERS):\n  " + "\n  ".join(bad)
 
 
+def test_the_library_imports_none_of_its_users():
+    """cnr_torchrec stands alone: no module of it imports the example job or models (nor the tests'
+    and benchmarks' helpers), so the wheel, which ships cnr_torchrec only, imports whole."""
+    imports = library_imports(of=None)
+    assert len(imports) > 100, "the walk found too few imports to be reading the library"
+    outside = (*USERS, "tests", "benchmarks", "_dist", "_toy")
+    bad = [f"{imp.where}: {imp.importer} imports {imp.target}" for imp in imports
+           if any(_within(imp.target, o) for o in outside)]
+    assert not bad, "the library imports code that is not in its wheel:\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_the_example_job_and_models_use_only_public_names(user):
+    """The job and the example models are users of the library: not one ``_``-module or ``_``-name of
+    cnr_torchrec (what they need has a public name in its module's ``__all__``)."""
+    assert os.path.isdir(os.path.join(ROOT, user)), f"{user}/ is not at the repository root"
+    imports = library_imports(top=user)
+    assert imports, f"{user}/ imports nothing of cnr_torchrec: the walk is not reading it"
+    bad = [f"{imp.where}: {imp.importer} imports {imp.target}" for imp in imports if owner_of_private(imp.target)]
+    assert not bad, f"{user} takes _-names of cnr_torchrec:\n  " + "\n  ".join(bad)
+
+
+def test_the_example_job_and_models_are_not_in_the_library():
+    for gone in ("job", "examples"):
+        assert not os.path.exists(os.path.join(ROOT, LIBRARY, gone)), f"{LIBRARY}/{gone} is back in the library"
+
+
 @pytest.mark.parametrize("importer, target, allowed", [
     ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt._collective.Collective", True),  # a subpackage of the owner
     ("cnr_torchrec.quant", "cnr_torchrec._ext.ops", True),  # the root owns _ext
@@ -146,7 +180,8 @@ def test_the_lower_layers_import_nothing_built_on_them():
     ("cnr_torchrec.ckpt.save", "cnr_torchrec.track._inflight", False),
     ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.compact.merge._region_rows", False),
     ("cnr_torchrec.ckpt", "cnr_torchrec.ckpt.format.payload._as_bytes", False),  # the parent is another package
-    ("cnr_torchrec.job", "cnr_torchrec.ckpt.config.__all__", True),  # dunders are not private
+    ("cnr_dlrm", "cnr_torchrec.ckpt.config.__all__", True),  # dunders are not private
+    ("cnr_dlrm", "cnr_torchrec.cli._storage_options", False),  # outside the library: no _-name at all
 ])
 def test_the_rule_on_known_cases(importer, target, allowed):
     assert (violations([Import("x.py:1", importer, target)]) == []) == allowed

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from cnr_torchrec.job.launch import agree_round
+from cnr_dlrm.launch import agree_round
 
 
 @pytest.fixture

@@ -38,7 +38,7 @@ class _Reader:
 
 def _checkpointer(root, seed):
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec(f"t{i}", 120, 8, st, "ebc") for i, st in enumerate(PLAN)]
     dmp, opt = build_dmp(specs, seed=seed)

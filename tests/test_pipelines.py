@@ -72,7 +72,7 @@ class _PipelineModel(nn.Module):
 
 
 def _specs(sharding=SHARDED + ("data_parallel",), ec=()):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     return ([TableSpec(f"b{i}", ROWS, DIM, st, "ebc") for i, st in enumerate(sharding)]
             + [TableSpec(f"e{i}", ROWS, DIM, st, "ec") for i, st in enumerate(ec)])
@@ -84,7 +84,7 @@ def _build(specs, seed=0):
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import ToyModel, build_plan, sharders_for
+    from examples.toy import ToyModel, build_plan, sharders_for
 
     torch.manual_seed(seed)
     toy = ToyModel(specs)
@@ -101,7 +101,7 @@ def _build(specs, seed=0):
 def _batches(specs, n, seed):
     from torchrec.datasets.utils import Batch
 
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     gen = torch.Generator().manual_seed(seed)
     return [Batch(dense_features=torch.zeros(8, 1), sparse_features=zipf_batch(specs, 8, 3, gen),

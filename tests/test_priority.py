@@ -125,7 +125,7 @@ SHARDINGS = ("row_wise", "column_wise", "table_wise", "table_row_wise", "data_pa
 
 
 def _specs(rows=ROWS):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec(f"t_{st}", rows, DIM, st, "ebc") for st in SHARDINGS]
     return specs + [TableSpec("e_row_wise", rows, DIM, "row_wise", "ec")]
@@ -136,7 +136,7 @@ def _build(specs, seed=0, **tracker_kwargs):
 
 
 def _batches(specs, n, seed, batch_size=16, pooling=4):
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     gen = torch.Generator().manual_seed(seed)
     return [zipf_batch(specs, batch_size=batch_size, pooling=pooling, generator=gen, alpha=1.1) for _ in range(n)]
@@ -447,7 +447,7 @@ def test_budget_needs_the_consecutive_policy(group, tmp_path):
 
 
 def _two_rank_worker(rank, world_size, root):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     # column_wise puts two column shards of the table on each rank.
     specs = [TableSpec("t_row_wise", ROWS, DIM, "row_wise"), TableSpec("t_column_wise", ROWS, DIM, "column_wise"),

@@ -28,7 +28,7 @@ WITHIN_S = 60
 
 
 def _build(seed=0):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     specs = [TableSpec("t0", 64, 8, "row_wise"), TableSpec("t1", 64, 8, "table_wise"),
              TableSpec("t2", 64, 8, "data_parallel")]

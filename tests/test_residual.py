@@ -19,7 +19,7 @@ from cnr_torchrec.errors import ConfigError
 
 
 def _specs():
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     return [TableSpec("t0", 64, 8, "row_wise"), TableSpec("t1", 32, 4, "table_wise")]
 
@@ -175,7 +175,7 @@ PLAN_B = ("row_wise", "column_wise", "table_row_wise", "data_parallel", "table_w
 
 
 def _plan_specs(plan):
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     return [TableSpec(f"t{i}", 96, 8, st, "ebc") for i, st in enumerate(plan)]
 

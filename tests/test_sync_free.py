@@ -87,7 +87,7 @@ def _watched_hooks(tracker, seen: list[str]):
 
 
 def _specs():
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     return [
         TableSpec("t_row_wise", ROWS, DIM, "row_wise", "ebc"),
@@ -97,7 +97,7 @@ def _specs():
 
 
 def _batch(specs, seed):
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     return zipf_batch(specs, batch_size=8, pooling=3, generator=torch.Generator().manual_seed(seed), alpha=1.1)
 

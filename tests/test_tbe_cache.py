@@ -21,7 +21,7 @@ ROWS, DIM = 48, 4
 
 
 def _specs():
-    from cnr_torchrec.examples.toy import TableSpec
+    from examples.toy import TableSpec
 
     return [TableSpec("t_row_wise", ROWS, DIM, "row_wise"), TableSpec("t_table_wise", ROWS, DIM, "table_wise"),
             TableSpec("t_dp", ROWS, DIM, "data_parallel")]

@@ -17,7 +17,7 @@ ROWS, DIM = 48, 8
 
 
 def _specs():
-    from cnr_torchrec.examples.toy import SHARDING_TYPES, TableSpec
+    from examples.toy import SHARDING_TYPES, TableSpec
 
     ebc = [TableSpec(f"b_{st}", ROWS, DIM, st, "ebc") for st in SHARDING_TYPES]
     # torchrec's EmbeddingCollection has no table_row_wise sharding, and its data_parallel
@@ -31,7 +31,7 @@ def _build(world_size, optimizer, **tracker_kwargs):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import ToyModel, build_plan, sharders_for
+    from examples.toy import ToyModel, build_plan, sharders_for
 
     torch.manual_seed(0)
     specs = _specs()
@@ -80,7 +80,7 @@ def _mdt_global_ids(mdt, tracker):
 def _equality_worker(rank, world_size, optimizer_name):
     from torchrec.distributed.model_tracker.types import DeltaTrackerConfig, TrackingMode
 
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     dmp, specs = _build(world_size, EmbOptimType[optimizer_name])
     tracker = dmp.dirty_tracker
@@ -139,7 +139,7 @@ def _counts_baseline_errors_worker(rank, world_size):
 
 
     from cnr_torchrec import DirtyRowTracker, MalformedLookupError, RowIdOutOfRangeError
-    from cnr_torchrec.examples.toy import zipf_batch
+    from examples.toy import zipf_batch
 
     dmp, specs = _build(world_size, EmbOptimType.EXACT_ROWWISE_ADAGRAD, count_updates=True, baseline_view=True)
     tracker = dmp.dirty_tracker
@@ -236,7 +236,7 @@ def _unsupported_kernel_worker(rank, world_size):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP, UnsupportedShardingError
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     # A sharded table on the dense compute kernel cannot be tracked: named error listing it.
     specs = [TableSpec("ok", ROWS, DIM, "row_wise"), TableSpec("dense_rw", ROWS, DIM, "row_wise")]
@@ -266,7 +266,7 @@ def _pipeline_worker(rank, world_size):
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
     class PipelineModel(nn.Module):
         def __init__(self, toy):
@@ -327,7 +327,7 @@ def _takeover_options_worker(rank, world_size):
 
     from cnr_torchrec import CheckNRunDMP
     from cnr_torchrec.errors import RowIdOutOfRangeError
-    from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+    from examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
     specs = [TableSpec(f"o_{st}", ROWS, DIM, st) for st in ("row_wise", "table_wise", "column_wise")]
 

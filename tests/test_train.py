@@ -14,10 +14,11 @@ import yaml
 
 from cnr_torchrec.ckpt.format.commits import load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.job.data import DataConfig
-from cnr_torchrec.job.dlrm import EBC_FQN, ModelConfig, build_model, plan_assignment
 from cnr_torchrec.errors import ConfigError
-from cnr_torchrec.job.train import apply_overrides, auc, load_job_config, logloss, main
+
+from cnr_dlrm.data import DataConfig
+from cnr_dlrm.dlrm import EBC_FQN, ModelConfig, build_model, plan_assignment
+from cnr_dlrm.train import apply_overrides, auc, load_job_config, logloss, main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -189,7 +190,7 @@ CHECKPOINT_KEYS = {"id": int, "step": int, "kind": str, "method": str, "bits": (
 
 def _torchrun(config: str, root: str, dump: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--max-restarts",
-           "1", "-m", "cnr_torchrec.job.train", "--config", config, "--set", f"checkpoint.root={root}",
+           "1", "-m", "cnr_dlrm.train", "--config", config, "--set", f"checkpoint.root={root}",
            "--dump-state", dump, *extra]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
@@ -221,7 +222,7 @@ def test_killed_job_resumes_and_matches_an_uninterrupted_run(tmp_path):
     with open(tmp_path / "ck_straight" / "report.json") as f:
         ref = json.load(f)
 
-    # Schema (what `cnr report` reads).
+    # Schema (what `python -m cnr_dlrm.report` reads).
     assert report["format"] == "cnr-report" and report["version"] == 1
     assert report["world_size"] == 2 and isinstance(report["full_snapshot_nbytes"], int)
     assert set(report["eval"]) == {"logloss", "auc"} and all(isinstance(v, float) for v in report["eval"].values())

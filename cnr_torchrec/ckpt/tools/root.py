@@ -6,15 +6,37 @@ command can start from here.
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from cnr_torchrec.ckpt.format.commits import committed_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 
-__all__ = ["not_found_hint", "open_storage", "resolve_id"]
+__all__ = ["not_found_hint", "open_storage", "parse_storage_options", "resolve_id"]
+
+
+def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
+    """``KEY=VALUE`` pairs (``--storage-option``); a VALUE that parses as JSON (true, 3, {"a": 1}) is taken as
+    such, else as a string.
+
+    Raises:
+        ConfigError: a pair without ``=`` or with an empty KEY.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(
+                f"--storage-option expects KEY=VALUE, got {pair!r}; e.g. --storage-option region=us-east-1"
+            )
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
 
 
 def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) -> Storage:

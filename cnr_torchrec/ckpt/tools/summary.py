@@ -1,4 +1,4 @@
-"""What ``cnr inspect`` and the job's report show about a root: one row per checkpoint, and the root's totals.
+"""What ``cnr inspect`` (and the example job's plots) show about a root: one row per checkpoint, and the root's totals.
 
 Everything here reads manifests only (and, on a filesystem, the sizes of the files in a
 checkpoint's directory); no payload is read.
@@ -79,7 +79,7 @@ def _dir_files(storage: Storage, ckpt_id: int) -> dict[str, int]:
 
 
 def summarize(storage: Storage) -> dict[str, Any]:
-    """Everything ``cnr inspect`` and the job's report show about a root, in the ``cnr-report`` schema.
+    """Everything ``cnr inspect`` shows about a root, in the ``cnr-report`` schema (which the example job's plots read).
 
     Returns:
         ``{"format": "cnr-report", "version": 1, "world_size", "full_snapshot_nbytes",

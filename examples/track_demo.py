@@ -1,7 +1,8 @@
 """Short 2-rank training of a small sharded model that prints dirty rows per table each step.
 
-Run with ``torchrun --standalone --nproc_per_node 2 -m cnr_torchrec.examples.track_demo``
-(``make demo`` does this). Works on CPU (gloo) and CUDA (nccl).
+Run from the repository root (``examples`` is a top-level package there, not part of the
+installed library) with ``torchrun --standalone --nproc_per_node 2 -m examples.track_demo``.
+Works on CPU (gloo) and CUDA (nccl).
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import torch.distributed as dist
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP
-from cnr_torchrec.examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
+
+from examples.toy import TableSpec, ToyModel, build_plan, sharders_for, zipf_batch
 
 
 def global_dirty_counts(tracker) -> dict[str, int]:

@@ -20,8 +20,9 @@ from torchrec.distributed.sharding_plan import construct_module_sharding_plan, r
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 
-from cnr_torchrec.job.data import NUM_DENSE
 from cnr_torchrec.errors import ConfigError
+
+from cnr_dlrm.data import NUM_DENSE
 
 __all__ = ["EBC_FQN", "EMBEDDING_OPTIMIZERS", "ModelConfig", "build_model", "build_plan", "dense_parameters",
            "make_sharder", "plan_assignment", "table_features", "table_name"]

@@ -1,7 +1,7 @@
 """Plots of a run's checkpoints, from a ``report.json`` of the training job or from a checkpoint root.
 
 Both sources give the same ``cnr-report`` structure (a root through
-:func:`cnr_torchrec.ckpt.tools.offline.summarize`), so one function builds the plotted series
+:func:`cnr_torchrec.ckpt.tools.summary.summarize`), so one function builds the plotted series
 (:func:`build_series`) and one draws them (:func:`make_figures`). Figures are drawn on
 matplotlib's Agg canvas directly, without pyplot: nothing global changes and no display
 is needed.

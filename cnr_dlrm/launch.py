@@ -74,7 +74,7 @@ def init_distributed() -> tuple[torch.device, int]:
     the incarnation counts the rounds before it: 0 for the job's first start, the same on every
     rank. (With ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` every round has a new store, and the
     incarnation falls back to this node's restart count.) A plain ``python -m
-    cnr_torchrec.job.train`` is one rank, incarnation 0, with a file rendezvous.
+    cnr_dlrm.train`` is one rank, incarnation 0, with a file rendezvous.
     """
     incarnation = 0
     cuda = torch.cuda.is_available()

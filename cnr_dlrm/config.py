@@ -22,9 +22,10 @@ import yaml
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.config_loading import convert_value, dataclass_from_mapping, read_mapping
-from cnr_torchrec.job.data import DataConfig
-from cnr_torchrec.job.dlrm import ModelConfig
 from cnr_torchrec.errors import ConfigError
+
+from cnr_dlrm.data import DataConfig
+from cnr_dlrm.dlrm import ModelConfig
 
 __all__ = ["JobConfig", "TrainConfig", "apply_overrides", "load_job_config"]
 

@@ -2,7 +2,7 @@
 
 Launch with torchrun::
 
-    torchrun --standalone --nproc_per_node 2 --max-restarts 1 -m cnr_torchrec.job.train \\
+    torchrun --standalone --nproc_per_node 2 --max-restarts 1 -m cnr_dlrm.train \\
         --config configs/demo.yaml [--set train.steps=400 ...] [--fail-at-step 120 --fail-rank 1]
 
 At start the job restores the newest committed checkpoint under ``checkpoint.root`` (a fresh
@@ -32,12 +32,13 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.job.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
-from cnr_torchrec.job.launch import init_distributed
-from cnr_torchrec.job.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
-from cnr_torchrec.job.config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track.tbe_cache import flush_caches
+
+from cnr_dlrm.config import JobConfig, TrainConfig, apply_overrides, load_job_config
+from cnr_dlrm.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
+from cnr_dlrm.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
+from cnr_dlrm.launch import init_distributed
 
 __all__ = ["JobConfig", "Journal", "TrainConfig", "apply_overrides", "auc", "evaluate", "format_summary",
            "load_job_config", "logloss", "main", "run"]
@@ -503,7 +504,7 @@ def format_summary(report: dict[str, Any]) -> str:
     ck = report["checkpoints"]
     ev = report["eval_detail"]
     resumed = f", resumed at step {report['start_step']}" if report["start_step"] else ""
-    lines.append(f"== cnr_torchrec.job.train: {report['world_size']} ranks, {report['steps']} steps{resumed}, "
+    lines.append(f"== cnr_dlrm.train: {report['world_size']} ranks, {report['steps']} steps{resumed}, "
                  f"policy {report['policy']}; {report['job_wall_s']:.1f} s since the job's first start, "
                  f"{report['wall_s']:.1f} s in this incarnation")
     lines.append("")
@@ -547,7 +548,7 @@ def format_summary(report: dict[str, Any]) -> str:
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m cnr_torchrec.job.train", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m cnr_dlrm.train", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", required=True, help="job YAML (sections data, model, train, checkpoint)")
     p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
                    help="override a config value (parsed as YAML); repeatable")
