@@ -112,7 +112,7 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
             continue
 
         def grab(module, args, kwargs, state=state):
-            captured.append((module, kwargs["indices"].clone(), kwargs["offsets"].clone(), state.bitmap.clone()))
+            captured.append((module, kwargs["indices"].clone(), kwargs["offsets"].clone(), state.bits.bitmap.clone()))
 
         handles.append(state.info.tbe.register_forward_pre_hook(grab, with_kwargs=True))
     step(dmp, opt, batch)
