@@ -48,6 +48,51 @@ def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
     return out
 
 
+def _check_arguments(model: torch.nn.Module, config: Any, dense_optimizer: Any,
+                     extra_state: dict[str, Any] | None) -> Any:
+    """The model's tracker, once the Checkpointer's arguments are found usable.
+
+    Raises:
+        ConfigError: the model is no CheckNRunDMP, the config no CheckpointConfig, an extra_state
+            object is not Stateful, or a dense parameter has no name.
+    """
+    tracker = getattr(model, "dirty_tracker", None)
+    if tracker is None:
+        raise ConfigError("Checkpointer needs a CheckNRunDMP (a model with a dirty_tracker); wrap the model in it")
+    if not isinstance(config, CheckpointConfig):
+        raise ConfigError(f"config must be a CheckpointConfig (see cnr_torchrec.load_config), got {type(config)}")
+    for name, obj in (extra_state or {}).items():
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise ConfigError(f"extra_state[{name!r}] has no state_dict()/load_state_dict(); pass a Stateful object")
+    if dense_optimizer is not None:
+        param_names(model, dense_optimizer)  # its state is saved by parameter name: every one must have one
+    return tracker
+
+
+def _enable_views(tracker: Any, config: CheckpointConfig) -> None:
+    """Turns on what the config needs of the tracker: the "since baseline" view, the row counters.
+
+    Raises:
+        ConfigError: compaction with a row budget, or a row budget under another policy than consecutive.
+    """
+    if config.policy in ("one_shot", "intermittent") or config.compaction is not None:
+        tracker.enable_baseline_view()  # compaction: the rows dirty since its tip
+    if config.compaction is not None and config.budget.max_rows_fraction is not None:
+        raise ConfigError(
+            "compaction and budget.max_rows_fraction do not go together yet: the delta that hangs on a compacted "
+            "baseline must hold every row dirty since the compaction's tip. Leave one of them out"
+        )
+    if config.budget.max_rows_fraction is not None:
+        if config.policy != "consecutive":
+            raise ConfigError(
+                f"budget.max_rows_fraction needs policy consecutive, not {config.policy!r}: only a consecutive "
+                "chain keeps the rows a budget left out (one-shot deltas restore from the baseline and the latest "
+                "delta alone; baselines are never limited). Set policy: consecutive, or "
+                "budget.max_rows_fraction: null"
+            )
+        tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
+
+
 class SaveHandle:
     """A save in flight. ``wait()`` returns once it is committed (or raises SaveFailedError)."""
 
@@ -104,16 +149,7 @@ class Checkpointer:
         dense_optimizer: Any = None,
         extra_state: dict[str, Any] | None = None,
     ) -> None:
-        tracker = getattr(model, "dirty_tracker", None)
-        if tracker is None:
-            raise ConfigError("Checkpointer needs a CheckNRunDMP (a model with a dirty_tracker); wrap the model in it")
-        if not isinstance(config, CheckpointConfig):
-            raise ConfigError(f"config must be a CheckpointConfig (see cnr_torchrec.load_config), got {type(config)}")
-        for name, obj in (extra_state or {}).items():
-            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise ConfigError(f"extra_state[{name!r}] has no state_dict()/load_state_dict(); pass a Stateful object")
-        if dense_optimizer is not None:
-            param_names(model, dense_optimizer)  # its state is saved by parameter name: every one must have one
+        tracker = _check_arguments(model, config, dense_optimizer, extra_state)
         self.model = model
         self.tracker = tracker
         self.config = config
@@ -122,22 +158,7 @@ class Checkpointer:
         self._restores = 0  # restores this job has performed, carried from manifest to manifest
         self.codec = self._pick_codec()
         self._table_fqns = _table_fqns(model, tracker)
-        if config.policy in ("one_shot", "intermittent") or config.compaction is not None:
-            tracker.enable_baseline_view()  # compaction: the rows dirty since its tip
-        if config.compaction is not None and config.budget.max_rows_fraction is not None:
-            raise ConfigError(
-                "compaction and budget.max_rows_fraction do not go together yet: the delta that hangs on a compacted "
-                "baseline must hold every row dirty since the compaction's tip. Leave one of them out"
-            )
-        if config.budget.max_rows_fraction is not None:
-            if config.policy != "consecutive":
-                raise ConfigError(
-                    f"budget.max_rows_fraction needs policy consecutive, not {config.policy!r}: only a consecutive "
-                    "chain keeps the rows a budget left out (one-shot deltas restore from the baseline and the latest "
-                    "delta alone; baselines are never limited). Set policy: consecutive, or "
-                    "budget.max_rows_fraction: null"
-                )
-            tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
+        _enable_views(tracker, config)
 
         self._ranks = Ranks()
         self._dist = self._ranks.distributed

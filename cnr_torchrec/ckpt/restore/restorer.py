@@ -15,7 +15,8 @@ from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.chain import check_model, restore_chain
+from cnr_torchrec.ckpt.restore.chain import restore_chain
+from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 
