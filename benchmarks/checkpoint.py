@@ -63,6 +63,7 @@ from fbgemm_gpu.split_embedding_configs import EmbOptimType
 from torchrec.distributed.types import ShardingEnv
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
+from cnr_torchrec.ckpt.restore.stats import PHASES
 
 # The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -215,13 +216,33 @@ def bytes_breakdown(root: str) -> dict[str, int]:
     return out
 
 
-def restore_ms(dmp, opt, config) -> float:
-    """Time of ``Checkpointer.restore()`` of the latest checkpoint under ``config.root``, by a new Checkpointer."""
+BREAKDOWN = (*PHASES, "bytes_read", "reads")
+
+
+def restore_ms(dmp, opt, config, breakdowns: list | None = None) -> float:
+    """Time of ``Checkpointer.restore()`` of the latest checkpoint under ``config.root``, by a new Checkpointer.
+    ``breakdowns`` gets where that restore's time went: each phase's slowest rank (bytes and reads: all ranks')."""
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     try:
-        return timed(ck.restore)
+        ms = timed(ck.restore)
+        stats = ck.last_restore_stats
     finally:
         ck.close()
+    if breakdowns is not None:
+        breakdowns.append({k: (total if k in ("bytes_read", "reads") else slowest)(stats.get(k, 0))
+                           for k in BREAKDOWN})
+    return ms
+
+
+def median_breakdown(breakdowns: list) -> dict[str, float]:
+    return {k: statistics.median(b[k] for b in breakdowns) for k in BREAKDOWN}
+
+
+def breakdown_line(b: dict[str, float]) -> str:
+    return (f"resolve {b['resolve_ms']:.0f} (manifests {b['manifests_ms']:.0f}), check {b['check_ms']:.0f}, plan "
+            f"{b['plan_ms']:.0f}, apply {b['apply_ms']:.0f} (waiting for reads {b['read_wait_ms']:.0f}), dense and "
+            f"per-rank state {b['state_ms']:.0f}, agree {b['agree_ms']:.0f} ms; read {b['bytes_read'] / 1e6:.1f} MB "
+            f"in {b['reads']:.0f} requests")
 
 
 class LocalShards:
@@ -302,9 +323,9 @@ def peers(dmp, opt, config, args, rank, out_dir):
     res["torchsnapshot"], res["dcp"] = snap, dcp_res
 
     # Restore rounds: ours (whole chain, new Checkpointer) then DCP load (back to exact fp32), alternating.
-    ours, theirs = [], []
+    ours, theirs, breakdowns = [], [], []
     for _ in range(args.reps):
-        ours.append(restore_ms(dmp, opt, config))
+        ours.append(restore_ms(dmp, opt, config, breakdowns))
         ours_err = max_error(dmp, ref)
 
         def load():
@@ -315,7 +336,7 @@ def peers(dmp, opt, config, args, rank, out_dir):
         dcp_err = max_error(dmp, ref)
     res["dcp"].update(load_ms=statistics.median(theirs), load_ms_all=theirs, load_max_abs_error=dcp_err)
     res["ours_restore"] = {"restore_ms": statistics.median(ours), "restore_ms_all": ours,
-                           "max_abs_error": ours_err}
+                           "max_abs_error": ours_err, "breakdown": median_breakdown(breakdowns)}
     if rank == 0:
         shutil.rmtree(dcp_path, ignore_errors=True)
     return res
@@ -380,7 +401,7 @@ def main() -> None:
         raise SystemExit(f"--policies must include {REFERENCE!r}: the peers are measured on its model state")
     fresh_dir(args.out_dir, rank)
 
-    runs, peer, restores, breakdowns = {}, None, {}, {}
+    runs, peer, restores, breakdowns, restore_breakdowns = {}, None, {}, {}, {}
     for label, policy, quant in chosen:
         root = fresh_dir(os.path.join(args.out_dir, label), rank)
         dmp, opt, config, rows = run_policy(label, policy, quant, specs, args, rank, world, root, device)
@@ -396,8 +417,11 @@ def main() -> None:
         if label == REFERENCE:
             peer = peers(dmp, opt, config, args, rank, args.out_dir)
             restores[label] = peer["ours_restore"]["restore_ms"]
+            restore_breakdowns[label] = peer["ours_restore"]["breakdown"]
         else:
-            restores[label] = statistics.median(restore_ms(dmp, opt, config) for _ in range(args.reps))
+            found: list = []
+            restores[label] = statistics.median(restore_ms(dmp, opt, config, found) for _ in range(args.reps))
+            restore_breakdowns[label] = median_breakdown(found)
         del dmp, opt
 
     snap = peer["torchsnapshot"]
@@ -466,6 +490,9 @@ def main() -> None:
             print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>12,d}" for p in parts))
         print("w params: per-row scale and bias (or codebook) of the quantized rows; opt state: the fused "
               "optimizer's per-row state")
+        print("\nwhere each policy's restore goes (ms, each phase's slowest rank, median of the reps):")
+        for label, b in restore_breakdowns.items():
+            print(f"{label:<18s} {breakdown_line(b)}")
         print(f"run time {elapsed:.0f} s (after start-up)")
         if args.json:
             out = {
@@ -474,7 +501,8 @@ def main() -> None:
                 "peers": peer,
                 "policies": {label: {"figures": figs[label], "checkpoints": runs[label],
                                      "dirty_fraction_per_interval": [r["dirty_fraction"] for r in runs[label]],
-                                     "latest_checkpoint_bytes_by_part": breakdowns[label]}
+                                     "latest_checkpoint_bytes_by_part": breakdowns[label],
+                                     "restore_breakdown": restore_breakdowns[label]}
                              for label in runs},
                 "targets": {REFERENCE: {k: {"value": figs[REFERENCE][k], "bound": f"{op} {b}", "met": met[k]}
                                         for k, (op, b) in TARGETS.items()}},

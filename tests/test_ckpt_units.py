@@ -824,3 +824,38 @@ def test_recover_refuses_failed_ranks_that_leave_nothing_to_recover_from(group, 
         with pytest.raises(ConfigError, match=why):
             ck.recover(failed)
         assert ck.list()[-1].step == 1  # nothing was touched
+
+
+def test_a_restore_says_where_its_time_went(group, tmp_path):
+    """last_restore_stats: every phase of restore/stats.py timed once the chain is applied, the top-level
+    phases adding up to no more than the restore's own wall time, and the bytes read those of the files."""
+    import time
+
+    from _toy import build_dmp, train
+
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.ckpt.restore.stats import PHASES
+    from examples.toy import TableSpec
+
+    specs = [TableSpec("t0", 400, 8, "table_wise", "ebc"), TableSpec("t1", 300, 4, "row_wise", "ebc")]
+    dmp, opt = build_dmp(specs)
+    config = load_config({"root": str(tmp_path), "policy": "consecutive"})
+    gen = torch.Generator().manual_seed(0)
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        for step in (1, 2, 3):
+            train(dmp, specs, opt, 1, gen)
+            ck.save(step).wait()
+        assert ck.last_restore_stats == {}
+        t0 = time.perf_counter()
+        assert ck.restore() == 3
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        stats = ck.last_restore_stats
+    assert set(stats) <= set(PHASES) | {"bytes_read", "reads"}, stats
+    for phase in ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms"):
+        assert stats.get(phase, 0) > 0, (phase, stats)
+    top = ("resolve_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms")  # disjoint parts of the restore
+    assert sum(stats[p] for p in top) <= wall_ms, (stats, wall_ms)
+    assert stats["manifests_ms"] <= stats["resolve_ms"] and stats.get("read_wait_ms", 0) <= stats["apply_ms"]
+    files = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(tmp_path) for f in fs
+                if f.startswith("rank-"))
+    assert 0 < stats["bytes_read"] <= files and stats["reads"] > 0

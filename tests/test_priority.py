@@ -351,7 +351,7 @@ class _Reference:
 def _check_delta(root, info, ref, check_choice, rank=None):
     """Asserts one delta's entries against the budget and (MFU) the reference; updates the reference."""
     m, entries = _entries(root, info.id, rank)
-    assert m["kind"] == "delta"
+    assert m.kind == "delta"
     written = 0
     for t in ref.counts:
         by_range = {}

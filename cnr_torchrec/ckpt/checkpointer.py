@@ -315,6 +315,12 @@ class Checkpointer:
         except Exception as e:
             raise as_named_error(e, self.rank, f"listing the checkpoints under {self.config.root}") from e
 
+    @property
+    def last_restore_stats(self) -> dict[str, float]:
+        """Where this rank's last :meth:`restore` spent its time, by phase in ms, and the bytes and requests it
+        read (see :mod:`cnr_torchrec.ckpt.restore.stats`); empty before the first restore."""
+        return dict(self._restorer.stats)
+
     def restore(self, step: int | None = None, *, per_rank_state: str = "strict") -> int:
         """Restores the newest committed checkpoint (or the newest one of ``step``). Returns its step.
 

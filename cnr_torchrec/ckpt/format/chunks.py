@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import mmap
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -177,13 +178,14 @@ class PayloadReader:
     Args:
         storage: the caller's storage (reads on the caller's thread when ``pool`` is None).
         payload: the payload (a :class:`~cnr_torchrec.ckpt.format.manifest.RankReport`'s ``payload``).
-        stats: counts ``bytes_read`` and ``reads`` into this dict.
+        stats: counts ``bytes_read`` and ``reads`` into this dict, and ``read_wait_ms``: the time spent
+            waiting for chunks that had not landed yet.
         whole: read every chunk (at once, in parallel on ``pool``) and view blobs in place;
             False: one range read per blob, for a few small blobs of a big payload.
         pool: threads for the chunk reads.
     """
 
-    def __init__(self, storage: Storage, payload: Payload, stats: dict[str, int] | None = None,
+    def __init__(self, storage: Storage, payload: Payload, stats: dict[str, float] | None = None,
                  whole: bool = True, pool: IOPool | None = None) -> None:
         self.storage, self.payload = storage, payload
         self.chunks = payload.chunks
@@ -230,11 +232,22 @@ class PayloadReader:
         pieces = []
         for k in self._covering(start, end):
             c = self.chunks[k]
-            buf = memoryview(self._data[k].result())
+            buf = memoryview(self._landed(k))
             pieces.append(buf[max(start, c.start) - c.start : min(end, c.end) - c.start])
         if len(pieces) == 1:
             return pieces[0]
         return memoryview(bytearray(b"".join(pieces)))  # short if chunks are missing: read_blob names it
+
+    def _landed(self, k: int) -> bytearray | mmap.mmap:
+        """Chunk ``k``'s bytes, once read and checked (waiting counts as ``read_wait_ms``)."""
+        future = self._data[k]
+        if future.done() or self._stats is None:
+            return future.result()
+        t0 = time.perf_counter()
+        try:
+            return future.result()
+        finally:
+            self._stats["read_wait_ms"] = self._stats.get("read_wait_ms", 0.0) + (time.perf_counter() - t0) * 1e3
 
     def _range(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` by range reads of the chunks that hold them."""

@@ -18,12 +18,13 @@ from torch import nn
 
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import load_named_state
-from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
+from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
@@ -44,7 +45,7 @@ def restore_chain(
     dense_optimizer: Any,
     extra_state: Mapping[str, Any],
     replicated: bool = True,
-    stats: dict[str, int] | None = None,
+    stats: dict[str, float] | None = None,
     pool: IOPool | None = None,
 ) -> None:
     """Applies ``manifests`` (baseline first) to this rank's model state.
@@ -53,47 +54,70 @@ def restore_chain(
         replicated: also restore what every rank holds alike: data_parallel tables, dense
             parameters, the dense optimizer and the TBE step counter. Partial recovery
             leaves them out and takes them from a surviving rank instead.
-        stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it.
+        stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it, and the time
+            of each phase (:mod:`~cnr_torchrec.ckpt.restore.stats`).
         pool: threads that read the chunks; every file a checkpoint needs is read at once,
             and its entries are decoded as their chunks land.
     """
     target = manifests[-1]
     check_compatible(target, tracker)
-    applier = Applier(tracker, manifests, replicated)
-    own: PayloadReader | None = None  # this rank's file of the target, if read: per-rank state is there too
+    read = _apply_chain(manifests, storage, tracker, replicated, stats, pool)
+
+    def reader(r: int) -> PayloadReader:  # the tip's file of rank r: as read already, else a few range reads
+        load = read.get(r)
+        return load if load is not None and load.has_data else PayloadReader(storage, target.ranks[r].payload,
+                                                                              stats, whole=False)
+
+    with timed(stats, "state_ms"):
+        if replicated:
+            _restore_replicated(target, model, tracker, dense_optimizer, reader(0))
+        if target.world_size != world_size or not target.per_rank_state:
+            log.warning(
+                "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
+                "state are resharded; per-rank state (%s, RNG) is not restored",
+                target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
+            )
+            return
+        _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state)
+
+
+def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
+                 stats: dict[str, float] | None, pool: IOPool | None) -> dict[int, PayloadReader]:
+    """The chain's entries onto this rank's shards, newest checkpoint first, each row decoded and copied once.
+    Returns the readers of the tip's files, by rank (dense and per-rank state are there too)."""
+    target = manifests[-1]
+    with timed(stats, "plan_ms"):
+        applier = Applier(tracker, manifests, replicated)
+    tip: dict[int, PayloadReader] = {}
     try:
-        for m in reversed(manifests):  # newest first: each row is decoded and copied once
+        for m in reversed(manifests):
             if applier.done():
                 break
             work = []
-            for report in m.ranks:
-                load = PayloadReader(storage, report.payload, stats, pool=pool)
-                if m is target and report.rank == rank:
-                    own = load
-                todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
-                if todo:
-                    load.start()  # every needed file of this checkpoint is read at once
-                    work.append((load, todo))
-            for load, todo in work:
-                for table, entry in todo:
-                    applier.apply(table, entry, load)
-            applier.finish_checkpoint()
+            with timed(stats, "plan_ms"):
+                for report in m.ranks:
+                    load = PayloadReader(storage, report.payload, stats, pool=pool)
+                    if m is target:
+                        tip[report.rank] = load
+                    todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
+                    if todo:
+                        load.start()  # every needed file of this checkpoint is read at once
+                        work.append((load, todo))
+            with timed(stats, "apply_ms"):
+                for load, todo in work:
+                    for table, entry in todo:
+                        applier.apply(table, entry, load)
+                applier.finish_checkpoint()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
         # are stale now (even after a failure part way, when the rows are a mix).
         invalidate_caches(tracker.tbes())
+    return tip
 
-    if replicated:
-        _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
-    if target.world_size != world_size or not target.per_rank_state:
-        log.warning(
-            "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
-            "state are resharded; per-rank state (%s, RNG) is not restored",
-            target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
-        )
-        return
-    mine = target.ranks[rank]
-    load = own if own is not None and own.has_data else PayloadReader(storage, mine.payload, stats, whole=False)
+
+def _restore_rank_state(target: Manifest, mine: RankReport, load: PayloadReader,
+                        extra_state: Mapping[str, Any]) -> None:
+    """This rank's extra_state and RNG state, from its own report of ``target``."""
     unknown = sorted(set(extra_state) - set(mine.extra))
     if unknown:
         raise IncompatibleCheckpointError(
@@ -111,10 +135,10 @@ def restore_chain(
             f"manifest of checkpoint {target.id} was edited or crafted", path=mine.file) from None
 
 
-def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats) -> None:
+def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
+                        load0: PayloadReader) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
     first = target.ranks[0]
-    load0 = PayloadReader(storage, first.payload, stats, whole=False)  # a few small blobs of rank 0's file
     dense = dense_named_state(model, tracker.module_fqns())
     transient = non_persistent_buffers(model)  # absent from a checkpoint imported from a state_dict: left as is
     dense = {n: t for n, t in dense.items() if n in first.dense or n not in transient}
@@ -132,7 +156,7 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
                 )
             t.copy_(saved)
     if dense_optimizer is not None:
-        restore_dense_optimizer(target, storage, model, dense_optimizer, stats)
+        restore_dense_optimizer(target, None, model, dense_optimizer, load0=load0)
 
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
@@ -140,15 +164,16 @@ def _restore_replicated(target, storage, model, tracker, dense_optimizer, stats)
             it.fill_(max(r.tbe_iter for r in target.ranks))
 
 
-def restore_dense_optimizer(target: Manifest, storage: Storage, model: nn.Module, dense_optimizer: Any,
-                            stats: dict[str, int] | None = None) -> None:
+def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module, dense_optimizer: Any,
+                            stats: dict[str, float] | None = None, load0: PayloadReader | None = None) -> None:
     """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
-    each parameter's by its name (see dense_optim.py)."""
+    each parameter's by its name (see dense_optim.py). ``load0``: a reader of that file already at hand
+    (else ``storage`` is range-read)."""
     first = target.ranks[0]
     if first.dense_optimizer is None:
         raise IncompatibleCheckpointError(
             f"checkpoint {target.id} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
-    load0 = PayloadReader(storage, first.payload, stats, whole=False)
+    load0 = load0 or PayloadReader(storage, first.payload, stats, whole=False)
     saved = unflatten_state(first.dense_optimizer, load0)
     load_named_state(model, dense_optimizer, saved, f"checkpoint {target.id}")

@@ -19,6 +19,7 @@ from cnr_torchrec.ckpt.format.commits import (
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["resolve_chain"]
@@ -27,7 +28,8 @@ log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # its messages belong
 
 
 def resolve_chain(
-    storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False
+    storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False,
+    stats: dict[str, float] | None = None,
 ) -> tuple[dict[str, Any], list[Manifest] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
@@ -35,7 +37,8 @@ def resolve_chain(
     links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
     file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in ``bad`` (and chains through them) are skipped;
     unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
-    ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's).
+    ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's). ``stats``: adds the
+    time spent reading and checking manifests (``manifests_ms``).
 
     Rank 0 calls it through :meth:`~cnr_torchrec.ckpt._collective.Ranks.from_rank0`, which
     raises what it raises on every rank.
@@ -51,7 +54,7 @@ def resolve_chain(
         Exception: whatever the storage raises while listing or reading (an S3 ``ClientError``,
             an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
-    return _Resolver(storage, bad, fail, quiet).pick(step)
+    return _Resolver(storage, bad, fail, quiet, stats).pick(step)
 
 
 class _Through(Exception):
@@ -61,8 +64,9 @@ class _Through(Exception):
 class _Resolver:
     """One call of :func:`resolve_chain`: the manifests it loaded, and what it found unsound."""
 
-    def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool) -> None:
-        self.storage, self.bad, self.fail, self.quiet = storage, bad, fail, quiet
+    def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool,
+                 stats: dict[str, float] | None = None) -> None:
+        self.storage, self.bad, self.fail, self.quiet, self.stats = storage, bad, fail, quiet, stats
         self.skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
         self._loaded: dict[int, Manifest] = {}
 
@@ -83,7 +87,8 @@ class _Resolver:
 
     def _manifest(self, i: int) -> Manifest:
         if i not in self._loaded:
-            self._loaded[i] = load_manifest(self.storage, i)
+            with timed(self.stats, "manifests_ms"):
+                self._loaded[i] = load_manifest(self.storage, i)
         return self._loaded[i]
 
     def _member(self, i: int) -> Manifest:

@@ -18,6 +18,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["Restorer"]
@@ -34,14 +35,17 @@ class Restorer:
         self.model, self.tracker = model, tracker
         self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
         self.rank, self.world_size = ranks.rank, ranks.world_size
+        self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
 
     def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
         """Picks, applies and agrees on a chain (collective). Returns it, and the checkpoints skipped as unsound
         (id -> why), the same on every rank. Raises what :meth:`Checkpointer.restore` documents."""
+        self.stats = {}
         model_tables = self._model_tables()
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
-            pick, chain = self.agree_on_pick(step, bad, local=True)
+            with timed(self.stats, "resolve_ms"):
+                pick, chain = self.agree_on_pick(step, bad, local=True)
             for i, why in pick["skipped"]:
                 if self.rank != 0:  # rank 0 logged them as it found them; every rank's log should say
                     log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
@@ -52,7 +56,8 @@ class Restorer:
                                                                         else ""))
             ids = pick["chain"]
             status, own, chain = self._attempt(ids, chain, model_tables, per_rank_state)
-            failed = self._ranks.failures(status)
+            with timed(self.stats, "agree_ms"):
+                failed = self._ranks.failures(status)
             if not failed:
                 break
             self._after_failed_attempt(failed, own, ids, bad)
@@ -63,8 +68,10 @@ class Restorer:
         """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain)."""
         try:
             if chain is None:
-                chain = [load_manifest(self._storage, i) for i in ids]
-            check_model(chain[-1], model_tables, self.model, self.tracker)
+                with timed(self.stats, "manifests_ms"):
+                    chain = [load_manifest(self._storage, i) for i in ids]
+            with timed(self.stats, "check_ms"):
+                check_model(chain[-1], model_tables, self.model, self.tracker)
             written_by = chain[-1].world_size
             if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
                 raise IncompatibleCheckpointError(
@@ -77,6 +84,7 @@ class Restorer:
                 chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
+                stats=self.stats,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
@@ -122,7 +130,8 @@ class Restorer:
         self, step: int | None, bad: dict[int, str], quiet: bool = False
     ) -> tuple[dict[str, Any], list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
-        return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet)
+        return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet,
+                             stats=self.stats)
 
     def agree_on_pick(
         self, step: int | None, bad: dict[int, str], *, local: bool

@@ -1,0 +1,35 @@
+"""Where a restore's time goes: the phases its ``stats`` dict adds up, in milliseconds.
+
+* ``resolve_ms``: choosing the chain, on every rank until it hears rank 0's pick (listing the
+  root, reading and checking manifests and file sizes on rank 0), of which
+  ``manifests_ms``: this rank's manifest reads, seal and schema checks;
+* ``check_ms``: comparing the chain's tip with the model;
+* ``plan_ms``: working out which entries of which checkpoints this rank's shards need;
+* ``apply_ms``: reading, decoding and writing those entries into the shards, of which
+  ``read_wait_ms``: waiting for chunks still being read (the rest decodes and scatters);
+* ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
+* ``agree_ms``: the ranks' exchange of their outcome.
+
+``bytes_read`` and ``reads`` count what was read from storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+__all__ = ["PHASES", "timed"]
+
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "read_wait_ms", "state_ms", "agree_ms")
+
+
+@contextmanager
+def timed(stats: dict[str, float] | None, key: str) -> Iterator[None]:
+    """Adds the wall time of the ``with`` block to ``stats[key]`` (ms); nothing when ``stats`` is None."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if stats is not None:
+            stats[key] = stats.get(key, 0.0) + (time.perf_counter() - t0) * 1e3
