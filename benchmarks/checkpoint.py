@@ -216,7 +216,8 @@ def bytes_breakdown(root: str) -> dict[str, int]:
     return out
 
 
-BREAKDOWN = (*PHASES, "bytes_read", "reads")
+BREAKDOWN = (*PHASES, "bytes_read", "reads", "minimal_bytes")
+SUMMED = ("bytes_read", "reads", "minimal_bytes")  # over the ranks; the phases: their slowest rank
 
 
 def restore_ms(dmp, opt, config, breakdowns: list | None = None) -> float:
@@ -229,7 +230,7 @@ def restore_ms(dmp, opt, config, breakdowns: list | None = None) -> float:
     finally:
         ck.close()
     if breakdowns is not None:
-        breakdowns.append({k: (total if k in ("bytes_read", "reads") else slowest)(stats.get(k, 0))
+        breakdowns.append({k: (total if k in SUMMED else slowest)(stats.get(k, 0))
                            for k in BREAKDOWN})
     return ms
 
@@ -242,7 +243,8 @@ def breakdown_line(b: dict[str, float]) -> str:
     return (f"resolve {b['resolve_ms']:.0f} (manifests {b['manifests_ms']:.0f}), check {b['check_ms']:.0f}, plan "
             f"{b['plan_ms']:.0f}, apply {b['apply_ms']:.0f} (waiting for reads {b['read_wait_ms']:.0f}), dense and "
             f"per-rank state {b['state_ms']:.0f}, agree {b['agree_ms']:.0f} ms; read {b['bytes_read'] / 1e6:.1f} MB "
-            f"in {b['reads']:.0f} requests")
+            f"in {b['reads']:.0f} requests, {b['bytes_read'] / max(b['minimal_bytes'], 1):.2f}x the "
+            f"{b['minimal_bytes'] / 1e6:.1f} MB of the rows applied")
 
 
 class LocalShards:

@@ -16,12 +16,13 @@ whenever the new shard is a union of old ones.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
+from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
@@ -87,7 +88,9 @@ class Applier:
     the rows are then decoded (or copied) straight to their places by that map.
     """
 
-    def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True) -> None:
+    def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
+                 stats: dict[str, float] | None = None) -> None:
+        self._stats = stats  # gets minimal_bytes: the stored bytes of the rows that are applied
         breaks: dict[str, set[int]] = {}
         for m in manifests:
             for report in m.ranks:
@@ -148,6 +151,7 @@ class Applier:
             n_stored = encoded.num_rows
         if n_stored != (n_rows if offsets is None else offsets.numel()):
             raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
+        row_bytes = self._row_bytes(entry, load.payload.blobs, n_stored)
         states = [(s.rowwise, load(s.blob)) for s in entry.states]
         residual = entry.residual
         if residual and any(not rowwise for rowwise, _ in states):
@@ -155,11 +159,24 @@ class Applier:
                 f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "
                 "row-wise optimizer state only (EXACT_ROWWISE_ADAGRAD, SGD)")
         for target, row_ov, col_ov in hits:
-            self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights, states,
-                            residual)
+            maps, segs = self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded,
+                                         weights, states, residual)
+            if self._stats is not None:
+                width = cols[1] - cols[0]
+                applied = sum(int((m >= 0).sum()) * (seg[1] - seg[0]) / width for seg, m in zip(segs, maps))
+                self._stats["minimal_bytes"] = self._stats.get("minimal_bytes", 0) + round(applied * row_bytes)
+
+    def _row_bytes(self, entry: TableEntry, blobs: Mapping[str, Blob], n_stored: int) -> float:
+        """Bytes an entry stores per row: its encoded (or float32) row, with its optimizer state (ids left out)."""
+        if self._stats is None or not n_stored:
+            return 0.0
+        names = [entry.replicated] if entry.replicated is not None else list(entry.weights.blobs.values())
+        return sum(blobs[n].nbytes for n in names + [s.blob for s in entry.states]) / n_stored
 
     def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights,
-                   states, residual) -> None:
+                   states, residual) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
+        """Applies one entry to one shard it overlaps. Returns the claim map of each column segment, and the
+        segments."""
         shard = target.shard
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
@@ -196,6 +213,7 @@ class Applier:
         if rowwise:
             claimed = maps[0] if target.state_follows_weights else None  # never in an additive chain
             self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
+        return maps, segs
 
     @staticmethod
     def _scatter(target, live, seg, cols, index, stored) -> None:

@@ -87,7 +87,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     Returns the readers of the tip's files, by rank (dense and per-rank state are there too)."""
     target = manifests[-1]
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated)
+        applier = Applier(tracker, manifests, replicated, stats)
     tip: dict[int, PayloadReader] = {}
     try:
         for m in reversed(manifests):

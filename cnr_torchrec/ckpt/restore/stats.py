@@ -10,7 +10,10 @@
 * ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
 * ``agree_ms``: the ranks' exchange of their outcome.
 
-``bytes_read`` and ``reads`` count what was read from storage.
+``bytes_read`` and ``reads`` count what was read from storage; ``minimal_bytes`` is what had to
+be: the stored bytes (encoded row and optimizer state, prorated by columns) of the rows the
+restore applied, each from the newest checkpoint that holds it. Their ratio is how far the reads
+are from the physical limit.
 """
 
 from __future__ import annotations
