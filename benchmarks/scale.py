@@ -376,8 +376,8 @@ def train_interval(dmp, opt, specs, frac: float, interval: int, pooling: int, ar
         step(dmp, opt, kjt.to(dmp.device))
 
 
-def make_config(root: str, args, notes: dict):
-    over = {"root": root, "on_busy": "wait", "compaction": None}
+def make_config(root: str, args, notes: dict, compaction: dict | None = None):
+    over = {"root": root, "on_busy": "wait", "compaction": compaction}
     fields = {f.name for f in dataclasses.fields(CheckpointConfig)}
     for key, value in (("chunk_bytes", args.chunk_bytes), ("io_threads", args.io_threads)):
         if value is None:
@@ -508,6 +508,41 @@ def run_cell(dmp, opt, specs, size: float, frac: float, args, rank: int, world: 
         if breakdown["minimal_bytes"] else None,
         "eviction": eviction_summary(ev),
     }
+
+
+def run_compaction_cycle(dmp, opt, specs, size: float, frac: float, args, rank: int, world: int, staged: StagedBytes,
+                         notes: dict) -> dict:
+    """A cell with ``compaction: {max_chain: args.compaction_cycle}``, over a full compaction cycle: the chain
+    grows to the trigger, the background merge runs, the next delta hangs on the compacted baseline, and
+    deltas go on. After each save (and the compaction it started), a new Checkpointer restores the newest
+    checkpoint, warm; the cell reports every restore and the worst."""
+    max_chain = args.compaction_cycle
+    root = fresh_dir(os.path.join(args.out_dir, f"x{size:g}_d{frac:g}_compaction"), rank)
+    config = make_config(root, args, notes, compaction={"max_chain": max_chain})
+    pooling = pooling_for(specs[0].rows, frac, args, world)
+    ck = Checkpointer(dmp, config, dense_optimizer=opt)
+    restores, found, n_step = [], [], 0
+    try:
+        for k in range(max_chain + 5):  # the trigger, the merge, the fold, and deltas on the compacted baseline
+            train_interval(dmp, opt, specs, frac, 1000 + k, pooling, args, rank, world)
+            n_step += args.steps_per_interval
+            save = measured_save(ck, n_step, staged)
+            ck.wait(compaction=True)  # a merge it started is on storage before the restore looks
+            ms = restore_ms(dmp, opt, config, found)
+            restores.append({"id": save["id"], "kind": save["kind"], "chain_length": save["chain_length"],
+                             "restore_warm_ms": ms})
+            progress(f"  x{size:g} compaction cycle: {save['kind']} {save['id']} (chain of {save['chain_length']}), "
+                     f"restore {ms:.0f} ms")
+    finally:
+        ck.close()
+    if rank == 0 and not args.keep:
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    worst = max(range(len(restores)), key=lambda i: restores[i]["restore_warm_ms"])
+    return {"size": size, "dirty_target": frac, "max_chain": max_chain, "restores": restores,
+            "worst_restore_warm_ms": restores[worst]["restore_warm_ms"], "worst_breakdown": found[worst],
+            "compacted": any(r["chain_length"] < restores[i - 1]["chain_length"] for i, r in enumerate(restores)
+                             if i)}
 
 
 # ---------------------------------------------------------------- peers
@@ -789,6 +824,9 @@ def main() -> None:
     parser.add_argument("--dirty", type=parse_floats, default=[0.01, 0.1, 0.27],
                         help="share of each table's rows looked up between two saves")
     parser.add_argument("--deltas", type=int, default=10, help="deltas after the baseline, per cell")
+    parser.add_argument("--compaction-cycle", type=int, default=8, metavar="MAX_CHAIN",
+                        help="per size, a cell at the highest dirty fraction with compaction max_chain MAX_CHAIN, a "
+                             "restore after every save over a full compaction cycle (0: none)")
     parser.add_argument("--steps-per-interval", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=2048, help="per rank")
     parser.add_argument("--min-pooling", type=int, default=1, help="ids per sample at least (more if the set needs)")
@@ -824,7 +862,7 @@ def main() -> None:
     staged = StagedBytes()
     notes: dict = {"staged_bytes": "counted" if staged.available else
                    "n/a: cnr_torchrec.ckpt.checkpointer has no 'stage' to wrap"}
-    cells, peer, stagers, warmups = [], {}, {}, {}
+    cells, peer, stagers, warmups, cycles = [], {}, {}, {}, {}
     printed_header = False
     for size in args.sizes:
         rows = max(1, round(REF_ROWS * size))
@@ -848,6 +886,16 @@ def main() -> None:
                     printed_header = True
                 print(row(cell), flush=True)
                 print(f"      warm restore: {breakdown_line(cell['restore_breakdown'])}", flush=True)
+        if args.compaction_cycle:
+            frac = max(args.dirty)
+            progress(f"cell x{size:g}, dirty {frac:g}, compaction max_chain {args.compaction_cycle}")
+            cycles[size] = run_compaction_cycle(dmp, opt, specs, size, frac, args, rank, world, staged, notes)
+            if rank == 0:
+                c = cycles[size]
+                print(f"x{size:g} compaction cycle (max_chain {c['max_chain']}, dirty {frac:g}): restores "
+                      + ", ".join(f"{r['restore_warm_ms']:.0f}" for r in c["restores"])
+                      + f" ms; worst {c['worst_restore_warm_ms']:.0f} ms: {breakdown_line(c['worst_breakdown'])}",
+                      flush=True)
         peer[size] = peers(dmp, args, rank, size, stagers)
         if rank == 0:
             print(peer_line(size, peer[size]), flush=True)
@@ -857,6 +905,12 @@ def main() -> None:
 
     largest = max(args.sizes)
     tg = targets(cells, peer[largest], largest)
+    if largest in cycles:  # reported, not judged: the issue asks for the worst restore of a compaction cycle
+        worst, load_warm = cycles[largest]["worst_restore_warm_ms"], peer[largest]["dcp_load"]["warm_ms"]
+        tg["restore_compaction_worst"] = {
+            "what": f"worst warm restore over a compaction cycle (max_chain {args.compaction_cycle}) / DCP load warm",
+            "value": worst / load_warm if load_warm else None, "limit": None, "pass": None, "size": largest,
+            "restore_ms": worst, "dcp_load_ms": load_warm}
     elapsed = slowest(time.perf_counter() - T0)
     if rank == 0:
         print("\nsizes in MB (1e6 bytes); stall and bg (background) are the slowest rank's; peak+ and staged are "
@@ -880,12 +934,14 @@ def main() -> None:
         print(f"\ntargets at x{largest:g} (consecutive, adaptive 4-bit, compact storage):")
         for name, t in tg.items():
             v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
-            print(f"  {name:<22s} {v:>9s}  <= {t['limit']:<8.3g} {'pass' if t['pass'] else 'FAIL'}   {t['what']}")
+            judged = "(reported)" if t["limit"] is None else f"<= {t['limit']:<8.3g} {'pass' if t['pass'] else 'FAIL'}"
+            print(f"  {name:<26s} {v:>9s}  {judged:<18s} {t['what']}")
         print(f"run time {elapsed:.0f} s")
         if args.json:
             out = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "keep", "log_level")}
                    | {"world_size": world}, "notes": notes, "warmup_saves": warmups, "cells": cells,
-                   "peers": {f"{s:g}": p for s, p in peer.items()}, "targets": tg, "run_time_s": elapsed}
+                   "peers": {f"{s:g}": p for s, p in peer.items()}, "targets": tg, "run_time_s": elapsed,
+                   "compaction_cycles": {f"{s:g}": c for s, c in cycles.items()}}
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=2)
     finish(args.out_dir, args.keep, rank)
