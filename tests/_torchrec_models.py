@@ -50,13 +50,15 @@ class Table:
 # TestSparseNN: mixed dims (4, 8, 16), two and three features per table, id-score tables, and every
 # EBC sharding type in each plan. PLAN "A" is laid out for 2 ranks and "B" for 1 (both also run on 2).
 # Plan "VBE" uses only the sharding types whose variable-batch path works on CPU (see test file).
+# Plan "UNEVEN" (2 ranks) cuts the two 16-dim tables into column shards of widths 4 and 12 (FBGEMM
+# needs a multiple of 4 columns per shard); plan "TW" puts every table whole on one rank.
 SPARSE_NN = (
     Table("user_item", 48, 8, ("f_user", "f_item"), "ebc",
           {"A": "table_wise", "B": "row_wise", "VBE": "table_wise"}),
     Table("abc", 56, 16, ("f_a", "f_b", "f_c"), "ebc",
-          {"A": "row_wise", "B": "column_wise", "VBE": "column_wise"}),
+          {"A": "row_wise", "B": "column_wise", "VBE": "column_wise", "UNEVEN": "column_wise_uneven"}),
     Table("pair", 64, 16, ("f_p", "f_q"), "ebc",
-          {"A": "column_wise", "B": "table_row_wise", "VBE": "table_wise"}),
+          {"A": "column_wise", "B": "table_row_wise", "VBE": "table_wise", "UNEVEN": "column_wise_uneven"}),
     Table("solo", 40, 4, ("f_solo",), "ebc",
           {"A": "table_row_wise", "B": "data_parallel", "VBE": "column_wise"}),
     Table("repl", 48, 8, ("f_r1", "f_r2"), "ebc",
@@ -117,7 +119,7 @@ def sharders(lr: float = 0.05) -> list:
     return [EmbeddingBagCollectionSharder(fused_params=fused), EmbeddingCollectionSharder(fused_params=fused)]
 
 
-def _generator(sharding: str, world_size: int, placed: int):
+def _generator(sharding: str, world_size: int, placed: int, dim: int):
     from torchrec.distributed.sharding_plan import column_wise, data_parallel, row_wise, table_row_wise, table_wise
 
     if sharding == "table_wise":
@@ -127,6 +129,8 @@ def _generator(sharding: str, world_size: int, placed: int):
     if sharding == "column_wise":
         # Two column shards per rank, so that each rank's TBE holds several pieces of one table.
         return column_wise(ranks=list(range(world_size)) * 2, compute_kernel="fused")
+    if sharding == "column_wise_uneven":  # shard k on rank k: a quarter of the columns, then the rest
+        return column_wise(size_per_rank=[dim // 4, dim - dim // 4], compute_kernel="fused")
     if sharding == "table_row_wise":
         return table_row_wise(host_index=0)
     if sharding == "data_parallel":
@@ -153,15 +157,15 @@ def build_plan(module: torch.nn.Module, model: str, plan: str, world_size: int):
         placed: dict[str, int] = {}
         gens = {}
         for n in names:
-            kind = by_name[n].plans[plan]
-            gens[n] = _generator(kind, world_size, placed.get(kind, 0))
+            kind = by_name[n].plans.get(plan, "table_wise")  # a plan that does not name a table: table_wise
+            gens[n] = _generator(kind, world_size, placed.get(kind, 0), by_name[n].dim)
             placed[kind] = placed.get(kind, 0) + 1
         module_plan = construct_module_sharding_plan(
             sub, per_param_sharding=gens, local_size=world_size, world_size=world_size, device_type="cpu",
             sharder=sharder,
         )
         for n in names:
-            if by_name[n].plans[plan] == "table_row_wise":  # table_row_wise() takes no compute_kernel
+            if by_name[n].plans.get(plan) == "table_row_wise":  # table_row_wise() takes no compute_kernel
                 module_plan[n].compute_kernel = "fused"
         out[fqn] = module_plan
     return ShardingPlan(out)

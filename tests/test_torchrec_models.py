@@ -284,3 +284,51 @@ def _managed_collision_worker(rank, world_size):
 @pytest.mark.timeout(150)
 def test_managed_collision_module_is_refused_by_name():
     run_ranks(_managed_collision_worker, world_size=2, timeout=100)
+
+
+# ----------------------------------------------------------------------------- (d) uneven column shards
+
+
+UNEVEN = ("abc", "pair")  # the tables plan "UNEVEN" cuts into column shards of widths 4 and 12
+
+
+def _uneven_worker(rank, world_size, root):
+    """One step from the same weights and batches under two plans: uneven column shards (saved), and every
+    table whole (the reference). Row-wise Adagrad keeps, per row of a shard, the mean of the squared
+    gradients over the shard's columns (FBGEMM's definition); a table kept whole keeps it over all of its
+    columns. The saved column shards restored onto the whole tables must give the whole tables' values."""
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    batch = M.make_batch("sparse_nn", seed=70 + rank)
+    whole, whole_opt = M.build_dmp("sparse_nn", "TW", seed=0)
+    start = M.full_tables(whole, "sparse_nn")
+    M.train_step(whole, whole_opt, batch)
+    want = M.full_tables(whole, "sparse_nn")
+
+    dmp, opt = M.build_dmp("sparse_nn", "UNEVEN", seed=0)  # the same dense layers (seed); TBEs draw their own
+    with torch.no_grad():  # so the shards start from the whole tables' weights
+        for t, (w, _, _) in start.items():
+            for kernel, s in dmp.dirty_tracker.shards(t):
+                kernel.tbe.split_embedding_weights()[s.local_index].copy_(w[s.rows[0]:s.rows[1], s.cols[0]:s.cols[1]])
+    for t in UNEVEN:
+        dim = M.tables_of("sparse_nn")[t].dim
+        widths = [c1 - c0 for _, s in dmp.dirty_tracker.shards(t) for c0, c1 in [s.cols]]
+        assert widths == [dim // 4 if rank == 0 else dim - dim // 4], (t, widths)
+    M.train_step(dmp, opt, batch)
+    with Checkpointer(dmp, _config(root), dense_optimizer=opt) as ck:
+        ck.save(1).wait()
+
+    fresh, fresh_opt = M.build_dmp("sparse_nn", "TW", seed=1)
+    with Checkpointer(fresh, _config(root), dense_optimizer=fresh_opt) as ck:
+        assert ck.restore() == 1
+    got = M.full_tables(fresh, "sparse_nn")
+    for t in UNEVEN:
+        assert not torch.equal(want[t][1], torch.zeros_like(want[t][1])), t  # the step reached the table
+        torch.testing.assert_close(got[t][1], want[t][1], rtol=1e-6, atol=0, msg=lambda m: f"{t}: {m}")
+
+
+@pytest.mark.timeout(200)
+def test_row_wise_state_of_uneven_column_shards_restores_onto_whole_tables(tmp_path):
+    run_ranks(_uneven_worker, world_size=2, timeout=170, args=(str(tmp_path / "root"),))
