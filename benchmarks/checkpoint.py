@@ -42,7 +42,8 @@ Figures per policy (``--json`` writes them, with the raw bytes and ms):
       baseline and ``--intervals`` checkpoints (what keeping that history costs on disk);
   stall_ratio_vs_torchsnapshot: our median stall over all checkpoints / snapshot take time;
   restore_ratio_vs_dcp: time to restore the policy's latest checkpoint / DCP load time.
-Targets (consecutive, 4-bit adaptive): bytes_ratio >= 20, stall_ratio <= 0.05, restore_ratio <= 1.5.
+Targets (consecutive, 4-bit adaptive): bytes_ratio >= 20, stall_ratio <= 0.05, restore_ratio <= 1.0
+(1.5 before issue 28); and consecutive_fp32's restore_ratio <= 1.5.
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ POLICIES = [
 ]
 REFERENCE = "consecutive"
 TARGETS = {"bytes_ratio_vs_torchsnapshot": (">=", 20.0), "stall_ratio_vs_torchsnapshot": ("<=", 0.05),
-           "restore_ratio_vs_dcp": ("<=", 1.5)}
+           "restore_ratio_vs_dcp": ("<=", 1.0)}  # restore: 1.5 until issue 28
+# Other policies' targets, judged when they run: fp32 rows restore within 1.5x DCP (issue 28).
+POLICY_TARGETS = {"consecutive_fp32": {"restore_ratio_vs_dcp": ("<=", 1.5)}}
 
 
 def build(specs, world: int, device: torch.device = torch.device("cpu")):
@@ -471,12 +474,16 @@ def main() -> None:
               "stall / snapshot take; restore x = our restore of the latest checkpoint / DCP load")
         print(f"\ntargets for {REFERENCE} (4-bit adaptive):")
         met = {}
-        for key, (op, bound) in TARGETS.items():
-            v = figs[REFERENCE][key]
-            ok = v is not None and (v >= bound if op == ">=" else v <= bound)
-            met[key] = ok
-            shown = "n/a" if v is None else f"{v:.3f}"
-            print(f"  {key:<30s} {shown:>8s}  target {op} {bound:<5g} {'met' if ok else 'NOT met'}")
+        judged = {REFERENCE: TARGETS, **{p: t for p, t in POLICY_TARGETS.items() if p in figs}}
+        for label, targets in judged.items():
+            met[label] = {}
+            for key, (op, bound) in targets.items():
+                v = figs[label][key]
+                ok = v is not None and (v >= bound if op == ">=" else v <= bound)
+                met[label][key] = ok
+                shown = "n/a" if v is None else f"{v:.3f}"
+                name = key if label == REFERENCE else f"{key} ({label})"
+                print(f"  {name:<30s} {shown:>8s}  target {op} {bound:<5g} {'met' if ok else 'NOT met'}")
         f = figs[REFERENCE]
         print(f"  (stall against the fastest take, {snap_ms_min:.0f} ms: {f['stall_ratio_vs_fastest_take']:.3f}; "
               f"median stall {f['median_stall_ms']:.1f} ms)")
@@ -506,8 +513,8 @@ def main() -> None:
                                      "latest_checkpoint_bytes_by_part": breakdowns[label],
                                      "restore_breakdown": restore_breakdowns[label]}
                              for label in runs},
-                "targets": {REFERENCE: {k: {"value": figs[REFERENCE][k], "bound": f"{op} {b}", "met": met[k]}
-                                        for k, (op, b) in TARGETS.items()}},
+                "targets": {label: {k: {"value": figs[label][k], "bound": f"{op} {b}", "met": met[label][k]}
+                                    for k, (op, b) in targets.items()} for label, targets in judged.items()},
                 "run_time_s": elapsed,
             }
             with open(args.json, "w") as f:
