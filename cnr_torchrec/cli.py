@@ -125,6 +125,9 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
         f"optimizer state is {_human_bytes(full)} (tables alone {_human_bytes(summary['full_snapshot_table_nbytes'])})"
         + (f": {total / full:.2f} snapshots' worth" if full else "")
     )
+    if summary.get("reconstruction_nbytes"):
+        lines.append(f"residual chain: a job that resumes it keeps a float32 copy of its shards in host memory, "
+                     f"{_human_bytes(summary['reconstruction_nbytes'])} over its {summary['world_size']} rank(s)")
     for c in summary["corrupt"]:
         lines.append(f"corrupt: checkpoint {c['id']}: {c['message']}")
     for u in summary["uncommitted"]:

@@ -337,3 +337,98 @@ def _recover_worker(rank, world_size, root):
 @pytest.mark.timeout(240)
 def test_partial_recovery_of_a_residual_chain_keeps_the_survivors_reconstruction(tmp_path):
     run_ranks(_recover_worker, world_size=2, timeout=200, args=(str(tmp_path / "ck"),))
+
+
+# ---------------------------------------------------------------------- host memory
+
+
+def _table_bytes(specs):
+    """float32 bytes of every table, from TorchRec's own configs of the unsharded model."""
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+
+    from examples.toy import ToyModel
+
+    out = 0
+    for module in ToyModel(specs).modules():
+        if isinstance(module, EmbeddingBagCollection):
+            out += sum(c.num_embeddings * c.embedding_dim * 4 for c in module.embedding_bag_configs())
+        elif isinstance(module, EmbeddingCollection):
+            out += sum(c.num_embeddings * c.embedding_dim * 4 for c in module.embedding_configs())
+    return out
+
+
+def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does_not_fit(
+        group, tmp_path, caplog, monkeypatch, capsys):
+    from examples.toy import TableSpec
+
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt import host_memory
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.summary import summarize
+    from cnr_torchrec.cli import main
+
+    specs = [*_specs(), TableSpec("t2", 16, 4, "data_parallel")]
+    dmp, opt = build_dmp(specs)
+    want = _table_bytes(specs)  # one rank holds every shard, and a data_parallel table once
+    config = _residual_config(str(tmp_path / "root"))
+
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: want - 1)
+    with pytest.raises(ConfigError, match=r"quantization.residual keeps .* 1 rank\(s\) on host .* Set quantization"):
+        Checkpointer(dmp, config, dense_optimizer=opt)
+    assert not (tmp_path / "root").exists()  # refused before anything was opened
+
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: want)
+    with caplog.at_level("INFO", logger="cnr_torchrec.ckpt.checkpointer"):
+        ck = Checkpointer(dmp, config, dense_optimizer=opt)
+    assert f"{want / 1e6:,.1f} MB of host memory" in caplog.text
+    gen = torch.Generator().manual_seed(0)
+    with ck:
+        for step in (1, 2):
+            train(dmp, specs, opt, 1, gen)
+            ck.save(step).wait()
+    storage = Storage(str(tmp_path / "root"))
+    try:
+        summary = summarize(storage)
+    finally:
+        storage.close()
+    assert [r["residual"] for r in summary["checkpoints"]] == [False, True]
+    assert summary["reconstruction_nbytes"] == want
+    capsys.readouterr()
+    assert main(["inspect", str(tmp_path / "root")]) == 0
+    assert "residual chain: a job that resumes it keeps a float32 copy of its shards" in capsys.readouterr().out
+
+    from cnr_torchrec import load_config
+
+    plain = str(tmp_path / "plain")  # a plain chain keeps no copy: nothing to show
+    with Checkpointer(dmp, load_config({"root": plain}), dense_optimizer=opt) as ck:
+        for step in (3, 4):
+            train(dmp, specs, opt, 1, gen)
+            ck.save(step).wait()
+    storage = Storage(plain)
+    try:
+        summary = summarize(storage)
+    finally:
+        storage.close()
+    assert [r["residual"] for r in summary["checkpoints"]] == [False, False]
+    assert summary["reconstruction_nbytes"] == 0
+
+
+def _two_ranks_refused(rank, world_size, root):
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt import host_memory
+
+    dmp, opt = build_dmp(_specs())
+    mine = host_memory.reconstruction_bytes(dmp.dirty_tracker)
+    both = torch.tensor([mine])
+    torch.distributed.all_reduce(both)
+    # Each rank alone fits; the two together do not: the host's sum decides, on both ranks.
+    host_memory.host_available_bytes = lambda: int(both) - 1
+    with pytest.raises(ConfigError, match=r"for the 2 rank\(s\) on host"):
+        Checkpointer(dmp, _residual_config(root), dense_optimizer=opt)
+    assert mine < int(both) - 1
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(120)
+def test_ranks_on_one_host_add_up_and_every_rank_is_refused(tmp_path):
+    run_ranks(_two_ranks_refused, world_size=2, timeout=100, args=(str(tmp_path / "root"),))

@@ -21,7 +21,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["checkpoint_row", "full_snapshot_nbytes", "summarize"]
+__all__ = ["checkpoint_row", "full_snapshot_nbytes", "reconstruction_nbytes", "summarize"]
 
 
 def full_snapshot_nbytes(m: Manifest, *, with_state: bool = True) -> int:
@@ -62,8 +62,16 @@ def checkpoint_row(m: Manifest) -> dict[str, Any]:
         "world_size": m.world_size,
         "reason": m.reason,
         "compacted_from": list(m.compacted_from) if m.compacted_from else None,
+        "residual": any(e.residual for _, _, e in m.entries()),
         "files": {c.path: c.nbytes for r in m.ranks for c in r.payload.chunks},
     }
+
+
+def reconstruction_nbytes(m: Manifest) -> int:
+    """Host memory a job resuming ``m`` with ``quantization.residual`` keeps, over all its ranks, at ``m``'s world
+    size: a float32 copy of every shard (a data_parallel table once per rank)."""
+    sharded = sum(r * d * 4 for t, (r, d) in m.tables.items() if t not in m.replicated)
+    return sharded + m.world_size * sum(m.tables[t][0] * m.tables[t][1] * 4 for t in m.replicated)
 
 
 def _dir_files(storage: Storage, ckpt_id: int) -> dict[str, int]:
@@ -86,7 +94,9 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "checkpoints": [checkpoint_row(...)...], ...}`` plus ``root``,
         ``full_snapshot_table_nbytes`` (weights alone), ``total_nbytes``, ``uncommitted``
         (directories without a manifest: ``{"id", "files"}``) and ``corrupt``
-        (``{"id", "path", "message"}`` for manifests that do not load or break the schema).
+        (``{"id", "path", "message"}`` for manifests that do not load or break the schema), and
+        ``reconstruction_nbytes``: the host memory a job resuming the newest checkpoint keeps when it holds
+        residual rows (0 otherwise).
     """
     rows, corrupt, manifests = [], [], []
     for i in committed_ids(storage):
@@ -110,6 +120,7 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "world_size": newest.world_size if newest else None,
         "full_snapshot_nbytes": full_snapshot_nbytes(newest) if newest else 0,
         "full_snapshot_table_nbytes": full_snapshot_nbytes(newest, with_state=False) if newest else 0,
+        "reconstruction_nbytes": reconstruction_nbytes(newest) if newest and rows[-1]["residual"] else 0,
         "total_nbytes": sum(r["nbytes"] for r in rows),
         "checkpoints": rows,
         "uncommitted": uncommitted,

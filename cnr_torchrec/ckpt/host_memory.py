@@ -1,0 +1,74 @@
+"""Host memory that residual coding keeps, and the check that a job has it before its first step.
+
+With ``quantization.residual`` every rank keeps a float32 copy of its shards, the rows its chain
+restores (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction`). Ranks on one host add up, so
+the Checkpointer sums each host's ranks and compares the sum with what the host has available
+(``MemAvailable``) when it is built. A job that would not fit is refused then, on every rank alike,
+rather than swapping or being killed hours into training.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any, NamedTuple
+
+import torch.distributed as dist
+
+from cnr_torchrec.errors import ConfigError
+
+__all__ = ["HostUse", "check_host_memory", "host_available_bytes", "reconstruction_bytes"]
+
+
+def reconstruction_bytes(tracker: Any) -> int:
+    """Bytes of the float32 copy of this rank's shards that residual coding keeps."""
+    return sum(shard.num_rows * (shard.cols[1] - shard.cols[0]) * 4
+               for table in tracker.tables() for _, shard in tracker.shards(table))
+
+
+def host_available_bytes() -> int | None:
+    """``MemAvailable`` of this host (Linux), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class HostUse(NamedTuple):
+    """One host: its ranks, the bytes they keep, and the bytes it has available (None: unknown)."""
+
+    host: str
+    ranks: int
+    needed: int
+    available: int | None
+
+
+def check_host_memory(needed: int, *, distributed: bool) -> HostUse:
+    """Every rank's ``needed`` bytes, summed per host, against what each host has available. Collective.
+
+    Returns:
+        This rank's host: its name, ranks, the bytes they keep and the bytes available.
+
+    Raises:
+        ConfigError: on every rank, when the ranks of some host would keep more than it has available.
+    """
+    mine = (socket.gethostname(), int(needed), host_available_bytes())
+    every = [mine]
+    if distributed:
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    hosts: dict[str, list] = {}
+    for host, n, available in every:
+        entry = hosts.setdefault(host, [host, 0, 0, available])
+        entry[1] += 1
+        entry[2] += n
+    for host, ranks, total, available in sorted(hosts.values()):
+        if available is not None and total > available:
+            raise ConfigError(
+                f"quantization.residual keeps a float32 copy of each rank's shards in host memory: "
+                f"{total / 1e9:.2f} GB for the {ranks} rank(s) on host {host}, which has {available / 1e9:.2f} GB "
+                "available. Set quantization.residual: false, or run on more hosts so that each holds fewer rows")
+    return HostUse(*hosts[mine[0]])
