@@ -30,10 +30,15 @@ MODEL = "sparse_nn"
 SPLIT_IN_A = {t.name for t in tm.SPARSE_NN if t.plans["A"] == "column_wise"}  # row-wise state merged elsewhere
 
 
-def _config(root, method, bits):
+def _config(root, method, bits, residual=False):
     from cnr_torchrec import load_config
 
-    return load_config({"root": root, "policy": "consecutive", "quantization": {"method": method, "bits": bits}})
+    return load_config({"root": root, "policy": "consecutive",
+                        "quantization": {"method": method, "bits": bits, "residual": residual}})
+
+
+CHAINS = (("fp32", "none", None, False), ("q4", "adaptive", 4, False), ("r4", "adaptive", 4, True))
+"""The chains the fixture trains: fp32, adaptive 4-bit, and adaptive 4-bit residual (quantization.residual)."""
 
 
 def _state_dict(dmp):
@@ -49,16 +54,16 @@ def _reference(dmp, opt):
 
 
 def _train_worker(rank, world_size, out):
-    """Two 2-rank chains of plan A (a baseline and two deltas): fp32 and adaptive 4-bit; and dcp.save of the
-    fp32 DMP itself, for the import."""
+    """2-rank chains of plan A (a baseline and two deltas): fp32, adaptive 4-bit and 4-bit residual; and
+    dcp.save of the fp32 DMP itself, for the import."""
     import torch.distributed.checkpoint as dcp
 
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt.tools.dcp import dense_optimizer_state_dict
 
-    for name, method, bits in (("fp32", "none", None), ("q4", "adaptive", 4)):
+    for name, method, bits, residual in CHAINS:
         dmp, opt = tm.build_dmp(MODEL, "A")
-        ckpt = Checkpointer(dmp, _config(os.path.join(out, name), method, bits), dense_optimizer=opt)
+        ckpt = Checkpointer(dmp, _config(os.path.join(out, name), method, bits, residual), dense_optimizer=opt)
         kinds = []
         for step in range(3):
             for i in range(2):
@@ -118,17 +123,8 @@ def _load_worker(rank, world_size, out):
     if world_size == 1:
         return
 
-    restored, opt_r = tm.build_dmp(MODEL, "B", seed=6)
-    Checkpointer(restored, _config(os.path.join(out, "q4"), "adaptive", 4), dense_optimizer=opt_r).restore()
-    loaded, opt_l = tm.build_dmp(MODEL, "B", seed=7)
-    _load(loaded, opt_l, os.path.join(out, "q4.dcp"))
-    want, got = tm.local_state(restored, opt_r), tm.local_state(loaded, opt_l)
-    assert want.keys() == got.keys()
-    for key, value in want.items():
-        if isinstance(key, tuple) and key[0] in SPLIT_IN_A and key[2] == 0:  # row-wise state, merged
-            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=0)
-        else:
-            assert got[key] == value if not torch.is_tensor(value) else torch.equal(got[key], value), ("q4", key)
+    _assert_export_is_restore(out, "q4")
+    _assert_export_is_restore(out, "r4")
 
     theirs, opt_t = tm.build_dmp(MODEL, "B", seed=10)  # the DMP's own dcp.save, through the same planner
     _load(theirs, opt_t, os.path.join(out, "dmp.dcp"))
@@ -146,6 +142,29 @@ def _load_worker(rank, world_size, out):
     tm.assert_same(tm.local_state(same, opt_s), torch.load(os.path.join(out, f"local{rank}.pt"), weights_only=False),
                    "fp32 export, plan A, default planner")
     _assert_layout_is_dmps(same, os.path.join(out, "fp32.dcp"))
+
+
+def _assert_export_is_restore(out, name):
+    """Chain ``name`` exported to DCP and loaded onto plan B equals the chain restored onto plan B."""
+    from cnr_torchrec import Checkpointer
+
+    _, method, bits, residual = next(c for c in CHAINS if c[0] == name)
+    restored, opt_r = tm.build_dmp(MODEL, "B", seed=6)
+    with Checkpointer(restored, _config(os.path.join(out, name), method, bits, residual), dense_optimizer=opt_r) as ck:
+        ck.restore()
+    loaded, opt_l = tm.build_dmp(MODEL, "B", seed=7)
+    _load(loaded, opt_l, os.path.join(out, f"{name}.dcp"))
+    want, got = tm.local_state(restored, opt_r), tm.local_state(loaded, opt_l)
+    assert want.keys() == got.keys()
+    for key, value in want.items():
+        if isinstance(key, tuple) and key[0] in SPLIT_IN_A and key[2] == 0:  # row-wise state, merged
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=0)
+        elif residual and isinstance(key, tuple) and key[2] == "w":
+            # A residual row is a sum of decoded rows: the restore adds them newest first, the export
+            # oldest first, so the float32 sums may differ in their last bit.
+            torch.testing.assert_close(got[key], value, rtol=1e-6, atol=1e-7, msg=lambda m: f"{name} {key}: {m}")
+        else:
+            assert got[key] == value if not torch.is_tensor(value) else torch.equal(got[key], value), (name, key)
 
 
 def _assert_layout_is_dmps(dmp, path):
@@ -168,9 +187,17 @@ def trained(tmp_path_factory):
     """The chains, the DMP's own DCP checkpoint, and the exports and import of them (through the CLI)."""
     from cnr_torchrec.cli import main
 
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
     out = str(tmp_path_factory.mktemp("dcp"))
     run_ranks(_train_worker, world_size=2, timeout=150, args=(out,))
-    for name in ("fp32", "q4"):
+    storage = Storage(os.path.join(out, "r4"))
+    try:  # the residual chain's deltas hold residual rows: its export adds them up
+        assert any(e.residual for _, _, e in load_manifest(storage, committed_ids(storage)[-1]).entries())
+    finally:
+        storage.close()
+    for name, *_ in CHAINS:
         assert main(["export", "--format", "dcp", os.path.join(out, name), "--out",
                      os.path.join(out, f"{name}.dcp")]) == 0
     assert main(["import-dcp", os.path.join(out, "dmp.dcp"), os.path.join(out, "imported"), "--step", "7"]) == 0
