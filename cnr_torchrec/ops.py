@@ -21,6 +21,7 @@ __all__ = [
     "bitmap_clear_",
     "scatter_rows_",
     "claim_rows_",
+    "row_crc32c",
     "reference_mark_rows",
     "reference_bitmap_to_rows",
 ]
@@ -147,6 +148,19 @@ def claim_rows_(filled: torch.Tensor, offsets: torch.Tensor | None, count: int, 
         ValueError: dtypes or shapes that do not fit.
     """
     return _ops.claim_rows_(filled, offsets, count, lo, hi, shift)
+
+
+def row_crc32c(parts: list[torch.Tensor]) -> torch.Tensor:
+    """int32 ``[N]``: the CRC-32C (Castagnoli, as S3 and GCS use it) of each row's bytes across ``parts``.
+
+    Row ``i``'s CRC covers ``parts[0][i]``, then ``parts[1][i]``, and so on; every part is
+    a 2-D uint8 CPU tensor ``[N, bytes]`` (a blob viewed as rows). The value is the
+    unsigned CRC's bits as int32.
+
+    Raises:
+        ValueError: no parts, or parts that are not 2-D uint8 CPU tensors of ``N`` rows.
+    """
+    return _ops.row_crc32c(parts)
 
 
 @torch.library.register_fake("cnr::bitmap_to_rows")

@@ -31,6 +31,11 @@ void bitmap_clear_meta(const at::Tensor& /*bitmap*/, int64_t /*start*/, int64_t 
 
 void scatter_rows_meta(const at::Tensor& /*out*/, const at::Tensor& /*index*/, const at::Tensor& /*src*/) {}
 
+at::Tensor row_crc32c_meta(at::TensorList parts) {
+  TORCH_CHECK_VALUE(!parts.empty(), "cnr::row_crc32c: give at least one part");
+  return at::empty({parts[0].size(0)}, parts[0].options().dtype(at::kInt));
+}
+
 at::Tensor claim_rows_meta(const at::Tensor& filled, const std::optional<at::Tensor>& /*offsets*/, int64_t count,
                            int64_t /*lo*/, int64_t /*hi*/, int64_t /*shift*/) {
   return at::empty({count}, filled.options().dtype(at::kLong));
@@ -47,6 +52,7 @@ TORCH_LIBRARY_IMPL(cnr, Meta, m) {
   m.impl("bitmap_clear_", &cnr::bitmap_clear_meta);
   m.impl("scatter_rows_", &cnr::scatter_rows_meta);
   m.impl("claim_rows_", &cnr::claim_rows_meta);
+  m.impl("row_crc32c", &cnr::row_crc32c_meta);
   // CODEC-META-BEGIN
   m.impl("pack_bits", &cnr::codecs_meta::pack_bits);
   m.impl("unpack_bits", &cnr::codecs_meta::unpack_bits);

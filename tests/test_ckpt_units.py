@@ -558,7 +558,7 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 4 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 5 and doc["body"] == BODY
     # The checksum covers the body's text as it stands in the file, between '"body": ' and the closing brace.
     text = raw[raw.index(b'"body": ') + len(b'"body": ') : raw.rindex(b"}")]
     assert json.loads(text) == BODY
@@ -625,14 +625,14 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [1, 5, 0, None, "2"])
+@pytest.mark.parametrize("version", [1, 6, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 4" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 5" in str(e.value)
     assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
 
@@ -850,7 +850,7 @@ def test_a_restore_says_where_its_time_went(group, tmp_path):
         assert ck.restore() == 3
         wall_ms = (time.perf_counter() - t0) * 1e3
         stats = ck.last_restore_stats
-    assert set(stats) <= set(PHASES) | {"bytes_read", "reads", "minimal_bytes"}, stats
+    assert set(stats) <= set(PHASES) | {"bytes_read", "reads", "minimal_bytes", "bytes_paged"}, stats
     for phase in ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms"):
         assert stats.get(phase, 0) > 0, (phase, stats)
     top = ("resolve_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms")  # disjoint parts of the restore
@@ -863,7 +863,7 @@ def test_a_restore_says_where_its_time_went(group, tmp_path):
 
 def test_minimal_bytes_of_a_baseline_are_its_rows_as_stored(group, tmp_path):
     """A restore of one baseline applies every stored row: its minimal bytes are the weight and optimizer-state
-    blobs of every entry the manifest lists (ids, dense and RNG state left out)."""
+    blobs of every entry the manifest lists, with their CRCs (ids, dense and RNG state left out)."""
     from _toy import build_dmp, train
 
     from cnr_torchrec import Checkpointer, load_config
@@ -884,7 +884,8 @@ def test_minimal_bytes_of_a_baseline_are_its_rows_as_stored(group, tmp_path):
     storage.close()
     want = 0
     for report, _, e in m.entries():
-        want += sum(report.blobs[n].nbytes for n in [*e.weights.blobs.values(), *(s.blob for s in e.states)])
+        want += sum(report.blobs[n].nbytes for n in [*e.weights.blobs.values(), *(s.blob for s in e.states),
+                                                       e.crc32c])
     for report in m.ranks:
         want += sum(report.blobs[n].nbytes for n in report.replicated_tables.values())
     assert m.replicated and stats["minimal_bytes"] == want, (stats, want)

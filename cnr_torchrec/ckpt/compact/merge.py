@@ -37,6 +37,7 @@ from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
+from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
@@ -233,13 +234,9 @@ def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefi
         kind, packed = encode_ids(rows_all - lo, hi - lo)
         entry["encoding"] = "rows"
         entry["ids"] = {"kind": kind, "count": int(rows_all.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-    entry["weights"] = {"meta": merged.metadata(),
-                        "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in merged.to_tensors().items()}}
-    entry["states"] = [
-        {"rowwise": states[0][j][0],
-         "blob": blobs.add(f"{prefix}/state{j}", torch.cat([st[j][1] for st in states]).index_select(0, order))}
-        for j in range(len(states[0]))
-    ]
+    entry.update(write_rows(blobs, prefix, merged, [
+        (torch.cat([st[j][1] for st in states]).index_select(0, order), states[0][j][0]) for j in range(len(states[0]))
+    ]))
     return entry, int(rows_all.numel())
 
 

@@ -27,6 +27,7 @@ from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, 
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
 from cnr_torchrec.ckpt.format.payload import DTYPES
+from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
@@ -154,10 +155,6 @@ def _write_compacted_rank(
             i += 1
             encoded = codec.encode(data.weights[rows[0] : rows[1], cols[0] : cols[1]].contiguous())
             out: dict[str, Any] = {"rows": list(rows), "cols": list(cols), "encoding": "full"}
-            out["weights"] = {
-                "meta": encoded.metadata(),
-                "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
-            }
             states = []
             for j, s in enumerate(entry.states):
                 if j >= len(data.states):
@@ -167,9 +164,8 @@ def _write_compacted_rank(
                         path=report.file,
                     )
                 state = data.states[j]
-                t = state.for_shard(rows, cols).to(DTYPES[report.blobs[s.blob].dtype])
-                states.append({"rowwise": state.rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)})
-            out["states"] = states
+                states.append((state.for_shard(rows, cols).to(DTYPES[report.blobs[s.blob].dtype]), state.rowwise))
+            out.update(write_rows(blobs, prefix, encoded, states))
             rows_written += encoded.num_rows
             out_tables.setdefault(table, []).append(out)
             if progress is not None:

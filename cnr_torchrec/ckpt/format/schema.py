@@ -329,8 +329,13 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
         f.record(state, field, {"rowwise": _type(bool), "blob": _type(str)})
         _blob_shape(f, blobs, state["blob"], f"{field}.blob", (n,) if state["rowwise"] else (n, c1 - c0))
         refs.append(StateRef(rowwise=state["rowwise"], blob=state["blob"]))
+    crc = entry.get("crc32c")
+    if crc is not None:
+        _blob_shape(f, blobs, crc, f"{where}.crc32c", (n,))
+        if blobs[crc].dtype != "int32":
+            f.fail(f"{where}.crc32c", f"names a blob of {blobs[crc].dtype}, where int32 is needed")
     return TableEntry(rows=(r0, r1), cols=(c0, c1), encoding=entry["encoding"], weights=weights, ids=ids,
-                      states=tuple(refs), residual=bool(entry.get("residual")))
+                      states=tuple(refs), residual=bool(entry.get("residual")), crc32c=crc)
 
 
 def _check_weights(f: _Fields, weights: Any, where: str, n: int, dim: int, blobs: Mapping[str, Blob]) -> Weights:

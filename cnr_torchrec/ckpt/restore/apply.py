@@ -5,7 +5,12 @@ it, and its rows carry offsets into that range. So an entry is applied to whatev
 overlap it now, whatever the plan was at save time: its overlapping rows and columns are
 decoded in place, or written by ``torch.ops.cnr.scatter_rows_`` (added, in a residual chain).
 A row already restored from a newer checkpoint is skipped (``torch.ops.cnr.claim_rows_``),
-so each row is decoded and written once.
+so each row is read, decoded and written once.
+
+Each entry is applied in two steps: :meth:`Applier.plan` reads its row ids and claims the
+rows this rank still needs, which names the stored rows to read (``EntryPlan.sel``); once a
+reader has fetched those rows (:class:`~cnr_torchrec.ckpt.format.rows.RowReader`, only their
+byte ranges), :meth:`Applier.apply` decodes them into place.
 
 Row-wise optimizer state (one value per row of a column shard) is mapped by column
 overlap: when a shard now spans columns that several shards held, its value is their
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,7 +35,7 @@ from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["Applier"]
+__all__ = ["Applier", "EntryPlan"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
 
@@ -80,12 +86,36 @@ class _Target:
         return live if (x, y) == (0, live.shape[1]) else live[:, x:y]
 
 
+@dataclass
+class _Claim:
+    """The rows of one entry that one shard takes: per column segment, and for its row-wise state."""
+
+    target: _Target
+    segs: list[tuple[int, int]]
+    maps: list[torch.Tensor]  # per segment: the shard row of each stored row, -1 for rows it does not take
+    with_states: bool  # the entry's optimizer states fit the shard's
+    state_map: torch.Tensor | None  # row-wise state's map, when the entry has one
+    weight: float  # the share of the shard's columns the entry holds (row-wise state is merged by it)
+
+
+@dataclass
+class EntryPlan:
+    """What one entry gives this rank: its claims, and the stored rows they need (``sel``, sorted)."""
+
+    table: str
+    entry: TableEntry
+    claims: list[_Claim]
+    sel: torch.Tensor
+    row_bytes: float  # stored bytes a row (0 without stats)
+
+
 class Applier:
     """Applies a chain's entries to this rank's shards, newest checkpoint first.
 
     For each entry and shard, ``claim_rows_`` maps the entry's stored rows to the shard
-    rows that no newer checkpoint restored (-1 for the rest) and marks them restored;
-    the rows are then decoded (or copied) straight to their places by that map.
+    rows that no newer checkpoint restored (-1 for the rest) and marks them restored
+    (:meth:`plan`); the rows read are then decoded (or copied) straight to their places by
+    that map (:meth:`apply`).
     """
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
@@ -126,68 +156,100 @@ class Applier:
         """Whether ``entry`` holds rows of this rank's shards that no newer checkpoint restored."""
         return bool(self._hits(table, entry))
 
-    def apply(self, table: str, entry: TableEntry, load: Any) -> None:
+    def plan(self, table: str, entry: TableEntry, load: Any) -> EntryPlan | None:
+        """Claims the rows of ``entry`` that this rank's shards still need (reading only its row ids, through
+        ``load``). Returns which stored rows to read, or None when there are none."""
         hits = self._hits(table, entry)
         if not hits:
-            return
-        rows, cols = entry.rows, entry.cols
-        n_rows = entry.num_rows
+            return None
+        n_stored = entry.num_stored
+        offsets = None  # without ids: every row of the entry, in order
         if entry.ids is not None:
-            offsets = decode_ids(entry.ids.kind, load(entry.ids.blob), n_rows)
-            if offsets.numel() != entry.ids.count or (offsets.numel() and int(offsets[-1]) >= n_rows):
+            offsets = decode_ids(entry.ids.kind, load(entry.ids.blob), entry.num_rows)
+            if offsets.numel() != entry.ids.count or (offsets.numel() and int(offsets[-1]) >= entry.num_rows):
                 raise CorruptCheckpointError("row ids do not match the entry they describe")
-        else:
-            offsets = None  # every row of the entry, in order
-        encoded = weights = None
-        if entry.replicated is not None:
-            weights = load(entry.replicated).float()
-            n_stored = weights.shape[0]
-        else:
-            tensors = {k: load(name) for k, name in entry.weights.blobs.items()}
-            try:
-                encoded = EncodedRows.from_tensors(tensors, dict(entry.weights.meta))
-            except EncodingFormatError as e:
-                raise CorruptCheckpointError(f"encoded rows of table '{table}' are inconsistent: {e}") from None
-            n_stored = encoded.num_rows
-        if n_stored != (n_rows if offsets is None else offsets.numel()):
-            raise CorruptCheckpointError(f"table '{table}': {n_stored} rows stored for the entry's ids")
-        row_bytes = self._row_bytes(entry, load.payload.blobs, n_stored)
-        states = [(s.rowwise, load(s.blob)) for s in entry.states]
-        residual = entry.residual
-        if residual and any(not rowwise for rowwise, _ in states):
+        if entry.residual and any(not s.rowwise for s in entry.states):
             raise IncompatibleCheckpointError(
                 f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "
                 "row-wise optimizer state only (EXACT_ROWWISE_ADAGRAD, SGD)")
-        for target, row_ov, col_ov in hits:
-            maps, segs = self._apply_one(table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded,
-                                         weights, states, residual)
-            if self._stats is not None:
-                width = cols[1] - cols[0]
-                applied = sum(int((m >= 0).sum()) * (seg[1] - seg[0]) / width for seg, m in zip(segs, maps))
-                self._stats["minimal_bytes"] = self._stats.get("minimal_bytes", 0) + round(applied * row_bytes)
+        claims = [self._claim(table, entry, t, r, c, offsets, n_stored) for t, r, c in hits]
+        needed = torch.zeros(n_stored, dtype=torch.bool)
+        for claim in claims:
+            for m in (*claim.maps, claim.state_map):
+                if m is not None:
+                    needed |= m >= 0
+        sel = _nonzero(needed)
+        if not sel.numel():
+            return None
+        return EntryPlan(table, entry, claims, sel, self._row_bytes(entry, load.payload.blobs, n_stored))
 
     def _row_bytes(self, entry: TableEntry, blobs: Mapping[str, Blob], n_stored: int) -> float:
-        """Bytes an entry stores per row: its encoded (or float32) row, with its optimizer state (ids left out)."""
+        """Bytes an entry stores per row: its encoded (or float32) row, its optimizer state and its CRC (ids
+        left out)."""
         if self._stats is None or not n_stored:
             return 0.0
-        names = [entry.replicated] if entry.replicated is not None else list(entry.weights.blobs.values())
-        return sum(blobs[n].nbytes for n in names + [s.blob for s in entry.states]) / n_stored
+        names = entry.row_blobs + ([entry.crc32c] if entry.crc32c is not None else [])
+        return sum(blobs[n].nbytes for n in names) / n_stored
 
-    def _apply_one(self, table, target, rows, cols, row_ov, col_ov, offsets, n_stored, encoded, weights,
-                   states, residual) -> tuple[list[torch.Tensor], list[tuple[int, int]]]:
-        """Applies one entry to one shard it overlaps. Returns the claim map of each column segment, and the
-        segments."""
+    def _claim(self, table: str, entry: TableEntry, target: _Target, row_ov: tuple[int, int],
+               col_ov: tuple[int, int], offsets: torch.Tensor | None, n_stored: int) -> _Claim:
+        """Claims, for one shard ``entry`` overlaps, the rows of each column segment and of its row-wise state."""
         shard = target.shard
+        rows, cols = entry.rows, entry.cols
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
         segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]
         # A residual adds to the rows no newer whole entry restored, and claims none of them.
-        maps = [claim_rows_(target.filled[seg].clone() if residual else target.filled[seg], offsets, n_stored, lo,
-                            hi, shift) for seg in segs]
-        if states and len(target.states) != len(states):
+        maps = [claim_rows_(target.filled[seg].clone() if entry.residual else target.filled[seg], offsets, n_stored,
+                            lo, hi, shift) for seg in segs]
+        with_states = bool(entry.states)
+        if with_states and len(target.states) != len(entry.states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",
-                        table, len(states), len(target.states))
-            states = []
+                        table, len(entry.states), len(target.states))
+            with_states = False
+        state_map, weight = None, 1.0
+        if with_states and any(s.rowwise for s in entry.states):
+            target.has_rowwise = True
+            weight = (col_ov[1] - col_ov[0]) / (shard.cols[1] - shard.cols[0])
+            if weight != 1.0:  # part of the shard's columns: merged at the end of the checkpoint, claimed then
+                state_map = claim_rows_(target.state_filled.clone(), offsets, n_stored, lo, hi, shift)
+            elif target.state_follows_weights:  # never in an additive chain
+                state_map = maps[0]
+            else:
+                state_map = claim_rows_(target.state_filled, offsets, n_stored, lo, hi, shift)
+        return _Claim(target, segs, maps, with_states, state_map, weight)
+
+    def apply(self, plan: EntryPlan, rows: list[torch.Tensor]) -> None:
+        """Writes the rows ``plan`` claimed; ``rows``: the stored rows ``plan.sel`` of each of the entry's
+        :attr:`~cnr_torchrec.ckpt.format.manifest.TableEntry.row_blobs`."""
+        entry, sel = plan.entry, plan.sel
+        m = sel.numel()
+        encoded = weights = None
+        if entry.replicated is not None:
+            weights, saved_states = rows[0].float(), []
+        else:
+            keys = sorted(entry.weights.blobs)
+            try:
+                encoded = EncodedRows.from_tensors(dict(zip(keys, rows)), {**entry.weights.meta, "num_rows": m})
+            except EncodingFormatError as e:
+                raise CorruptCheckpointError(f"encoded rows of table '{plan.table}' are inconsistent: {e}") from None
+            saved_states = rows[len(keys):]
+        states = [(s.rowwise, t) for s, t in zip(entry.states, saved_states)]
+        for claim in plan.claims:
+            maps = [mp.index_select(0, sel) for mp in claim.maps]
+            state_map = claim.state_map.index_select(0, sel) if claim.state_map is not None else None
+            self._write(claim, entry, maps, state_map, encoded, weights, states if claim.with_states else [])
+            if self._stats is not None:
+                width = entry.cols[1] - entry.cols[0]
+                applied = sum(int((mp >= 0).sum()) * (seg[1] - seg[0]) / width for seg, mp in zip(claim.segs, maps))
+                self._stats["minimal_bytes"] = self._stats.get("minimal_bytes", 0) + round(applied * plan.row_bytes)
+
+    def _write(self, claim: _Claim, entry: TableEntry, maps: list[torch.Tensor], state_map: torch.Tensor | None,
+               encoded: EncodedRows | None, weights: torch.Tensor | None,
+               states: list[tuple[bool, torch.Tensor]]) -> None:
+        """Decodes (or copies) one claim's rows into its shard, with their optimizer state."""
+        target, segs, cols = claim.target, claim.segs, entry.cols
+        shard = target.shard
         with torch.no_grad():
             if not self.additive and encoded is not None and len(segs) == 1 and segs[0] == cols:
                 # One segment spanning the stored columns (the usual case): decode straight into place.
@@ -196,24 +258,22 @@ class Applier:
                 # Some segments of the stored columns, or an additive chain: decode the rows any segment
                 # needs, once, then write (or add) them.
                 needed = maps[0] >= 0
-                for m in maps[1:]:
-                    needed |= m >= 0
+                for mp in maps[1:]:
+                    needed |= mp >= 0
                 sel = _nonzero(needed)
                 if sel.numel():
                     vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
                     put = self._add if self.additive else self._scatter
-                    for seg, m in zip(segs, maps):
-                        put(target, target.weights, seg, cols, m.index_select(0, sel), vals)
+                    for seg, mp in zip(segs, maps):
+                        put(target, target.weights, seg, cols, mp.index_select(0, sel), vals)
             for j, (rowwise, saved) in enumerate(states):
                 if not rowwise:  # per-column state: where the weights went
                     live = target.states[j].reshape(shard.num_rows, -1)
-                    for seg, m in zip(segs, maps):
-                        self._scatter(target, live, seg, cols, m, saved)
+                    for seg, mp in zip(segs, maps):
+                        self._scatter(target, live, seg, cols, mp, saved)
         rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
         if rowwise:
-            claimed = maps[0] if target.state_follows_weights else None  # never in an additive chain
-            self._apply_rowwise(target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed)
-        return maps, segs
+            self._apply_rowwise(claim, state_map, rowwise)
 
     @staticmethod
     def _scatter(target, live, seg, cols, index, stored) -> None:
@@ -230,29 +290,24 @@ class Applier:
         out = target.columns(live, seg)
         out.index_add_(0, index.index_select(0, keep).to(out.device), part.to(device=out.device, dtype=out.dtype))
 
-    def _apply_rowwise(self, target, col_ov, offsets, n_stored, lo, hi, shift, rowwise, claimed) -> None:
+    def _apply_rowwise(self, claim: _Claim, index: torch.Tensor, rowwise: list[tuple[int, torch.Tensor]]) -> None:
         """Row-wise optimizer state (one value per row of a column shard), merged by column overlap.
 
-        ``claimed``: the rows the weights just claimed, when the state follows them.
+        ``index``: the shard row of each stored row read (-1: not this shard's to write).
         """
-        shard = target.shard
-        target.has_rowwise = True
-        weight = (col_ov[1] - col_ov[0]) / (shard.cols[1] - shard.cols[0])
-        if weight == 1.0:  # the entry spans the shard's columns: its value is the value
-            index = claimed if claimed is not None else claim_rows_(target.state_filled, offsets, n_stored, lo, hi,
-                                                                    shift)
+        target = claim.target
+        if claim.weight == 1.0:  # the entry spans the shard's columns: its value is the value
             with torch.no_grad():
                 for j, saved in rowwise:
-                    live = target.states[j].reshape(shard.num_rows, 1)
+                    live = target.states[j].reshape(target.shard.num_rows, 1)
                     scatter_rows_(live, index.to(live.device), saved.to(live).view(-1, 1))
             return
         # Part of the shard's columns: collect, and merge at the end of the checkpoint (claimed then).
-        index = claim_rows_(target.state_filled.clone(), offsets, n_stored, lo, hi, shift)
         src = _nonzero(index >= 0)
         dst = index.index_select(0, src)
         for j, saved in rowwise:
             self._rowwise.setdefault(id(target), (target, []))[1].append(
-                (j, dst, saved.index_select(0, src).float(), weight))
+                (j, dst, saved.index_select(0, src).float(), claim.weight))
 
     def finish_checkpoint(self) -> None:
         """Writes the row-wise states merged from the checkpoint's column shards, marks them restored,

@@ -1,8 +1,10 @@
 """Restore: apply a baseline and its deltas to whatever shards this rank holds now.
 
-The chain is applied newest checkpoint first (:class:`~cnr_torchrec.ckpt.restore.apply.Applier`),
-reading every file a checkpoint needs at once and decoding its entries as they land; the walk
-stops early once every row is restored. Then what every rank holds alike (dense parameters,
+The chain is applied newest checkpoint first (:class:`~cnr_torchrec.ckpt.restore.apply.Applier`).
+For each checkpoint, every entry's row ids are read and the rows this rank still needs are
+claimed; then the reads of exactly those rows start, all at once
+(:class:`~cnr_torchrec.ckpt.format.rows.RowReader`), and the entries are decoded as their rows
+land. The walk stops early once every row is restored. Then what every rank holds alike (dense parameters,
 the dense optimizer, the TBE step counter) comes from rank 0's file of the tip, and per-rank
 state (extra_state, RNG) from this rank's own, when the world size is the one that saved.
 """
@@ -16,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
+from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.dense_optim import load_named_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
@@ -63,10 +66,9 @@ def restore_chain(
     check_compatible(target, tracker)
     read = _apply_chain(manifests, storage, tracker, replicated, stats, pool)
 
-    def reader(r: int) -> PayloadReader:  # the tip's file of rank r: as read already, else a few range reads
+    def reader(r: int) -> RowReader:  # the tip's file of rank r: its reader, else a few range reads of it
         load = read.get(r)
-        return load if load is not None and load.has_data else PayloadReader(storage, target.ranks[r].payload,
-                                                                              stats, whole=False)
+        return load if load is not None else RowReader(storage, target.ranks[r].payload, stats)
 
     with timed(stats, "state_ms"):
         if replicated:
@@ -82,13 +84,13 @@ def restore_chain(
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
-                 stats: dict[str, float] | None, pool: IOPool | None) -> dict[int, PayloadReader]:
-    """The chain's entries onto this rank's shards, newest checkpoint first, each row decoded and copied once.
-    Returns the readers of the tip's files, by rank (dense and per-rank state are there too)."""
+                 stats: dict[str, float] | None, pool: IOPool | None) -> dict[int, RowReader]:
+    """The chain's entries onto this rank's shards, newest checkpoint first, each row read, decoded and copied
+    once. Returns the readers of the tip's files, by rank (dense and per-rank state are there too)."""
     target = manifests[-1]
     with timed(stats, "plan_ms"):
         applier = Applier(tracker, manifests, replicated, stats)
-    tip: dict[int, PayloadReader] = {}
+    tip: dict[int, RowReader] = {}
     try:
         for m in reversed(manifests):
             if applier.done():
@@ -96,17 +98,17 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
             work = []
             with timed(stats, "plan_ms"):
                 for report in m.ranks:
-                    load = PayloadReader(storage, report.payload, stats, pool=pool)
+                    load = RowReader(storage, report.payload, stats, pool=pool)
                     if m is target:
                         tip[report.rank] = load
-                    todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
-                    if todo:
-                        load.start()  # every needed file of this checkpoint is read at once
-                        work.append((load, todo))
+                    for table, entry in m.rows_of(report, replicated):
+                        plan = applier.plan(table, entry, load)
+                        if plan is not None:
+                            load.prefetch(entry, plan.sel)  # every read of this checkpoint starts now
+                            work.append((load, plan))
             with timed(stats, "apply_ms"):
-                for load, todo in work:
-                    for table, entry in todo:
-                        applier.apply(table, entry, load)
+                for load, plan in work:
+                    applier.apply(plan, load.rows(plan.entry, plan.sel))
                 applier.finish_checkpoint()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
@@ -115,7 +117,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     return tip
 
 
-def _restore_rank_state(target: Manifest, mine: RankReport, load: PayloadReader,
+def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,
                         extra_state: Mapping[str, Any]) -> None:
     """This rank's extra_state and RNG state, from its own report of ``target``."""
     unknown = sorted(set(extra_state) - set(mine.extra))
@@ -136,7 +138,7 @@ def _restore_rank_state(target: Manifest, mine: RankReport, load: PayloadReader,
 
 
 def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
-                        load0: PayloadReader) -> None:
+                        load0: RowReader) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
     first = target.ranks[0]
     dense = dense_named_state(model, tracker.module_fqns())
@@ -165,7 +167,7 @@ def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTra
 
 
 def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module, dense_optimizer: Any,
-                            stats: dict[str, float] | None = None, load0: PayloadReader | None = None) -> None:
+                            stats: dict[str, float] | None = None, load0: RowReader | None = None) -> None:
     """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
     each parameter's by its name (see dense_optim.py). ``load0``: a reader of that file already at hand
     (else ``storage`` is range-read)."""
@@ -174,6 +176,6 @@ def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn
         raise IncompatibleCheckpointError(
             f"checkpoint {target.id} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
-    load0 = load0 or PayloadReader(storage, first.payload, stats, whole=False)
+    load0 = load0 or RowReader(storage, first.payload, stats)
     saved = unflatten_state(first.dense_optimizer, load0)
     load_named_state(model, dense_optimizer, saved, f"checkpoint {target.id}")

@@ -4,16 +4,18 @@
   root, reading and checking manifests and file sizes on rank 0), of which
   ``manifests_ms``: this rank's manifest reads, seal and schema checks;
 * ``check_ms``: comparing the chain's tip with the model;
-* ``plan_ms``: working out which entries of which checkpoints this rank's shards need;
-* ``apply_ms``: reading, decoding and writing those entries into the shards, of which
-  ``read_wait_ms``: waiting for chunks still being read (the rest decodes and scatters);
+* ``plan_ms``: working out which stored rows of which checkpoints this rank's shards need (reading
+  the entries' row ids and claiming rows), and starting their reads;
+* ``apply_ms``: gathering those rows, checking their CRCs, decoding and writing them into the
+  shards, of which ``read_wait_ms``: waiting for reads still in flight;
 * ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
 * ``agree_ms``: the ranks' exchange of their outcome.
 
-``bytes_read`` and ``reads`` count what was read from storage; ``minimal_bytes`` is what had to
-be: the stored bytes (encoded row and optimizer state, prorated by columns) of the rows the
-restore applied, each from the newest checkpoint that holds it. Their ratio is how far the reads
-are from the physical limit.
+``bytes_read`` and ``reads`` count what was read from storage (from a mapped local file: the
+bytes copied out of it; ``bytes_paged``: the 4 KiB pages under them); ``minimal_bytes`` is what
+had to be: the stored bytes (encoded row, optimizer state and CRC, prorated by columns) of the
+rows the restore applied, each from the newest checkpoint that holds it. Their ratio is how far
+the reads are from the physical limit.
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import torch
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.payload import flatten_state
+from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.residual import Reconstruction
@@ -91,15 +92,8 @@ def write_rank(
         encoded, residual = _encode_shard(codec, s, d.kind, reconstruction)
         if residual:
             entry["residual"] = True
-        entry["weights"] = {
-            "meta": encoded.metadata(),
-            "blobs": {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in encoded.to_tensors().items()},
-        }
-        entry["states"] = [
-            {"rowwise": rowwise,
-             "blob": blobs.add(f"{prefix}/state{j}", t.to(state_dtype) if t.is_floating_point() else t)}
-            for j, (t, rowwise) in enumerate(s.states)
-        ]
+        states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
+        entry.update(write_rows(blobs, prefix, encoded, states))
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(entry)
     replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}

@@ -1,0 +1,281 @@
+"""Some rows of a stored entry, read by byte range and checked row by row (format 5).
+
+Every blob of an entry's rows holds one record per stored row: the codec's tensors, the
+optimizer states. Since format 5 an entry also stores a ``crc32c`` blob: one CRC-32C per
+stored row, over that row's bytes in each of those blobs in turn
+(:meth:`~cnr_torchrec.ckpt.format.manifest.TableEntry.row_blobs` gives the order;
+``torch.ops.cnr.row_crc32c`` computes it). A reader that needs some rows of an entry
+therefore fetches only their byte ranges and still checks every byte it uses.
+
+How the ranges are fetched depends on the storage:
+
+- a local file is mapped (``Storage.read_mapped``): the rows are copied out of the mapping,
+  so the kernel reads the pages under them and nothing else; the ranges are announced
+  first (``madvise(MADV_WILLNEED)``), so that a cold read proceeds while earlier entries
+  decode. ``bytes_read`` counts the rows' bytes; ``bytes_paged`` the 4 KiB pages under them.
+- an object store gets one GET per run of needed rows, neighbouring runs joined when the
+  gap between them is under :data:`REMOTE_GAP_BYTES`, issued on the I/O threads as soon as
+  the entry is planned. ``bytes_read`` counts the bytes of those GETs.
+
+An entry of format 4 or older has no CRCs: its blobs are read whole, through their chunks
+(:class:`~cnr_torchrec.ckpt.format.chunks.PayloadReader`), as before.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
+from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
+from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.errors import CorruptCheckpointError
+from cnr_torchrec.ops import row_crc32c
+from cnr_torchrec.quant import EncodedRows
+
+__all__ = ["REMOTE_GAP_BYTES", "RowReader", "as_rows", "write_rows"]
+
+# An S3 GET pays a round trip (tens of ms) before its first byte: reading through a gap this size
+# costs less than a second request.
+REMOTE_GAP_BYTES = 256 << 10
+_PAGE = mmap.PAGESIZE
+
+
+def as_rows(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as uint8 ``[rows, bytes a row]`` (``t`` holds one record per row along dim 0)."""
+    t = t.detach().contiguous()
+    width = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+    return t.view(torch.uint8).reshape(t.shape[0], width) if t.numel() else torch.empty(t.shape[0], width,
+                                                                                         dtype=torch.uint8)
+
+
+def write_rows(blobs: BlobWriter, prefix: str, encoded: EncodedRows,
+               states: Sequence[tuple[torch.Tensor, bool]]) -> dict[str, Any]:
+    """Adds an entry's row blobs (encoded rows, optimizer states as given) and their per-row CRC-32C to
+    ``blobs``. Returns the entry's ``weights``, ``states`` and ``crc32c`` keys."""
+    tensors = encoded.to_tensors()
+    names = {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in tensors.items()}
+    refs = [{"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)} for j, (t, rowwise) in enumerate(states)]
+    parts = [as_rows(tensors[k]) for k in sorted(tensors)] + [as_rows(t) for t, _ in states]
+    crc = blobs.add(f"{prefix}/crc32c", row_crc32c(parts))
+    return {"weights": {"meta": encoded.metadata(), "blobs": names}, "states": refs, "crc32c": crc}
+
+
+class _Fetch:
+    """The pending reads of one entry's needed rows: per blob, the spans that hold them."""
+
+    def __init__(self, sel: np.ndarray, spans: dict[str, list[tuple[int, int, Any]]]) -> None:
+        self.sel = sel
+        self.spans = spans  # blob -> [(first row, end row, bytes: a buffer or a Future of one)]
+
+
+class RowReader:
+    """Reads one rank's payload: whole blobs by name, and chosen rows of its entries.
+
+    Args:
+        storage: the caller's storage (maps local chunks; reads elsewhere when ``pool`` is None).
+        payload: the rank report's payload.
+        stats: gets ``bytes_read``, ``reads``, ``bytes_paged`` (mapped files) and ``read_wait_ms``.
+        pool: I/O threads for the GETs of an object store.
+    """
+
+    def __init__(self, storage: Storage, payload: Payload, stats: dict[str, float] | None = None,
+                 pool: IOPool | None = None) -> None:
+        self.storage, self.payload, self._stats, self._pool = storage, payload, stats, pool
+        self._mapped = storage.local_dir is not None
+        self._maps: dict[int, Any] = {}
+        self._whole: PayloadReader | None = None  # entries without CRCs: their chunks, read whole
+        self._blobs = PayloadReader(storage, payload, stats, whole=False)
+        self._pending: dict[int, _Fetch] = {}
+
+    # ------------------------------------------------------------------ whole blobs
+
+    def __call__(self, name: str) -> torch.Tensor:
+        """Blob ``name``, checked against its xxh3 (a range read; from the chunks if they are read whole)."""
+        if self._whole is not None:
+            return self._whole(name)
+        return self._blobs(name)
+
+    @property
+    def has_data(self) -> bool:
+        return self._whole is not None
+
+    # ------------------------------------------------------------------ rows
+
+    def prefetch(self, entry: TableEntry, sel: torch.Tensor) -> None:
+        """Starts reading rows ``sel`` (sorted stored positions) of ``entry``; :meth:`rows` gets them."""
+        if entry.crc32c is None:
+            self._start_whole()
+            return
+        positions = sel.numpy()
+        spans = {name: self._spans(self.payload.blobs[name], entry.num_stored, positions)
+                 for name in [*entry.row_blobs, entry.crc32c]}
+        self._pending[id(entry)] = _Fetch(positions, spans)
+
+    def rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
+        """The rows ``sel`` of each of ``entry``'s :attr:`~TableEntry.row_blobs`, checked against the entry's
+        CRCs (or, without them, against their chunks' xxh3)."""
+        if entry.crc32c is None:
+            self._start_whole()
+            return [self._whole(name).index_select(0, sel) for name in entry.row_blobs]
+        fetch = self._pending.pop(id(entry), None)
+        if fetch is None:
+            self.prefetch(entry, sel)
+            fetch = self._pending.pop(id(entry))
+        raw = {name: self._gather(name, fetch) for name in fetch.spans}
+        parts = [raw[name] for name in entry.row_blobs]
+        got = row_crc32c(parts) if parts else torch.zeros(0, dtype=torch.int32)
+        want = raw[entry.crc32c].view(torch.int32).reshape(-1)
+        bad = np.flatnonzero((got != want).numpy())
+        if bad.size:
+            self._corrupt(entry, int(fetch.sel[bad[0]]), bad.size)
+        return [self._typed(name, raw[name]) for name in entry.row_blobs]
+
+    def _typed(self, name: str, rows: torch.Tensor) -> torch.Tensor:
+        blob = self.payload.blobs[name]
+        return rows.view(DTYPES[blob.dtype]).reshape(rows.shape[0], *blob.shape[1:])
+
+    def _corrupt(self, entry: TableEntry, position: int, count: int) -> None:
+        blob = self.payload.blobs[entry.row_blobs[0]] if entry.row_blobs else self.payload.blobs[entry.crc32c]
+        chunk = chunk_of(self.payload, blob.offset + position * (blob.nbytes // max(1, entry.num_stored)))
+        raise CorruptCheckpointError(
+            f"{chunk.path}: stored row {position} of the entry for rows [{entry.rows[0]}, {entry.rows[1]}) does not "
+            f"match its CRC-32C in the file ({count} of the rows read do not); the file is damaged", path=chunk.path)
+
+    def _start_whole(self) -> None:
+        if self._whole is None:
+            self._whole = PayloadReader(self.storage, self.payload, self._stats, pool=self._pool)
+        self._whole.start()
+
+    # ------------------------------------------------------------------ byte ranges
+
+    def _spans(self, blob: Blob, n: int, sel: np.ndarray) -> list[tuple[int, int, Any]]:
+        """Row spans of ``blob`` that cover ``sel``, each with its bytes (or a Future of them)."""
+        if not sel.size or not blob.nbytes:
+            return []
+        width = blob.nbytes // n
+        if self._mapped:
+            return self._mapped_spans(blob, width, sel)
+        gap = max(0, REMOTE_GAP_BYTES // width)
+        cut = np.flatnonzero(np.diff(sel) > gap + 1)
+        starts = sel[np.concatenate(([0], cut + 1))]
+        ends = sel[np.concatenate((cut, [sel.size - 1]))] + 1
+        spans = []
+        for r0, r1 in zip(starts.tolist(), ends.tolist()):
+            start, end = blob.offset + r0 * width, blob.offset + r1 * width
+            if self._pool is None:
+                data: Any = self._get(self.storage, start, end)
+            else:
+                data = self._pool.submit(self._get, start, end)
+            spans.append((r0, r1, data))
+            self._count(end - start, len(self._covering(start, end)))
+        return spans
+
+    def _mapped_spans(self, blob: Blob, width: int, sel: np.ndarray) -> list[tuple[int, int, Any]]:
+        """Views of the mapped chunks, one per chunk the blob's rows lie in whole (a row cut by a chunk's
+        end is joined, alone), after telling the kernel which pages will be read."""
+        spans = []
+        n = blob.nbytes // width
+        for k in self._covering(blob.offset, blob.end):
+            c = self.payload.chunks[k]
+            r0 = max(0, -(-(c.start - blob.offset) // width))  # first row that starts in the chunk
+            r1 = min(n, (c.end - blob.offset) // width)  # past the last row that ends in it
+            if blob.offset < c.start < blob.offset + r0 * width:  # row r0 - 1 straddles the chunk's start
+                i = int(np.searchsorted(sel, r0 - 1))
+                if i < sel.size and sel[i] == r0 - 1:
+                    start = blob.offset + (r0 - 1) * width
+                    spans.append((r0 - 1, r0, self._get(self.storage, start, start + width)))
+                    self._count(width, 1)
+            if r1 <= r0:
+                continue
+            mm = self._map(k)
+            lo, hi = blob.offset + r0 * width - c.start, blob.offset + r1 * width - c.start
+            if len(mm) < hi:
+                raise CorruptCheckpointError(
+                    f"{c.path} is truncated: it has {len(mm)} bytes, the manifest puts rows up to byte {hi} in it",
+                    path=c.path)
+            a, b = np.searchsorted(sel, [r0, r1])
+            if b > a:
+                self._advise(mm, lo + (int(sel[a]) - r0) * width, lo + (int(sel[b - 1]) - r0 + 1) * width)
+                self._count_mapped(c.start + lo, sel[a:b] - r0, width)
+            spans.append((r0, r1, memoryview(mm)[lo:hi]))
+        spans.sort(key=lambda s: s[0])
+        return spans
+
+    def _gather(self, name: str, fetch: _Fetch) -> torch.Tensor:
+        """The needed rows of blob ``name`` as uint8 ``[rows, width]``, copied out of their spans."""
+        sel = fetch.sel
+        blob = self.payload.blobs[name]
+        width = blob.nbytes // blob.shape[0] if blob.shape and blob.shape[0] else 0
+        out = torch.empty(sel.size, width, dtype=torch.uint8)
+        for r0, r1, data in fetch.spans[name]:
+            a, b = np.searchsorted(sel, [r0, r1])
+            if b == a:
+                continue
+            buf = self._landed(data)
+            if len(buf) != (r1 - r0) * width:
+                raise CorruptCheckpointError(f"{self.payload.file} is truncated: rows [{r0}, {r1}) of blob {name} "
+                                             f"need {(r1 - r0) * width} bytes, got {len(buf)}", path=self.payload.file)
+            view = torch.frombuffer(buf, dtype=torch.uint8).view(r1 - r0, width)
+            torch.index_select(view, 0, torch.from_numpy(sel[a:b] - r0), out=out[a:b])
+        return out
+
+    def _landed(self, data: Any) -> Any:
+        if not isinstance(data, Future):
+            return data
+        if data.done() or self._stats is None:
+            return data.result()
+        t0 = time.perf_counter()
+        try:
+            return data.result()
+        finally:
+            self._stats["read_wait_ms"] = self._stats.get("read_wait_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+
+    def _get(self, storage: Storage, start: int, end: int) -> bytearray:
+        """Bytes ``[start, end)`` of the payload, by range reads of the chunks that hold them."""
+        pieces = []
+        for k in self._covering(start, end):
+            c = self.payload.chunks[k]
+            pieces.append(storage.read(c.path, byte_range=(max(start, c.start) - c.start, min(end, c.end) - c.start)))
+        return bytearray(b"".join(pieces)) if len(pieces) != 1 or not isinstance(pieces[0], bytearray) else pieces[0]
+
+    def _covering(self, start: int, end: int) -> list[int]:
+        return [k for k, c in enumerate(self.payload.chunks) if c.start < end and start < c.end] if end > start else []
+
+    def _map(self, k: int) -> Any:
+        mm = self._maps.get(k)
+        if mm is None:
+            mm = self._maps[k] = self.storage.read_mapped(self.payload.chunks[k].path)
+        return mm
+
+    @staticmethod
+    def _advise(mm: Any, start: int, end: int) -> None:
+        if isinstance(mm, mmap.mmap) and end > start:
+            first = start - start % _PAGE
+            mm.madvise(mmap.MADV_WILLNEED, first, min(len(mm), end) - first)
+
+    def _count(self, nbytes: int, reads: int) -> None:
+        if self._stats is not None:
+            self._stats["bytes_read"] = self._stats.get("bytes_read", 0) + nbytes
+            self._stats["reads"] = self._stats.get("reads", 0) + reads
+
+    def _count_mapped(self, base: int, rows: np.ndarray, width: int) -> None:
+        """A mapped read: the rows' bytes, and the pages under them."""
+        if self._stats is None:
+            return
+        starts = base + rows * width
+        pages = np.union1d(starts // _PAGE, (starts + width - 1) // _PAGE)
+        self._count(rows.size * width, 0)
+        self._stats["bytes_paged"] = self._stats.get("bytes_paged", 0) + pages.size * _PAGE
+
+
+def chunk_of(payload: Payload, offset: int) -> Chunk:
+    """The chunk that holds byte ``offset`` of ``payload``."""
+    return next((c for c in payload.chunks if c.start <= offset < c.end), payload.chunks[-1])
