@@ -37,7 +37,7 @@ from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
-from cnr_torchrec.ckpt.format.rows import write_rows
+from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
 from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
@@ -60,7 +60,7 @@ class _Stored:
     ckpt: int
     table: str
     entry: TableEntry
-    load: PayloadReader
+    load: RowReader
     _global: torch.Tensor | None = field(default=None, repr=False)  # row ids, read once for every region
 
     @property
@@ -110,17 +110,17 @@ class _Stored:
             if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
                 raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
             return _none_rows(weights.index_select(0, positions)), []
-        tensors = {k: self.load(name) for k, name in self.entry.weights.blobs.items()}
+        keys = sorted(self.entry.weights.blobs)
+        wanted, back = torch.unique(positions, return_inverse=True)  # sorted, as a RowReader reads them
+        rows = [t.index_select(0, back) for t in self.load.rows(self.entry, wanted)]
         try:
-            encoded = EncodedRows.from_tensors(tensors, dict(self.entry.weights.meta))
+            encoded = EncodedRows.from_tensors(dict(zip(keys, rows)),
+                                               {**self.entry.weights.meta, "num_rows": positions.numel()})
         except EncodingFormatError as e:
             raise self.corrupt(f"encoded rows are inconsistent: {e}") from None
-        states = [(s.rowwise, self.load(s.blob)) for s in self.entry.states]
-        if encoded.num_rows != n or encoded.dim != self.cols[1] - self.cols[0] or any(
-                t.shape[0] != n for _, t in states):
-            raise self.corrupt(f"{encoded.num_rows} rows of {encoded.dim} values (and states of "
-                               f"{[t.shape[0] for _, t in states]} rows) stored for {n} rows of columns {self.cols}")
-        return encoded.take(positions), [(rw, t.index_select(0, positions)) for rw, t in states]
+        if encoded.dim != self.cols[1] - self.cols[0]:
+            raise self.corrupt(f"{encoded.dim} values a row stored for columns {self.cols}")
+        return encoded, [(s.rowwise, t) for s, t in zip(self.entry.states, rows[len(keys):])]
 
 
 def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_Stored]]:
@@ -129,7 +129,7 @@ def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_
     out: dict[str, list[_Stored]] = {}
     for m in reversed(chain):
         for report in m.ranks:
-            load = PayloadReader(storage, report.payload, whole=False)
+            load = RowReader(storage, report.payload)
             for table, entry in m.rows_of(report):
                 if entry.residual:
                     raise CompactionError(

@@ -110,7 +110,8 @@ class RowReader:
     # ------------------------------------------------------------------ rows
 
     def prefetch(self, entry: TableEntry, sel: torch.Tensor) -> None:
-        """Starts reading rows ``sel`` (sorted stored positions) of ``entry``; :meth:`rows` gets them."""
+        """Starts reading rows ``sel`` (sorted stored positions) of ``entry``; :meth:`rows` gets them. (An entry
+        without CRCs starts the read of every chunk of the payload, as restores of format 4 did.)"""
         if entry.crc32c is None:
             self._start_whole()
             return
@@ -120,11 +121,10 @@ class RowReader:
         self._pending[id(entry)] = _Fetch(positions, spans)
 
     def rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
-        """The rows ``sel`` of each of ``entry``'s :attr:`~TableEntry.row_blobs`, checked against the entry's
-        CRCs (or, without them, against their chunks' xxh3)."""
-        if entry.crc32c is None:
-            self._start_whole()
-            return [self._whole(name).index_select(0, sel) for name in entry.row_blobs]
+        """The rows ``sel`` (sorted stored positions) of each of ``entry``'s :attr:`~TableEntry.row_blobs`,
+        checked against the entry's CRCs (without them: the whole blobs, checked against their xxh3)."""
+        if entry.crc32c is None:  # whole blobs, each checked against its xxh3 (or its chunk's)
+            return [self(name).index_select(0, sel) for name in entry.row_blobs]
         fetch = self._pending.pop(id(entry), None)
         if fetch is None:
             self.prefetch(entry, sel)

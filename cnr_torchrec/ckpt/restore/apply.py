@@ -195,7 +195,7 @@ class Applier:
                col_ov: tuple[int, int], offsets: torch.Tensor | None, n_stored: int) -> _Claim:
         """Claims, for one shard ``entry`` overlaps, the rows of each column segment and of its row-wise state."""
         shard = target.shard
-        rows, cols = entry.rows, entry.cols
+        rows = entry.rows
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
         segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]

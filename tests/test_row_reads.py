@@ -1,0 +1,235 @@
+"""Restores that read only the rows they apply (format 5), on a local root and on S3 (moto).
+
+``torch.ops.cnr.row_crc32c`` is checked against the google-crc32c package. The restores are
+checked against the model's own state saved at each step: a flipped byte in a row a restore
+reads is named, one in a row it reads around leaves the restore exact and ``verify_root``
+still names it, and a format 4 checkpoint (no row CRCs) is still read whole.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import google_crc32c
+import pytest
+import torch
+
+from cnr_torchrec import ops
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import reliability as R  # noqa: E402
+
+
+def _reference(parts: list[torch.Tensor]) -> list[int]:
+    return [google_crc32c.value(b"".join(bytes(p[i].contiguous().numpy()) for p in parts))
+            for i in range(parts[0].shape[0])]
+
+
+@pytest.mark.parametrize("widths", [[16], [16, 2, 2, 2, 4], [1], [0, 5], [33, 7], [130]])
+def test_row_crc32c_is_crc32c_of_each_row(widths):
+    gen = torch.Generator().manual_seed(sum(widths))
+    parts = [torch.randint(0, 256, (257, w), dtype=torch.uint8, generator=gen) for w in widths]
+    got = ops.row_crc32c(parts)
+    assert got.dtype == torch.int32 and got.shape == (257,)
+    assert [v & 0xFFFFFFFF for v in got.tolist()] == _reference(parts)
+
+
+def test_row_crc32c_reads_column_slices_and_no_rows():
+    base = torch.randint(0, 256, (50, 24), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    part = base[:, 3:17]  # rows 24 bytes apart
+    assert [v & 0xFFFFFFFF for v in ops.row_crc32c([part]).tolist()] == _reference([part])
+    assert ops.row_crc32c([torch.empty(0, 8, dtype=torch.uint8)]).shape == (0,)
+
+
+@pytest.mark.parametrize("bad", ["float", "1-D", "rows"])
+def test_row_crc32c_refuses_what_is_not_rows_of_bytes(bad):
+    ok = torch.zeros(4, 3, dtype=torch.uint8)
+    parts = {"float": [ok.float()], "1-D": [ok.reshape(-1)], "rows": [ok, torch.zeros(5, 3, dtype=torch.uint8)]}[bad]
+    with pytest.raises(ValueError, match="row_crc32c"):
+        ops.row_crc32c(parts)
+
+
+# ---- restores -------------------------------------------------------------------------------
+
+def _specs():
+    from examples.toy import TableSpec
+
+    # row_wise and column_wise shards, a table-wise one and a data_parallel table
+    return [TableSpec("t0", 600, 8, "row_wise", "ebc"), TableSpec("t1", 400, 8, "column_wise", "ebc"),
+            TableSpec("t2", 300, 4, "table_wise", "ebc"), TableSpec("t3", 40, 4, "data_parallel", "ebc")]
+
+
+def _config(root: str, options: dict | None = None, **kw):
+    from cnr_torchrec import load_config
+
+    # float32 rows, so that a restore must give back the trained model's state bit for bit
+    return load_config({"root": root, "policy": "consecutive", "storage_options": options or {},
+                        "quantization": {"method": "none"}, **kw})
+
+
+def _chain(root: str, options: dict | None = None, deltas: int = 3):
+    """A baseline and ``deltas`` deltas of a trained toy model; returns (dmp, opt, state after the last save)."""
+    from _toy import build_dmp, local_state, train
+
+    from cnr_torchrec import Checkpointer
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs)
+    gen = torch.Generator().manual_seed(0)
+    with Checkpointer(dmp, _config(root, options), dense_optimizer=opt) as ck:
+        for step in range(deltas + 1):
+            train(dmp, specs, opt, 3, gen)
+            ck.save(step).wait()
+    return dmp, opt, local_state(dmp)
+
+
+def _restore(dmp, opt, root: str, options: dict | None = None, on_corrupt: str = "fail"):
+    """Scrambles the model, restores the newest checkpoint; returns (state, stats)."""
+    from _toy import local_state
+
+    from cnr_torchrec import Checkpointer
+
+    with torch.no_grad():
+        for p in dmp.parameters():
+            p.add_(1.0)
+    with Checkpointer(dmp, _config(root, options, on_corrupt=on_corrupt), dense_optimizer=opt) as ck:
+        ck.restore()
+        return local_state(dmp), ck.last_restore_stats
+
+
+def _equal(a, b) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _rows(storage, ckpt_id: int):
+    """(report, table, entry, global rows stored) of every entry of checkpoint ``ckpt_id``."""
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.state import decode_ids
+
+    m = load_manifest(storage, ckpt_id)
+    out = []
+    for report, table, e in m.entries():
+        load = PayloadReader(storage, report.payload, whole=False)
+        ids = (decode_ids(e.ids.kind, load(e.ids.blob), e.num_rows) if e.ids is not None
+               else torch.arange(e.num_rows))
+        out.append((report, table, e, set((ids + e.rows[0]).tolist())))
+    return m, out
+
+
+def _payload_byte(storage, read: bool) -> tuple[str, int]:
+    """A (chunk file, byte) inside the encoded rows of a row the newest restore reads (``read``) or of a
+    baseline row that a delta stores again for the same columns, so that no restore reads it."""
+    from cnr_torchrec.ckpt.format.commits import committed_ids
+
+    ids = committed_ids(storage)
+    tip, tip_rows = _rows(storage, ids[-1])
+    if read:
+        report, _, e, _ = next(x for x in tip_rows if x[2].ids is not None and x[2].crc32c)
+        position = 0
+    else:
+        newer = [_rows(storage, i)[1] for i in ids[1:]]
+        _, base_rows = _rows(storage, ids[0])
+        for report, table, e, stored in base_rows:
+            again = set().union(*(r for rows in newer for _, t, f, r in rows if t == table and f.cols == e.cols))
+            hit = sorted(stored & again)
+            if hit and e.ids is None and e.crc32c:
+                position = hit[len(hit) // 2] - e.rows[0]
+                break
+        else:
+            raise AssertionError("no baseline row is stored again by a delta")
+    blob = report.blobs[e.weights.blobs["payload"]]
+    at = blob.offset + position * (blob.nbytes // e.num_stored)
+    chunk = next(c for c in report.payload.chunks if c.start <= at < c.end)
+    return chunk.path, at - chunk.start
+
+
+def _flip(storage, path: str, at: int) -> None:
+    data = bytearray(storage.read(path))
+    data[at] ^= 0x10
+    storage.write(path, bytes(data))
+
+
+@pytest.fixture(params=["fs", "s3"])
+def root(request, tmp_path):
+    if request.param == "fs":
+        yield str(tmp_path / "ck"), None
+        return
+    pytest.importorskip("moto")
+    server = R.Moto()
+    try:
+        yield f"s3://{server.bucket}/rows-{request.node.name}", server.options
+    finally:
+        server.close()
+
+
+def test_a_restore_reads_the_newest_copy_of_each_row(group, root):
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    path, options = root
+    dmp, opt, want = _chain(path, options)
+    got, stats = _restore(dmp, opt, path, options)
+    assert _equal(got, want)
+    storage = Storage(path, options)
+    files = sum(storage.size(f) for i in (0, 1, 2, 3) for f in _rows(storage, i)[0].files)
+    storage.close()
+    # Less than the chain's files, more than the rows applied (their ids and the dense state come too).
+    assert stats["minimal_bytes"] < stats["bytes_read"] < files, (stats, files)
+    if options is None:  # rows copied out of mapped files: little beyond them
+        assert stats["bytes_read"] < 1.5 * stats["minimal_bytes"], stats  # the whole files: 2.7x
+
+
+def test_a_flip_in_a_row_that_is_read_is_named(group, root):
+    from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    path, options = root
+    dmp, opt, _ = _chain(path, options)
+    storage = Storage(path, options)
+    file, at = _payload_byte(storage, read=True)
+    _flip(storage, file, at)
+    storage.close()
+    with pytest.raises(CorruptCheckpointError, match="CRC-32C") as e:
+        _restore(dmp, opt, path, options)
+    assert e.value.path == file and file in str(e.value)
+
+
+def test_a_flip_in_a_row_no_restore_reads_leaves_it_exact_and_verify_names_it(group, root):
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.verify import verify_root
+
+    path, options = root
+    dmp, opt, want = _chain(path, options)
+    storage = Storage(path, options)
+    file, at = _payload_byte(storage, read=False)
+    _flip(storage, file, at)
+    storage.close()
+    got, _ = _restore(dmp, opt, path, options)
+    assert _equal(got, want)
+    problems = verify_root(path, storage_options=options) if options else verify_root(path)
+    assert any(p.path == file for p in problems), [str(p) for p in problems]
+
+
+def test_a_format_4_chain_without_row_crcs_is_read_whole(group, tmp_path):
+    """A chain written before format 5 (no crc32c; sealed as version 4) restores exactly, its chunks read whole."""
+    from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    path = str(tmp_path / "ck")
+    dmp, opt, want = _chain(path)
+    storage = Storage(path)
+    files = 0
+    for i in committed_ids(storage):
+        body = json.loads(storage.read(manifest_path(i)))["body"]
+        for report in body["ranks"]:
+            files += report["nbytes"]
+            for entries in report["tables"].values():
+                for e in entries:
+                    e.pop("crc32c")
+        storage.write_atomic(manifest_path(i), seal(body, version=4))
+    storage.close()
+    got, stats = _restore(dmp, opt, path)
+    assert _equal(got, want)
+    assert stats["bytes_read"] >= files, (stats, files)  # every chunk of every file (and rank 0's dense blobs)
