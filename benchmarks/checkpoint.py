@@ -202,13 +202,14 @@ def bytes_breakdown(root: str) -> dict[str, int]:
         m = load_manifest(storage, cid)
     finally:
         storage.close()
-    out = {"id": cid, "ids": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0, "optimizer_state": 0,
-           "replicated_tables": 0, "dense": 0, "dense_optimizer": 0, "rng_and_extra": 0}
+    out = {"id": cid, "ids": 0, "row_crcs": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0,
+           "optimizer_state": 0, "replicated_tables": 0, "dense": 0, "dense_optimizer": 0, "rng_and_extra": 0}
     for r in m.ranks:
         for name, blob in r.blobs.items():
             head, _, rest = name.partition("/")
             if head.startswith("s") and head[1:].isdigit():
-                key = ("ids" if rest == "ids" else "weights_payload" if rest == "w/payload"
+                key = ("ids" if rest == "ids" else "row_crcs" if rest == "crc32c"
+                       else "weights_payload" if rest == "w/payload"
                        else "weights_scale_bias_codebook" if rest.startswith("w/") else "optimizer_state")
             else:
                 key = {"rep": "replicated_tables", "dense": "dense", "dense_optimizer": "dense_optimizer"}.get(
@@ -219,8 +220,8 @@ def bytes_breakdown(root: str) -> dict[str, int]:
     return out
 
 
-BREAKDOWN = (*PHASES, "bytes_read", "reads", "minimal_bytes")
-SUMMED = ("bytes_read", "reads", "minimal_bytes")  # over the ranks; the phases: their slowest rank
+BREAKDOWN = (*PHASES, "bytes_read", "bytes_paged", "reads", "minimal_bytes")
+SUMMED = ("bytes_read", "bytes_paged", "reads", "minimal_bytes")  # over the ranks; the phases: their slowest rank
 
 
 def restore_ms(dmp, opt, config, breakdowns: list | None = None) -> float:
@@ -246,7 +247,8 @@ def breakdown_line(b: dict[str, float]) -> str:
     return (f"resolve {b['resolve_ms']:.0f} (manifests {b['manifests_ms']:.0f}), check {b['check_ms']:.0f}, plan "
             f"{b['plan_ms']:.0f}, apply {b['apply_ms']:.0f} (waiting for reads {b['read_wait_ms']:.0f}), dense and "
             f"per-rank state {b['state_ms']:.0f}, agree {b['agree_ms']:.0f} ms; read {b['bytes_read'] / 1e6:.1f} MB "
-            f"in {b['reads']:.0f} requests, {b['bytes_read'] / max(b['minimal_bytes'], 1):.2f}x the "
+            f"in {b['reads']:.0f} requests (pages under the rows copied from mapped files: "
+            f"{b['bytes_paged'] / 1e6:.1f} MB), {b['bytes_read'] / max(b['minimal_bytes'], 1):.2f}x the "
             f"{b['minimal_bytes'] / 1e6:.1f} MB of the rows applied")
 
 
@@ -489,16 +491,16 @@ def main() -> None:
               f"median stall {f['median_stall_ms']:.1f} ms)")
         print(f"dirty fraction per interval ({REFERENCE}): "
               + ", ".join(f"{r['dirty_fraction']:.1%}" for r in runs[REFERENCE][1:]))
-        parts = ["ids", "weights_payload", "weights_scale_bias_codebook", "optimizer_state", "replicated_tables",
-                 "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
+        parts = ["ids", "row_crcs", "weights_payload", "weights_scale_bias_codebook", "optimizer_state",
+                 "replicated_tables", "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
         print("\nbytes of each policy's latest checkpoint, by part (payload files; the manifest is written besides):")
-        heads = ["ids", "w payload", "w params", "opt state", "replicated", "dense", "dense opt", "rng+extra",
-                 "manifest"]
+        heads = ["ids", "row crcs", "w payload", "w params", "opt state", "replicated", "dense", "dense opt",
+                 "rng+extra", "manifest"]
         print(f"{'policy':<18s}{'id':>4s}" + "".join(f"{h:>12s}" for h in heads))
         for label, b in breakdowns.items():
             print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>12,d}" for p in parts))
         print("w params: per-row scale and bias (or codebook) of the quantized rows; opt state: the fused "
-              "optimizer's per-row state")
+              "optimizer's per-row state; row crcs: one CRC-32C per stored row (format 5)")
         print("\nwhere each policy's restore goes (ms, each phase's slowest rank, median of the reps):")
         for label, b in restore_breakdowns.items():
             print(f"{label:<18s} {breakdown_line(b)}")

@@ -233,3 +233,31 @@ def test_a_format_4_chain_without_row_crcs_is_read_whole(group, tmp_path):
     got, stats = _restore(dmp, opt, path)
     assert _equal(got, want)
     assert stats["bytes_read"] >= files, (stats, files)  # every chunk of every file (and rank 0's dense blobs)
+
+
+def test_offline_tables_read_around_rows_a_newer_checkpoint_stores(group, tmp_path):
+    """``cnr export`` and ``cnr compact`` assemble tables as a restore reads: a flip in a superseded row changes
+    nothing (once past verify, which names it), a flip in a row they use is named."""
+    from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.commits import committed_ids
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.offline import assemble_tables, load_chain
+
+    path = str(tmp_path / "ck")
+    _chain(path)
+    storage = Storage(path)
+    tip = committed_ids(storage)[-1]
+    want = assemble_tables(storage, load_chain(storage, tip))
+    file, at = _payload_byte(storage, read=False)
+    _flip(storage, file, at)
+    with pytest.raises(CorruptCheckpointError) as e:
+        load_chain(storage, tip)
+    assert e.value.path == file
+    got = assemble_tables(storage, load_chain(storage, tip, verify=False))
+    assert got.keys() == want.keys() and all(torch.equal(got[t].weights, want[t].weights) for t in want)
+    assert all(torch.equal(a.values, b.values) for t in want for a, b in zip(got[t].states, want[t].states))
+    file, at = _payload_byte(storage, read=True)
+    _flip(storage, file, at)
+    with pytest.raises(CorruptCheckpointError, match="CRC-32C"):
+        assemble_tables(storage, load_chain(storage, tip, verify=False))
+    storage.close()

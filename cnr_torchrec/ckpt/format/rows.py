@@ -34,7 +34,7 @@ import torch
 
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
 from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
-from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter
+from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.ops import row_crc32c
@@ -94,6 +94,7 @@ class RowReader:
         self._whole: PayloadReader | None = None  # entries without CRCs: their chunks, read whole
         self._blobs = PayloadReader(storage, payload, stats, whole=False)
         self._pending: dict[int, _Fetch] = {}
+        self._blob_reads: dict[str, Future] = {}
 
     # ------------------------------------------------------------------ whole blobs
 
@@ -101,7 +102,21 @@ class RowReader:
         """Blob ``name``, checked against its xxh3 (a range read; from the chunks if they are read whole)."""
         if self._whole is not None:
             return self._whole(name)
+        future = self._blob_reads.pop(name, None)
+        if future is not None:
+            return read_blob(self.payload.file, self.payload.blobs[name], name, self._landed(future))
         return self._blobs(name)
+
+    def fetch_blobs(self, names: Sequence[str]) -> None:
+        """Starts range reads of blobs ``names`` on the I/O threads (an object store's round trips overlap);
+        ``reader(name)`` then takes each. A local file is read when asked."""
+        if self._pool is None or self._mapped:
+            return
+        for name in names:
+            blob = self.payload.blobs.get(name)
+            if blob is not None and name not in self._blob_reads:
+                self._blob_reads[name] = self._pool.submit(self._get, blob.offset, blob.end)
+                self._count(blob.nbytes, len(self._covering(blob.offset, blob.end)))
 
     @property
     def has_data(self) -> bool:

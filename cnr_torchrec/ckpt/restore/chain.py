@@ -97,11 +97,16 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
                 break
             work = []
             with timed(stats, "plan_ms"):
+                wanted = []
                 for report in m.ranks:
                     load = RowReader(storage, report.payload, stats, pool=pool)
                     if m is target:
                         tip[report.rank] = load
-                    for table, entry in m.rows_of(report, replicated):
+                    todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
+                    load.fetch_blobs([e.ids.blob for _, e in todo if e.ids is not None])
+                    wanted.append((load, todo))
+                for load, todo in wanted:
+                    for table, entry in todo:
                         plan = applier.plan(table, entry, load)
                         if plan is not None:
                             load.prefetch(entry, plan.sel)  # every read of this checkpoint starts now

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import PayloadReader
+from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.offline import Progress, assemble_tables, load_chain
@@ -45,7 +45,7 @@ def export_state_dict(
         for i, s in enumerate(data.states):
             out[f"{name}.optimizer_state.{i}"] = s.per_row() if s.rowwise else s.values
     first = tip.ranks[0]
-    load0 = PayloadReader(storage, first.payload)
+    load0 = RowReader(storage, first.payload)  # the dense blobs only
     for name, blob in first.dense.items():
         if name in out:
             raise CorruptCheckpointError(

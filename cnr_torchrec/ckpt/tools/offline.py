@@ -1,8 +1,9 @@
 """Offline reading of a checkpoint root, with no model and no process group: a chain applied to whole tables.
 
-A restore applies a baseline and its deltas in order; here the same entries are applied
-to whole, unsharded tables held in memory (every entry carries its global row and column
-range, and its rows carry offsets into that range). The result feeds ``cnr compact``
+A restore applies a chain's entries to the shards of a model; here the same entries are
+applied to whole, unsharded tables held in memory (every entry carries its global row and
+column range, and its rows carry offsets into that range), newest checkpoint first and
+reading only the rows no newer checkpoint stored, as a restore reads them. The result feeds ``cnr compact``
 (a new baseline with the tip's shard layout) and ``cnr export`` (a plain state_dict), both
 in :mod:`cnr_torchrec.ckpt.compact.offline` and :mod:`cnr_torchrec.ckpt.tools.export`.
 
@@ -25,9 +26,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import PayloadReader
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
+from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.verify import verify_checkpoint
@@ -122,49 +123,32 @@ class TableData(NamedTuple):
     states: list[RowState]
 
 
-def _decode_entry(
-    table: str, entry: TableEntry, load: PayloadReader, file: str
-) -> tuple[torch.Tensor, torch.Tensor, list[tuple[bool, torch.Tensor, torch.dtype]]]:
-    """Global row ids, decoded fp32 weight rows and state rows of one entry."""
-    r0, n_rows = entry.rows[0], entry.num_rows
-    if entry.ids is not None:
-        ids = decode_ids(entry.ids.kind, load(entry.ids.blob), n_rows)
-        if ids.numel() != entry.ids.count or (ids.numel() and int(ids[-1]) >= n_rows):
-            raise CorruptCheckpointError(f"{file}: row ids of table '{table}' do not match their entry", path=file)
-    else:
-        ids = torch.arange(n_rows, dtype=torch.int64)
-    tensors = {k: load(name) for k, name in entry.weights.blobs.items()}
-    try:
-        weights = decode(EncodedRows.from_tensors(tensors, dict(entry.weights.meta)))
-    except EncodingFormatError as e:
-        raise CorruptCheckpointError(
-            f"{file}: encoded rows of table '{table}' are inconsistent: {e}", path=file
-        ) from None
-    if weights.shape[0] != ids.numel():
-        raise CorruptCheckpointError(
-            f"{file}: table '{table}' stores {weights.shape[0]} rows for {ids.numel()} ids", path=file
-        )
-    states = []
-    for s in entry.states:  # the schema checked their shapes against the entry's
-        t = load(s.blob)
-        states.append((s.rowwise, t, t.dtype))
-    return ids + r0, weights, states
+def _entry_rows(table: str, entry: TableEntry, load: RowReader, file: str) -> torch.Tensor:
+    """The global row of each row ``entry`` stores, from its ids."""
+    if entry.ids is None:
+        return torch.arange(entry.rows[0], entry.rows[1], dtype=torch.int64)
+    ids = decode_ids(entry.ids.kind, load(entry.ids.blob), entry.num_rows)
+    if ids.numel() != entry.ids.count or (ids.numel() and int(ids[-1]) >= entry.num_rows):
+        raise CorruptCheckpointError(f"{file}: row ids of table '{table}' do not match their entry", path=file)
+    return ids + entry.rows[0]
 
 
 def assemble_tables(
     storage: Storage, chain: list[Manifest], progress: Progress | None = None,
     tables: Collection[str] | None = None,
 ) -> dict[str, TableData]:
-    """Applies every entry of ``chain`` (baseline first) to whole tables, by global row and column range.
+    """Applies the entries of ``chain`` (baseline first) to whole tables, by global row and column range.
 
-    A residual entry (``quantization.residual``) adds to the rows instead of replacing them.
+    As a restore does, the chain is read newest checkpoint first, and of each entry only the
+    rows that no newer checkpoint stored for its columns (their byte ranges, checked against
+    their CRCs; :class:`~cnr_torchrec.ckpt.format.rows.RowReader`). A residual entry
+    (``quantization.residual``) adds to the rows of the older entries instead of replacing them.
 
     Replicated (data_parallel) tables come from the tip, as in a restore; they have no
     row states (the dense optimizer holds theirs).
 
     Args:
-        tables: only these tables (default: every one). Their blobs are then read one by one
-            (range reads) instead of whole files, since only a part of each file is needed.
+        tables: only these tables (default: every one).
 
     Raises:
         CorruptCheckpointError: an entry does not decode, or the chain leaves part of a table unwritten.
@@ -173,11 +157,11 @@ def assemble_tables(
     shapes = {t: s for t, s in tip.tables.items() if tables is None or t in tables}
     replicated = set(tip.replicated) & set(shapes)
     out: dict[str, TableData] = {}
-    covered: dict[str, torch.Tensor] = {}
-    for m in chain:
+    covered: dict[str, _Covered] = {}
+    for m in reversed(chain):
         for report in m.ranks:
             file = report.file
-            load = PayloadReader(storage, report.payload, whole=tables is None)
+            load = RowReader(storage, report.payload)
             for table, entries in report.tables.items():
                 if tables is not None and table not in tables:
                     continue
@@ -188,19 +172,28 @@ def assemble_tables(
                 rows, dim = shapes[table]
                 if table not in out:
                     out[table] = TableData(torch.zeros(rows, dim, dtype=torch.float32), [])
-                    covered[table] = torch.zeros(rows, dim, dtype=torch.bool)
+                    covered[table] = _Covered(torch.zeros(rows, dim, dtype=torch.bool),
+                                              torch.zeros(rows, dim, dtype=torch.bool))
                 for entry in entries:
                     _apply_entry(out[table], covered[table], table, entry, load, file)
                     if progress is not None:
                         progress(1)
-    out.update(_replicated_tables(storage, tip, replicated, whole=tables is None))
-    _check_covered(chain, [t for t in shapes if t not in replicated], covered)
+    out.update(_replicated_tables(storage, tip, replicated))
+    _check_covered(chain, [t for t in shapes if t not in replicated], {t: c.weights for t, c in covered.items()})
     return out
 
 
-def _apply_entry(data: TableData, covered: torch.Tensor, table: str, entry: TableEntry, load: PayloadReader,
+class _Covered(NamedTuple):
+    """The cells of a table that newer entries gave: its weights (by whole entries), its states (by any)."""
+
+    weights: torch.Tensor
+    states: torch.Tensor
+
+
+def _apply_entry(data: TableData, covered: _Covered, table: str, entry: TableEntry, load: RowReader,
                  file: str) -> None:
-    """Writes one entry's rows and row states into ``data`` (adds them, for a residual entry), and marks them."""
+    """Adds one entry's rows to the cells of ``data`` no newer whole entry gave, and sets the optimizer states
+    no newer entry gave; reads only those rows."""
     rows, dim = data.weights.shape
     (r0, r1), (c0, c1) = entry.rows, entry.cols
     if not (r1 <= rows and c1 <= dim):  # inside its own checkpoint's table (the schema), but the tip's may differ
@@ -209,31 +202,41 @@ def _apply_entry(data: TableData, covered: torch.Tensor, table: str, entry: Tabl
             f"outside the table's {rows} x {dim}",
             path=file,
         )
-    global_rows, weights, states = _decode_entry(table, entry, load, file)
+    stored = _entry_rows(table, entry, load, file)
+    open_w = ~covered.weights[stored, c0:c1]
+    open_s = ~covered.states[stored, c0:c1]
+    sel = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False)).view(-1)
+    if not sel.numel():
+        return
+    parts = load.rows(entry, sel)
+    keys = sorted(entry.weights.blobs)
+    try:
+        encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": sel.numel()})
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
+                                     path=file) from None
+    weights = decode(encoded)
     if weights.shape[1] != c1 - c0:
         raise CorruptCheckpointError(
-            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})",
-            path=file,
-        )
-    if entry.residual:  # quantization.residual: added to what the older entries restore
-        data.weights[global_rows, c0:c1] += weights.float()
-    else:
-        data.weights[global_rows, c0:c1] = weights.float()
-    covered[global_rows, c0:c1] = True
-    for j, (rowwise, t, dtype) in enumerate(states):
+            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
+    g, open_w, open_s = stored[sel], open_w[sel], open_s[sel]
+    data.weights[g, c0:c1] += torch.where(open_w, weights.float(), 0.0)
+    if not entry.residual:  # quantization.residual: added to what the older entries give, so it covers nothing
+        covered.weights[g, c0:c1] = True
+    for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
-            data.states.append(RowState(rowwise, torch.zeros(rows, dim, dtype=torch.float32), dtype))
+            data.states.append(RowState(ref.rowwise, torch.zeros(rows, dim, dtype=torch.float32), t.dtype))
         state = data.states[j]
-        state.rowwise, state.dtype = rowwise, dtype
-        vals = t.float().reshape(t.shape[0], -1)
-        state.values[global_rows, c0:c1] = vals.expand(-1, c1 - c0) if rowwise else vals
+        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)
+        state.values[g, c0:c1] = torch.where(open_s, vals, state.values[g, c0:c1])
+    if entry.states:
+        covered.states[g, c0:c1] = True
 
 
-def _replicated_tables(storage: Storage, tip: Manifest, replicated: set[str], *,
-                       whole: bool) -> dict[str, TableData]:
+def _replicated_tables(storage: Storage, tip: Manifest, replicated: set[str]) -> dict[str, TableData]:
     """The data_parallel tables, whole, from rank 0's report of the tip (as a restore takes them)."""
     first = tip.ranks[0]
-    load0 = PayloadReader(storage, first.payload, whole=whole)
+    load0 = RowReader(storage, first.payload)
     out = {}
     for table in sorted(replicated):
         if table not in first.replicated_tables:
