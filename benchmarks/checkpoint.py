@@ -220,8 +220,8 @@ def bytes_breakdown(root: str) -> dict[str, int]:
     return out
 
 
-BREAKDOWN = (*PHASES, "bytes_read", "bytes_paged", "reads", "minimal_bytes")
-SUMMED = ("bytes_read", "bytes_paged", "reads", "minimal_bytes")  # over the ranks; the phases: their slowest rank
+BREAKDOWN = (*PHASES, "bytes_read", "reads", "minimal_bytes")
+SUMMED = ("bytes_read", "reads", "minimal_bytes")  # over the ranks; the phases: their slowest rank
 
 
 def restore_ms(dmp, opt, config, breakdowns: list | None = None) -> float:
@@ -247,8 +247,7 @@ def breakdown_line(b: dict[str, float]) -> str:
     return (f"resolve {b['resolve_ms']:.0f} (manifests {b['manifests_ms']:.0f}), check {b['check_ms']:.0f}, plan "
             f"{b['plan_ms']:.0f}, apply {b['apply_ms']:.0f} (waiting for reads {b['read_wait_ms']:.0f}), dense and "
             f"per-rank state {b['state_ms']:.0f}, agree {b['agree_ms']:.0f} ms; read {b['bytes_read'] / 1e6:.1f} MB "
-            f"in {b['reads']:.0f} requests (pages under the rows copied from mapped files: "
-            f"{b['bytes_paged'] / 1e6:.1f} MB), {b['bytes_read'] / max(b['minimal_bytes'], 1):.2f}x the "
+            f"in {b['reads']:.0f} requests, {b['bytes_read'] / max(b['minimal_bytes'], 1):.2f}x the "
             f"{b['minimal_bytes'] / 1e6:.1f} MB of the rows applied")
 
 

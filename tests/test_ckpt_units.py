@@ -850,7 +850,7 @@ def test_a_restore_says_where_its_time_went(group, tmp_path):
         assert ck.restore() == 3
         wall_ms = (time.perf_counter() - t0) * 1e3
         stats = ck.last_restore_stats
-    assert set(stats) <= set(PHASES) | {"bytes_read", "reads", "minimal_bytes", "bytes_paged"}, stats
+    assert set(stats) <= set(PHASES) | {"bytes_read", "reads", "minimal_bytes"}, stats
     for phase in ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms"):
         assert stats.get(phase, 0) > 0, (phase, stats)
     top = ("resolve_ms", "check_ms", "plan_ms", "apply_ms", "state_ms", "agree_ms")  # disjoint parts of the restore

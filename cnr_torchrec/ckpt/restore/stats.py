@@ -12,7 +12,7 @@
 * ``agree_ms``: the ranks' exchange of their outcome.
 
 ``bytes_read`` and ``reads`` count what was read from storage (from a mapped local file: the
-bytes copied out of it; ``bytes_paged``: the 4 KiB pages under them); ``minimal_bytes`` is what
+bytes copied out of it, and one read per file mapped); ``minimal_bytes`` is what
 had to be: the stored bytes (encoded row, optimizer state and CRC, prorated by columns) of the
 rows the restore applied, each from the newest checkpoint that holds it. Their ratio is how far
 the reads are from the physical limit.
