@@ -261,3 +261,34 @@ def test_offline_tables_read_around_rows_a_newer_checkpoint_stores(group, tmp_pa
     with pytest.raises(CorruptCheckpointError, match="CRC-32C"):
         assemble_tables(storage, load_chain(storage, tip, verify=False))
     storage.close()
+
+
+def test_rows_that_differ_from_their_crcs_are_named_even_under_resealed_checksums(group, tmp_path):
+    """A row changed and every xxh3 (chunk, blob, manifest) recomputed, as a crafted or buggy writer would
+    leave it: the row's CRC-32C still catches it, in a restore and in verify_root."""
+    from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
+    from cnr_torchrec.ckpt.format.payload import checksum
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.verify import verify_root
+
+    path = str(tmp_path / "ck")
+    dmp, opt, _ = _chain(path)
+    storage = Storage(path)
+    file, at = _payload_byte(storage, read=True)
+    _flip(storage, file, at)
+    tip = committed_ids(storage)[-1]
+    body = json.loads(storage.read(manifest_path(tip)))["body"]
+    data = bytes(storage.read(file))
+    for report in body["ranks"]:
+        if report["file"] == file:  # one chunk: the toy payload is far below chunk_bytes
+            report["chunks"][0]["xxh3"] = checksum(data)
+            for meta in report["blobs"].values():
+                meta["xxh3"] = checksum(data[meta["offset"] : meta["offset"] + meta["nbytes"]])
+    storage.write_atomic(manifest_path(tip), seal(body))
+    storage.close()
+    problems = [str(p) for p in verify_root(path)]
+    assert any(file in p and "do not match their CRC-32C" in p for p in problems), problems
+    with pytest.raises(CorruptCheckpointError, match="CRC-32C") as e:
+        _restore(dmp, opt, path)
+    assert e.value.path == file

@@ -173,11 +173,17 @@ class RowReader:
         return rows.view(DTYPES[blob.dtype]).reshape(rows.shape[0], *blob.shape[1:])
 
     def _corrupt(self, entry: TableEntry, position: int, count: int) -> None:
-        blob = self.payload.blobs[entry.row_blobs[0]] if entry.row_blobs else self.payload.blobs[entry.crc32c]
-        chunk = chunk_of(self.payload, blob.offset + position * (blob.nbytes // max(1, entry.num_stored)))
+        files = []  # the chunks that hold the row's bytes, in the order its CRC covers them
+        for name in [*entry.row_blobs, entry.crc32c]:
+            blob = self.payload.blobs[name]
+            path = chunk_of(self.payload, blob.offset + position * (blob.nbytes // entry.num_stored)).path
+            if path not in files:
+                files.append(path)
+        more = f" (the row's bytes are in {', '.join(files)})" if len(files) > 1 else ""
         raise CorruptCheckpointError(
-            f"{chunk.path}: stored row {position} of the entry for rows [{entry.rows[0]}, {entry.rows[1]}) does not "
-            f"match its CRC-32C in the file ({count} of the rows read do not); the file is damaged", path=chunk.path)
+            f"{files[0]}: stored row {position} of the entry for rows [{entry.rows[0]}, {entry.rows[1]}) does not "
+            f"match its CRC-32C in the file ({count} of the rows read do not){more}; the file is damaged",
+            path=files[0])
 
     def _start_whole(self) -> None:
         if self._whole is None:
@@ -244,6 +250,8 @@ class RowReader:
         sel = fetch.sel
         blob = self.payload.blobs[name]
         width = blob.nbytes // blob.shape[0] if blob.shape and blob.shape[0] else 0
+        if not width:
+            return torch.empty(sel.size, 0, dtype=torch.uint8)
         # Copied as the widest integers that tile a row (twice as fast as bytes for 2- and 16-byte rows).
         word = next((t for t in (torch.int64, torch.int32, torch.int16) if width % t.itemsize == 0), torch.uint8)
         per_row = width // word.itemsize

@@ -33,10 +33,12 @@ from cnr_torchrec.ckpt.format.commits import (
 )
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
+from cnr_torchrec.ckpt.format.rows import as_rows
 from cnr_torchrec.ckpt.format.state import decode_ids
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
+from cnr_torchrec.ops import row_crc32c
 from cnr_torchrec.quant import EncodedRows
 
 __all__ = ["Problem", "verify_checkpoint", "verify_root"]
@@ -206,7 +208,7 @@ def _blob_problems(blobs: Mapping[str, Blob], data: bytes) -> list[str]:
 
 class _Entries:
     """Checks what a rank's entries decode to, from the bytes of its sound blobs: row ids that match their
-    count and range, and encoded rows their codec accepts."""
+    count and range, encoded rows their codec accepts, and rows that match their CRC-32C."""
 
     def __init__(self, ckpt_id: int, report: RankReport, data: bytes, sound: set[str],
                  problems: list[Problem]) -> None:
@@ -241,6 +243,12 @@ class _Entries:
                 EncodedRows.from_tensors({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
             except CnrError as e:
                 self.problem(f"{where}: encoded rows are inconsistent ({e})")
+        rows = [*entry.row_blobs, entry.crc32c] if entry.crc32c is not None else []
+        if rows and all(n in self.sound for n in rows):  # format 5: each row against its CRC-32C
+            got = row_crc32c([as_rows(self.tensor(n)) for n in entry.row_blobs])
+            bad = int((got != self.tensor(entry.crc32c)).sum())
+            if bad:
+                self.problem(f"{where}: {bad} stored rows do not match their CRC-32C")
 
 
 def _check_index(storage: Storage, committed: set[int]) -> list[Problem]:
