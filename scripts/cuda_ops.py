@@ -17,6 +17,7 @@ import cnr_torchrec  # noqa: F401  (loads cnr_torchrec._C, which registers the o
 HOST_ONLY = {
     "claim_rows_": "restore bookkeeping: it reads the host-side `filled` masks and the stored row offsets",
     "exhaustive_search": "a measurement for benchmarks/codecs.py, not on any training, save or restore path",
+    "row_crc32c": "the CRCs of stored rows, which a save computes and a restore checks on the host copies it reads",
 }
 
 
