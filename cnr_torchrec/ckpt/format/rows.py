@@ -24,6 +24,7 @@ An entry of format 4 or older has no CRCs: its blobs are read whole, through the
 
 from __future__ import annotations
 
+import math
 import mmap
 import time
 from collections.abc import Sequence
@@ -52,7 +53,7 @@ _PAGE = mmap.PAGESIZE
 def as_rows(t: torch.Tensor) -> torch.Tensor:
     """``t``'s bytes as uint8 ``[rows, bytes a row]`` (``t`` holds one record per row along dim 0)."""
     t = t.detach().contiguous()
-    width = t[0].numel() * t.element_size() if t.dim() > 1 else t.element_size()
+    width = math.prod(t.shape[1:]) * t.element_size()
     return t.view(torch.uint8).reshape(t.shape[0], width) if t.numel() else torch.empty(t.shape[0], width,
                                                                                          dtype=torch.uint8)
 
