@@ -150,17 +150,20 @@ def claim_rows_(filled: torch.Tensor, offsets: torch.Tensor | None, count: int, 
     return _ops.claim_rows_(filled, offsets, count, lo, hi, shift)
 
 
-def row_crc32c(parts: list[torch.Tensor]) -> torch.Tensor:
-    """int32 ``[N]``: the CRC-32C (Castagnoli, as S3 and GCS use it) of each row's bytes across ``parts``.
+def row_crc32c(parts: list[torch.Tensor], rows_per_check: int = 1) -> torch.Tensor:
+    """int32 ``[ceil(N / rows_per_check)]``: the CRC-32C (Castagnoli, as S3 and GCS use it) of each group of
+    ``rows_per_check`` rows, over each row's bytes across ``parts``.
 
-    Row ``i``'s CRC covers ``parts[0][i]``, then ``parts[1][i]``, and so on; every part is
-    a 2-D uint8 CPU tensor ``[N, bytes]`` (a blob viewed as rows). The value is the
+    A group's CRC covers ``parts[0][i]``, ``parts[1][i]``, ... for its first row ``i``,
+    then the same for its next row, and so on; the last group may be shorter. Every part
+    is a 2-D uint8 CPU tensor ``[N, bytes]`` (a blob viewed as rows). The value is the
     unsigned CRC's bits as int32.
 
     Raises:
-        ValueError: no parts, or parts that are not 2-D uint8 CPU tensors of ``N`` rows.
+        ValueError: no parts, parts that are not 2-D uint8 CPU tensors of ``N`` rows, or
+            ``rows_per_check`` < 1.
     """
-    return _ops.row_crc32c(parts)
+    return _ops.row_crc32c(parts, rows_per_check)
 
 
 @torch.library.register_fake("cnr::bitmap_to_rows")

@@ -57,11 +57,13 @@ inline void define_ops(torch::Library& m) {
   // The result is the `rows` of dequantize_uniform_into_ and the `index` of
   // scatter_rows_. A shard row outside `filled` raises before anything changes.
   m.def("claim_rows_(Tensor(a!) filled, Tensor? offsets, int count, int lo, int hi, int shift) -> Tensor", tags);
-  // int32 [N]: the CRC-32C of each row's bytes across `parts`, part
-  // after part: row i's CRC covers parts[0][i], then parts[1][i], and so on.
-  // Every part is 2-D uint8 [N, bytes] on the CPU (cpu/checks.cpp; a save writes
-  // it with the rows, a restore checks the rows it reads against it).
-  m.def("row_crc32c(Tensor[] parts) -> Tensor", tags);
+  // int32 [ceil(N / rows_per_check)]: the CRC-32C of each group of rows_per_check
+  // rows (the last group may be shorter), over each row's bytes across `parts`,
+  // row after row: a group's CRC covers parts[0][i], parts[1][i], ... for its
+  // first row i, then the same for the next row. Every part is 2-D uint8
+  // [N, bytes] on the CPU (cpu/checks.cpp; a save writes them with the rows, a
+  // restore checks the groups it reads against them).
+  m.def("row_crc32c(Tensor[] parts, int rows_per_check=1) -> Tensor", tags);
 
   // ---- row codecs (cpu/codecs*.cpp, cuda/codecs.cu) -------------------------
   // CODEC-SCHEMAS-BEGIN

@@ -885,7 +885,7 @@ def test_minimal_bytes_of_a_baseline_are_its_rows_as_stored(group, tmp_path):
     want = 0
     for report, _, e in m.entries():
         want += sum(report.blobs[n].nbytes for n in [*e.weights.blobs.values(), *(s.blob for s in e.states),
-                                                       e.crc32c])
+                                                       e.checks.blob])
     for report in m.ranks:
         want += sum(report.blobs[n].nbytes for n in report.replicated_tables.values())
     assert m.replicated and stats["minimal_bytes"] == want, (stats, want)

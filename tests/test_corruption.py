@@ -105,8 +105,8 @@ def _edit_manifest(root: str, ckpt_id: int, edit) -> None:
 
 
 def _recompute_row_crcs(manifest: str, rank: int, data: bytearray) -> None:
-    """Rewrites, in ``data`` (rank ``rank``'s payload), every entry's per-row CRC-32C to match its rows, as
-    someone crafting a checkpoint would (google-crc32c computes them)."""
+    """Rewrites, in ``data`` (rank ``rank``'s payload), every entry's CRC-32Cs (one per group of rows) to match
+    its rows, as someone crafting a checkpoint would (google-crc32c computes them)."""
     import google_crc32c
 
     with open(manifest) as f:
@@ -115,14 +115,16 @@ def _recompute_row_crcs(manifest: str, rank: int, data: bytearray) -> None:
     for entries in report["tables"].values():
         for e in entries:
             names = [e["weights"]["blobs"][k] for k in sorted(e["weights"]["blobs"])] + [s["blob"] for s in e["states"]]
-            n = blobs[e["crc32c"]]["shape"][0]
-            crcs = []
-            for i in range(n):
-                row = b"".join(bytes(data[blobs[b]["offset"] + i * (blobs[b]["nbytes"] // n):
-                                          blobs[b]["offset"] + (i + 1) * (blobs[b]["nbytes"] // n)]) for b in names)
-                crcs.append(google_crc32c.value(row))
-            at = blobs[e["crc32c"]]["offset"]
-            data[at : at + 4 * n] = torch.tensor(crcs, dtype=torch.int64).to(torch.int32).numpy().tobytes()
+            n, group = blobs[names[0]]["shape"][0], e["checks"]["rows"]
+
+            def row(i):
+                return b"".join(bytes(data[blobs[b]["offset"] + i * (blobs[b]["nbytes"] // n):
+                                           blobs[b]["offset"] + (i + 1) * (blobs[b]["nbytes"] // n)]) for b in names)
+
+            crcs = [google_crc32c.value(b"".join(row(i) for i in range(g, min(n, g + group))))
+                    for g in range(0, n, group)]
+            at = blobs[e["checks"]["blob"]]["offset"]
+            data[at : at + 4 * len(crcs)] = torch.tensor(crcs, dtype=torch.int64).to(torch.int32).numpy().tobytes()
 
 
 def _untrusted_worker(rank, world_size, work):

@@ -324,6 +324,20 @@ def _dense_blob(body):
     return f"ranks[0].dense[{name!r}]"
 
 
+def _checks_rows(body):
+    at, _, e = _entry(body, "ids")
+    e["checks"]["rows"] = 1 if e["checks"]["rows"] > 1 else 2  # the blob then holds a CRC per other groups
+    return f"{at}.checks.blob"
+
+
+def _checks_dtype(body):
+    at, _, e = _entry(body, "ids")
+    blob = _blob_of(body, e["checks"]["blob"])
+    blob["dtype"], blob["nbytes"] = "uint8", blob["nbytes"] // 4
+    blob["shape"] = [blob["nbytes"]]
+    return f"{at}.checks.blob"
+
+
 def _rng_tensor(body):
     body["ranks"][0]["rng"]["torch"] = {"$tensor": "no such blob"}
     return "ranks[0].rng['torch']"
@@ -378,6 +392,8 @@ CHECKS = {  # the check: (which body, the mutation that only it catches; it retu
     "the columns the codec stores": (1, _meta("dim", 1)),
     "the blobs the codec writes": (1, _weights_blobs),
     "an optimizer state's blob": (1, _state_blob),
+    "the groups an entry's checks cover": (1, _checks_rows),
+    "the dtype of an entry's checks": (1, _checks_dtype),
 }
 
 

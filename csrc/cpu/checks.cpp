@@ -1,5 +1,6 @@
-// CPU kernel of row_crc32c: the CRC-32C of each stored row, so that a restore
-// which reads some rows of an entry checks exactly those (ckpt/format/rows.py).
+// CPU kernel of row_crc32c: the CRC-32C of each group of stored rows, so that a
+// restore which reads some rows of an entry checks the groups it reads, and no
+// more (ckpt/format/rows.py).
 //
 // CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final
 // xor all ones) is the checksum S3, GCS and iSCSI use. x86-64-v2, which the build
@@ -11,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 #include <vector>
@@ -67,8 +69,9 @@ struct Part {
   size_t width;    // bytes of a row
 };
 
-at::Tensor row_crc32c_cpu(at::TensorList parts) {
+at::Tensor row_crc32c_cpu(at::TensorList parts, int64_t rows_per_check) {
   TORCH_CHECK_VALUE(!parts.empty(), "cnr::row_crc32c: give at least one part");
+  TORCH_CHECK_VALUE(rows_per_check >= 1, "cnr::row_crc32c: rows_per_check must be >= 1, got ", rows_per_check);
   const int64_t n = parts[0].dim() > 0 ? parts[0].size(0) : 0;
   std::vector<at::Tensor> keep;  // the parts with contiguous rows, alive while they are read
   std::vector<Part> views;
@@ -83,13 +86,17 @@ at::Tensor row_crc32c_cpu(at::TensorList parts) {
     const at::Tensor& c = keep.back();
     views.push_back({static_cast<const unsigned char*>(c.data_ptr()), c.stride(0), static_cast<size_t>(c.size(1))});
   }
-  auto out = at::empty({n}, parts[0].options().dtype(at::kInt));
+  const int64_t groups = (n + rows_per_check - 1) / rows_per_check;
+  auto out = at::empty({groups}, parts[0].options().dtype(at::kInt));
   auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, n, 16384, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
+  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / rows_per_check), [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g) {
       uint32_t crc = 0xFFFFFFFFu;
-      for (const Part& v : views) crc = crc32c_update(crc, v.data + i * v.stride, v.width);
-      op[i] = ~crc;
+      const int64_t end = std::min(n, (g + 1) * rows_per_check);
+      for (int64_t i = g * rows_per_check; i < end; ++i) {
+        for (const Part& v : views) crc = crc32c_update(crc, v.data + i * v.stride, v.width);
+      }
+      op[g] = ~crc;
     }
   });
   return out;

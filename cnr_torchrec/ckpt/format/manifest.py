@@ -130,11 +130,20 @@ class StateRef:
 
 
 @dataclass(frozen=True)
+class RowChecks:
+    """One CRC-32C (int32, in blob ``blob``) for each group of ``rows`` stored rows of an entry, the last
+    group shorter when the rows do not divide evenly."""
+
+    blob: str
+    rows: int
+
+
+@dataclass(frozen=True)
 class TableEntry:
     """The rows one shard stored of one table: global ``rows`` x ``cols`` ranges, half open.
 
-    Without ``ids`` the entry stores every row of its range, in order. ``crc32c`` (format 5) names
-    a blob of one CRC-32C per stored row (:mod:`~cnr_torchrec.ckpt.format.rows`). A ``residual`` entry
+    Without ``ids`` the entry stores every row of its range, in order. ``checks`` (format 5):
+    the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.rows`). A ``residual`` entry
     adds to the rows the chain restored before it (``quantization.residual``). ``replicated``
     is never stored: it names the blob of a whole float32 table (a data_parallel table, which
     rank 0 stores whole), which restore reads as an entry spanning the table.
@@ -148,12 +157,13 @@ class TableEntry:
     states: tuple[StateRef, ...] = ()
     residual: bool = False
     replicated: str | None = None
-    crc32c: str | None = None
+    checks: RowChecks | None = None
 
     @property
     def row_blobs(self) -> list[str]:
-        """The blobs holding one record per stored row, in the order a row's CRC-32C covers them: the
-        encoded rows' tensors by field name (or the replicated table), then the optimizer states."""
+        """The blobs holding one record per stored row, in the order the row's part of its group's CRC-32C
+        covers them: the encoded rows' tensors by field name (or the replicated table), then the optimizer
+        states."""
         if self.replicated is not None:
             return [self.replicated]
         return [self.weights.blobs[k] for k in sorted(self.weights.blobs)] + [s.blob for s in self.states]

@@ -32,6 +32,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     Manifest,
     Payload,
     RankReport,
+    RowChecks,
     RowIds,
     StateRef,
     TableEntry,
@@ -329,13 +330,16 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
         f.record(state, field, {"rowwise": _type(bool), "blob": _type(str)})
         _blob_shape(f, blobs, state["blob"], f"{field}.blob", (n,) if state["rowwise"] else (n, c1 - c0))
         refs.append(StateRef(rowwise=state["rowwise"], blob=state["blob"]))
-    crc = entry.get("crc32c")
-    if crc is not None:
-        _blob_shape(f, blobs, crc, f"{where}.crc32c", (n,))
-        if blobs[crc].dtype != "int32":
-            f.fail(f"{where}.crc32c", f"names a blob of {blobs[crc].dtype}, where int32 is needed")
+    checks = None
+    if "checks" in entry:  # format 5
+        raw = entry["checks"]
+        f.record(raw, f"{where}.checks", {"blob": _type(str), "rows": _int(1, 1 << 40)})
+        _blob_shape(f, blobs, raw["blob"], f"{where}.checks.blob", (-(-n // raw["rows"]),))
+        if blobs[raw["blob"]].dtype != "int32":
+            f.fail(f"{where}.checks.blob", f"names a blob of {blobs[raw['blob']].dtype}, where int32 is needed")
+        checks = RowChecks(blob=raw["blob"], rows=raw["rows"])
     return TableEntry(rows=(r0, r1), cols=(c0, c1), encoding=entry["encoding"], weights=weights, ids=ids,
-                      states=tuple(refs), residual=bool(entry.get("residual")), crc32c=crc)
+                      states=tuple(refs), residual=bool(entry.get("residual")), checks=checks)
 
 
 def _check_weights(f: _Fields, weights: Any, where: str, n: int, dim: int, blobs: Mapping[str, Blob]) -> Weights:

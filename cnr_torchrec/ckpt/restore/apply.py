@@ -188,7 +188,7 @@ class Applier:
         left out)."""
         if self._stats is None or not n_stored:
             return 0.0
-        names = entry.row_blobs + ([entry.crc32c] if entry.crc32c is not None else [])
+        names = entry.row_blobs + ([entry.checks.blob] if entry.checks is not None else [])
         return sum(blobs[n].nbytes for n in names) / n_stored
 
     def _claim(self, table: str, entry: TableEntry, target: _Target, row_ov: tuple[int, int],

@@ -243,12 +243,12 @@ class _Entries:
                 EncodedRows.from_tensors({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
             except CnrError as e:
                 self.problem(f"{where}: encoded rows are inconsistent ({e})")
-        rows = [*entry.row_blobs, entry.crc32c] if entry.crc32c is not None else []
-        if rows and all(n in self.sound for n in rows):  # format 5: each row against its CRC-32C
-            got = row_crc32c([as_rows(self.tensor(n)) for n in entry.row_blobs])
-            bad = int((got != self.tensor(entry.crc32c)).sum())
+        checks = entry.checks
+        if checks is not None and all(n in self.sound for n in [*entry.row_blobs, checks.blob]):  # format 5
+            got = row_crc32c([as_rows(self.tensor(n)) for n in entry.row_blobs], checks.rows)
+            bad = int((got != self.tensor(checks.blob)).sum())
             if bad:
-                self.problem(f"{where}: {bad} stored rows do not match their CRC-32C")
+                self.problem(f"{where}: {bad} groups of {checks.rows} stored rows do not match their CRC-32C")
 
 
 def _check_index(storage: Storage, committed: set[int]) -> list[Problem]:
