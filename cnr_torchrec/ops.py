@@ -150,20 +150,24 @@ def claim_rows_(filled: torch.Tensor, offsets: torch.Tensor | None, count: int, 
     return _ops.claim_rows_(filled, offsets, count, lo, hi, shift)
 
 
-def row_crc32c(parts: list[torch.Tensor], rows_per_check: int = 1) -> torch.Tensor:
+def row_crc32c(parts: list[torch.Tensor], rows_per_check: int = 1, groups: torch.Tensor | None = None
+               ) -> torch.Tensor:
     """int32 ``[ceil(N / rows_per_check)]``: the CRC-32C (Castagnoli, as S3 and GCS use it) of each group of
-    ``rows_per_check`` rows, over each row's bytes across ``parts``.
+    ``rows_per_check`` rows, over each row's bytes across ``parts``; with ``groups`` (int64), the CRCs of
+    those groups only, in that order (hashed where the rows lie, with no copy).
 
-    A group's CRC covers ``parts[0][i]``, ``parts[1][i]``, ... for its first row ``i``,
-    then the same for its next row, and so on; the last group may be shorter. Every part
+    A group of rows ``i..j`` has the CRC of ``parts[0][i:j]``, then ``parts[1][i:j]``, and
+    so on (for groups of one row: the row's bytes across the parts); the last group may be
+    shorter. Every part
     is a 2-D uint8 CPU tensor ``[N, bytes]`` (a blob viewed as rows). The value is the
     unsigned CRC's bits as int32.
 
     Raises:
         ValueError: no parts, parts that are not 2-D uint8 CPU tensors of ``N`` rows, or
             ``rows_per_check`` < 1.
+        IndexError: a group past the parts' rows.
     """
-    return _ops.row_crc32c(parts, rows_per_check)
+    return _ops.row_crc32c(parts, rows_per_check, groups)
 
 
 @torch.library.register_fake("cnr::bitmap_to_rows")

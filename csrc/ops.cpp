@@ -31,10 +31,11 @@ void bitmap_clear_meta(const at::Tensor& /*bitmap*/, int64_t /*start*/, int64_t 
 
 void scatter_rows_meta(const at::Tensor& /*out*/, const at::Tensor& /*index*/, const at::Tensor& /*src*/) {}
 
-at::Tensor row_crc32c_meta(at::TensorList parts, int64_t rows_per_check) {
+at::Tensor row_crc32c_meta(at::TensorList parts, int64_t rows_per_check, const std::optional<at::Tensor>& groups) {
   TORCH_CHECK_VALUE(!parts.empty(), "cnr::row_crc32c: give at least one part");
   TORCH_CHECK_VALUE(rows_per_check >= 1, "cnr::row_crc32c: rows_per_check must be >= 1, got ", rows_per_check);
-  return at::empty({(parts[0].size(0) + rows_per_check - 1) / rows_per_check}, parts[0].options().dtype(at::kInt));
+  const int64_t count = groups ? groups->numel() : (parts[0].size(0) + rows_per_check - 1) / rows_per_check;
+  return at::empty({count}, parts[0].options().dtype(at::kInt));
 }
 
 at::Tensor claim_rows_meta(const at::Tensor& filled, const std::optional<at::Tensor>& /*offsets*/, int64_t count,

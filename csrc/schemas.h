@@ -58,12 +58,14 @@ inline void define_ops(torch::Library& m) {
   // scatter_rows_. A shard row outside `filled` raises before anything changes.
   m.def("claim_rows_(Tensor(a!) filled, Tensor? offsets, int count, int lo, int hi, int shift) -> Tensor", tags);
   // int32 [ceil(N / rows_per_check)]: the CRC-32C of each group of rows_per_check
-  // rows (the last group may be shorter), over each row's bytes across `parts`,
-  // row after row: a group's CRC covers parts[0][i], parts[1][i], ... for its
-  // first row i, then the same for the next row. Every part is 2-D uint8
+  // rows (the last group may be shorter), over the group's rows of `parts`, part
+  // after part: a group's CRC covers parts[0][i..j), then parts[1][i..j), and so
+  // on (for one row a group, that row's bytes across the parts). Every part is 2-D uint8
   // [N, bytes] on the CPU (cpu/checks.cpp; a save writes them with the rows, a
-  // restore checks the groups it reads against them).
-  m.def("row_crc32c(Tensor[] parts, int rows_per_check=1) -> Tensor", tags);
+  // restore checks the groups it reads against them). With `groups` (int64),
+  // only those groups' CRCs, in that order: a reader hashes the groups it
+  // needs in place, with no copy.
+  m.def("row_crc32c(Tensor[] parts, int rows_per_check=1, Tensor? groups=None) -> Tensor", tags);
 
   // ---- row codecs (cpu/codecs*.cpp, cuda/codecs.cu) -------------------------
   // CODEC-SCHEMAS-BEGIN

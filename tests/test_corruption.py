@@ -117,11 +117,11 @@ def _recompute_row_crcs(manifest: str, rank: int, data: bytearray) -> None:
             names = [e["weights"]["blobs"][k] for k in sorted(e["weights"]["blobs"])] + [s["blob"] for s in e["states"]]
             n, group = blobs[names[0]]["shape"][0], e["checks"]["rows"]
 
-            def row(i):
-                return b"".join(bytes(data[blobs[b]["offset"] + i * (blobs[b]["nbytes"] // n):
-                                           blobs[b]["offset"] + (i + 1) * (blobs[b]["nbytes"] // n)]) for b in names)
+            def rows(b, i, j):  # rows i..j of blob b
+                width = blobs[b]["nbytes"] // n
+                return bytes(data[blobs[b]["offset"] + i * width : blobs[b]["offset"] + j * width])
 
-            crcs = [google_crc32c.value(b"".join(row(i) for i in range(g, min(n, g + group))))
+            crcs = [google_crc32c.value(b"".join(rows(b, g, min(n, g + group)) for b in names))
                     for g in range(0, n, group)]
             at = blobs[e["checks"]["blob"]]["offset"]
             data[at : at + 4 * len(crcs)] = torch.tensor(crcs, dtype=torch.int64).to(torch.int32).numpy().tobytes()

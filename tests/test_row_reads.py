@@ -36,14 +36,17 @@ def test_row_crc32c_is_crc32c_of_each_row(widths):
     assert [v & 0xFFFFFFFF for v in got.tolist()] == _reference(parts)
 
 
-@pytest.mark.parametrize("group", [2, 23, 256, 300])
+@pytest.mark.parametrize("group", [2, 23, 256, 300])  # part after part over each group's rows
 def test_row_crc32c_of_groups_covers_their_rows_in_order(group):
     gen = torch.Generator().manual_seed(group)
     parts = [torch.randint(0, 256, (257, w), dtype=torch.uint8, generator=gen) for w in (16, 2, 4)]
     got = ops.row_crc32c(parts, group)
-    rows = [b"".join(bytes(p[i].numpy()) for p in parts) for i in range(257)]
-    want = [google_crc32c.value(b"".join(rows[g : g + group])) for g in range(0, 257, group)]
+    want = [google_crc32c.value(b"".join(bytes(p[g : g + group].numpy()) for p in parts)) for g in range(0, 257, group)]
     assert [v & 0xFFFFFFFF for v in got.tolist()] == want  # the last group holds what is left
+    picked = torch.tensor([got.numel() - 1, 0, got.numel() - 1])  # any groups, in any order
+    assert torch.equal(ops.row_crc32c(parts, group, picked), got[picked])
+    strided = [torch.cat([p, p], dim=1)[:, : p.shape[1]] for p in parts]  # rows apart: hashed row by row
+    assert torch.equal(ops.row_crc32c(strided, group), got)
 
 
 def test_row_crc32c_reads_column_slices_and_no_rows():

@@ -69,7 +69,7 @@ struct Part {
   size_t width;    // bytes of a row
 };
 
-at::Tensor row_crc32c_cpu(at::TensorList parts, int64_t rows_per_check) {
+at::Tensor row_crc32c_cpu(at::TensorList parts, int64_t rows_per_check, const std::optional<at::Tensor>& groups) {
   TORCH_CHECK_VALUE(!parts.empty(), "cnr::row_crc32c: give at least one part");
   TORCH_CHECK_VALUE(rows_per_check >= 1, "cnr::row_crc32c: rows_per_check must be >= 1, got ", rows_per_check);
   const int64_t n = parts[0].dim() > 0 ? parts[0].size(0) : 0;
@@ -86,17 +86,36 @@ at::Tensor row_crc32c_cpu(at::TensorList parts, int64_t rows_per_check) {
     const at::Tensor& c = keep.back();
     views.push_back({static_cast<const unsigned char*>(c.data_ptr()), c.stride(0), static_cast<size_t>(c.size(1))});
   }
-  const int64_t groups = (n + rows_per_check - 1) / rows_per_check;
-  auto out = at::empty({groups}, parts[0].options().dtype(at::kInt));
+  const int64_t all = (n + rows_per_check - 1) / rows_per_check;
+  at::Tensor which;
+  if (groups) {
+    TORCH_CHECK_VALUE(groups->dim() == 1 && groups->scalar_type() == at::kLong && groups->device().is_cpu(),
+                      "cnr::row_crc32c: groups must be a 1-D int64 CPU tensor, got ", groups->scalar_type(), " ",
+                      groups->sizes());
+    which = groups->contiguous();
+    const int64_t* gp = which.data_ptr<int64_t>();
+    for (int64_t j = 0; j < which.numel(); ++j) {
+      TORCH_CHECK_INDEX(gp[j] >= 0 && gp[j] < all, "cnr::row_crc32c: group ", gp[j], " is outside the ", all,
+                        " groups of ", rows_per_check, " of the parts' ", n, " rows");
+    }
+  }
+  const int64_t count = groups ? which.numel() : all;
+  const int64_t* gp = groups ? which.data_ptr<int64_t>() : nullptr;
+  auto out = at::empty({count}, parts[0].options().dtype(at::kInt));
   auto* op = reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>());
-  at::parallel_for(0, groups, std::max<int64_t>(1, 16384 / rows_per_check), [&](int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; ++g) {
+  at::parallel_for(0, count, std::max<int64_t>(1, 16384 / rows_per_check), [&](int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t g = gp ? gp[j] : j;
       uint32_t crc = 0xFFFFFFFFu;
-      const int64_t end = std::min(n, (g + 1) * rows_per_check);
-      for (int64_t i = g * rows_per_check; i < end; ++i) {
-        for (const Part& v : views) crc = crc32c_update(crc, v.data + i * v.stride, v.width);
+      const int64_t first = g * rows_per_check, end = std::min(n, first + rows_per_check);
+      for (const Part& v : views) {
+        if (v.stride == static_cast<int64_t>(v.width)) {  // the group's rows of this part are one run of bytes
+          crc = crc32c_update(crc, v.data + first * v.stride, static_cast<size_t>(end - first) * v.width);
+        } else {
+          for (int64_t i = first; i < end; ++i) crc = crc32c_update(crc, v.data + i * v.stride, v.width);
+        }
       }
-      op[g] = ~crc;
+      op[j] = ~crc;
     }
   });
   return out;

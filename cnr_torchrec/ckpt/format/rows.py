@@ -2,9 +2,9 @@
 
 Every blob of an entry's rows holds one record per stored row: the codec's tensors, the
 optimizer states. Since format 5 an entry also stores ``checks``: one CRC-32C for each group
-of ``rows`` consecutive stored rows, over the group's rows one after the other, each row's
-bytes in each of those blobs in turn (:attr:`~cnr_torchrec.ckpt.format.manifest.TableEntry.row_blobs`
-gives the order; ``torch.ops.cnr.row_crc32c`` computes them). A group holds about
+of ``rows`` consecutive stored rows, over the group's bytes in each of those blobs in turn
+(:attr:`~cnr_torchrec.ckpt.format.manifest.TableEntry.row_blobs` gives the order;
+``torch.ops.cnr.row_crc32c`` computes them). A group holds about
 :data:`CHECK_BYTES` of rows. A reader that needs some rows of an entry fetches only the
 groups that hold them and checks every byte it uses.
 
@@ -81,18 +81,30 @@ def write_rows(blobs: BlobWriter, prefix: str, encoded: EncodedRows,
 
 
 class _Fetch:
-    """The pending reads of one entry's needed rows: the groups that hold them, and per blob the spans
-    that hold those."""
+    """The pending reads of one entry's needed rows: the check groups that hold them, and per blob the spans
+    that hold those groups."""
 
-    def __init__(self, sel: np.ndarray, groups: np.ndarray, full: np.ndarray) -> None:
-        self.sel = sel  # the rows asked for
-        self.groups = groups  # the check groups that hold them
-        self.full = full  # every row of those groups
+    def __init__(self, sel: np.ndarray, size: int, n: int) -> None:
+        self.sel, self.size, self.n = sel, size, n  # the rows asked for; rows a group; rows of the entry
+        if size == 1:
+            self.groups = sel
+        else:
+            of = sel // size  # sorted, so the distinct groups are where it changes
+            first = np.empty(of.size, dtype=bool)
+            first[:1] = True
+            np.not_equal(of[1:], of[:-1], out=first[1:])
+            self.groups = of[first]
         self.spans: dict[str, list[tuple[int, int, Any]]] = {}  # blob -> [(first, end, bytes or their Future)]
 
-    def positions(self, rows_blob: bool) -> np.ndarray:
-        """What to read of a row blob (every row of the groups), or of the checks blob (the groups)."""
-        return self.full if rows_blob else self.groups
+    @property
+    def full(self) -> np.ndarray:
+        """Every row of the groups, in order."""
+        if self.size == 1:
+            return self.sel
+        starts = self.groups * self.size
+        lens = np.minimum(starts + self.size, self.n) - starts
+        before = np.cumsum(lens) - lens  # rows of the groups ahead of each
+        return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - before, lens)
 
 
 class RowReader:
@@ -163,11 +175,10 @@ class RowReader:
         if entry.checks is None:
             self._start_whole()
             return
-        fetch = _groups(sel.numpy(), entry.checks.rows, entry.num_stored)
+        fetch = _Fetch(sel.numpy(), entry.checks.rows, entry.num_stored)
         for name in entry.row_blobs:
-            fetch.spans[name] = self._spans(self.payload.blobs[name], entry.num_stored, fetch.full)
-        checks = self.payload.blobs[entry.checks.blob]
-        fetch.spans[entry.checks.blob] = self._spans(checks, checks.shape[0], fetch.groups)
+            fetch.spans[name] = self._spans(self.payload.blobs[name], fetch.groups, fetch.size)
+        fetch.spans[entry.checks.blob] = self._spans(self.payload.blobs[entry.checks.blob], fetch.groups, 1)
         self._pending[id(entry)] = fetch
 
     def rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
@@ -180,16 +191,35 @@ class RowReader:
         if fetch is None:
             self.prefetch(entry, sel)
             fetch = self._pending.pop(id(entry))
-        parts = [self._gather(name, fetch, fetch.full) for name in entry.row_blobs]
-        got = row_crc32c(parts, entry.checks.rows)
+        size = entry.checks.rows
+        whole = self._in_place(entry.row_blobs, fetch)
+        if whole is not None:  # hash the groups where they lie, copy out the asked-for rows only
+            got = row_crc32c(whole, size, torch.from_numpy(fetch.groups))
+            parts = [self._gather(name, fetch, fetch.sel) for name in entry.row_blobs]
+        else:  # copy out the groups, hash them, keep the asked-for rows
+            full = fetch.full
+            parts = [self._gather(name, fetch, full) for name in entry.row_blobs]
+            got = row_crc32c(parts, size)
+            if full.size != fetch.sel.size:
+                keep = torch.from_numpy(np.searchsorted(full, fetch.sel))
+                parts = [p.index_select(0, keep) for p in parts]
         want = self._gather(entry.checks.blob, fetch, fetch.groups).view(torch.int32).reshape(-1)
         bad = np.flatnonzero((got != want).numpy())
         if bad.size:
-            self._corrupt(entry, int(fetch.groups[bad[0]]) * entry.checks.rows, bad.size)
-        if fetch.full.size != fetch.sel.size:  # the asked-for rows out of their groups
-            keep = torch.from_numpy(np.searchsorted(fetch.full, fetch.sel))
-            parts = [p.index_select(0, keep) for p in parts]
+            self._corrupt(entry, int(fetch.groups[bad[0]]) * size, bad.size)
         return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
+
+    def _in_place(self, names: list[str], fetch: _Fetch) -> list[torch.Tensor] | None:
+        """Every row of each blob ``names`` as a uint8 ``[rows, width]`` view of its mapped chunk, when each
+        lies in one chunk (else None)."""
+        views = []
+        for name in names:
+            spans, blob = fetch.spans[name], self.payload.blobs[name]
+            n = blob.shape[0]
+            if len(spans) != 1 or spans[0][:2] != (0, n) or isinstance(spans[0][2], Future):
+                return None
+            views.append(torch.frombuffer(spans[0][2], dtype=torch.uint8).view(n, blob.nbytes // n))
+        return views
 
     def _typed(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         blob = self.payload.blobs[name]
@@ -217,19 +247,21 @@ class RowReader:
 
     # ------------------------------------------------------------------ byte ranges
 
-    def _spans(self, blob: Blob, n: int, sel: np.ndarray) -> list[tuple[int, int, Any]]:
-        """Row spans of ``blob`` that cover ``sel``, each with its bytes (or a Future of them)."""
-        if not sel.size or not blob.nbytes:
+    def _spans(self, blob: Blob, groups: np.ndarray, size: int) -> list[tuple[int, int, Any]]:
+        """Row spans of ``blob`` that cover groups ``groups`` of ``size`` rows (sorted), each with its bytes (or
+        a Future of them)."""
+        n = blob.shape[0] if blob.shape else 0
+        if not groups.size or not blob.nbytes:
             return []
         width = blob.nbytes // n
         if self._mapped:
-            return self._mapped_spans(blob, width, sel)
-        gap = max(0, REMOTE_GAP_BYTES // width)
-        cut = np.flatnonzero(np.diff(sel) > gap + 1)
-        starts = sel[np.concatenate(([0], cut + 1))]
-        ends = sel[np.concatenate((cut, [sel.size - 1]))] + 1
+            return self._mapped_spans(blob, width, groups, size)
+        gap = REMOTE_GAP_BYTES // (width * size)  # in groups
+        cut = np.flatnonzero(np.diff(groups) > gap + 1)
+        firsts = groups[np.concatenate(([0], cut + 1))] * size
+        ends = np.minimum((groups[np.concatenate((cut, [groups.size - 1]))] + 1) * size, n)
         spans = []
-        for r0, r1 in zip(starts.tolist(), ends.tolist()):
+        for r0, r1 in zip(firsts.tolist(), ends.tolist()):
             start, end = blob.offset + r0 * width, blob.offset + r1 * width
             if self._pool is None:
                 data: Any = self._get(self.storage, start, end)
@@ -239,18 +271,20 @@ class RowReader:
             self._count(end - start, len(self._covering(start, end)))
         return spans
 
-    def _mapped_spans(self, blob: Blob, width: int, sel: np.ndarray) -> list[tuple[int, int, Any]]:
+    def _mapped_spans(self, blob: Blob, width: int, groups: np.ndarray, size: int) -> list[tuple[int, int, Any]]:
         """Views of the mapped chunks, one per chunk the blob's rows lie in whole (a row cut by a chunk's
-        end is joined, alone), after telling the kernel which pages will be read."""
+        end is joined, alone), after telling the kernel which pages of the groups will be read."""
         spans = []
         n = blob.nbytes // width
+        starts = groups * size
+        ends = np.minimum(starts + size, n)
         for k in self._covering(blob.offset, blob.end):
             c = self.payload.chunks[k]
             r0 = max(0, -(-(c.start - blob.offset) // width))  # first row that starts in the chunk
             r1 = min(n, (c.end - blob.offset) // width)  # past the last row that ends in it
             if blob.offset < c.start < blob.offset + r0 * width:  # row r0 - 1 straddles the chunk's start
-                i = int(np.searchsorted(sel, r0 - 1))
-                if i < sel.size and sel[i] == r0 - 1:
+                i = int(np.searchsorted(ends, r0 - 1, side="right"))
+                if i < groups.size and starts[i] <= r0 - 1:
                     start = blob.offset + (r0 - 1) * width
                     spans.append((r0 - 1, r0, self._get(self.storage, start, start + width)))
                     self._count(width, 1)
@@ -262,10 +296,12 @@ class RowReader:
                 raise CorruptCheckpointError(
                     f"{c.path} is truncated: it has {len(mm)} bytes, the manifest puts rows up to byte {hi} in it",
                     path=c.path)
-            a, b = np.searchsorted(sel, [r0, r1])
-            if b > a:
-                self._advise(mm, lo + (int(sel[a]) - r0) * width, lo + (int(sel[b - 1]) - r0 + 1) * width)
-                self._count(int(b - a) * width, 0)
+            a, b = int(np.searchsorted(ends, r0, side="right")), int(np.searchsorted(starts, r1))
+            if b > a:  # groups a..b-1 have rows in this chunk
+                first, last = max(int(starts[a]), r0), min(int(ends[b - 1]), r1)
+                self._advise(mm, lo + (first - r0) * width, lo + (last - r0) * width)
+                rows = np.minimum(ends[a:b], r1) - np.maximum(starts[a:b], r0)
+                self._count(int(rows.sum()) * width, 0)
             spans.append((r0, r1, memoryview(mm)[lo:hi]))
         spans.sort(key=lambda s: s[0])
         return spans
@@ -337,15 +373,3 @@ class RowReader:
 def chunk_of(payload: Payload, offset: int) -> Chunk:
     """The chunk that holds byte ``offset`` of ``payload``."""
     return next((c for c in payload.chunks if c.start <= offset < c.end), payload.chunks[-1])
-
-
-def _groups(sel: np.ndarray, rows: int, n: int) -> _Fetch:
-    """The check groups of ``rows`` rows (of ``n``) that hold rows ``sel`` (sorted), and all their rows."""
-    groups = np.unique(sel // rows) if rows > 1 else sel
-    if rows == 1:
-        return _Fetch(sel, groups, sel)
-    starts = groups * rows
-    lens = np.minimum(starts + rows, n) - starts
-    before = np.cumsum(lens) - lens  # rows of the groups ahead of each
-    full = np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - before, lens)
-    return _Fetch(sel, groups, full)
