@@ -499,7 +499,8 @@ def main() -> None:
         for label, b in breakdowns.items():
             print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>12,d}" for p in parts))
         print("w params: per-row scale and bias (or codebook) of the quantized rows; opt state: the fused "
-              "optimizer's per-row state; row crcs: one CRC-32C per stored row (format 5)")
+              "optimizer's per-row state; row crcs: one CRC-32C per group of about 512 bytes of stored rows "
+              "(format 5)")
         print("\nwhere each policy's restore goes (ms, each phase's slowest rank, median of the reps):")
         for label, b in restore_breakdowns.items():
             print(f"{label:<18s} {breakdown_line(b)}")
