@@ -8,9 +8,9 @@
 # venv already satisfies the declared dependencies (nothing to download, torch untouched);
 # then the wheel is built, installed and checked (scripts/install_check.py imports; with the
 # CUDA venv, scripts/cuda_ops.py). The CPU venv also builds the portable extension
-# (CNR_PORTABLE=1: no x86 intrinsics, no -march), runs tests/test_codecs.py and
-# tests/test_tracking_ops.py against it, and compares its codec digest with the default
-# build's. Where Debian's aarch64 cross compiler is installed (g++-aarch64-linux-gnu), the
+# (CNR_PORTABLE=1: no x86 intrinsics, no -march), runs tests/test_codecs.py,
+# tests/test_tracking_ops.py and tests/test_row_crc32c.py against it, and compares its
+# codec digest with the default build's. Where Debian's aarch64 cross compiler is installed (g++-aarch64-linux-gnu), the
 # CPU sources are also compiled for aarch64, a CPU with no x86 intrinsics; without it that
 # step is skipped. Every step is timed.
 #
@@ -103,7 +103,8 @@ portable_tests() {
   rm -rf "$work/tests-portable"
   mkdir "$work/tests-portable"
   cp -a "$src/tests" "$src/pyproject.toml" "$work/tests-portable/"
-  (cd "$work/tests-portable" && run_in portable "$cpu_venv" -m pytest -q tests/test_codecs.py tests/test_tracking_ops.py)
+  (cd "$work/tests-portable" && run_in portable "$cpu_venv" -m pytest -q tests/test_codecs.py tests/test_tracking_ops.py \
+    tests/test_row_crc32c.py)
 }
 
 aarch64_compiles() {
@@ -131,7 +132,7 @@ build_and_install portable "$cpu_venv" CNR_PORTABLE=1
 step "portable: import from outside the tree" imports_ok portable "$cpu_venv"
 step "portable: no AVX instructions" no_wide_vectors portable
 step "portable: same codec bytes as the default build" same_digest
-step "portable: tests/test_codecs.py tests/test_tracking_ops.py" portable_tests
+step "portable: tests/test_codecs.py tests/test_tracking_ops.py tests/test_row_crc32c.py" portable_tests
 if command -v aarch64-linux-gnu-g++ >/dev/null; then
   step "aarch64: cross-compile the CPU sources" aarch64_compiles
 else
