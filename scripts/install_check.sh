@@ -10,9 +10,9 @@
 # CUDA venv, scripts/cuda_ops.py). The CPU venv also builds the portable extension
 # (CNR_PORTABLE=1: no x86 intrinsics, no -march), runs tests/test_codecs.py,
 # tests/test_tracking_ops.py and tests/test_row_crc32c.py against it, and compares its
-# codec digest with the default build's. Where Debian's aarch64 cross compiler is installed (g++-aarch64-linux-gnu), the
-# CPU sources are also compiled for aarch64, a CPU with no x86 intrinsics; without it that
-# step is skipped. Every step is timed.
+# codec digest with the default build's. Where Debian's aarch64 cross compiler is installed
+# (g++-aarch64-linux-gnu), the CPU sources are also compiled for aarch64, a CPU with no x86
+# intrinsics; without it that step is skipped. Every step is timed.
 #
 # Usage: scripts/install_check.sh SRC CPU_VENV CUDA_VENV
 #   SRC: a clean copy of the tree (no build outputs); it is not modified.
