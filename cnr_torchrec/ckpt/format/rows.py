@@ -88,6 +88,8 @@ class _Fetch:
         self.sel, self.size, self.n = sel, size, n  # the rows asked for; rows a group; rows of the entry
         if size == 1:
             self.groups = sel
+        elif sel.size == n:  # every row (sorted and distinct): every group
+            self.groups = np.arange(-(-n // size), dtype=np.int64)
         else:
             of = sel // size  # sorted, so the distinct groups are where it changes
             first = np.empty(of.size, dtype=bool)
@@ -307,11 +309,17 @@ class RowReader:
         return spans
 
     def _gather(self, name: str, fetch: _Fetch, sel: np.ndarray) -> torch.Tensor:
-        """Rows ``sel`` of blob ``name`` as uint8 ``[rows, width]``, copied out of their spans."""
+        """Rows ``sel`` of blob ``name`` as uint8 ``[rows, width]``, copied out of their spans (or, for every
+        row of a blob read in one piece, that piece itself)."""
         blob = self.payload.blobs[name]
         width = blob.nbytes // blob.shape[0] if blob.shape and blob.shape[0] else 0
         if not width:
             return torch.empty(sel.size, 0, dtype=torch.uint8)
+        spans = fetch.spans[name]
+        if len(spans) == 1 and spans[0][:2] == (0, sel.size) and blob.shape[0] == sel.size:
+            buf = self._landed(spans[0][2])
+            if len(buf) == sel.size * width:  # all rows, sorted and distinct: the span as it lies
+                return torch.frombuffer(buf, dtype=torch.uint8).view(sel.size, width)
         # Copied as the widest integers that tile a row (twice as fast as bytes for 2- and 16-byte rows).
         word = next((t for t in (torch.int64, torch.int32, torch.int16) if width % t.itemsize == 0), torch.uint8)
         per_row = width // word.itemsize

@@ -236,12 +236,16 @@ class Applier:
             saved_states = rows[len(keys):]
         states = [(s.rowwise, t) for s, t in zip(entry.states, saved_states)]
         for claim in plan.claims:
-            maps = [mp.index_select(0, sel) for mp in claim.maps]
-            state_map = claim.state_map.index_select(0, sel) if claim.state_map is not None else None
+            every = m == entry.num_stored  # every stored row was read: the maps as they are
+            maps = [mp if every else mp.index_select(0, sel) for mp in claim.maps]
+            state_map = claim.state_map
+            if state_map is not None and not every:
+                state_map = state_map.index_select(0, sel)
             self._write(claim, entry, maps, state_map, encoded, weights, states if claim.with_states else [])
             if self._stats is not None:
                 width = entry.cols[1] - entry.cols[0]
-                applied = sum(int((mp >= 0).sum()) * (seg[1] - seg[0]) / width for seg, mp in zip(claim.segs, maps))
+                applied = sum(np.count_nonzero(mp.numpy() >= 0) * (seg[1] - seg[0]) / width
+                              for seg, mp in zip(claim.segs, maps))
                 self._stats["minimal_bytes"] = self._stats.get("minimal_bytes", 0) + round(applied * plan.row_bytes)
 
     def _write(self, claim: _Claim, entry: TableEntry, maps: list[torch.Tensor], state_map: torch.Tensor | None,
