@@ -24,8 +24,8 @@ import reliability as R  # noqa: E402
 def _specs():
     from examples.toy import TableSpec
 
-    # row_wise and column_wise shards, a table-wise one and a data_parallel table
-    return [TableSpec("t0", 600, 8, "row_wise", "ebc"), TableSpec("t1", 400, 8, "column_wise", "ebc"),
+    # row_wise and column_wise shards, a table-wise one and a data_parallel table; t0's 48-byte rows straddle 4 KiB
+    return [TableSpec("t0", 600, 12, "row_wise", "ebc"), TableSpec("t1", 400, 8, "column_wise", "ebc"),
             TableSpec("t2", 300, 4, "table_wise", "ebc"), TableSpec("t3", 40, 4, "data_parallel", "ebc")]
 
 
@@ -37,7 +37,7 @@ def _config(root: str, options: dict | None = None, **kw):
                         "quantization": {"method": "none"}, **kw})
 
 
-def _chain(root: str, options: dict | None = None, deltas: int = 3):
+def _chain(root: str, options: dict | None = None, deltas: int = 3, **config):
     """A baseline and ``deltas`` deltas of a trained toy model; returns (dmp, opt, state after the last save)."""
     from _toy import build_dmp, local_state, train
 
@@ -46,7 +46,7 @@ def _chain(root: str, options: dict | None = None, deltas: int = 3):
     specs = _specs()
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(0)
-    with Checkpointer(dmp, _config(root, options), dense_optimizer=opt) as ck:
+    with Checkpointer(dmp, _config(root, options, **config), dense_optimizer=opt) as ck:
         for step in range(deltas + 1):
             train(dmp, specs, opt, 3, gen)
             _sweep_t2(dmp, specs, opt)
@@ -70,7 +70,7 @@ def _sweep_t2(dmp, specs, opt) -> None:
     opt.zero_grad()
 
 
-def _restore(dmp, opt, root: str, options: dict | None = None, on_corrupt: str = "fail"):
+def _restore(dmp, opt, root: str, options: dict | None = None, on_corrupt: str = "fail", **config):
     """Scrambles the model, restores the newest checkpoint; returns (state, stats)."""
     from _toy import local_state
 
@@ -79,7 +79,7 @@ def _restore(dmp, opt, root: str, options: dict | None = None, on_corrupt: str =
     with torch.no_grad():
         for p in dmp.parameters():
             p.add_(1.0)
-    with Checkpointer(dmp, _config(root, options, on_corrupt=on_corrupt), dense_optimizer=opt) as ck:
+    with Checkpointer(dmp, _config(root, options, on_corrupt=on_corrupt, **config), dense_optimizer=opt) as ck:
         ck.restore()
         return local_state(dmp), ck.last_restore_stats
 
@@ -284,3 +284,33 @@ def test_rows_that_differ_from_their_crcs_are_named_even_under_resealed_checksum
     with pytest.raises(CorruptCheckpointError, match="CRC-32C") as e:
         _restore(dmp, opt, path)
     assert e.value.path == file
+
+
+@pytest.mark.parametrize("flip", [False, True])
+def test_groups_cut_by_a_chunks_end_are_checked(group, tmp_path, flip):
+    """Payloads in 4 KiB chunks, so that rows and check groups straddle chunk ends: the restore is exact, and
+    a flipped first byte of a chunk that holds rows of the tip's entries is named."""
+    from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    path = str(tmp_path / "ck")
+    dmp, opt, want = _chain(path, chunk_bytes=4096)
+    if not flip:
+        got, _ = _restore(dmp, opt, path, chunk_bytes=4096)
+        assert _equal(got, want)
+        return
+    storage = Storage(path)
+    tip = load_manifest(storage, committed_ids(storage)[-1])
+    cuts = []
+    for report, _, e in tip.entries():
+        for name in e.row_blobs:
+            blob = report.blobs[name]
+            cuts += [(c.path, c.start) for c in report.payload.chunks[1:] if blob.offset < c.start < blob.end
+                     and (c.start - blob.offset) % (blob.nbytes // e.num_stored)]  # a row cut by the chunk's end
+    assert cuts, "no row straddles a chunk's end"
+    file, _ = cuts[len(cuts) // 2]
+    _flip(storage, file, 0)
+    storage.close()
+    with pytest.raises(CorruptCheckpointError, match="CRC-32C"):
+        _restore(dmp, opt, path, chunk_bytes=4096)

@@ -101,12 +101,7 @@ class _Fetch:
     @property
     def full(self) -> np.ndarray:
         """Every row of the groups, in order."""
-        if self.size == 1:
-            return self.sel
-        starts = self.groups * self.size
-        lens = np.minimum(starts + self.size, self.n) - starts
-        before = np.cumsum(lens) - lens  # rows of the groups ahead of each
-        return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - before, lens)
+        return self.sel if self.size == 1 else _rows_of_groups(self.groups, self.size, self.n)
 
 
 class RowReader:
@@ -194,9 +189,8 @@ class RowReader:
             self.prefetch(entry, sel)
             fetch = self._pending.pop(id(entry))
         size = entry.checks.rows
-        whole = self._in_place(entry.row_blobs, fetch)
-        if whole is not None:  # hash the groups where they lie, copy out the asked-for rows only
-            got = row_crc32c(whole, size, torch.from_numpy(fetch.groups))
+        if self._mapped:  # hash the groups where they lie, copy out the asked-for rows only
+            got = self._crc_in_place(entry, fetch)
             parts = [self._gather(name, fetch, fetch.sel) for name in entry.row_blobs]
         else:  # copy out the groups, hash them, keep the asked-for rows
             full = fetch.full
@@ -211,17 +205,38 @@ class RowReader:
             self._corrupt(entry, int(fetch.groups[bad[0]]) * size, bad.size)
         return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
 
-    def _in_place(self, names: list[str], fetch: _Fetch) -> list[torch.Tensor] | None:
-        """Every row of each blob ``names`` as a uint8 ``[rows, width]`` view of its mapped chunk, when each
-        lies in one chunk (else None)."""
-        views = []
-        for name in names:
-            spans, blob = fetch.spans[name], self.payload.blobs[name]
-            n = blob.shape[0]
-            if len(spans) != 1 or spans[0][:2] != (0, n) or isinstance(spans[0][2], Future):
-                return None
-            views.append(torch.frombuffer(spans[0][2], dtype=torch.uint8).view(n, blob.nbytes // n))
-        return views
+    def _crc_in_place(self, entry: TableEntry, fetch: _Fetch) -> torch.Tensor:
+        """The CRCs of ``fetch.groups``, hashed in the mapped chunks; a group cut by a chunk's end (in any of
+        the entry's blobs) is copied out first."""
+        names, size, n, groups = entry.row_blobs, entry.checks.rows, entry.num_stored, fetch.groups
+        # Between two cuts, each blob's rows lie in one span.
+        cuts = sorted({0, n, *(r for name in names for span in fetch.spans[name] for r in span[:2])})
+        got = torch.empty(groups.size, dtype=torch.int32)
+        done = np.zeros(groups.size, dtype=bool)
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            g0, g1 = -(-a // size), (b // size if b < n else -(-n // size))  # the groups whole in [a, b)
+            i, j = (int(x) for x in np.searchsorted(groups, [g0, g1]))
+            if j <= i:
+                continue
+            lo, hi = g0 * size, min(n, g1 * size)
+            views = [self._rows_view(name, fetch, lo, hi) for name in names]
+            got[i:j] = row_crc32c(views, size, torch.from_numpy(groups[i:j] - g0))
+            done[i:j] = True
+        rest = np.flatnonzero(~done)
+        if rest.size:
+            rows = _rows_of_groups(groups[rest], size, n)
+            got[torch.from_numpy(rest)] = row_crc32c([self._gather(name, fetch, rows) for name in names], size)
+        return got
+
+    def _rows_view(self, name: str, fetch: _Fetch, lo: int, hi: int) -> torch.Tensor:
+        """Rows ``[lo, hi)`` of blob ``name`` as a uint8 ``[rows, width]`` view of the one span that holds them."""
+        blob = self.payload.blobs[name]
+        width = blob.nbytes // blob.shape[0]
+        r0, r1, buf = next(span for span in fetch.spans[name] if span[0] <= lo and hi <= span[1])
+        if len(buf) != (r1 - r0) * width:
+            raise CorruptCheckpointError(f"{self.payload.file} is truncated: rows [{r0}, {r1}) of blob {name} "
+                                         f"need {(r1 - r0) * width} bytes, got {len(buf)}", path=self.payload.file)
+        return torch.frombuffer(buf, dtype=torch.uint8).view(r1 - r0, width)[lo - r0 : hi - r0]
 
     def _typed(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         blob = self.payload.blobs[name]
@@ -381,3 +396,11 @@ class RowReader:
 def chunk_of(payload: Payload, offset: int) -> Chunk:
     """The chunk that holds byte ``offset`` of ``payload``."""
     return next((c for c in payload.chunks if c.start <= offset < c.end), payload.chunks[-1])
+
+
+def _rows_of_groups(groups: np.ndarray, size: int, n: int) -> np.ndarray:
+    """Every row of groups ``groups`` (sorted) of ``size`` rows, of ``n`` rows, in order."""
+    starts = groups * size
+    lens = np.minimum(starts + size, n) - starts
+    before = np.cumsum(lens) - lens  # rows of the groups ahead of each
+    return np.arange(int(lens.sum()), dtype=np.int64) + np.repeat(starts - before, lens)
