@@ -15,16 +15,16 @@ Why groups of rows and not single rows: a 4-byte CRC per row costs 18% of a 4-bi
 
 How the ranges are fetched depends on the storage:
 
-- a local file is mapped (``Storage.read_mapped``): the rows are copied out of the mapping,
-  so the kernel reads the pages under them and nothing else; the ranges are announced
-  first (``madvise(MADV_WILLNEED)``), so that a cold read proceeds while earlier entries
-  decode. ``bytes_read`` counts the rows' bytes (the kernel reads at least the 4 KiB pages
-  under them).
-- an object store gets one GET per run of needed rows, neighbouring runs joined when the
+- a local file is mapped (``Storage.read_mapped``): the groups are hashed where they lie
+  (a group cut by a chunk's end is copied out first) and only the rows asked for are
+  copied out, so the kernel reads the pages under those groups and nothing else; the
+  ranges are announced first (``madvise(MADV_WILLNEED)``), so that a cold read proceeds
+  while earlier entries decode. ``bytes_read`` counts the groups' bytes.
+- an object store gets one GET per run of needed groups, neighbouring runs joined when the
   gap between them is under :data:`REMOTE_GAP_BYTES`, issued on the I/O threads as soon as
   the entry is planned. ``bytes_read`` counts the bytes of those GETs.
 
-An entry of format 4 or older has no CRCs: its blobs are read whole, through their chunks
+An entry of format 4 or older has no checks: its blobs are read whole, through their chunks
 (:class:`~cnr_torchrec.ckpt.format.chunks.PayloadReader`), as before.
 """
 
