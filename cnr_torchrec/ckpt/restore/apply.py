@@ -184,8 +184,8 @@ class Applier:
         return EntryPlan(table, entry, claims, sel, self._row_bytes(entry, load.payload.blobs, n_stored))
 
     def _row_bytes(self, entry: TableEntry, blobs: Mapping[str, Blob], n_stored: int) -> float:
-        """Bytes an entry stores per row: its encoded (or float32) row, its optimizer state and its CRC (ids
-        left out)."""
+        """Bytes an entry stores per row: its encoded (or float32) row, its optimizer state and its share of
+        its group's CRC (ids left out)."""
         if self._stats is None or not n_stored:
             return 0.0
         names = entry.row_blobs + ([entry.checks.blob] if entry.checks is not None else [])
