@@ -143,6 +143,19 @@ def _flip(storage, path: str, at: int) -> None:
     storage.write(path, bytes(data))
 
 
+def _damaged_chain(path: str, options: dict | None, read: bool):
+    """A chain (:func:`_chain`) with one payload byte flipped (:func:`_payload_byte`); returns (dmp, opt, state
+    after the last save, the chunk file flipped)."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    dmp, opt, want = _chain(path, options)
+    storage = Storage(path, options)
+    file, at = _payload_byte(storage, read=read)
+    _flip(storage, file, at)
+    storage.close()
+    return dmp, opt, want, file
+
+
 @pytest.fixture(params=["fs", "s3"])
 def root(request, tmp_path):
     if request.param == "fs":
@@ -174,29 +187,19 @@ def test_a_restore_reads_the_newest_copy_of_each_row(group, root):
 
 def test_a_flip_in_a_row_that_is_read_is_named(group, root):
     from cnr_torchrec import CorruptCheckpointError
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     path, options = root
-    dmp, opt, _ = _chain(path, options)
-    storage = Storage(path, options)
-    file, at = _payload_byte(storage, read=True)
-    _flip(storage, file, at)
-    storage.close()
+    dmp, opt, _, file = _damaged_chain(path, options, read=True)
     with pytest.raises(CorruptCheckpointError, match="CRC-32C") as e:
         _restore(dmp, opt, path, options)
     assert e.value.path == file and file in str(e.value)
 
 
 def test_a_flip_in_a_row_no_restore_reads_leaves_it_exact_and_verify_names_it(group, root):
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     path, options = root
-    dmp, opt, want = _chain(path, options)
-    storage = Storage(path, options)
-    file, at = _payload_byte(storage, read=False)
-    _flip(storage, file, at)
-    storage.close()
+    dmp, opt, want, file = _damaged_chain(path, options, read=False)
     got, _ = _restore(dmp, opt, path, options)
     assert _equal(got, want)
     problems = verify_root(path, storage_options=options) if options else verify_root(path)
