@@ -39,7 +39,7 @@ from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter", "landed"]
 
 # One sweep of benchmarks/scale.py at 10x (docs/scale.md), 4 to 256 MiB: baseline writes showed no trend,
 # restores got faster with bigger chunks and peak memory grew; 64 MiB sits between. An object store
@@ -165,6 +165,17 @@ class PayloadWriter(BlobWriter):
         raise TypeError("a PayloadWriter streams its payload; call finish()")
 
 
+def landed(future: Future, stats: dict[str, float] | None) -> Any:
+    """``future``'s result; the time spent waiting for it is added to ``stats["read_wait_ms"]``."""
+    if future.done() or stats is None:
+        return future.result()
+    t0 = time.perf_counter()
+    try:
+        return future.result()
+    finally:
+        stats["read_wait_ms"] = stats.get("read_wait_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+
+
 def _read_chunk(storage: Storage, chunk: Chunk) -> bytearray | mmap.mmap:
     """A chunk's bytes, checked against its size and xxh3 (writable, so that tensors can view them)."""
     data = storage.read_mapped(chunk.path)
@@ -240,14 +251,7 @@ class PayloadReader:
 
     def _landed(self, k: int) -> bytearray | mmap.mmap:
         """Chunk ``k``'s bytes, once read and checked (waiting counts as ``read_wait_ms``)."""
-        future = self._data[k]
-        if future.done() or self._stats is None:
-            return future.result()
-        t0 = time.perf_counter()
-        try:
-            return future.result()
-        finally:
-            self._stats["read_wait_ms"] = self._stats.get("read_wait_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+        return landed(self._data[k], self._stats)
 
     def _range(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` by range reads of the chunks that hold them."""

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -40,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, landed
 from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -353,15 +352,8 @@ class RowReader:
         return out.view(torch.uint8).view(sel.size, width)
 
     def _landed(self, data: Any) -> Any:
-        if not isinstance(data, Future):
-            return data
-        if data.done() or self._stats is None:
-            return data.result()
-        t0 = time.perf_counter()
-        try:
-            return data.result()
-        finally:
-            self._stats["read_wait_ms"] = self._stats.get("read_wait_ms", 0.0) + (time.perf_counter() - t0) * 1e3
+        """A span's bytes: as they are, or once their read lands (waiting counts as ``read_wait_ms``)."""
+        return landed(data, self._stats) if isinstance(data, Future) else data
 
     def _get(self, storage: Storage, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of the payload, by range reads of the chunks that hold them."""
