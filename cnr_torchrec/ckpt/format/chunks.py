@@ -39,7 +39,7 @@ from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter", "landed"]
+__all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter", "covering", "landed", "read_range"]
 
 # One sweep of benchmarks/scale.py at 10x (docs/scale.md), 4 to 256 MiB: baseline writes showed no trend,
 # restores got faster with bigger chunks and peak memory grew; 64 MiB sits between. An object store
@@ -165,6 +165,22 @@ class PayloadWriter(BlobWriter):
         raise TypeError("a PayloadWriter streams its payload; call finish()")
 
 
+def covering(chunks: Sequence[Chunk], start: int, end: int) -> list[int]:
+    """The indices of the chunks that hold bytes of ``[start, end)`` of their payload."""
+    return [k for k, c in enumerate(chunks) if c.start < end and start < c.end] if end > start else []
+
+
+def read_range(storage: Storage, chunks: Sequence[Chunk], start: int, end: int) -> bytearray:
+    """Bytes ``[start, end)`` of a payload, by range reads of the chunks that hold them (writable, so that
+    tensors can view them)."""
+    pieces = [storage.read(chunks[k].path, byte_range=(max(start, chunks[k].start) - chunks[k].start,
+                                                       min(end, chunks[k].end) - chunks[k].start))
+              for k in covering(chunks, start, end)]
+    if len(pieces) == 1 and isinstance(pieces[0], bytearray):
+        return pieces[0]
+    return bytearray(b"".join(pieces))
+
+
 def landed(future: Future, stats: dict[str, float] | None) -> Any:
     """``future``'s result; the time spent waiting for it is added to ``stats["read_wait_ms"]``."""
     if future.done() or stats is None:
@@ -230,13 +246,8 @@ class PayloadReader:
             self._data.append(future)
         self._count(sum(c.nbytes for c in self.chunks), len(self.chunks))
 
-    @property
-    def has_data(self) -> bool:
-        """Whether the whole payload is read (or being read)."""
-        return self._data is not None
-
     def _covering(self, start: int, end: int) -> list[int]:
-        return [k for k, c in enumerate(self.chunks) if c.start < end and start < c.end] if end > start else []
+        return covering(self.chunks, start, end)
 
     def _view(self, start: int, end: int) -> memoryview:
         """Bytes ``[start, end)``: a view into one chunk's buffer, or a copy joined from several."""
@@ -255,12 +266,7 @@ class PayloadReader:
 
     def _range(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` by range reads of the chunks that hold them."""
-        pieces = []
-        for k in self._covering(start, end):
-            c = self.chunks[k]
-            pieces.append(self.storage.read(c.path, byte_range=(max(start, c.start) - c.start,
-                                                                min(end, c.end) - c.start)))
-        return b"".join(pieces)
+        return read_range(self.storage, self.chunks, start, end)
 
     def _count(self, nbytes: int, reads: int) -> None:
         if self._stats is not None:

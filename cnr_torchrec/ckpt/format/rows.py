@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, landed
+from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, covering, landed, read_range
 from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -159,10 +159,6 @@ class RowReader:
                 self._blob_reads[name] = self._pool.submit(self._get, blob.offset, blob.end)
                 self._count(blob.nbytes, len(self._covering(blob.offset, blob.end)))
 
-    @property
-    def has_data(self) -> bool:
-        return self._whole is not None
-
     # ------------------------------------------------------------------ rows
 
     def prefetch(self, entry: TableEntry, sel: torch.Tensor) -> None:
@@ -232,10 +228,15 @@ class RowReader:
         blob = self.payload.blobs[name]
         width = blob.nbytes // blob.shape[0]
         r0, r1, buf = next(span for span in fetch.spans[name] if span[0] <= lo and hi <= span[1])
+        return self._span(name, r0, r1, buf, width, torch.uint8).view(r1 - r0, width)[lo - r0 : hi - r0]
+
+    def _span(self, name: str, r0: int, r1: int, buf: Any, width: int, word: torch.dtype) -> torch.Tensor:
+        """The bytes of rows ``[r0, r1)`` of blob ``name`` (``width`` bytes a row) as a flat tensor of ``word``,
+        once checked to be all there."""
         if len(buf) != (r1 - r0) * width:
             raise CorruptCheckpointError(f"{self.payload.file} is truncated: rows [{r0}, {r1}) of blob {name} "
                                          f"need {(r1 - r0) * width} bytes, got {len(buf)}", path=self.payload.file)
-        return torch.frombuffer(buf, dtype=torch.uint8).view(r1 - r0, width)[lo - r0 : hi - r0]
+        return torch.frombuffer(buf, dtype=word)
 
     def _typed(self, name: str, rows: torch.Tensor) -> torch.Tensor:
         blob = self.payload.blobs[name]
@@ -343,11 +344,7 @@ class RowReader:
             a, b = np.searchsorted(sel, [r0, r1])
             if b == a:
                 continue
-            buf = self._landed(data)
-            if len(buf) != (r1 - r0) * width:
-                raise CorruptCheckpointError(f"{self.payload.file} is truncated: rows [{r0}, {r1}) of blob {name} "
-                                             f"need {(r1 - r0) * width} bytes, got {len(buf)}", path=self.payload.file)
-            view = torch.frombuffer(buf, dtype=word).view(shape)
+            view = self._span(name, r0, r1, self._landed(data), width, word).view(shape)
             torch.index_select(view, 0, torch.from_numpy(sel[a:b] - r0), out=out[a:b])
         return out.view(torch.uint8).view(sel.size, width)
 
@@ -357,14 +354,10 @@ class RowReader:
 
     def _get(self, storage: Storage, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)`` of the payload, by range reads of the chunks that hold them."""
-        pieces = []
-        for k in self._covering(start, end):
-            c = self.payload.chunks[k]
-            pieces.append(storage.read(c.path, byte_range=(max(start, c.start) - c.start, min(end, c.end) - c.start)))
-        return bytearray(b"".join(pieces)) if len(pieces) != 1 or not isinstance(pieces[0], bytearray) else pieces[0]
+        return read_range(storage, self.payload.chunks, start, end)
 
     def _covering(self, start: int, end: int) -> list[int]:
-        return [k for k, c in enumerate(self.payload.chunks) if c.start < end and start < c.end] if end > start else []
+        return covering(self.payload.chunks, start, end)
 
     def _map(self, k: int) -> Any:
         mm = self._maps.get(k)
