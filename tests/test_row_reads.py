@@ -143,6 +143,23 @@ def _flip(storage, path: str, at: int) -> None:
     storage.write(path, bytes(data))
 
 
+def _reseal(storage, file: str, data: bytes) -> None:
+    """Writes ``data`` as payload ``file`` of the newest checkpoint with every xxh3 (its chunk's, its blobs',
+    the manifest's) recomputed, as a crafted or buggy writer would leave it."""
+    from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
+    from cnr_torchrec.ckpt.format.payload import checksum
+
+    storage.write_atomic(file, data)
+    tip = committed_ids(storage)[-1]
+    body = json.loads(storage.read(manifest_path(tip)))["body"]
+    for report in body["ranks"]:
+        if report["file"] == file:  # one chunk: the toy payload is far below chunk_bytes
+            report["chunks"][0]["xxh3"] = checksum(data)
+            for meta in report["blobs"].values():
+                meta["xxh3"] = checksum(data[meta["offset"] : meta["offset"] + meta["nbytes"]])
+    storage.write_atomic(manifest_path(tip), seal(body))
+
+
 def _damaged_chain(path: str, options: dict | None, read: bool):
     """A chain (:func:`_chain`) with one payload byte flipped (:func:`_payload_byte`); returns (dmp, opt, state
     after the last save, the chunk file flipped)."""
@@ -262,8 +279,6 @@ def test_rows_that_differ_from_their_crcs_are_named_even_under_resealed_checksum
     """A row changed and every xxh3 (chunk, blob, manifest) recomputed, as a crafted or buggy writer would
     leave it: the row's CRC-32C still catches it, in a restore and in verify_root."""
     from cnr_torchrec import CorruptCheckpointError
-    from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
-    from cnr_torchrec.ckpt.format.payload import checksum
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
@@ -272,15 +287,7 @@ def test_rows_that_differ_from_their_crcs_are_named_even_under_resealed_checksum
     storage = Storage(path)
     file, at = _payload_byte(storage, read=True)
     _flip(storage, file, at)
-    tip = committed_ids(storage)[-1]
-    body = json.loads(storage.read(manifest_path(tip)))["body"]
-    data = bytes(storage.read(file))
-    for report in body["ranks"]:
-        if report["file"] == file:  # one chunk: the toy payload is far below chunk_bytes
-            report["chunks"][0]["xxh3"] = checksum(data)
-            for meta in report["blobs"].values():
-                meta["xxh3"] = checksum(data[meta["offset"] : meta["offset"] + meta["nbytes"]])
-    storage.write_atomic(manifest_path(tip), seal(body))
+    _reseal(storage, file, bytes(storage.read(file)))
     storage.close()
     problems = [str(p) for p in verify_root(path)]
     assert any(file in p and "do not match their CRC-32C" in p for p in problems), problems
@@ -317,3 +324,35 @@ def test_groups_cut_by_a_chunks_end_are_checked(group, tmp_path, flip):
     storage.close()
     with pytest.raises(CorruptCheckpointError, match="CRC-32C"):
         _restore(dmp, opt, path, chunk_bytes=4096)
+
+
+def test_ids_that_disagree_with_their_count_are_named_by_every_reader(group, tmp_path):
+    """A bit of an entry's id bitmap flipped and every xxh3 recomputed: a restore, ``cnr export``'s assembly
+    and verify_root each name the file; none applies rows by the wrong ids."""
+    from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.offline import assemble_tables, load_chain
+    from cnr_torchrec.ckpt.tools.verify import verify_root
+
+    path = str(tmp_path / "ck")
+    dmp, opt, _ = _chain(path)
+    storage = Storage(path)
+    tip = committed_ids(storage)[-1]
+    body = json.loads(storage.read(manifest_path(tip)))["body"]
+    report = body["ranks"][0]
+    file = report["file"]
+    ids = next(e["ids"] for entries in report["tables"].values() for e in entries
+               if e.get("ids") and e["ids"]["kind"] == "bitmap")
+    data = bytearray(storage.read(file))
+    data[report["blobs"][ids["blob"]]["offset"]] ^= 0x01  # one more or one fewer stored row
+    _reseal(storage, file, bytes(data))
+    problems = [str(p) for p in verify_root(path)]
+    assert any(file in p and "row ids do not match" in p for p in problems), problems
+    with pytest.raises(CorruptCheckpointError, match="row ids do not match") as e:
+        assemble_tables(storage, load_chain(storage, tip, verify=False))
+    assert e.value.path == file
+    storage.close()
+    with pytest.raises(CorruptCheckpointError, match="row ids do not match") as e:
+        _restore(dmp, opt, path)
+    assert e.value.path == file

@@ -38,7 +38,7 @@ from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
 from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
-from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids
+from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
@@ -79,14 +79,10 @@ class _Stored:
         """The entry's stored rows as global row ids, in stored order (its ids blob is read once)."""
         if self._global is None:
             r0, r1 = self.rows
-            ids = self.entry.ids
-            if ids is None:
-                self._global = torch.arange(r0, r1)
-            else:
-                offsets = decode_ids(ids.kind, self.load(ids.blob), r1 - r0)
-                if offsets.numel() != ids.count or (offsets.numel() and int(offsets[-1]) >= r1 - r0):
-                    raise self.corrupt("row ids do not match the entry they describe")
-                self._global = offsets + r0
+            file = self.load.payload.file
+            offsets = stored_offsets(self.entry, self.load, f"{file}: table '{self.table}' (checkpoint {self.ckpt}): ",
+                                     file)
+            self._global = torch.arange(r0, r1) if offsets is None else offsets + r0
         return self._global
 
     def group_key(self) -> str:

@@ -7,7 +7,7 @@ so they live here rather than with either side.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import numpy as np
@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from cnr_torchrec import ops
+from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["decode_ids", "dense_named_state", "encode_ids", "non_persistent_buffers", "rng_state", "set_rng_state"]
+__all__ = ["decode_ids", "dense_named_state", "encode_ids", "non_persistent_buffers", "rng_state", "set_rng_state",
+           "stored_offsets"]
 
 
 def encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
@@ -40,6 +42,31 @@ def decode_ids(kind: str, blob: torch.Tensor, num_rows: int) -> torch.Tensor:
     if kind == "list":
         return blob.to(torch.int64)
     raise ValueError(f"unknown id encoding {kind!r}")
+
+
+def stored_offsets(entry: Any, blob: Callable[[str], torch.Tensor], where: str = "",
+                   path: str = "") -> torch.Tensor | None:
+    """The rows a :class:`~cnr_torchrec.ckpt.format.manifest.TableEntry` stores, as sorted offsets into its row
+    range; None when it stores every row in order (no ids). ``blob``: reads a blob by name.
+
+    Raises:
+        CorruptCheckpointError: the ids do not decode to the entry's count of rows within its range;
+            ``where`` (a file, a table) starts the message and ``path`` names the file.
+    """
+    ids = entry.ids
+    if ids is None:
+        return None
+    try:
+        offsets = decode_ids(ids.kind, blob(ids.blob), entry.num_rows)
+    except (ValueError, RuntimeError) as e:
+        raise CorruptCheckpointError(f"{where}row ids do not decode ({e}); run `cnr verify` on the checkpoint",
+                                     path=path) from None
+    last = int(offsets[-1]) if offsets.numel() else -1
+    if offsets.numel() != ids.count or last >= entry.num_rows:
+        raise CorruptCheckpointError(
+            f"{where}row ids do not match the entry they describe: {offsets.numel()} ids up to offset {last}, for "
+            f"{ids.count} stored rows of {entry.num_rows}; run `cnr verify` on the checkpoint", path=path)
+    return offsets
 
 
 def dense_named_state(model: nn.Module, sharded_modules: Iterable[str]) -> dict[str, torch.Tensor]:

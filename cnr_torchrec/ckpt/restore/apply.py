@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
-from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
@@ -163,11 +163,7 @@ class Applier:
         if not hits:
             return None
         n_stored = entry.num_stored
-        offsets = None  # without ids: every row of the entry, in order
-        if entry.ids is not None:
-            offsets = decode_ids(entry.ids.kind, load(entry.ids.blob), entry.num_rows)
-            if offsets.numel() != entry.ids.count or (offsets.numel() and int(offsets[-1]) >= entry.num_rows):
-                raise CorruptCheckpointError("row ids do not match the entry they describe")
+        offsets = stored_offsets(entry, load, f"{load.payload.file}: table '{table}': ", load.payload.file)
         if entry.residual and any(not s.rowwise for s in entry.states):
             raise IncompatibleCheckpointError(
                 f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "

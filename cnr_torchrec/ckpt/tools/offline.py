@@ -29,7 +29,7 @@ import torch
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.verify import verify_checkpoint
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
@@ -125,12 +125,8 @@ class TableData(NamedTuple):
 
 def _entry_rows(table: str, entry: TableEntry, load: RowReader, file: str) -> torch.Tensor:
     """The global row of each row ``entry`` stores, from its ids."""
-    if entry.ids is None:
-        return torch.arange(entry.rows[0], entry.rows[1], dtype=torch.int64)
-    ids = decode_ids(entry.ids.kind, load(entry.ids.blob), entry.num_rows)
-    if ids.numel() != entry.ids.count or (ids.numel() and int(ids[-1]) >= entry.num_rows):
-        raise CorruptCheckpointError(f"{file}: row ids of table '{table}' do not match their entry", path=file)
-    return ids + entry.rows[0]
+    offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
+    return torch.arange(entry.rows[0], entry.rows[1], dtype=torch.int64) if offsets is None else offsets + entry.rows[0]
 
 
 def assemble_tables(

@@ -34,7 +34,7 @@ from cnr_torchrec.ckpt.format.commits import (
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.rows import as_rows
-from cnr_torchrec.ckpt.format.state import decode_ids
+from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
@@ -231,12 +231,9 @@ class _Entries:
         ids = entry.ids
         if ids is not None and ids.blob in self.sound:
             try:
-                decoded = decode_ids(ids.kind, self.tensor(ids.blob), entry.num_rows)
-            except (ValueError, RuntimeError) as e:
-                self.problem(f"{where}: row ids do not decode ({e})")
-            else:
-                if decoded.numel() != ids.count or (decoded.numel() and int(decoded[-1]) >= entry.num_rows):
-                    self.problem(f"{where}: row ids do not match their count or range")
+                stored_offsets(entry, self.tensor, f"{where}: ")
+            except CorruptCheckpointError as e:
+                self.problem(str(e))
         names = entry.weights.blobs
         if all(n in self.sound for n in names.values()):
             try:
