@@ -356,3 +356,58 @@ def test_ids_that_disagree_with_their_count_are_named_by_every_reader(group, tmp
     with pytest.raises(CorruptCheckpointError, match="row ids do not match") as e:
         _restore(dmp, opt, path)
     assert e.value.path == file
+
+
+# ---- decode threads ---------------------------------------------------------------------------
+
+def test_a_restore_decodes_on_its_threads_and_gives_them_back(group, tmp_path, monkeypatch):
+    """``restore_threads: 2`` under a one-thread pool (as torchrun leaves a rank): every entry is decoded on 2
+    intra-op threads, the restore is exact, and the pool is back at 1 thread afterwards."""
+    from cnr_torchrec.ckpt.restore.apply import Applier
+
+    path = str(tmp_path / "ck")
+    dmp, opt, want = _chain(path)
+    seen = []
+    apply = Applier.apply
+
+    def counting(self, plan, rows):
+        seen.append(torch.get_num_threads())
+        return apply(self, plan, rows)
+
+    monkeypatch.setattr(Applier, "apply", counting)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        got, _ = _restore(dmp, opt, path, restore_threads=2)
+        after = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    assert _equal(got, want)
+    assert seen and set(seen) == {2}, seen
+    assert after == 1
+
+
+def test_decode_threads_is_the_ranks_share_of_the_cores(monkeypatch):
+    """The rank's share: what the config says; the cores it is pinned to; else the machine's cores over the
+    node's ranks, at least one."""
+    import cnr_torchrec.ckpt.restore.threads as T
+
+    monkeypatch.setattr(T.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert T.decode_threads() == 4
+    assert T.decode_threads(3) == 3
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert T.decode_threads() == 1
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert T.decode_threads() == 16
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(T.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5}, raising=False)
+    assert T.decode_threads() == 6  # pinned by the launcher: its split stands
+
+
+def test_restore_threads_out_of_range_is_refused():
+    from cnr_torchrec import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="restore_threads"):
+        load_config({"root": "/x", "restore_threads": 0})

@@ -296,6 +296,9 @@ class CheckpointConfig:
         chunk_bytes: the largest object a rank's payload is cut into (a multiple of 4096, at
             most 5 GiB, S3's single-PUT limit); a save holds a few chunks beyond the staged rows.
         io_threads: threads per rank that write and read chunks in parallel.
+        restore_threads: threads per rank that a restore decodes rows on (ATen's intra-op
+            pool, widened during the restore only); None: the rank's share of the cores
+            (see :func:`~cnr_torchrec.ckpt.restore.threads.decode_threads`).
     """
 
     root: str
@@ -314,6 +317,7 @@ class CheckpointConfig:
     storage_options: dict[str, Any] = field(default_factory=dict)
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     io_threads: int = 4
+    restore_threads: int | None = None
 
     def __post_init__(self) -> None:
         if not self.root:
@@ -323,6 +327,9 @@ class CheckpointConfig:
                               f"single-PUT limit), got {self.chunk_bytes}; the default is {DEFAULT_CHUNK_BYTES}")
         if not 1 <= self.io_threads <= 64:
             raise ConfigError(f"io_threads: must be 1 to 64, got {self.io_threads}")
+        if self.restore_threads is not None and not 1 <= self.restore_threads <= 1024:
+            raise ConfigError(f"restore_threads: must be 1 to 1024, or null for the rank's share of the cores, got "
+                              f"{self.restore_threads}")
         if self.keep_last is not None and self.keep_last < 1:
             raise ConfigError(f"keep_last: must be at least 1 (the checkpoint being written), got {self.keep_last}")
         if self.keep_last is not None and self.keep is not None:

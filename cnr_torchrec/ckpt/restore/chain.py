@@ -28,6 +28,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.stats import timed
+from cnr_torchrec.ckpt.restore.threads import wider_pool
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
@@ -50,6 +51,7 @@ def restore_chain(
     replicated: bool = True,
     stats: dict[str, float] | None = None,
     pool: IOPool | None = None,
+    threads: int = 1,
 ) -> None:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
@@ -61,10 +63,12 @@ def restore_chain(
             of each phase (:mod:`~cnr_torchrec.ckpt.restore.stats`).
         pool: threads that read the chunks; every file a checkpoint needs is read at once,
             and its entries are decoded as their chunks land.
+        threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
     """
     target = manifests[-1]
     check_compatible(target, tracker)
-    read = _apply_chain(manifests, storage, tracker, replicated, stats, pool)
+    with wider_pool(threads):
+        read = _apply_chain(manifests, storage, tracker, replicated, stats, pool)
 
     def reader(r: int) -> RowReader:  # the tip's file of rank r: its reader, else a few range reads of it
         load = read.get(r)

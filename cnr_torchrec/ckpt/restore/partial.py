@@ -28,6 +28,7 @@ from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.restore.restorer import Restorer
+from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -186,6 +187,7 @@ class Recovery:
             chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self._ranks.rank,
             world_size=self._ranks.world_size, dense_optimizer=None, replicated=False, stats=stats,
             extra_state=self.extra_state if same_world else {}, pool=self._io,
+            threads=decode_threads(self._restorer.config.restore_threads),
         )
         if self.dense_optimizer is not None:  # its layout; the survivor's values follow
             restore_dense_optimizer(chain[-1], self._storage, self.model, self.dense_optimizer, stats)

@@ -19,6 +19,7 @@ from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore.stats import timed
+from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["Restorer"]
@@ -84,7 +85,7 @@ class Restorer:
                 chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
-                stats=self.stats,
+                stats=self.stats, threads=decode_threads(self.config.restore_threads),
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
