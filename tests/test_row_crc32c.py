@@ -33,6 +33,8 @@ def test_row_crc32c_of_groups_covers_their_rows_in_order(group):
     assert [v & 0xFFFFFFFF for v in got.tolist()] == want  # the last group holds what is left
     picked = torch.tensor([got.numel() - 1, 0, got.numel() - 1])  # any groups, in any order
     assert torch.equal(ops.row_crc32c(parts, group, picked), got[picked])
+    shuffled = torch.randperm(got.numel(), generator=gen)  # whole groups side by side, the short one among them
+    assert torch.equal(ops.row_crc32c(parts, group, shuffled), got[shuffled])
     strided = [torch.cat([p, p], dim=1)[:, : p.shape[1]] for p in parts]  # rows apart: hashed row by row
     assert torch.equal(ops.row_crc32c(strided, group), got)
 
