@@ -62,7 +62,9 @@ taken one training interval after the baseline's write finished.
   wait ms: the first delta's stall minus the median stall of the other deltas (0 if below).
   restore warm / cold ms: a new Checkpointer restores the newest checkpoint (the baseline and
       every delta of the cell), the slowest rank's time of restore() from a barrier; median of
-      ``--reps`` rounds of [evict, restore (cold), restore again (warm)].
+      ``--reps`` rounds of [evict, restore (cold), restore again (warm)]. A rank decodes on its share
+      of the cores (config restore_threads; 1 under torchrun with 2 ranks on 2 cores); where that is
+      more than one, each round also restores warm on one thread, and the JSON has both.
 Eviction (cold): rank 0 calls os.sync(), then os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
 on every file under the directory, and counts the file pages still in the page cache before and
 after with mincore(2) (via ctypes); both counts are printed. The host of this VM may still cache
@@ -131,6 +133,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cnr_torchrec import Checkpointer, load_config
 from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.restore.threads import decode_threads
 
 # The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -492,15 +495,19 @@ def run_cell(dmp, opt, specs, size: float, frac: float, args, rank: int, world: 
     if base["kind"] != "baseline" or any(d["kind"] != "delta" for d in deltas):
         raise RuntimeError(f"expected a baseline then deltas, got {[s['kind'] for s in saves]}")
 
-    cold, warm, ev, found = [], [], [], []
+    cold, warm, ev, found, one_thread = [], [], [], [], []
+    threads = decode_threads(config.restore_threads)
     for _ in range(args.reps):
         ev.append(evict(root))
         cold.append(restore_ms(dmp, opt, config))
         warm.append(restore_ms(dmp, opt, config, found))
+        if threads > 1:  # the peer: the same warm restore decoding on one thread, as a rank of torchrun runs
+            one_thread.append(restore_ms(dmp, opt, dataclasses.replace(config, restore_threads=1)))
     breakdown = median_breakdown(found)
     restore_peak = restore_peak_over_shards(dmp, opt, config)
     progress(f"  x{size:g} dirty {frac:g}: restore cold {statistics.median(cold):.0f} ms, "
-             f"warm {statistics.median(warm):.0f} ms")
+             f"warm {statistics.median(warm):.0f} ms on {threads} decode thread(s)"
+             + (f" ({statistics.median(one_thread):.0f} ms on 1)" if one_thread else ""))
     if rank == 0 and not args.keep:
         shutil.rmtree(root, ignore_errors=True)
     dist.barrier()
@@ -526,7 +533,8 @@ def run_cell(dmp, opt, specs, size: float, frac: float, args, rank: int, world: 
         "first_delta_wait_ms": max(0.0, first - others_med),
         "chain_length": deltas[-1]["chain_length"],
         "restore_cold_ms": med(cold), "restore_warm_ms": med(warm),
-        "restore_cold_ms_all": cold, "restore_warm_ms_all": warm,
+        "restore_cold_ms_all": cold, "restore_warm_ms_all": warm, "restore_threads": threads,
+        "restore_warm_one_thread_ms": med(one_thread) if one_thread else None,
         "restore_breakdown": breakdown, "restore_peak_over_shards": restore_peak,
         "restore_bytes_over_minimal": breakdown["bytes_read"] / breakdown["minimal_bytes"]
         if breakdown["minimal_bytes"] else None,

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import torch
 
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, walk_chain
+from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
@@ -39,6 +40,7 @@ __all__ = [
     "RowState",
     "TableData",
     "load_chain",
+    "assemble_regions",
     "assemble_tables",
     "count_entries",
 ]
@@ -138,7 +140,8 @@ def assemble_tables(
     As a restore does, the chain is read newest checkpoint first, and of each entry only the
     rows that no newer checkpoint stored for its columns (their byte ranges, checked against
     their CRCs; :class:`~cnr_torchrec.ckpt.format.rows.RowReader`). A residual entry
-    (``quantization.residual``) adds to the rows of the older entries instead of replacing them.
+    (``quantization.residual``) adds to the rows of the older entries instead of replacing them,
+    in the order a restore adds them, so that the sums are a restore's to the bit.
 
     Replicated (data_parallel) tables come from the tip, as in a restore; they have no
     row states (the dense optimizer holds theirs).
@@ -151,63 +154,95 @@ def assemble_tables(
     """
     tip = chain[-1]
     shapes = {t: s for t, s in tip.tables.items() if tables is None or t in tables}
-    replicated = set(tip.replicated) & set(shapes)
-    out: dict[str, TableData] = {}
-    covered: dict[str, _Covered] = {}
+    whole = [Region(t, (0, int(rows)), (0, int(dim))) for t, (rows, dim) in shapes.items()]
+    return {region.table: data for region, data in assemble_regions(storage, chain, whole, progress).items()}
+
+
+def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collection[Region],
+                     progress: Progress | None = None) -> dict[Region, TableData]:
+    """Applies the entries of ``chain`` to blocks of tables (:func:`assemble_tables` for whole tables):
+    each region gets float32 weights ``[its rows, its columns]`` and its optimizer states, from the rows
+    and columns of the entries that overlap it.
+
+    Raises:
+        CorruptCheckpointError: an entry does not decode, or the chain leaves part of a region unwritten.
+    """
+    tip = chain[-1]
+    for region in regions:
+        if region.table not in tip.tables:
+            raise CorruptCheckpointError(f"table '{region.table}' is not among the tables of checkpoint {tip.id}",
+                                         path=manifest_path(tip.id))
+    replicated = {g for g in regions if g.table in tip.replicated}
+    sharded: dict[str, list[Region]] = {}
+    for g in regions:
+        if g not in replicated:
+            sharded.setdefault(g.table, []).append(g)
+    out: dict[Region, TableData] = {}
+    covered: dict[Region, _Covered] = {}
+    for g in (g for gs in sharded.values() for g in gs):
+        shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
+        out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])
+        covered[g] = _Covered(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool))
     for m in reversed(chain):
         for report in m.ranks:
             file = report.file
             load = RowReader(storage, report.payload)
             for table, entries in report.tables.items():
-                if tables is not None and table not in tables:
-                    continue
-                if table not in shapes:
+                if table not in tip.tables:
                     raise CorruptCheckpointError(
                         f"{file}: table '{table}' is not among the tables of checkpoint {tip.id}", path=file
                     )
-                rows, dim = shapes[table]
-                if table not in out:
-                    out[table] = TableData(torch.zeros(rows, dim, dtype=torch.float32), [])
-                    covered[table] = _Covered(torch.zeros(rows, dim, dtype=torch.bool),
-                                              torch.zeros(rows, dim, dtype=torch.bool))
                 for entry in entries:
-                    _apply_entry(out[table], covered[table], table, entry, load, file)
+                    _check_inside(entry, table, tip.tables[table], file)
+                    for g in sharded.get(table, ()):
+                        _apply_entry(out[g], covered[g], g, table, entry, load, file)
                     if progress is not None:
                         progress(1)
     out.update(_replicated_tables(storage, tip, replicated))
-    _check_covered(chain, [t for t in shapes if t not in replicated], {t: c.weights for t, c in covered.items()})
+    _check_covered(chain, {g: c.weights for g, c in covered.items()})
     return out
 
 
 class _Covered(NamedTuple):
-    """The cells of a table that newer entries gave: its weights (by whole entries), its states (by any)."""
+    """The cells of a region that newer entries gave: its weights (by whole entries), its states (by any)."""
 
     weights: torch.Tensor
     states: torch.Tensor
 
 
-def _apply_entry(data: TableData, covered: _Covered, table: str, entry: TableEntry, load: RowReader,
-                 file: str) -> None:
-    """Adds one entry's rows to the cells of ``data`` no newer whole entry gave, and sets the optimizer states
-    no newer entry gave; reads only those rows."""
-    rows, dim = data.weights.shape
+def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: str) -> None:
+    """An entry lies inside its own checkpoint's table (the schema), but the tip's may differ."""
     (r0, r1), (c0, c1) = entry.rows, entry.cols
-    if not (r1 <= rows and c1 <= dim):  # inside its own checkpoint's table (the schema), but the tip's may differ
+    if not (r1 <= shape[0] and c1 <= shape[1]):
         raise CorruptCheckpointError(
             f"{file}: an entry of table '{table}' spans rows [{r0}, {r1}) x cols [{c0}, {c1}), "
-            f"outside the table's {rows} x {dim}",
+            f"outside the table's {shape[0]} x {shape[1]}",
             path=file,
         )
-    stored = _entry_rows(table, entry, load, file)
-    open_w = ~covered.weights[stored, c0:c1]
-    open_s = ~covered.states[stored, c0:c1]
-    sel = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False)).view(-1)
-    if not sel.numel():
+
+
+def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str, entry: TableEntry,
+                 load: RowReader, file: str) -> None:
+    """Adds the rows and columns one entry holds of ``region`` to the cells no newer whole entry gave, and
+    sets the optimizer states no newer entry gave; reads only those rows."""
+    (w0, w1), (v0, v1) = region.rows, region.cols
+    (c0, c1) = entry.cols
+    a0, a1 = max(c0, v0), min(c1, v1)  # the columns the entry holds of the region
+    if max(entry.rows[0], w0) >= min(entry.rows[1], w1) or a0 >= a1:
         return
-    parts = load.rows(entry, sel)
+    stored = _entry_rows(table, entry, load, file)
+    lo, hi = (int(i) for i in torch.searchsorted(stored, torch.tensor([w0, w1])))
+    local = stored[lo:hi] - w0  # the region row of stored rows lo..hi-1
+    mine, theirs = slice(a0 - v0, a1 - v0), slice(a0 - c0, a1 - c0)  # the columns in the region, in the entry
+    open_w = ~covered.weights[local, mine]
+    open_s = ~covered.states[local, mine]
+    pick = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False)).view(-1)
+    if not pick.numel():
+        return
+    parts = load.rows(entry, pick + lo)
     keys = sorted(entry.weights.blobs)
     try:
-        encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": sel.numel()})
+        encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
     except EncodingFormatError as e:
         raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
                                      path=file) from None
@@ -215,42 +250,46 @@ def _apply_entry(data: TableData, covered: _Covered, table: str, entry: TableEnt
     if weights.shape[1] != c1 - c0:
         raise CorruptCheckpointError(
             f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
-    g, open_w, open_s = stored[sel], open_w[sel], open_s[sel]
-    data.weights[g, c0:c1] += torch.where(open_w, weights.float(), 0.0)
+    g, open_w, open_s = local[pick], open_w[pick], open_s[pick]
+    data.weights[g, mine] += torch.where(open_w, weights.float()[:, theirs], 0.0)
     if not entry.residual:  # quantization.residual: added to what the older entries give, so it covers nothing
-        covered.weights[g, c0:c1] = True
+        covered.weights[g, mine] = True
+    n_rows, n_cols = data.weights.shape
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
-            data.states.append(RowState(ref.rowwise, torch.zeros(rows, dim, dtype=torch.float32), t.dtype))
+            data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, n_cols, dtype=torch.float32), t.dtype))
         state = data.states[j]
-        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)
-        state.values[g, c0:c1] = torch.where(open_s, vals, state.values[g, c0:c1])
+        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)[:, theirs]
+        state.values[g, mine] = torch.where(open_s, vals, state.values[g, mine])
     if entry.states:
-        covered.states[g, c0:c1] = True
+        covered.states[g, mine] = True
 
 
-def _replicated_tables(storage: Storage, tip: Manifest, replicated: set[str]) -> dict[str, TableData]:
-    """The data_parallel tables, whole, from rank 0's report of the tip (as a restore takes them)."""
+def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Region]) -> dict[Region, TableData]:
+    """Blocks of the data_parallel tables, from rank 0's report of the tip (as a restore takes them)."""
     first = tip.ranks[0]
-    load0 = RowReader(storage, first.payload)
+    load0 = RowReader(storage, first.payload) if regions else None
     out = {}
-    for table in sorted(replicated):
-        if table not in first.replicated_tables:
+    for g in sorted(regions, key=lambda g: (g.table, g.rows, g.cols)):
+        if g.table not in first.replicated_tables:
             raise CorruptCheckpointError(
-                f"{first.file}: replicated table '{table}' is not stored by rank 0", path=first.file
+                f"{first.file}: replicated table '{g.table}' is not stored by rank 0", path=first.file
             )
-        out[table] = TableData(load0(first.replicated_tables[table]).float().clone(), [])
+        whole = load0(first.replicated_tables[g.table])
+        out[g] = TableData(whole[g.rows[0] : g.rows[1], g.cols[0] : g.cols[1]].float().clone(), [])
     return out
 
 
-def _check_covered(chain: list[Manifest], tables: list[str], covered: Mapping[str, torch.Tensor]) -> None:
-    """Every row and column of the sharded ``tables`` was written by some entry of the chain."""
-    for table in tables:
-        if table not in covered or not bool(covered[table].all()):
+def _check_covered(chain: list[Manifest], covered: Mapping[Region, torch.Tensor]) -> None:
+    """Every row and column of the sharded ``regions`` was written by some entry of the chain."""
+    for g, cells in covered.items():
+        if not bool(cells.all()):
             base = manifest_path(chain[0].id)
-            missing = 0 if table not in covered else int((~covered[table]).any(dim=1).sum())
+            missing = int((~cells).any(dim=1).sum())
+            what = f"table '{g.table}'" if g.rows[0] == 0 and g.cols[0] == 0 and missing == cells.shape[0] else (
+                f"rows [{g.rows[0]}, {g.rows[1]}) x cols [{g.cols[0]}, {g.cols[1]}) of table '{g.table}'")
             raise CorruptCheckpointError(
-                f"the chain {[m.id for m in chain]} leaves {missing or 'all'} rows of table '{table}' unwritten; "
+                f"the chain {[m.id for m in chain]} leaves {missing} rows of {what} unwritten; "
                 f"its baseline ({base}) is incomplete",
                 path=base,
             )
