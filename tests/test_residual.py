@@ -159,7 +159,6 @@ def test_residual_deltas_restore_as_the_closed_loop_reference(tmp_path):
 
 @pytest.mark.parametrize("cfg,match", [
     ({"policy": "one_shot"}, "policy 'one_shot'"),
-    ({"compaction": {"max_chain": 4}}, "compaction"),
     ({"quantization": {"method": "fp16", "residual": True}}, "does not quantize"),
 ])
 def test_residual_refuses_what_it_cannot_code(cfg, match):
@@ -168,6 +167,119 @@ def test_residual_refuses_what_it_cannot_code(cfg, match):
     quant = cfg.pop("quantization", {"method": "adaptive", "bits": 4, "residual": True})
     with pytest.raises(ConfigError, match=match):
         load_config({"root": "/tmp/unused", "quantization": quant, **cfg})
+
+
+# ---------------------------------------------------------------------- background compaction (the fold)
+
+def _fold_config(root, **kw):
+    from cnr_torchrec import load_config
+
+    return load_config({"root": root, "keep": {"chains": 20}, "compaction": {"max_chain": 3},
+                        "quantization": {"method": "adaptive", "bits": 4, "residual": True}, **kw})
+
+
+def _follow_entries(expected, written, live):
+    """The closed-loop reference after any save of the job: whole rows restore as _roundtrip(x) (a baseline,
+    and the delta that hangs on a fold), residual rows as r + _roundtrip(x - r)."""
+    for key, (ids, residual) in written.items():
+        rows = torch.arange(live[key].shape[0]) if ids is None else ids
+        if residual:
+            before = expected[key][rows]
+            expected[key][rows] = before + _roundtrip(live[key][rows] - before)
+        else:
+            expected.setdefault(key, torch.full_like(live[key], float("nan")))[rows] = _roundtrip(live[key][rows])
+
+
+def _fold_job(root, specs, saves, **kw):
+    """A residual job that compacts in the background, each fold joined at the save after it (deterministic).
+    Returns (kinds the trainer wrote, the closed-loop reference, the last step)."""
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = build_dmp(specs)
+    gen = torch.Generator().manual_seed(4)
+    expected, kinds = {}, []
+    with Checkpointer(dmp, _fold_config(root, **kw), dense_optimizer=opt) as ck:
+        for step in range(1, saves + 1):
+            train(dmp, specs, opt, 2, gen)
+            info = ck.save(step).wait()
+            kinds.append(info.kind)
+            _follow_entries(expected, _written(root, info.id), _weights(dmp))
+            ck.wait(compaction=True)
+    return kinds, expected, saves
+
+
+def _restore_state(root, specs, step=None):
+    from _toy import local_state
+
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = build_dmp(specs, seed=9)
+    with Checkpointer(dmp, _fold_config(root), dense_optimizer=opt) as ck:
+        got = ck.restore(step)
+        return got, local_state(dmp), _weights(dmp)
+
+
+def test_a_residual_chain_is_folded_in_the_background_and_the_closed_loop_holds(group, tmp_path):
+    """Folds of a residual chain while the job goes on: each folded baseline restores, bit for bit, what the
+    chain it folded restores (weights and optimizer state); after the folds the job's deltas still restore as
+    the closed-loop reference, and the chain stays bounded."""
+    import os
+    import shutil
+
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    root = str(tmp_path / "ck")
+    specs = _plan_specs(PLAN_A)
+    kinds, expected, step = _fold_job(root, specs, 11)
+    assert kinds == ["baseline"] + ["delta"] * 10  # the trainer wrote one baseline; folds wrote the others
+    storage = Storage(root)
+    try:
+        bodies = {i: load_manifest(storage, i).body for i in committed_ids(storage)}
+    finally:
+        storage.close()
+    folded = {i: b for i, b in bodies.items() if b.get("equals") is not None}
+    assert len(folded) >= 2, sorted(bodies)
+    assert all(b["codec"]["method"] == "none" for b in folded.values())
+    assert max(b["depth"] for b in bodies.values()) <= 4
+    newest = max(bodies.values(), key=lambda b: (b["step"], b["id"]))
+    assert newest["kind"] == "delta" and newest["base"] in folded
+
+    got, _, weights = _restore_state(root, specs)
+    assert got == step
+    _assert_restored(weights, expected)
+    for c, body in folded.items():
+        tip = bodies[body["equals"]]
+        without = str(tmp_path / f"without-{c}")
+        shutil.copytree(root, without)
+        shutil.rmtree(os.path.join(without, f"ckpt-{c:08d}"))
+        os.remove(os.path.join(without, "index.json"))
+        from_fold, from_chain = _restore_state(root, specs, tip["step"]), _restore_state(without, specs, tip["step"])
+        assert from_fold[0] == from_chain[0] == tip["step"]
+        bad = [k for k in from_chain[1] if not torch.equal(from_fold[1][k], from_chain[1][k])]
+        assert not bad, f"fold {c} vs chain {body['compacted_from']}: {bad[:4]} differ"
+
+
+def test_a_fold_that_fails_leaves_the_residual_chain_going_on(group, tmp_path, monkeypatch):
+    """A fold that fails part way (as a rank killed in it would leave it): nothing of it is left, the deltas go
+    on against the old chain, and a restore right after is the closed-loop reference."""
+    import os
+
+    from cnr_torchrec.ckpt.compact import fold
+
+    def broken(*args, **kwargs):
+        raise OSError("disk gone while folding")
+
+    monkeypatch.setattr(fold, "fold_rank", broken)
+    root = str(tmp_path / "ck")
+    specs = _plan_specs(PLAN_A)
+    kinds, expected, step = _fold_job(root, specs, 6)
+    assert kinds == ["baseline"] + ["delta"] * 5
+    dirs = sorted(d for d in os.listdir(root) if d.startswith("ckpt-"))
+    assert len(dirs) == 6, dirs  # the trainer's checkpoints only
+    got, _, weights = _restore_state(root, specs)
+    assert got == step
+    _assert_restored(weights, expected)
 
 
 PLAN_A = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")

@@ -370,10 +370,6 @@ class CheckpointConfig:
         if self.policy != "consecutive":
             why.append(f"policy {self.policy!r} (a residual is coded against the previous checkpoint's rows; use "
                        "consecutive)")
-        if self.compaction is not None:
-            why.append("compaction (a row is the sum of several checkpoints' rows, so no lossless merge keeps "
-                       "stored bytes; leave compaction out, and bound the chain by stopping the job and running "
-                       "`cnr compact --method none ROOT`, which folds it into a float32 baseline of the sums)")
         if q.method in ("none", "fp16", "bf16"):
             why.append(f"method {q.method!r}, which does not quantize (residuals gain nothing)")
         if why:

@@ -42,7 +42,7 @@ from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.compact import merge
+from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
@@ -141,12 +141,14 @@ class Compaction:
                 storage.close()
 
     def _merge(self, storage: Storage, chain: list[Manifest], regions: list[Region]) -> dict[str, Any]:
+        """This rank's file: a lossless merge, or for a residual chain a fold of its sums (fold.py)."""
         tip = chain[-1]
         same_ranks = tip.world_size == self.world_size and tip.per_rank_state
-        return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank,
-                                rank_state=tip.ranks[self.rank] if same_ranks else None,
-                                dense_state=tip.ranks[0] if self.rank == 0 else None,
-                                chunk_bytes=self._chunk_bytes, pool=self._pool)
+        write = fold.fold_rank if fold.is_residual(chain) else merge.merge_rank
+        return write(storage, chain, regions, new_id=self.new_id, rank=self.rank,
+                     rank_state=tip.ranks[self.rank] if same_ranks else None,
+                     dense_state=tip.ranks[0] if self.rank == 0 else None,
+                     chunk_bytes=self._chunk_bytes, pool=self._pool)
 
     def _key(self, what: str) -> str:
         return f"compact/{self.new_id}/{what}"
@@ -220,6 +222,11 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
     tip = chain[-1]
     for r in reports:
         r["write_ms"] = round(write_ms, 3)
+    if fold.is_residual(chain):  # float32 sums, written whole (fold.py)
+        folded = {"codec": dict(fold.FOLDED_CODEC), "encodings": {t: "full" for t in tip.tables},
+                  "reason": f"folded from residual chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"}
+    else:
+        folded = {}
     return {
         "id": new_id, "step": tip.step, "kind": "baseline", "since": None, "parent": None, "base": new_id,
         "depth": 0, "encodings": {t: "rows" for t in tip.tables},
@@ -230,6 +237,7 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
         "equals": tip.id, "compacted_from": [chain[0].id, tip.id],
         "per_rank_state": all(r.get("rng") is not None for r in reports),
         "ranks": reports,
+        **folded,
     }
 
 

@@ -43,10 +43,10 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
 
-__all__ = ["copy_blob", "copy_blob_tree", "merge_rank"]
+__all__ = ["copy_blob", "copy_blob_tree", "copy_state", "merge_rank", "none_rows"]
 
 
-def _none_rows(weights: torch.Tensor) -> EncodedRows:
+def none_rows(weights: torch.Tensor) -> EncodedRows:
     """float32 rows as ``none``-codec rows: their bytes are the payload, so they decode to the same floats."""
     rows = weights.float().contiguous()
     payload = rows.view(torch.uint8).reshape(rows.shape[0], 4 * rows.shape[1])
@@ -88,7 +88,7 @@ class _Stored:
     def group_key(self) -> str:
         """Pieces with equal keys fit in one entry: same columns, codec metadata and state layout."""
         if self.entry.replicated is not None:
-            meta = _none_rows(torch.empty(0, self.cols[1] - self.cols[0])).metadata()
+            meta = none_rows(torch.empty(0, self.cols[1] - self.cols[0])).metadata()
         else:
             meta = dict(self.entry.weights.meta)
         meta.pop("num_rows", None)
@@ -105,7 +105,7 @@ class _Stored:
             weights = self.load(self.entry.replicated)
             if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
                 raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
-            return _none_rows(weights.index_select(0, positions)), []
+            return none_rows(weights.index_select(0, positions)), []
         keys = sorted(self.entry.weights.blobs)
         wanted, back = torch.unique(positions, return_inverse=True)  # sorted, as a RowReader reads them
         rows = [t.index_select(0, back) for t in self.load.rows(self.entry, wanted)]
@@ -265,7 +265,7 @@ def copy_blob_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
     return tree
 
 
-def _copy_state(storage: Storage, rank_state: RankReport | None, dense_state: RankReport | None,
+def copy_state(storage: Storage, rank_state: RankReport | None, dense_state: RankReport | None,
                 blobs: BlobWriter) -> dict[str, Any]:
     """The report keys a merge copies from the tip: dense and dense_optimizer, extra and rng."""
     out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
@@ -317,7 +317,7 @@ def merge_rank(
     t0 = time.perf_counter()
     blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
     tables, rows_written = _merge_tables(_stored_entries(chain, storage), regions, blobs)
-    copied = _copy_state(storage, rank_state, dense_state, blobs)
+    copied = copy_state(storage, rank_state, dense_state, blobs)
     return {
         "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
         "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],

@@ -30,6 +30,7 @@ from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.compact.background import compacted_body
+from cnr_torchrec.ckpt.compact.fold import fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
 from cnr_torchrec.ckpt.format.layout import regions_of_layout
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
@@ -54,8 +55,9 @@ def compact(
 
     The new checkpoint has the tip's step and world size, and restores what the tip restores
     (``equals`` names the tip). By default (``method=None``) it is lossless: each row keeps the
-    stored bytes of the newest checkpoint that holds it (:mod:`cnr_torchrec.ckpt.compact.merge`), so
-    restoring it equals restoring the chain bit for bit, whatever the codec. With a
+    stored bytes of the newest checkpoint that holds it (:mod:`cnr_torchrec.ckpt.compact.merge`), or,
+    in a residual chain, holds its float32 sums (:mod:`cnr_torchrec.ckpt.compact.fold`), so restoring
+    it equals restoring the chain bit for bit, whatever the codec. With a
     ``method``, the chain's rows are decoded and encoded again with that codec in the tip's
     shard layout (their error adds to the chain's own). Either way it copies the tip's dense
     parameters, dense optimizer, extra and RNG state and TBE step.
@@ -106,14 +108,15 @@ def _files(report: dict[str, Any]) -> list[str]:
 
 def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: list[str],
                  progress: Progress | None) -> list[dict[str, Any]]:
-    """The lossless path: every rank file of the tip's layout merged in turn (``written`` collects the files,
+    """The lossless path: every rank file of the tip's layout merged (a residual chain: folded) in turn (``written`` collects the files,
     for the caller's clean-up). Each rank copies its own per-rank state, and rank 0 the dense state."""
     tip = chain[-1]
     regions = regions_of_layout(tip)
     reports = []
+    write = fold_rank if is_residual(chain) else merge_rank
     for report in tip.ranks:
-        reports.append(merge_rank(storage, chain, regions[report.rank], new_id=new_id, rank=report.rank,
-                                  rank_state=report, dense_state=tip.ranks[0] if report.rank == 0 else None))
+        reports.append(write(storage, chain, regions[report.rank], new_id=new_id, rank=report.rank,
+                             rank_state=report, dense_state=tip.ranks[0] if report.rank == 0 else None))
         written += _files(reports[-1])
         if progress is not None:
             progress(len(report.entries()))

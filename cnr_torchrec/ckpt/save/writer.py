@@ -21,6 +21,7 @@ from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
 from cnr_torchrec.errors import ConfigError
@@ -50,16 +51,21 @@ def encode_in_blocks(codec: Codec, rows: torch.Tensor, block_bytes: int = ENCODE
     return dataclasses.replace(first, **out)
 
 
-def _encode_shard(codec: Codec, s: StagedShard, kind: str, reconstruction: Reconstruction | None
+def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Reconstruction | None
                   ) -> tuple[EncodedRows, bool]:
-    """The shard's encoded rows, and whether they are residuals (see :mod:`.residual`)."""
+    """The shard's encoded rows, and whether they are residuals (see :mod:`.residual`).
+
+    Residuals are coded against the previous checkpoint's rows: a baseline, and the delta that hangs on a
+    compacted baseline (``since`` the baseline: the rows dirty since the compaction's tip, whose later
+    residuals are not in the new chain), write their rows whole.
+    """
     if reconstruction is None:
         return encode_in_blocks(codec, s.weights), False
     if any(not rowwise for _, rowwise in s.states):
         raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
                           "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
     key = (s.table, tuple(s.rows), tuple(s.cols))
-    ref = None if kind == "baseline" else reconstruction.reference(key, s.ids)
+    ref = reconstruction.reference(key, s.ids) if d.kind == "delta" and d.since == "previous" else None
     encoded = encode_in_blocks(codec, s.weights if ref is None else s.weights.float() - ref)
     decoded = codec.decode(encoded)
     reconstruction.stage(key, s.ids, decoded if ref is None else ref + decoded, s.rows[1] - s.rows[0])
@@ -89,7 +95,7 @@ def write_rank(
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
             entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-        encoded, residual = _encode_shard(codec, s, d.kind, reconstruction)
+        encoded, residual = _encode_shard(codec, s, d, reconstruction)
         if residual:
             entry["residual"] = True
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
