@@ -114,12 +114,11 @@ def _residual_worker(rank, world_size, root):
 
 
 def _offline_tools(root, expected):
-    """cnr export adds the residuals up as a restore does; a lossless compaction refuses, and `--method none`
-    folds the chain into a float32 baseline of the sums, which a job then resumes from."""
+    """cnr export adds the residuals up as a restore does; `cnr compact` folds the chain into a float32
+    baseline of the sums, which exports to the same bits and which a job then resumes from."""
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.compact.offline import compact
     from cnr_torchrec.ckpt.tools.export import export_state_dict
-    from cnr_torchrec.errors import CompactionError
 
     def assert_exported(state):
         for (table, rows, cols), want in expected.items():
@@ -128,12 +127,12 @@ def _offline_tools(root, expected):
 
     storage = Storage(root)
     try:
-        assert_exported(export_state_dict(storage))  # the newest: step 5
-        with pytest.raises(CompactionError, match="--method none"):
-            compact(storage)
-        body = compact(storage, method="none")
+        chain = export_state_dict(storage)  # the newest: step 5
+        assert_exported(chain)
+        body = compact(storage)
         assert body.kind == "baseline" and body.codec["method"] == "none"
-        assert_exported(export_state_dict(storage, body.id))
+        folded = export_state_dict(storage, body.id)
+        assert folded.keys() == chain.keys() and all(torch.equal(folded[k], chain[k]) for k in chain)
     finally:
         storage.close()
     # A job resumes from the float32 baseline and goes on writing residual deltas against it.
