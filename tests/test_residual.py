@@ -524,6 +524,24 @@ def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does
     assert summary["reconstruction_nbytes"] == 0
 
 
+def test_a_fold_needs_its_largest_shard_on_top_and_is_refused_without_it(group, tmp_path, monkeypatch):
+    """With compaction, the host must also hold the largest shard's float32 sums and row-wise Adagrad state
+    (expanded per value) and two byte masks while a fold runs: t0's 64 x 8 values, 10 bytes each."""
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.ckpt import host_memory
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs)
+    want = _table_bytes(specs) + 64 * 8 * (4 + 4 + 2)
+    config = load_config({"root": str(tmp_path / "root"), "compaction": {"max_chain": 3},
+                          "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: want - 1)
+    with pytest.raises(ConfigError, match=r"while compaction folds the chain its largest shard"):
+        Checkpointer(dmp, config, dense_optimizer=opt)
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: want)
+    Checkpointer(dmp, config, dense_optimizer=opt).close()
+
+
 def _two_ranks_refused(rank, world_size, root):
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt import host_memory

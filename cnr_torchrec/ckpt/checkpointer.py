@@ -24,7 +24,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
-from cnr_torchrec.ckpt.host_memory import check_host_memory, reconstruction_bytes
+from cnr_torchrec.ckpt.host_memory import check_host_memory, fold_bytes, reconstruction_bytes
 from cnr_torchrec.ckpt.retention import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
@@ -94,14 +94,18 @@ def _enable_views(tracker: Any, config: CheckpointConfig) -> None:
         tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
 
 
-def _check_residual_memory(tracker: Any, distributed: bool) -> None:
+def _check_residual_memory(tracker: Any, distributed: bool, compaction: bool) -> None:
     """Logs the host memory residual coding keeps, and refuses a job whose hosts do not have it (collective)."""
-    needed = reconstruction_bytes(tracker)
-    use = check_host_memory(needed, distributed=distributed)
+    copy = reconstruction_bytes(tracker)
+    fold = fold_bytes(tracker) if compaction else 0
+    what = "a float32 copy of each rank's shards" + (", and while compaction folds the chain its largest "
+                                                      "shard's float32 sums and state" if fold else "")
+    use = check_host_memory(copy + fold, distributed=distributed, what=what)
     available = "unknown" if use.available is None else f"{use.available / 1e6:,.0f} MB"
-    log.info("quantization.residual keeps a float32 copy of this rank's shards: %s MB of host memory (host %s: "
-             "%s MB for its %d rank(s), %s available)", f"{needed / 1e6:,.1f}", use.host, f"{use.needed / 1e6:,.1f}",
-             use.ranks, available)
+    more = f", and {fold / 1e6:,.1f} MB more while a compaction folds the chain" if fold else ""
+    log.info("quantization.residual keeps a float32 copy of this rank's shards: %s MB of host memory%s (host %s: "
+             "%s MB for its %d rank(s), %s available)", f"{copy / 1e6:,.1f}", more, use.host,
+             f"{use.needed / 1e6:,.1f}", use.ranks, available)
 
 
 class SaveHandle:
@@ -176,7 +180,7 @@ class Checkpointer:
         self.rank = self._ranks.rank
         self.world_size = self._ranks.world_size
         if config.quantization.residual:  # before anything is opened: a refusal leaves nothing behind
-            _check_residual_memory(tracker, self._dist)
+            _check_residual_memory(tracker, self._dist, config.compaction is not None)
         self._storage = Storage(config.root, config.storage_options)
         self._io = IOPool(config.root, config.storage_options, config.io_threads)  # chunk reads and writes
         self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save

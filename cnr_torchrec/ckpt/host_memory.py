@@ -1,7 +1,8 @@
 """Host memory that residual coding keeps, and the check that a job has it before its first step.
 
 With ``quantization.residual`` every rank keeps a float32 copy of its shards, the rows its chain
-restores (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction`). Ranks on one host add up, so
+restores (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction`), and with background compaction
+also, while it folds the chain, its largest shard's sums and state (:func:`fold_bytes`). Ranks on one host add up, so
 the Checkpointer sums each host's ranks and compares the sum with what the host has available
 (``MemAvailable``) when it is built. A job that would not fit is refused then, on every rank alike,
 rather than swapping or being killed hours into training.
@@ -16,13 +17,27 @@ import torch.distributed as dist
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["HostUse", "check_host_memory", "host_available_bytes", "reconstruction_bytes"]
+__all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "reconstruction_bytes"]
 
 
 def reconstruction_bytes(tracker: Any) -> int:
     """Bytes of the float32 copy of this rank's shards that residual coding keeps."""
     return sum(shard.num_rows * (shard.cols[1] - shard.cols[0]) * 4
                for table in tracker.tables() for _, shard in tracker.shards(table))
+
+
+def fold_bytes(tracker: Any) -> int:
+    """Bytes a background compaction of a residual chain adds while it folds this rank's largest shard
+    (:mod:`~cnr_torchrec.ckpt.compact.fold`): its float32 sums, each optimizer state as float32 per value, and
+    two masks of a byte per value."""
+    largest = 0
+    for table in tracker.tables():
+        for kernel, shard in tracker.shards(table):
+            tbe = kernel.tbe
+            states = tbe.split_optimizer_states()[shard.local_index] if hasattr(tbe, "split_optimizer_states") else []
+            values = shard.num_rows * (shard.cols[1] - shard.cols[0])
+            largest = max(largest, values * (4 * (1 + len(states)) + 2))
+    return largest
 
 
 def host_available_bytes() -> int | None:
@@ -46,7 +61,7 @@ class HostUse(NamedTuple):
     available: int | None
 
 
-def check_host_memory(needed: int, *, distributed: bool) -> HostUse:
+def check_host_memory(needed: int, *, distributed: bool, what: str = "a float32 copy of each rank's shards") -> HostUse:
     """Every rank's ``needed`` bytes, summed per host, against what each host has available. Collective.
 
     Returns:
@@ -68,7 +83,7 @@ def check_host_memory(needed: int, *, distributed: bool) -> HostUse:
     for host, ranks, total, available in sorted(hosts.values()):
         if available is not None and total > available:
             raise ConfigError(
-                f"quantization.residual keeps a float32 copy of each rank's shards in host memory: "
+                f"quantization.residual keeps {what} in host memory: "
                 f"{total / 1e9:.2f} GB for the {ranks} rank(s) on host {host}, which has {available / 1e9:.2f} GB "
                 "available. Set quantization.residual: false, or run on more hosts so that each holds fewer rows")
     return HostUse(*hosts[mine[0]])

@@ -130,9 +130,9 @@ def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_
                 if entry.residual:
                     raise CompactionError(
                         f"checkpoint {m.id} stores residual rows (quantization.residual): a row is the sum of "
-                        "several checkpoints' bytes, so no single stored row can be kept. Compact with "
-                        "`cnr compact --method none`, which stores the sums in float32 (or --method M --bits B, "
-                        "which encodes them again, adding that codec's error)")
+                        "several checkpoints' bytes, so no single stored row can be kept. Fold the chain instead "
+                        "(cnr_torchrec.ckpt.compact.fold.fold_rank; `cnr compact` does so), which stores the sums "
+                        "in float32")
                 out.setdefault(table, []).append(_Stored(m.id, table, entry, load))
     return out
 
