@@ -8,7 +8,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= 2
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint bench-cpr scale soak accuracy nvcc-check cuda-check clean reliability
+.PHONY: install test demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -69,12 +69,31 @@ scale: install
 soak: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 benchmarks/soak.py --json soak.json
 
-# Both accuracy studies, plain and with quantization.residual (~30 min in all on this machine); docs/accuracy.md.
+# The accuracy study, seed 0 with its controls: plain, residual, and residual with background compaction
+# (production only: harsh restores right after every save, which leaves no compaction time to fold)
+# (~40 min in all on this machine); docs/accuracy.md.
+ACC := OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py
 accuracy: install
-	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task harsh --json out/accuracy-harsh.json --markdown out/accuracy-harsh.md
-	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task production --methods adaptive --json out/accuracy-production.json --markdown out/accuracy-production.md
-	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task harsh --methods adaptive --residual --json out/accuracy-harsh-residual.json --markdown out/accuracy-harsh-residual.md
-	OMP_NUM_THREADS=1 $(PY) benchmarks/accuracy.py --task production --methods adaptive --residual --json out/accuracy-production-residual.json --markdown out/accuracy-production-residual.md
+	$(ACC) --task harsh --json out/accuracy-harsh.json --markdown out/accuracy-harsh.md
+	$(ACC) --task production --methods adaptive --json out/accuracy-production.json --markdown out/accuracy-production.md
+	$(ACC) --task harsh --methods adaptive --residual --json out/accuracy-harsh-residual.json --markdown out/accuracy-harsh-residual.md
+	$(ACC) --task production --methods adaptive --residual --json out/accuracy-production-residual.json --markdown out/accuracy-production-residual.md
+	$(ACC) --task production --methods adaptive --residual --compaction 4 --json out/accuracy-production-residual-compaction.json --markdown out/accuracy-production-residual-compaction.md
+
+# One more seed of the adaptive grid of every arm, without controls (~25 min per seed): make accuracy-seed SEED=1.
+SEED ?= 1
+accuracy-seed: install
+	$(ACC) --task harsh --methods adaptive --seed $(SEED) --no-controls --json out/accuracy-harsh-s$(SEED).json
+	$(ACC) --task production --methods adaptive --seed $(SEED) --no-controls --json out/accuracy-production-s$(SEED).json
+	$(ACC) --task harsh --methods adaptive --residual --seed $(SEED) --no-controls --json out/accuracy-harsh-residual-s$(SEED).json
+	$(ACC) --task production --methods adaptive --residual --seed $(SEED) --no-controls --json out/accuracy-production-residual-s$(SEED).json
+	$(ACC) --task production --methods adaptive --residual --compaction 4 --seed $(SEED) --no-controls --json out/accuracy-production-residual-compaction-s$(SEED).json
+
+# Every arm over the seeds in out/ (seconds): out/accuracy-<arm>-seeds.json, the tables bits: auto derives from.
+accuracy-combine: install
+	for arm in harsh production harsh-residual production-residual production-residual-compaction; do \
+	  $(PY) benchmarks/accuracy.py --combine out/accuracy-$$arm.json out/accuracy-$$arm-s[0-9]*.json \
+	    --json out/accuracy-$$arm-seeds.json --markdown out/accuracy-$$arm-seeds.md || exit 1; done
 
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build

@@ -110,7 +110,7 @@ def make_task(args: argparse.Namespace) -> Task:
     """This rank's training batches and held-out samples, made once: generating them costs more than a step."""
     rank = dist.get_rank()
     cfg = DataConfig(scale=args.scale, min_rows=args.min_rows, batch_size=args.batch_size, signal=args.signal,
-                     zipf=args.zipf)
+                     zipf=args.zipf, seed=args.seed)  # the task (teacher, id law) is the same for every seed
     stream = SyntheticCriteo(cfg)
     b = args.batch_size
     train = [stream.batch(rank, i * b, (i + 1) * b, "train") for i in range(args.steps)]
@@ -193,12 +193,13 @@ def set_lr(args: argparse.Namespace, step: int, opt: torch.optim.Optimizer, tbes
 
 
 def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None, bits: int | None = None,
-              restores: int = 0, init_seed: int = 0, curve_at: tuple[int, ...] = ()) -> dict[str, Any]:
-    """One training run; ``method`` None is a run with no failure. Returns the gathered eval logits and figures."""
+              restores: int = 0, init_seed: int | None = None, curve_at: tuple[int, ...] = ()) -> dict[str, Any]:
+    """One training run; ``method`` None is a run with no failure. Returns the gathered eval logits and figures.
+    ``init_seed``: the model's (default ``--seed``)."""
     t0 = time.perf_counter()
-    dmp, opt = build(args, task.stream, init_seed)
+    dmp, opt = build(args, task.stream, args.seed if init_seed is None else init_seed)
     reader = ResumableReader(make_loader(_Batches(task.train)))
-    ck, root = None, None
+    ck, root, compaction = None, None, None
     points = restore_steps(args.steps, restores) if method is not None else []
     if method is not None:
         root = tempfile.mkdtemp(prefix="cnr-accuracy-", dir=args.out_dir) if dist.get_rank() == 0 else ""
@@ -206,10 +207,12 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
         dist.broadcast_object_list(holder)
         root = holder[0]
         quant = {"method": method, "bits": bits, "state_dtype": "float32"}
-        if getattr(args, "residual", False) and method not in ("none", "fp16", "bf16"):
+        grid = method not in ("none", "fp16", "bf16")
+        if getattr(args, "residual", False) and grid:
             quant["residual"] = True
+        compaction = {"max_chain": args.compaction} if getattr(args, "compaction", 0) and grid else None
         ck = Checkpointer(dmp, load_config({"root": root, "policy": args.policy, "quantization": quant,
-                                            "on_busy": "wait", "keep_last": 1}),
+                                            "on_busy": "wait", "keep_last": 1, "compaction": compaction}),
                           dense_optimizer=opt, extra_state={"reader": reader})
     curve: dict[int, float] = {}
     labels = _gather(torch.cat([e.labels for e in task.eval]))
@@ -227,6 +230,8 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
         interval = getattr(args, "interval", 0)
         if ck is not None and interval and step % interval == 0 and not (points and step == points[0]):
             stats.add(ck.save(step).wait())
+            if compaction:  # each compaction folds at the save after it finished: the same folds in every run
+                ck.wait(compaction=True)
         if points and step == points[0]:
             points.pop(0)
             assert ck is not None
@@ -250,22 +255,31 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
             shutil.rmtree(root, ignore_errors=True)
     return {"logits": logits, "logloss": float(_losses(logits, labels).mean()), "curve": curve,
             "ckpt_bytes": ckpt_bytes, "save_restore_ms": restore_ms, "wall_s": time.perf_counter() - t0,
-            "max_dirty_fraction": stats.max_dirty, "bits_per_row": stats.bits_per_row()}
+            "max_dirty_fraction": stats.max_dirty, "bits_per_row": stats.bits_per_row(), "folds": stats.folds}
 
 
 class _SaveStats:
-    """What a run's saves wrote: the largest dirty fraction of a delta, and code bits per stored row."""
+    """What a run's saves wrote: the largest dirty fraction of a delta, code bits per stored row, and the
+    baselines its deltas hung on that no save wrote (background compactions)."""
 
     def __init__(self, total_rows: int) -> None:
         self.total_rows = total_rows
         self.max_dirty = 0.0
         self.bits_rows = 0.0
         self.rows = 0
+        self.written: set[int] = set()
+        self.bases: set[int] = set()
+
+    @property
+    def folds(self) -> int:
+        return len(self.bases - self.written)
 
     def add(self, info: Any) -> None:
         if info is None:
             return
+        self.written.add(info.id)
         if info.kind != "baseline":
+            self.bases.add(info.chain[0])
             self.max_dirty = max(self.max_dirty, info.rows_written / self.total_rows)
         bits = info.codec.get("bits")
         if bits is not None:
@@ -284,7 +298,8 @@ def compare(run: dict[str, Any], ref: dict[str, Any], labels: torch.Tensor) -> d
             "se_rel": float(diff.std()) / math.sqrt(n) / ref["logloss"] if n > 1 else math.nan,
             "identical": bool(torch.equal(run["logits"], ref["logits"])),
             "ckpt_bytes": run["ckpt_bytes"], "save_restore_ms": run["save_restore_ms"], "wall_s": run["wall_s"],
-            "max_dirty_fraction": run.get("max_dirty_fraction"), "bits_per_row": run.get("bits_per_row")}
+            "max_dirty_fraction": run.get("max_dirty_fraction"), "bits_per_row": run.get("bits_per_row"),
+            "folds": run.get("folds", 0)}
 
 
 def floors(controls: dict[str, dict[str, Any]], restores: list[int]) -> dict[int, float]:
@@ -416,6 +431,72 @@ def recommend_bits_table(studies: list[dict[str, Any]], method: str = "adaptive"
     return table
 
 
+def _combine_cells(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, Any]:
+    """One cell over independent seeds: the mean change, the pooled paired SE of that mean, the SE of the
+    seeds' spread, and ``se_rel``, the larger of the two (what the margins use)."""
+    n = len(cells)
+    d = [c["dlogloss_rel"] for c in cells]
+    mean = sum(d) / n
+    paired = math.sqrt(sum(c["se_rel"] ** 2 for c in cells)) / n
+    spread = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n) if n > 1 else math.nan
+    out = {"dlogloss_rel": mean, "paired_se_rel": paired, "seed_se_rel": spread,
+           "se_rel": max(paired, spread) if n > 1 else paired, "seeds": seeds, "per_seed": d}
+    for k in ("bits_per_row", "max_dirty_fraction", "folds"):
+        vals = [c.get(k) for c in cells if c.get(k) is not None]
+        if vals:
+            out[k] = sum(vals) / len(vals)
+    return out
+
+
+# Config keys that do not change what a cell measures (a study of more methods holds the same adaptive cells),
+# and the defaults of keys older studies lack.
+_RUN_ONLY = ("seed", "no_controls", "out_dir", "methods")
+_DEFAULTS = {"seed": 0, "compaction": 0, "residual": False}
+
+
+def combine_seeds(studies: list[dict[str, Any]]) -> dict[str, Any]:
+    """Studies of one task and arm under several ``--seed`` (their ``--json``), as one study of the same shape:
+    each cell over the seeds (:func:`_combine_cells`), each control over the studies that ran the controls
+    (``--no-controls`` saves them in the other seeds), and the floors from the combined controls."""
+    configs = [{**_DEFAULTS, **s["_study"]["config"]} for s in studies]
+    seeds = [c["seed"] for c in configs]
+    if len(set(seeds)) != len(seeds):
+        raise ValueError(f"seeds {seeds} repeat: combine studies of distinct --seed")
+    same = {k: v for k, v in configs[0].items() if k not in _RUN_ONLY}
+    for c in configs[1:]:
+        other = {k: v for k, v in c.items() if k not in _RUN_ONLY}
+        if other != same:
+            diff = sorted(k for k in set(same) | set(other) if same.get(k) != other.get(k))
+            raise ValueError(f"studies differ in {diff}: combine runs of one task and arm only")
+    task = configs[0]["task"]
+    keys = [k for k in studies[0] if not k.startswith("_") and k not in ("dlogloss", "floor", "bits_per_row")
+            and all(k in s for s in studies)]  # the cells every study ran
+    out: dict[str, Any] = {k: _combine_cells([s[k] for s in studies], seeds) for k in keys}
+    with_controls = [(s, seed) for s, seed in zip(studies, seeds) if s["_study"]["controls"]]
+    if not with_controls:
+        raise ValueError("none of the studies ran the controls: run one seed without --no-controls")
+    controls = {k: _combine_cells([s["_study"]["controls"][k] for s, _ in with_controls],
+                                  [seed for _, seed in with_controls])
+                for k in with_controls[0][0]["_study"]["controls"]}
+    restores = sorted({int(k.rsplit("_", 1)[1]) for k in keys})
+    fl = floors(controls, restores)
+    by_width: dict[str, dict[str, Any]] = {}
+    bits_per_row: dict[str, dict[str, Any]] = {}
+    for k, c in out.items():
+        width, r = k.rsplit("_", 1)
+        by_width.setdefault(width, {})[r] = c["dlogloss_rel"]
+        bits_per_row.setdefault(width, {})[r] = c.get("bits_per_row")
+    out["dlogloss"] = {task: by_width}
+    out["floor"] = {task: {str(r): f for r, f in fl.items()}}
+    out["bits_per_row"] = {task: bits_per_row}
+    methods = sorted({k.rsplit("_", 2)[0] for k in keys})
+    out["_study"] = {"seeds": seeds, "controls": controls, "floor_rel": {str(r): f for r, f in fl.items()},
+                     "reference_logloss": [s["_study"]["reference_logloss"] for s in studies],
+                     "wall_s": sum(s["_study"]["wall_s"] for s in studies),
+                     "config": {**same, "methods": methods, "seeds": seeds}}
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", nargs="+", default=list(METHODS))
@@ -441,13 +522,25 @@ def main() -> None:
     parser.add_argument("--policy", choices=["consecutive", "full"], default="consecutive")
     parser.add_argument("--residual", action="store_true",
                         help="quantization.residual: deltas coded against what the chain restores (the grid only)")
+    parser.add_argument("--compaction", type=int, default=0, metavar="MAX_CHAIN",
+                        help="background compaction of the grid's chains every MAX_CHAIN deltas (0: none); with "
+                             "--residual, each compaction is a fold (docs/compaction.md)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seed of the sample streams and of the model init of every run (the task, its teacher "
+                             "and id law, stays the same); the init-seed control uses seed + 1")
     parser.add_argument("--no-controls", action="store_true",
                         help="skip the controls (none, fp16 and bf16 restores, another init seed)")
     parser.add_argument("--quick", action="store_true", help="a smoke run: tiny task, 2 and 8 bits, R in {1, 3}")
     parser.add_argument("--out-dir", default=None, help="where checkpoints go while a cell runs (default: $TMPDIR)")
     parser.add_argument("--json", default=None, help='write {"{method}_{bits}_{restores}": {"dlogloss_rel"...}}')
     parser.add_argument("--markdown", default=None, help="write the table as markdown")
+    parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
+                        help="no training: combine these studies of one task and arm under distinct --seed into one "
+                             "(--json, --markdown), each cell's mean and standard errors over the seeds")
     args = parser.parse_args()
+    if args.combine:
+        combined_main(args)
+        return
     sizes = {"steps": 100, "scale": 0.0005, "batch_size": 256, "eval_samples": 16384} if args.quick else dict(
         TASKS[args.task])
     for k, v in sizes.items():
@@ -497,7 +590,7 @@ def main() -> None:
         print(f"wall time {wall:.0f} s")
         if args.json:
             keep = ("dlogloss_rel", "se_rel", "logloss", "restore_steps", "ckpt_bytes", "save_restore_ms", "wall_s",
-                    "max_dirty_fraction", "bits_per_row")
+                    "max_dirty_fraction", "bits_per_row", "folds")
             out: dict[str, Any] = {k: {x: c[x] for x in keep} for k, c in cells.items()}
             by_width: dict[str, dict[str, Any]] = {}
             bits_per_row: dict[str, dict[str, Any]] = {}
@@ -526,6 +619,31 @@ def main() -> None:
                 f.write(grid_table(cells, controls, args.methods, args.bits, args.restores, markdown=True) + "\n")
     dist.barrier()
     dist.destroy_process_group()
+
+
+def combined_main(args: argparse.Namespace) -> None:
+    """``--combine``: prints and writes the combined study."""
+    studies = []
+    for path in args.combine:
+        with open(path) as f:
+            studies.append(json.load(f))
+    out = combine_seeds(studies)
+    cfg = out["_study"]["config"]
+    cells = {k: v for k, v in out.items() if not k.startswith("_") and k not in ("dlogloss", "floor", "bits_per_row")}
+    restores = sorted({int(k.rsplit("_", 1)[1]) for k in cells})
+    table = grid_table(cells, out["_study"]["controls"], cfg["methods"], cfg["bits"], restores, markdown=False)
+    print(f"task {cfg['task']}{' residual' if cfg.get('residual') else ''}"
+          f"{' compaction ' + str(cfg['compaction']) if cfg.get('compaction') else ''}, seeds {cfg['seeds']}:\n{table}")
+    ses = sorted(c["paired_se_rel"] for k, c in cells.items() if int(k.rsplit("_", 1)[1]) <= 3)
+    print(f"paired SE of a cell at R <= 3: {ses[0] * 100:.4f}% .. {ses[-1] * 100:.4f}%")
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(grid_table(cells, out["_study"]["controls"], cfg["methods"], cfg["bits"], restores,
+                               markdown=True) + "\n")
 
 
 def study(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
@@ -563,7 +681,7 @@ def study(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
         # The curve's evals ran inside the reference; `none` (no eval in between) being exact shows they change nothing.
         specs = [(f"none_{max(args.restores)}", {"method": "none", "restores": max(args.restores)})]
         specs += [(f"{m}_{r}", {"method": m, "restores": r}) for m in ("fp16", "bf16") for r in args.restores]
-        specs += [("init_seed_1", {"init_seed": 1})]
+        specs += [("init_seed_1", {"init_seed": args.seed + 1})]  # another init than the reference's
         for name, kwargs in specs:
             controls[name] = compare(train_run(args, task, **kwargs), ref, labels)
             say(f"control {name}: {_pct(controls[name]['dlogloss_rel'])} (se {controls[name]['se_rel'] * 100:.4f}%) "

@@ -9,8 +9,8 @@ from a forkserver that already imported torch, torchrec and cnr_torchrec, so a f
 pair of ranks costs a fraction of a second instead of ~5 s of imports: that is what lets
 100 kills, each followed by a restart of fresh processes, fit in a few minutes on 2 cores.
 
-**Kill suite.** Four groups (consecutive and intermittent policies, fp32 rows and a
-quantized codec), each on its own root. A phase is one incarnation of a 2-rank job: it
+**Kill suite.** Six groups (consecutive and intermittent policies, fp32 rows and a
+quantized codec; consecutive with background compaction, plain and residual), each on its own root. A phase is one incarnation of a 2-rank job: it
 restores whatever is committed, checks the restored state against a reference, saves
 once more (that save must commit, and it must clean up the torn directories of the
 crash before), then trains with a save after every step or two until one rank is
@@ -26,7 +26,9 @@ commit reported by ``handle.wait()`` it appends the id to a log. A trial counts 
   on disk (scanned by the harness, independently of the code under test) and its state
   equals the reference (exactly for fp32 rows; for a quantized codec every row is the
   codec's image of the reference row, or the reference row itself when it was saved
-  before the last restore and is already a decoded row);
+  before the last restore and is already a decoded row; for residual coding, the reference
+  weights are the job's reconstruction once that save commits, and a restore must be within
+  1e-6 of them, the float32 rounding of adding the chain up in another order);
 * ``torn_restores`` otherwise (another checkpoint, other content, or an error);
 * ``lost_commits``: ids that ``handle.wait()`` reported committed but that are newer than
   what the restore found.
@@ -74,13 +76,16 @@ log = logging.getLogger("reliability")
 ROWS = {"t0": 240, "t1": 160, "t2": 200}
 SHARDING = {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}
 DIM = 8
-GROUPS = (  # (policy, method, bits); "compacting": consecutive with background compaction every 2 deltas
+GROUPS = (  # (policy, method, bits); "compacting": consecutive with background compaction every 2 deltas;
+    # "residual": the same with quantization.residual (its compactions are folds)
     ("consecutive", "none", None),
     ("consecutive", "adaptive", 4),
     ("intermittent", "none", None),
     ("intermittent", "uniform_asym", 4),
     ("compacting", "adaptive", 4),
+    ("residual", "adaptive", 4),
 )
+RESIDUAL_ATOL = 1e-6  # a restore adds a residual chain up newest first, the job's reconstruction oldest first
 # Named fault points and the rank they fire on; commit and GC run on rank 0 only.
 NAMED_FAULTS = (
     ("write.mid", 0), ("write.mid", 1), ("write.after", 0), ("write.after", 1),
@@ -131,7 +136,8 @@ def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any
         quant["bits"] = bits
     # Two whole chains stay: the corruption matrix falls back from the newest chain to the one before.
     keep = {} if "keep" in kw or "keep_last" in kw else {"keep": {"chains": 2}}
-    if policy == "compacting":
+    if policy in ("compacting", "residual"):
+        quant["residual"] = policy == "residual"
         policy, kw = "consecutive", {"compaction": {"max_chain": 2}, **kw}
     return load_config({"root": root, "policy": policy, "quantization": quant, "save_timeout_s": 60, **keep, **kw})
 
@@ -175,12 +181,14 @@ def scramble(dmp, opt, seed: int) -> None:
 
 
 def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], codec: Any,
-            allow_decoded: bool = True) -> list[str]:
+            allow_decoded: bool = True, atol: float = 0.0) -> list[str]:
     """Keys whose restored value is not the reference (``codec``: None for exact rows).
 
     With a codec, each weight row must be the codec's image of the reference row, or, if
     ``allow_decoded``, the reference row itself: after a restore the live rows are decoded
-    rows, and a row not touched since is restored as the decoded row it already is.
+    rows, and a row not touched since is restored as the decoded row it already is. With
+    ``atol`` (a residual chain, whose reference holds what the chain restores), weights must be
+    within it of the reference.
     """
     bad = []
     for key, r in ref.items():
@@ -188,7 +196,10 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], codec: A
         if g is None or g.shape != r.shape:
             bad.append(f"{key}: missing or shape {None if g is None else list(g.shape)} != {list(r.shape)}")
             continue
-        if key.startswith("w/") and codec is not None:
+        if key.startswith("w/") and atol:
+            if not torch.allclose(g, r, rtol=0.0, atol=atol):
+                bad.append(f"{key}: max diff {(g.double() - r.double()).abs().max().item():.3g} > {atol:g}")
+        elif key.startswith("w/") and codec is not None:
             q = codec.decode(codec.encode(r.float()))
             rows_ok = (g == q).all(1) | ((g == r).all(1) if allow_decoded else False)
             if not bool(rows_ok.all()):
@@ -230,6 +241,32 @@ def install_ref_hook(side: str, rank: int, dmp, opt) -> None:
         return out
 
     ckpt_mod.stage = staging
+
+
+def install_residual_ref_hook(side: str, rank: int, dmp) -> None:
+    """Residual coding: a checkpoint restores what the job's reconstruction will hold once it commits, not the
+    live rows. So once a save's rows are written (before the rank reports, so before any manifest), its
+    reference's weights become that reconstruction."""
+    from cnr_torchrec.ckpt.save import commit as commit_mod
+
+    real = commit_mod.write_rank
+
+    def writing(staged, codec, storage, **kw):
+        report = real(staged, codec, storage, **kw)
+        rec = kw.get("reconstruction")
+        path = ref_path(side, staged.decision.ckpt_id, rank)
+        ref = torch.load(path, weights_only=True)
+        tracker = dmp.dirty_tracker
+        for t in tracker.tables():
+            for i, (_, s) in enumerate(tracker.shards(t)):
+                rows = rec.after_commit((t, tuple(s.rows), tuple(s.cols)))
+                if rows is not None:
+                    ref[f"w/{t}/{i}"] = rows
+        torch.save(ref, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        return report
+
+    commit_mod.write_rank = writing
 
 
 def load_ref(side: str, ckpt_id: int, rank: int) -> dict[str, torch.Tensor]:
@@ -464,6 +501,9 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
     dmp, specs, opt = build(world_size, seed=p["seed"])
     seen = spy_restored()
     install_ref_hook(side, rank, dmp, opt)
+    residual = p["policy"] == "residual"
+    if residual:
+        install_residual_ref_hook(side, rank, dmp)
     config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"])
     ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(p["seed"] * 7 + rank)
@@ -487,7 +527,7 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
         out["attempts"] = seen["ids"]
         same_as = read_body(p["root"], p["opts"], out["restored"]).get("equals")  # a compacted baseline: its tip's
         out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, same_as or out["restored"], rank),
-                                  codec_of(p["method"], p["bits"]))[:5]
+                                  codec_of(p["method"], p["bits"]), atol=RESIDUAL_ATOL if residual else 0.0)[:5]
     except CheckpointNotFoundError as e:
         out["error"] = ["CheckpointNotFoundError", str(e)]
     except Exception as e:  # noqa: BLE001 - the harness counts it as a failed restore

@@ -16,7 +16,8 @@ import pytest
 
 from cnr_torchrec.errors import ConfigError
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import accuracy  # noqa: E402
 from _dist import run_ranks  # noqa: E402
@@ -25,7 +26,7 @@ from _dist import run_ranks  # noqa: E402
 def _tiny_args(out_dir: str) -> argparse.Namespace:
     return argparse.Namespace(steps=60, scale=0.0005, min_rows=64, batch_size=128, eval_samples=8192, dim=16,
                               lr=0.05, schedule="linear", signal=2.0, zipf=1.05, row_wise_min_rows=5000,
-                              policy="consecutive", out_dir=out_dir)
+                              policy="consecutive", out_dir=out_dir, seed=0)
 
 
 def _study_worker(rank: int, world: int, out_dir: str) -> None:
@@ -45,6 +46,14 @@ def _study_worker(rank: int, world: int, out_dir: str) -> None:
     assert not mild["identical"] and not harsh["identical"]  # the codec did reach the model
     assert harsh["dlogloss_rel"] > 5 * harsh["se_rel"], harsh  # a real degradation, far out of the eval noise
     assert abs(mild["dlogloss_rel"]) < harsh["dlogloss_rel"] / 10, (mild, harsh)
+
+    # The residual arm with background compaction: its chains are folded while the run goes on (a save every
+    # 5 steps, folds every 2 deltas), and the run's restore still comes back where it was saved.
+    folding = argparse.Namespace(**{**vars(args), "residual": True, "compaction": 2, "interval": 5})
+    run = accuracy.train_run(folding, task, method="uniform_asym", bits=2, restores=1)
+    assert run["folds"] >= 2, run["folds"]
+    again = accuracy.train_run(folding, task, method="uniform_asym", bits=2, restores=1)
+    assert again["folds"] == run["folds"] and torch.equal(again["logits"], run["logits"])  # the same folds
     assert not os.listdir(out_dir), "a cell's checkpoint root was left behind"
 
 
@@ -123,3 +132,37 @@ def test_the_default_bits_tables_are_the_committed_studies_recommendation(residu
         assert set(studies[-1]["dlogloss"]) == {task}
         assert studies[-1]["_study"]["config"].get("residual", False) == residual
     assert accuracy.recommend_bits_table(studies) == (RESIDUAL_BITS_TABLE if residual else DEFAULT_BITS_TABLE)
+
+
+def test_seeds_combine_into_their_mean_with_the_larger_standard_error() -> None:
+    """Two seeds of the committed production study (the second shifted by 0.004% in every cell and control):
+    each cell is their mean; its SE is the larger of the pooled paired SE and the seeds' spread; the floors
+    come from the combined controls, and bits: auto's rule reads the result."""
+    import copy
+    import json
+    import math
+
+    with open(os.path.join(REPO, "docs", "data", "accuracy-production.json")) as f:
+        one = json.load(f)
+    two = copy.deepcopy(one)
+    two["_study"]["config"]["seed"] = 1
+    shift = 4e-5
+    for k, c in two.items():
+        if not k.startswith("_") and k not in ("dlogloss", "floor", "bits_per_row"):
+            c["dlogloss_rel"] += shift
+    for c in two["_study"]["controls"].values():
+        c["dlogloss_rel"] += shift
+    both = accuracy.combine_seeds([one, two])
+    cell, a = both["adaptive_4_3"], one["adaptive_4_3"]
+    assert cell["dlogloss_rel"] == pytest.approx(a["dlogloss_rel"] + shift / 2)
+    assert cell["paired_se_rel"] == pytest.approx(math.sqrt(2) * a["se_rel"] / 2)
+    assert cell["seed_se_rel"] == pytest.approx(shift / 2)
+    assert cell["se_rel"] == max(cell["paired_se_rel"], cell["seed_se_rel"]) and cell["seeds"] == [0, 1]
+    fp16 = both["_study"]["controls"]["fp16_3"]
+    want_floor = max(abs(both["_study"]["controls"][f"{m}_3"]["dlogloss_rel"]) + 2 * both["_study"]["controls"][
+        f"{m}_3"]["se_rel"] for m in ("fp16", "bf16"))
+    assert both["floor"]["production"]["3"] == pytest.approx(want_floor) and fp16["seeds"] == [0, 1]
+    assert accuracy.recommend_bits_table([both])  # the rule reads a combined study as it reads one
+    two["_study"]["config"]["steps"] = 500
+    with pytest.raises(ValueError, match="differ in \\['steps'\\]"):
+        accuracy.combine_seeds([one, two])

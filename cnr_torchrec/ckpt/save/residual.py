@@ -50,6 +50,19 @@ class Reconstruction:
             raise ValueError(f"shard {key}: {rows.shape[0]} rows staged for a shard of {num_rows}")
         self._pending.append((key, None if ids is None else ids.to(torch.long), rows.float()))
 
+    def after_commit(self, key: Key) -> torch.Tensor | None:
+        """What shard ``key`` will restore once the staged save commits (a copy; None if unknown)."""
+        full = self._rows.get(key)
+        out = None if full is None else full.clone()
+        for k, ids, rows in self._pending:
+            if k != key:
+                continue
+            if ids is None:
+                out = rows.clone()
+            elif out is not None:
+                out.index_copy_(0, ids, rows)
+        return out
+
     def commit(self) -> None:
         """Applies what the committed save staged."""
         for key, ids, rows in self._pending:
