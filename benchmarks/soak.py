@@ -63,7 +63,6 @@ import json
 import logging
 import os
 import queue
-import shutil
 import statistics
 import sys
 import threading
