@@ -326,7 +326,7 @@ def _restore_plan_b(rank, world_size, root, want_path):
 @pytest.mark.timeout(240)
 def test_a_residual_chain_of_two_ranks_restores_onto_one_rank_and_another_plan(tmp_path):
     """Every sharding type, 2 ranks -> 1 under another plan, against the export (which adds the chain up
-    oldest first over whole tables, apart from the restore's newest-first claims per shard)."""
+    over whole tables, apart from the restore's claims per shard)."""
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.tools.export import export_state_dict
 

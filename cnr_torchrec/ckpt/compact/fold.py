@@ -29,6 +29,7 @@ from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.offline import assemble_regions
 
 __all__ = ["FOLDED_CODEC", "fold_rank", "is_residual"]
@@ -43,7 +44,7 @@ def is_residual(chain: list[Manifest]) -> bool:
 
 
 def fold_rank(
-    storage: Any,
+    storage: Storage,
     chain: list[Manifest],
     regions: list[Region],
     *,
