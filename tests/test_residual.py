@@ -281,6 +281,51 @@ def test_a_fold_that_fails_leaves_the_residual_chain_going_on(group, tmp_path, m
     _assert_restored(weights, expected)
 
 
+def test_retention_collects_folded_residual_chains_and_every_kept_checkpoint_restores(group, tmp_path):
+    """keep: {checkpoints: 2} under folds: the root holds the newest two checkpoints and what they need (the
+    last fold and its deltas, and the chain a fold in flight reads), and each restores as the closed-loop
+    reference stood at its save."""
+    import os
+
+    from cnr_torchrec.ckpt.format.commits import committed_ids
+
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    root = str(tmp_path / "ck")
+    specs = _plan_specs(PLAN_A)
+
+    dmp, opt = build_dmp(specs)
+    gen = torch.Generator().manual_seed(6)
+    expected, at_step = {}, {}
+    config = _fold_config(root, keep={"checkpoints": 2}, compaction={"max_chain": 2})
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        for step in range(1, 11):
+            train(dmp, specs, opt, 2, gen)
+            info = ck.save(step).wait()
+            _follow_entries(expected, _written(root, info.id), _weights(dmp))
+            at_step[step] = {k: v.clone() for k, v in expected.items()}
+            ck.wait(compaction=True)
+    storage = Storage(root)
+    try:
+        kept = committed_ids(storage)
+        steps = {i: _step_of(storage, i) for i in kept}
+    finally:
+        storage.close()
+    assert len(kept) <= 5 and min(kept) >= 7, kept  # every earlier chain is gone
+    assert sorted(d for d in os.listdir(root) if d.startswith("ckpt-")) == [f"ckpt-{i:08d}" for i in kept]
+    for i, step in steps.items():
+        got, _, weights = _restore_state(root, specs, step)
+        assert got == step
+        _assert_restored(weights, at_step[step])
+
+
+def _step_of(storage, ckpt_id):
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+
+    return load_manifest(storage, ckpt_id).step
+
+
 PLAN_A = ("table_wise", "row_wise", "column_wise", "table_row_wise", "data_parallel")
 PLAN_B = ("row_wise", "column_wise", "table_row_wise", "data_parallel", "table_wise")
 
