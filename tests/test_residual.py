@@ -177,13 +177,14 @@ def _fold_config(root, **kw):
                         "quantization": {"method": "adaptive", "bits": 4, "residual": True}, **kw})
 
 
-def _follow_entries(expected, written, live):
-    """The closed-loop reference after any save of the job: whole rows restore as _roundtrip(x) (a baseline,
-    and the delta that hangs on a fold), residual rows as r + _roundtrip(x - r)."""
+def _follow_entries(expected, written, live, against=None):
+    """The closed-loop reference after any save of the job: whole rows restore as _roundtrip(x) (a baseline),
+    residual rows as r + _roundtrip(x - r), r being what the parent's chain restores: ``against`` (the
+    reference as it stood at a fold's tip, for the delta that hangs on the fold), else ``expected``."""
     for key, (ids, residual) in written.items():
         rows = torch.arange(live[key].shape[0]) if ids is None else ids
         if residual:
-            before = expected[key][rows]
+            before = (expected if against is None else against)[key][rows]
             expected[key][rows] = before + _roundtrip(live[key][rows] - before)
         else:
             expected.setdefault(key, torch.full_like(live[key], float("nan")))[rows] = _roundtrip(live[key][rows])
@@ -196,15 +197,33 @@ def _fold_job(root, specs, saves, **kw):
 
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(4)
-    expected, kinds = {}, []
+    expected, kinds, history = {}, [], {}
     with Checkpointer(dmp, _fold_config(root, **kw), dense_optimizer=opt) as ck:
         for step in range(1, saves + 1):
             train(dmp, specs, opt, 2, gen)
             info = ck.save(step).wait()
             kinds.append(info.kind)
-            _follow_entries(expected, _written(root, info.id), _weights(dmp))
+            written, tip = _written(root, info.id), _at_fold_tip(root, info, history)
+            if tip is not None:  # the first delta on a fold: residuals against the fold's tip
+                assert all(residual for _, residual in written.values()), info
+            _follow_entries(expected, written, _weights(dmp), tip)
+            history[info.id] = {k: v.clone() for k, v in expected.items()}
             ck.wait(compaction=True)
     return kinds, expected, saves
+
+
+def _at_fold_tip(root, info, history):
+    """The reference at the tip of the fold ``info`` hangs on (None unless it is the first delta on a fold)."""
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    if info.kind != "delta" or len(info.chain) != 2 or info.chain[0] in history:
+        return None
+    storage = Storage(root)
+    try:
+        return history[load_manifest(storage, info.chain[0]).body["equals"]]
+    finally:
+        storage.close()
 
 
 def _restore_state(root, specs, step=None):
@@ -297,13 +316,14 @@ def test_retention_collects_folded_residual_chains_and_every_kept_checkpoint_res
 
     dmp, opt = build_dmp(specs)
     gen = torch.Generator().manual_seed(6)
-    expected, at_step = {}, {}
+    expected, at_step, history = {}, {}, {}
     config = _fold_config(root, keep={"checkpoints": 2}, compaction={"max_chain": 2})
     with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
         for step in range(1, 11):
             train(dmp, specs, opt, 2, gen)
             info = ck.save(step).wait()
-            _follow_entries(expected, _written(root, info.id), _weights(dmp))
+            _follow_entries(expected, _written(root, info.id), _weights(dmp), _at_fold_tip(root, info, history))
+            history[info.id] = {k: v.clone() for k, v in expected.items()}
             at_step[step] = {k: v.clone() for k, v in expected.items()}
             ck.wait(compaction=True)
     storage = Storage(root)

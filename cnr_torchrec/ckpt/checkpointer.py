@@ -277,7 +277,7 @@ class Checkpointer:
         )
         tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._state)
         if tip:
-            decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction")
+            decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction", tip=True)
         staged, stage_error = self._stage(decision)
         if staged is not None:
             # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
@@ -423,8 +423,11 @@ class Checkpointer:
         info, chain = self._recovery.run(failed, step)
         self._continue_chain(chain)
         self._count_restore(chain[-1])
-        if self._committer.reconstruction is not None and self.rank in failed:
-            self._committer.reconstruction.reset(self.tracker)  # survivors keep the chain's reconstruction
+        rec = self._committer.reconstruction
+        if rec is not None and self.rank in failed:
+            rec.reset(self.tracker)  # survivors keep the chain's reconstruction
+        elif rec is not None:
+            rec.end_tip()  # the compaction was dropped: no delta will hang on its tip
         return info
 
     def close(self) -> None:

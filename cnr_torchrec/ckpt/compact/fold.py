@@ -12,10 +12,10 @@ A region is assembled and written one at a time, so a rank holds at most its lar
 float32 rows and states beyond what training holds.
 
 How the job's closed loop carries on across the fold: the delta that hangs on the folded
-baseline writes the rows dirty since the compaction's tip whole rather than as residuals
-(:mod:`~cnr_torchrec.ckpt.save.writer`), since the residuals the job wrote for them after the tip
-are not in the new chain; and every other row's reconstruction is the tip's, which is what the
-fold holds for it.
+baseline holds the rows dirty since the compaction's tip, coded as residuals against the tip's
+reconstruction (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction` keeps the tip's values of
+the rows that change after it), which is what the fold holds for them: the residuals the job wrote
+for them after the tip are not in the new chain. Every other row's reconstruction is still the tip's.
 """
 
 from __future__ import annotations

@@ -58,6 +58,7 @@ class Decision:
         chain: ids to restore in order, ending with this one.
         encodings: per table, ``full`` (whole shards) or ``rows`` (dirty rows with their ids).
         reason: why this kind was chosen, for the log and the manifest.
+        tip: the next background compaction folds the chain up to this checkpoint (not in the manifest).
     """
 
     ckpt_id: int
@@ -68,6 +69,7 @@ class Decision:
     chain: tuple[int, ...]
     encodings: dict[str, str] = field(default_factory=dict)
     reason: str = ""
+    tip: bool = False  # the next background compaction folds the chain up to this checkpoint
 
     def to_json(self) -> dict[str, Any]:
         """The manifest's fields for this decision: the chain as links (its length would grow with it)."""
