@@ -454,10 +454,15 @@ _RUN_ONLY = ("seed", "no_controls", "out_dir", "methods")
 _DEFAULTS = {"seed": 0, "compaction": 0, "residual": False}
 
 
-def combine_seeds(studies: list[dict[str, Any]]) -> dict[str, Any]:
+def combine_seeds(studies: list[dict[str, Any]], controls_from: list[dict[str, Any]] = ()) -> dict[str, Any]:
     """Studies of one task and arm under several ``--seed`` (their ``--json``), as one study of the same shape:
     each cell over the seeds (:func:`_combine_cells`), each control over the studies that ran the controls
-    (``--no-controls`` saves them in the other seeds), and the floors from the combined controls."""
+    (``--no-controls`` saves them in the other seeds), and the floors from the combined controls.
+
+    ``controls_from``: studies of another arm of the same task whose controls stand in. The controls
+    (fp32, fp16 and bf16 restores, another init) use neither residual coding nor compaction, so an arm
+    that differs only in those runs the very same control runs.
+    """
     configs = [{**_DEFAULTS, **s["_study"]["config"]} for s in studies]
     seeds = [c["seed"] for c in configs]
     if len(set(seeds)) != len(seeds):
@@ -473,6 +478,14 @@ def combine_seeds(studies: list[dict[str, Any]]) -> dict[str, Any]:
             and all(k in s for s in studies)]  # the cells every study ran
     out: dict[str, Any] = {k: _combine_cells([s[k] for s in studies], seeds) for k in keys}
     with_controls = [(s, seed) for s, seed in zip(studies, seeds) if s["_study"]["controls"]]
+    for other in controls_from:
+        cfg = {**_DEFAULTS, **other["_study"]["config"]}
+        arm = ("residual", "compaction")
+        mismatch = sorted(k for k in set(same) | set(cfg)
+                          if k not in _RUN_ONLY and k not in arm and same.get(k) != cfg.get(k))
+        if mismatch:
+            raise ValueError(f"--controls-from: a study that differs in {mismatch}, not only in {list(arm)}")
+        with_controls.append((other, cfg["seed"]))
     if not with_controls:
         raise ValueError("none of the studies ran the controls: run one seed without --no-controls")
     controls = {k: _combine_cells([s["_study"]["controls"][k] for s, _ in with_controls],
@@ -537,6 +550,9 @@ def main() -> None:
     parser.add_argument("--combine", nargs="+", default=None, metavar="JSON",
                         help="no training: combine these studies of one task and arm under distinct --seed into one "
                              "(--json, --markdown), each cell's mean and standard errors over the seeds")
+    parser.add_argument("--controls-from", nargs="+", default=[], metavar="JSON",
+                        help="with --combine: take the controls from these studies of another arm of the task (the "
+                             "controls use neither residual coding nor compaction)")
     args = parser.parse_args()
     if args.combine:
         combined_main(args)
@@ -627,7 +643,11 @@ def combined_main(args: argparse.Namespace) -> None:
     for path in args.combine:
         with open(path) as f:
             studies.append(json.load(f))
-    out = combine_seeds(studies)
+    extra = []
+    for path in args.controls_from:
+        with open(path) as f:
+            extra.append(json.load(f))
+    out = combine_seeds(studies, extra)
     cfg = out["_study"]["config"]
     cells = {k: v for k, v in out.items() if not k.startswith("_") and k not in ("dlogloss", "floor", "bits_per_row")}
     restores = sorted({int(k.rsplit("_", 1)[1]) for k in cells})

@@ -166,3 +166,27 @@ def test_seeds_combine_into_their_mean_with_the_larger_standard_error() -> None:
     two["_study"]["config"]["steps"] = 500
     with pytest.raises(ValueError, match="differ in \\['steps'\\]"):
         accuracy.combine_seeds([one, two])
+
+
+def test_an_arm_without_controls_takes_another_arms_of_the_same_task() -> None:
+    """The compaction arm runs no controls: the residual arm's stand in (same task, differing only in residual
+    coding and compaction); a study of another task is refused."""
+    import copy
+    import json
+
+    with open(os.path.join(REPO, "docs", "data", "accuracy-production-residual.json")) as f:
+        residual = json.load(f)
+    arm = copy.deepcopy(residual)
+    arm["_study"]["config"].update(compaction=4, no_controls=True)
+    arm["_study"]["controls"] = {}
+    with pytest.raises(ValueError, match="none of the studies ran the controls"):
+        accuracy.combine_seeds([arm])
+    both = accuracy.combine_seeds([arm], [residual])
+    assert both["_study"]["controls"]["fp16_3"]["dlogloss_rel"] == residual["_study"]["controls"]["fp16_3"][
+        "dlogloss_rel"]
+    assert both["floor"]["production"] == pytest.approx(
+        {r: f for r, f in residual["_study"]["floor_rel"].items()})
+    with open(os.path.join(REPO, "docs", "data", "accuracy-harsh-residual.json")) as f:
+        other_task = json.load(f)
+    with pytest.raises(ValueError, match="--controls-from: a study that differs in"):
+        accuracy.combine_seeds([arm], [other_task])
