@@ -450,7 +450,7 @@ def _combine_cells(cells: list[dict[str, Any]], seeds: list[int]) -> dict[str, A
 
 # Config keys that do not change what a cell measures (a study of more methods holds the same adaptive cells),
 # and the defaults of keys older studies lack.
-_RUN_ONLY = ("seed", "no_controls", "out_dir", "methods")
+_RUN_ONLY = ("seed", "no_controls", "out_dir", "methods", "combine", "controls_from")
 _DEFAULTS = {"seed": 0, "compaction": 0, "residual": False}
 
 
@@ -624,7 +624,8 @@ def main() -> None:
                 "controls": {k: {x: v[x] for x in ("dlogloss_rel", "se_rel", "logloss", "identical")}
                              for k, v in controls.items()},
                 "embedding_rows": result["embedding_rows"], "wall_s": wall,
-                "config": {k: v for k, v in vars(args).items() if k not in ("json", "markdown")},
+                "config": {k: v for k, v in vars(args).items() if k not in ("json", "markdown", "combine",
+                                                                            "controls_from")},
             }
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
