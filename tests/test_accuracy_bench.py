@@ -120,16 +120,19 @@ def test_recommendation_takes_the_margin_the_floor_and_the_widest_need():
 
 @pytest.mark.parametrize("residual", [False, True])
 def test_the_default_bits_tables_are_the_committed_studies_recommendation(residual):
-    """bits: auto's tables, with and without quantization.residual, against the studies run that way."""
+    """bits: auto's tables, with and without quantization.residual, against the studies run that way, each
+    combined over its seeds (and, for residual coding, the arm with background compaction too)."""
     import json
 
     from cnr_torchrec.ckpt.config import DEFAULT_BITS_TABLE, RESIDUAL_BITS_TABLE
 
+    arms = ["harsh-residual", "production-residual", "production-residual-compaction"] if residual else [
+        "harsh", "production"]
     studies = []
-    for task in ("harsh", "production"):
-        with open(os.path.join(DATA, f"accuracy-{task}{'-residual' if residual else ''}.json")) as f:
+    for arm in arms:
+        with open(os.path.join(DATA, f"accuracy-{arm}-seeds.json")) as f:
             studies.append(json.load(f))
-        assert set(studies[-1]["dlogloss"]) == {task}
+        assert set(studies[-1]["dlogloss"]) == {arm.split("-")[0]}
         assert studies[-1]["_study"]["config"].get("residual", False) == residual
     assert accuracy.recommend_bits_table(studies) == (RESIDUAL_BITS_TABLE if residual else DEFAULT_BITS_TABLE)
 

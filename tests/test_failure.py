@@ -18,9 +18,9 @@ def cfg(**kw):
     return load_config({"root": "/tmp/unused", **kw})
 
 
-@pytest.mark.parametrize("restores,bits", [(0, 3), (1, 3), (2, 8), (3, 8), (4, 8), (20, 8), (21, 8), (500, 8)])
+@pytest.mark.parametrize("restores,bits", [(0, 4), (1, 4), (2, 8), (3, 8), (4, 8), (20, 8), (21, 8), (500, 8)])
 def test_bits_follow_the_default_table(restores, bits):
-    # The table measured by the accuracy studies ({1: 3, 20: 8}; test_accuracy_bench checks where it comes from).
+    # The table measured by the accuracy studies ({1: 4, 20: 8}; test_accuracy_bench checks where it comes from).
     c = cfg(quantization={"bits": "auto"}, failure={"expected_restores": restores})
     assert bits_for_job(c, restores_done=0)[0] == bits
 
@@ -30,9 +30,10 @@ def test_residual_coding_gets_its_own_measured_table_unless_one_is_given(monkeyp
 
     quant = {"method": "adaptive", "bits": "auto", "residual": True}
     c = cfg(quantization=quant, failure={"expected_restores": 3})
-    assert c.failure.bits_table == config.RESIDUAL_BITS_TABLE == {1: 3, 20: 8}  # measured; see test_accuracy_bench
-    assert bits_for_job(c, 0)[0] == 8
-    # Today both measured tables agree; which one a config takes depends on the coding alone.
+    assert c.failure.bits_table == config.RESIDUAL_BITS_TABLE == {3: 4, 20: 8}  # measured; see test_accuracy_bench
+    assert bits_for_job(c, 0)[0] == 4
+    assert bits_for_job(cfg(quantization={**quant, "residual": False}, failure={"expected_restores": 3}), 0)[0] == 8
+    # Which measured table a config takes depends on the coding alone.
     monkeypatch.setattr(config, "RESIDUAL_BITS_TABLE", {20: 3})
     assert cfg(quantization=quant, failure={"expected_restores": 3}).failure.bits_table == {20: 3}
     assert cfg(quantization={**quant, "residual": False},
@@ -51,7 +52,7 @@ def test_expected_restores_from_rate_and_hours_and_an_edited_table():
     assert bits_for_job(c, 0) == (4, "3 restores expected (bits_table {2: 3, 10: 4})")
     c = cfg(quantization={"bits": "auto"}, failure={"failure_rate_per_hour": 0.5, "job_hours": 2})
     assert c.failure.estimate_restores == 1  # exactly 1.0: not rounded up to 2
-    assert bits_for_job(c, 0)[0] == 3
+    assert bits_for_job(c, 0)[0] == 4  # the measured table: 4 bits for one restore
 
 
 def test_fallback_once_restores_exceed_the_estimate():
@@ -158,7 +159,7 @@ def _bits_auto_worker(rank, world_size, root):
     storage = Storage(root)
     manifests = [load_manifest(storage, i) for i in range(3)]
     assert [m.restores for m in manifests] == [0, 1, 2]
-    assert [m.codec["bits"] for m in manifests] == [3, 3, 8]  # 1 restore expected -> 3-bit, then fallback 8
+    assert [m.codec["bits"] for m in manifests] == [4, 4, 8]  # 1 restore expected -> 4-bit, then fallback 8
     assert [m.codec["bits_setting"] for m in manifests] == ["auto"] * 3
     entry = manifests[2].ranks[0].tables["t0"][0]
     assert entry.weights.meta["bits"] == 8  # the rows themselves are 8-bit
