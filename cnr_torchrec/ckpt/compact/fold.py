@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from cnr_torchrec.ckpt.compact.merge import copy_state, none_rows
+from cnr_torchrec.ckpt.compact.merge import compacted_report, none_rows
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
@@ -76,11 +76,4 @@ def fold_rank(
         tables.setdefault(region.table, []).append(entry)
         rows_written += region.rows[1] - region.rows[0]
         del data, states  # one region's sums at a time
-    copied = copy_state(storage, rank_state, dense_state, blobs)
-    return {
-        "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {},
-        "dense": copied["dense"], "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"],
-        "rng": copied["rng"], "tbe_iter": max(r.tbe_iter for r in chain[-1].ranks),
-        "table_shapes": {t: list(s) for t, s in chain[-1].tables.items()}, "rows_written": rows_written,
-        "stall_ms": 0.0, "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }
+    return compacted_report(storage, chain, rank, tables, rows_written, rank_state, dense_state, blobs, t0)

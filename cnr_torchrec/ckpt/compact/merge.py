@@ -43,7 +43,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
 
-__all__ = ["copy_blob", "copy_blob_tree", "copy_state", "merge_rank", "none_rows"]
+__all__ = ["compacted_report", "copy_blob", "copy_blob_tree", "copy_state", "merge_rank", "none_rows"]
 
 
 def none_rows(weights: torch.Tensor) -> EncodedRows:
@@ -317,6 +317,14 @@ def merge_rank(
     t0 = time.perf_counter()
     blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
     tables, rows_written = _merge_tables(_stored_entries(chain, storage), regions, blobs)
+    return compacted_report(storage, chain, rank, tables, rows_written, rank_state, dense_state, blobs, t0)
+
+
+def compacted_report(storage: Storage, chain: list[Manifest], rank: int, tables: dict[str, list[dict[str, Any]]],
+                     rows_written: int, rank_state: RankReport | None, dense_state: RankReport | None,
+                     blobs: PayloadWriter, t0: float) -> dict[str, Any]:
+    """A compacted rank file's report, once its ``tables`` are written: the tip's state copied (see
+    :func:`copy_state`), the payload finished."""
     copied = copy_state(storage, rank_state, dense_state, blobs)
     return {
         "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
