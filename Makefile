@@ -93,9 +93,9 @@ accuracy-seed: install
 # Every arm over the seeds in out/ (seconds): out/accuracy-<arm>-seeds.json, the tables bits: auto derives from.
 accuracy-combine: install
 	for arm in harsh production harsh-residual production-residual; do \
-	  $(PY) benchmarks/accuracy.py --combine out/accuracy-$$arm.json out/accuracy-$$arm-s[0-9]*.json \
+	  $(PY) benchmarks/accuracy_seeds.py out/accuracy-$$arm.json out/accuracy-$$arm-s[0-9]*.json \
 	    --json out/accuracy-$$arm-seeds.json --markdown out/accuracy-$$arm-seeds.md || exit 1; done
-	$(PY) benchmarks/accuracy.py --combine out/accuracy-production-residual-compaction.json \
+	$(PY) benchmarks/accuracy_seeds.py out/accuracy-production-residual-compaction.json \
 	  out/accuracy-production-residual-compaction-s[0-9]*.json --controls-from out/accuracy-production-residual.json \
 	  --json out/accuracy-production-residual-compaction-seeds.json --markdown out/accuracy-production-residual-compaction-seeds.md
 

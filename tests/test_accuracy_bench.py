@@ -20,6 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import accuracy  # noqa: E402
+import accuracy_seeds  # noqa: E402
 from _dist import run_ranks  # noqa: E402
 
 
@@ -155,7 +156,7 @@ def test_seeds_combine_into_their_mean_with_the_larger_standard_error() -> None:
             c["dlogloss_rel"] += shift
     for c in two["_study"]["controls"].values():
         c["dlogloss_rel"] += shift
-    both = accuracy.combine_seeds([one, two])
+    both = accuracy_seeds.combine_seeds([one, two])
     cell, a = both["adaptive_4_3"], one["adaptive_4_3"]
     assert cell["dlogloss_rel"] == pytest.approx(a["dlogloss_rel"] + shift / 2)
     assert cell["paired_se_rel"] == pytest.approx(math.sqrt(2) * a["se_rel"] / 2)
@@ -168,7 +169,7 @@ def test_seeds_combine_into_their_mean_with_the_larger_standard_error() -> None:
     assert accuracy.recommend_bits_table([both])  # the rule reads a combined study as it reads one
     two["_study"]["config"]["steps"] = 500
     with pytest.raises(ValueError, match="differ in \\['steps'\\]"):
-        accuracy.combine_seeds([one, two])
+        accuracy_seeds.combine_seeds([one, two])
 
 
 def test_an_arm_without_controls_takes_another_arms_of_the_same_task() -> None:
@@ -183,8 +184,8 @@ def test_an_arm_without_controls_takes_another_arms_of_the_same_task() -> None:
     arm["_study"]["config"].update(compaction=4, no_controls=True)
     arm["_study"]["controls"] = {}
     with pytest.raises(ValueError, match="none of the studies ran the controls"):
-        accuracy.combine_seeds([arm])
-    both = accuracy.combine_seeds([arm], [residual])
+        accuracy_seeds.combine_seeds([arm])
+    both = accuracy_seeds.combine_seeds([arm], [residual])
     assert both["_study"]["controls"]["fp16_3"]["dlogloss_rel"] == residual["_study"]["controls"]["fp16_3"][
         "dlogloss_rel"]
     assert both["floor"]["production"] == pytest.approx(
@@ -192,4 +193,4 @@ def test_an_arm_without_controls_takes_another_arms_of_the_same_task() -> None:
     with open(os.path.join(REPO, "docs", "data", "accuracy-harsh-residual.json")) as f:
         other_task = json.load(f)
     with pytest.raises(ValueError, match="--controls-from: a study that differs in"):
-        accuracy.combine_seeds([arm], [other_task])
+        accuracy_seeds.combine_seeds([arm], [other_task])
