@@ -54,11 +54,9 @@ def _written(root, ckpt_id):
 def _follow(expected, written, live, before=None):
     """The reference after a residual delta: each written row becomes before + _roundtrip(live - before),
     ``before`` being what the chain restored until then (default: ``expected`` as it stands)."""
-    before = {k: v.clone() for k, v in expected.items()} if before is None else before
-    for key, (ids, residual) in written.items():
+    for key, (_, residual) in written.items():
         assert residual, key
-        rows = torch.arange(live[key].shape[0]) if ids is None else ids
-        expected[key][rows] = before[key][rows] + _roundtrip(live[key][rows] - before[key][rows])
+    _follow_entries(expected, written, live, before)
 
 
 def _roundtrip(x):
