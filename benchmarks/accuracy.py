@@ -206,10 +206,9 @@ def train_run(args: argparse.Namespace, task: Task, *, method: str | None = None
         holder = [root]
         dist.broadcast_object_list(holder)
         root = holder[0]
-        quant = {"method": method, "bits": bits, "state_dtype": "float32"}
         grid = method not in ("none", "fp16", "bf16")
-        if getattr(args, "residual", False) and grid:
-            quant["residual"] = True
+        quant = {"method": method, "bits": bits, "state_dtype": "float32",
+                 "residual": bool(getattr(args, "residual", False) and grid)}
         compaction = {"max_chain": args.compaction} if getattr(args, "compaction", 0) and grid else None
         ck = Checkpointer(dmp, load_config({"root": root, "policy": args.policy, "quantization": quant,
                                             "on_busy": "wait", "keep_last": 1, "compaction": compaction}),

@@ -78,13 +78,14 @@ from bench_dist import add_device_argument, init_process_group, sync  # noqa: E4
 # (label, policy, quantization); the reference is the one the targets are for. "Compact" storage:
 # row biases in float16 and the optimizer's row state in bfloat16 (configs/consecutive.yaml), 4 bytes
 # less per dirty row than the exact defaults (float32 bias and state), which "consecutive_exact" shows.
-COMPACT = {"params": {"bias_dtype": "float16"}, "state_dtype": "bfloat16"}
+# The named rows code plainly (residual: false); "default" takes residual: auto, which codes residuals here.
+COMPACT = {"params": {"bias_dtype": "float16"}, "state_dtype": "bfloat16", "residual": False}
 POLICIES = [
     ("full", "full", {"method": "adaptive", "bits": 4, **COMPACT}),
     ("one_shot", "one_shot", {"method": "adaptive", "bits": 4, **COMPACT}),
     ("consecutive", "consecutive", {"method": "adaptive", "bits": 4, **COMPACT}),
     ("intermittent", "intermittent", {"method": "adaptive", "bits": 4, **COMPACT}),
-    ("consecutive_exact", "consecutive", {"method": "adaptive", "bits": 4}),
+    ("consecutive_exact", "consecutive", {"method": "adaptive", "bits": 4, "residual": False}),
     ("consecutive_fp32", "consecutive", {"method": "none"}),
     ("default", None, None),  # the CheckpointConfig a user gets without choosing (issue 29)
 ]

@@ -98,7 +98,9 @@ def run(scenario: str, args, stream, out_dir: str) -> dict:
     dmp, opt = build(args, stream)
     dataset = ClickDataset(stream, rank, args.batch_size, args.steps * 2, split="train")
     reader = ResumableReader(make_loader(dataset))
-    quant = {"method": args.method, "bits": None if args.method in ("none", "fp16", "bf16") else args.bits}
+    # Plain coding, as in the committed figures (docs/cpr.md); residual: auto would code residuals.
+    quant = {"method": args.method, "bits": None if args.method in ("none", "fp16", "bf16") else args.bits,
+             "residual": False}
     config = {"root": root, "policy": "consecutive", "quantization": quant,
               "failure": {"recovery": "full" if scenario == "full" else "partial"}}
     if scenario == "partial_ssu":

@@ -136,8 +136,8 @@ def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any
         quant["bits"] = bits
     # Two whole chains stay: the corruption matrix falls back from the newest chain to the one before.
     keep = {} if "keep" in kw or "keep_last" in kw else {"keep": {"chains": 2}}
+    quant["residual"] = policy == "residual"  # plain coding elsewhere, which the group's reference follows
     if policy in ("compacting", "residual"):
-        quant["residual"] = policy == "residual"
         policy, kw = "consecutive", {"compaction": {"max_chain": 2}, **kw}
     return load_config({"root": root, "policy": policy, "quantization": quant, "save_timeout_s": 60, **keep, **kw})
 
@@ -181,14 +181,16 @@ def scramble(dmp, opt, seed: int) -> None:
 
 
 def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], codec: Any,
-            allow_decoded: bool = True, atol: float = 0.0) -> list[str]:
+            allow_decoded: bool = True, atol: float = 0.0, folded: Any = None) -> list[str]:
     """Keys whose restored value is not the reference (``codec``: None for exact rows).
 
     With a codec, each weight row must be the codec's image of the reference row, or, if
     ``allow_decoded``, the reference row itself: after a restore the live rows are decoded
     rows, and a row not touched since is restored as the decoded row it already is. With
     ``atol`` (a residual chain, whose reference holds what the chain restores), weights must be
-    within it of the reference.
+    within it of the reference. With ``folded`` (the codec of a residual chain's fold, which the
+    restore took), weights must be that codec's image of the reference, each element within ``atol``
+    or, where the sum fell on the other side of a rounding edge, one step.
     """
     bad = []
     for key, r in ref.items():
@@ -196,7 +198,13 @@ def compare(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], codec: A
         if g is None or g.shape != r.shape:
             bad.append(f"{key}: missing or shape {None if g is None else list(g.shape)} != {list(r.shape)}")
             continue
-        if key.startswith("w/") and atol:
+        if key.startswith("w/") and folded is not None:
+            encoded = folded.encode(r.float().contiguous())
+            off = (g - folded.decode(encoded)).abs()
+            step = encoded.scale.float().unsqueeze(1) * 1.001 + atol
+            if not bool((off <= step).all()):
+                bad.append(f"{key}: {int((off > step).sum())} elements more than a step off the fold's image")
+        elif key.startswith("w/") and atol:
             if not torch.allclose(g, r, rtol=0.0, atol=atol):
                 bad.append(f"{key}: max diff {(g.double() - r.double()).abs().max().item():.3g} > {atol:g}")
         elif key.startswith("w/") and codec is not None:
@@ -525,9 +533,12 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
         step = ckpt.restore()
         out["restored"] = seen["ids"][-1]
         out["attempts"] = seen["ids"]
-        same_as = read_body(p["root"], p["opts"], out["restored"]).get("equals")  # a compacted baseline: its tip's
+        body = read_body(p["root"], p["opts"], out["restored"])
+        same_as = body.get("equals")  # a compacted baseline: its tip's reference
+        folded = codec_of(body["codec"]["method"], body["codec"]["bits"]) if residual and same_as is not None else None
         out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, same_as or out["restored"], rank),
-                                  codec_of(p["method"], p["bits"]), atol=RESIDUAL_ATOL if residual else 0.0)[:5]
+                                  codec_of(p["method"], p["bits"]), atol=RESIDUAL_ATOL if residual else 0.0,
+                                  folded=folded)[:5]
     except CheckpointNotFoundError as e:
         out["error"] = ["CheckpointNotFoundError", str(e)]
     except Exception as e:  # noqa: BLE001 - the harness counts it as a failed restore

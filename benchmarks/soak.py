@@ -2,6 +2,7 @@
 
 Run on 2 ranks:  OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/soak.py [--json PATH]
 Smoke run:       ... benchmarks/soak.py --quick   (60 checkpoints of 50k-row tables, about 20 s)
+Residual chains: ... benchmarks/soak.py --residual   (the compaction job codes residuals and folds them)
 
 Workload: the reference one of benchmarks/checkpoint.py, whose ``build`` and ``step`` this file
 imports (ToyModel, 8 tables x 32 dim, half row_wise and half table_wise, Zipf(1.05) ids, pooling
@@ -12,7 +13,10 @@ waits only for the one before it).
 
 Two jobs, each a freshly built model (same seed) fed the same batches, so they checkpoint the same
 model states: "compaction" (``compaction: {max_chain: 16}``, ``keep: {checkpoints: 1}``) and
-"plain" (the same without compaction). ``max_chain: 16`` bounds a restore to one baseline and
+"plain" (the same without compaction). With ``--residual`` the compaction job also sets
+``quantization.residual: true``, so its compactions are folds of residual chains
+(docs/compaction.md), while the plain job stays as it is: plain coding, no compaction, the job
+the residual one must not be slower than. ``max_chain: 16`` bounds a restore to one baseline and
 16 deltas, plus the few written while a merge runs, while a compaction (a baseline's worth of
 reading and writing) is paid once every 16 saves, and 500 checkpoints still see about 30 of them.
 ``keep: {checkpoints: 1}`` keeps only what the newest checkpoint needs, so whatever else stays
@@ -126,7 +130,8 @@ class Job:
     def __init__(self, name: str, specs: list[TableSpec], args, root: str, compaction: bool) -> None:
         self.name, self.specs, self.args, self.root = name, specs, args, root
         self.dmp, self.opt = build(specs, dist.get_world_size())
-        config = {"root": root, "policy": "consecutive", "quantization": QUANT, "keep": {"checkpoints": 1}}
+        quant = {**QUANT, "residual": compaction and args.residual}
+        config = {"root": root, "policy": "consecutive", "quantization": quant, "keep": {"checkpoints": 1}}
         if compaction:
             config["compaction"] = {"max_chain": args.max_chain}
         self.config = load_config(config)
@@ -277,6 +282,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--pooling", type=int, default=20)
     p.add_argument("--steps-per-interval", type=int, default=4, help="training steps between saves")
     p.add_argument("--max-chain", type=int, default=16, help="compaction.max_chain of the compaction job")
+    p.add_argument("--residual", action="store_true",
+                   help="the compaction job codes residuals (quantization.residual: true); the plain job does not")
     p.add_argument("--every", type=int, default=50, help="checkpoints between report points")
     p.add_argument("--quick", action="store_true", help=f"smoke run: {QUICK} unless given")
     p.add_argument("--out-dir", type=str, default="/tmp/cnr_bench_soak", help="scratch (wiped at start and end)")
@@ -311,7 +318,7 @@ def main() -> None:
     if rank == 0:
         print(f"{dist.get_world_size()} ranks, {args.tables} tables x {args.rows} rows x {args.dim}, batch "
               f"{args.batch_size}/rank, {args.steps_per_interval} steps per interval, {args.checkpoints} checkpoints; "
-              f"compaction max_chain {args.max_chain}, keep 1\n")
+              f"compaction max_chain {args.max_chain}{' with residual coding' if args.residual else ''}, keep 1\n")
         print(f"{'':6s}{'--- compaction ':-<56s}  {'--- plain ':-<56s}\n{'ckpt':>6s}{HEAD}  {HEAD}", flush=True)
     for point in report_points(args.checkpoints, args.every):
         rows = []

@@ -7,9 +7,11 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 
-def build_dmp(specs, *, seed=0, dense_optimizer=torch.optim.Adam, **tracker_kwargs):
-    """``ToyModel(specs)`` in a CheckNRunDMP over the default group (rowwise Adagrad in the tables), and an
-    optimizer (lr 0.01) over what DDP replicates: the dense parameters and the data_parallel tables."""
+def build_dmp(specs, *, seed=0, dense_optimizer=torch.optim.Adam, fused=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+              **tracker_kwargs):
+    """``ToyModel(specs)`` in a CheckNRunDMP over the default group (``fused`` in the tables, rowwise Adagrad
+    unless told), and an optimizer (lr 0.01) over what DDP replicates: the dense parameters and the
+    data_parallel tables."""
     from torchrec.distributed.types import ShardingEnv
 
     from cnr_torchrec import CheckNRunDMP
@@ -17,7 +19,7 @@ def build_dmp(specs, *, seed=0, dense_optimizer=torch.optim.Adam, **tracker_kwar
 
     torch.manual_seed(seed)
     model = ToyModel(specs)
-    sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
+    sharders = sharders_for(fused, lr=0.05)
     dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
                        plan=build_plan(model, sharders, dist.get_world_size()), sharders=sharders, **tracker_kwargs)
     replicated = [s.name for s in specs if s.sharding == "data_parallel"]

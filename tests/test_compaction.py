@@ -32,7 +32,9 @@ def _build(plan=PLAN_A, seed=0):
 def _config(root, method="none", bits=None, params=None, state_dtype="float32", **kw):
     from cnr_torchrec import load_config
 
-    quantization = {"method": method, "bits": bits, "params": params or {}, "state_dtype": state_dtype}
+    # Plain coding: these chains merge losslessly (residual chains fold: test_residual.py).
+    quantization = {"method": method, "bits": bits, "params": params or {}, "state_dtype": state_dtype,
+                    "residual": False}
     return load_config({"root": root, "policy": "consecutive", "quantization": quantization, **kw})
 
 

@@ -31,7 +31,8 @@ CODEC_IDS = [f"{m}{b or ''}{'_compact' * bool(x)}" for m, b, x in CODECS]
 def _config(root, method="adaptive", bits=4, extra=None):
     from cnr_torchrec import load_config
 
-    quantization = {"method": method, "bits": bits, **(extra or {})}
+    # Plain coding: these chains merge losslessly (residual chains fold: test_residual.py).
+    quantization = {"method": method, "bits": bits, "residual": False, **(extra or {})}
     return load_config({"root": root, "policy": "consecutive", "quantization": quantization, "keep": {"chains": 20}})
 
 

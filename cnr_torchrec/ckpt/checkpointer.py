@@ -24,7 +24,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
-from cnr_torchrec.ckpt.host_memory import check_host_memory, fold_bytes, reconstruction_bytes
+from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.retention import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
@@ -94,20 +94,6 @@ def _enable_views(tracker: Any, config: CheckpointConfig) -> None:
         tracker.enable_counting(config.budget.priority, config.budget.ssu_rate)
 
 
-def _check_residual_memory(tracker: Any, distributed: bool, compaction: bool) -> None:
-    """Logs the host memory residual coding keeps, and refuses a job whose hosts do not have it (collective)."""
-    copy = reconstruction_bytes(tracker)
-    fold = fold_bytes(tracker) if compaction else 0
-    what = "a float32 copy of each rank's shards" + (", and while compaction folds the chain its largest "
-                                                      "shard's float32 sums and state" if fold else "")
-    use = check_host_memory(copy + fold, distributed=distributed, what=what)
-    available = "unknown" if use.available is None else f"{use.available / 1e6:,.0f} MB"
-    more = f", and {fold / 1e6:,.1f} MB more while a compaction folds the chain" if fold else ""
-    log.info("quantization.residual keeps a float32 copy of this rank's shards: %s MB of host memory%s (host %s: "
-             "%s MB for its %d rank(s), %s available)", f"{copy / 1e6:,.1f}", more, use.host,
-             f"{use.needed / 1e6:,.1f}", use.ranks, available)
-
-
 class SaveHandle:
     """A save in flight. ``wait()`` returns once it is committed (or raises SaveFailedError)."""
 
@@ -165,6 +151,12 @@ class Checkpointer:
         extra_state: dict[str, Any] | None = None,
     ) -> None:
         tracker = _check_arguments(model, config, dense_optimizer, extra_state)
+        self._ranks = Ranks()
+        self._dist = self._ranks.distributed
+        self.rank = self._ranks.rank
+        self.world_size = self._ranks.world_size
+        # Before anything is opened: a refusal leaves nothing behind.
+        config = choose_residual(config, tracker, self._ranks)
         self.model = model
         self.tracker = tracker
         self.config = config
@@ -175,12 +167,6 @@ class Checkpointer:
         self._table_fqns = _table_fqns(model, tracker)
         _enable_views(tracker, config)
 
-        self._ranks = Ranks()
-        self._dist = self._ranks.distributed
-        self.rank = self._ranks.rank
-        self.world_size = self._ranks.world_size
-        if config.quantization.residual:  # before anything is opened: a refusal leaves nothing behind
-            _check_residual_memory(tracker, self._dist, config.compaction is not None)
         self._storage = Storage(config.root, config.storage_options)
         self._io = IOPool(config.root, config.storage_options, config.io_threads)  # chunk reads and writes
         self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save
@@ -266,6 +252,9 @@ class Checkpointer:
             self._settle(self._inflight)
         prev, base, held, (step_s, last_stall_s), (compacted, committed) = counts
         self._state, hang_on_compacted = self._compactor.step(self._state, compacted, committed)
+        reconstruction = self._committer.reconstruction
+        if hang_on_compacted and reconstruction is not None:
+            reconstruction.hang_on(self._compactor.take_folded())  # the delta codes against the folded rows
         if self.config.interval is not None:
             self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
                                        world_size=self.world_size)
@@ -426,8 +415,6 @@ class Checkpointer:
         rec = self._committer.reconstruction
         if rec is not None and self.rank in failed:
             rec.reset(self.tracker)  # survivors keep the chain's reconstruction
-        elif rec is not None:
-            rec.end_tip()  # the compaction was dropped: no delta will hang on its tip
         return info
 
     def close(self) -> None:
@@ -510,7 +497,7 @@ class Checkpointer:
             new_id=new_id, chain=chain, rank=self.rank, world_size=self.world_size, tracker=self.tracker,
             open_storage=lambda: Storage(self.config.root, self.config.storage_options), store=self._store,
             timeout_s=self.config.save_timeout_s, on_commit=self._retention.committed,
-            chunk_bytes=self.config.chunk_bytes, pool=self._io,
+            chunk_bytes=self.config.chunk_bytes, pool=self._io, residual=bool(self.config.quantization.residual),
         )
 
     def _make_store(self, token: int) -> Any:

@@ -51,14 +51,18 @@ class QuantizationConfig:
         residual: code each row a delta writes as its difference from what the chain already
             restores for it (closed loop), so that restores do not compound the codec's error
             (docs/accuracy.md). Costs a float32 copy of this rank's shards in host memory.
-            Policy ``consecutive`` only, without compaction, and with a quantizing method.
+            ``true`` needs policy ``consecutive``, a quantizing method and row-wise (or no)
+            optimizer state, and refuses anything else. ``auto`` (the default) is on where
+            those hold and the hosts have the memory, and plain coding elsewhere: the config
+            decides the policy and method, the Checkpointer the rest
+            (:mod:`~cnr_torchrec.ckpt.residual_choice`).
     """
 
     method: str = "adaptive"
     bits: int | Literal["auto"] | None = None
     params: dict[str, Any] = field(default_factory=dict)
     state_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    residual: bool = False
+    residual: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
         from cnr_torchrec.quant import available_codecs
@@ -108,8 +112,9 @@ class FailureConfig:
             restores gives the bits, and more than the largest key gives ``fallback_bits``.
             None (the default): measured by our accuracy studies for the quantization's
             coding, :data:`DEFAULT_BITS_TABLE`, or :data:`RESIDUAL_BITS_TABLE` with
-            ``residual: true`` (:class:`CheckpointConfig` fills it in). Check-N-Run's was
-            1 -> 2, 3 -> 3, 20 -> 4.
+            residual coding (:class:`CheckpointConfig` fills it in once ``residual`` is
+            decided: at once for ``true`` and ``false``, in the Checkpointer for ``auto``).
+            Check-N-Run's was 1 -> 2, 3 -> 3, 20 -> 4.
         fallback_bits: bits once the restores performed exceed the estimate (and beyond the table).
         recovery: ``full`` (every rank restores; Young/Daly interval) or ``partial`` (only
             failed ranks restore, CPR; the interval keeps the lost updates under target).
@@ -169,6 +174,9 @@ class FailureConfig:
 
     def bits_for(self, restores: int) -> int:
         """Bits for a job expecting ``restores`` restores."""
+        if self.bits_table is None:
+            raise ValueError("bits_table is filled in once quantization.residual is decided (by the Checkpointer "
+                             "for residual: auto); build the Checkpointer first")
         for most in sorted(self.bits_table):
             if restores <= most:
                 return self.bits_table[most]
@@ -342,9 +350,9 @@ class CheckpointConfig:
                 "already, a one_shot chain is two checkpoints long, and intermittent bounds its chains by writing "
                 "baselines. Use policy consecutive with compaction, or leave compaction out"
             )
-        if self.quantization.residual:
+        if self.quantization.residual is not False:
             self._check_residual()
-        if self.failure.bits_table is None:
+        if self.failure.bits_table is None and self.quantization.residual != "auto":
             measured = RESIDUAL_BITS_TABLE if self.quantization.residual else DEFAULT_BITS_TABLE
             object.__setattr__(self, "failure", dataclasses.replace(self.failure, bits_table=dict(measured)))
         if not 0.0 < self.full_shard_fraction <= 1.0:
@@ -374,7 +382,9 @@ class CheckpointConfig:
                        "consecutive)")
         if q.method in ("none", "fp16", "bf16"):
             why.append(f"method {q.method!r}, which does not quantize (residuals gain nothing)")
-        if why:
+        if why and q.residual == "auto":  # steps aside: nothing to code residuals against, or nothing to gain
+            object.__setattr__(self, "quantization", dataclasses.replace(q, residual=False))
+        elif why:
             raise ConfigError("quantization.residual: true does not work with " + "; ".join(why))
 
     @property

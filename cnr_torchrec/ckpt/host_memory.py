@@ -2,7 +2,8 @@
 
 With ``quantization.residual`` every rank keeps a float32 copy of its shards, the rows its chain
 restores (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction`), and with background compaction
-also, while it folds the chain, its largest shard's sums and state (:func:`fold_bytes`). Ranks on one host add up, so
+also its largest shard's sums and state while it folds the chain, and the folded rows at 8 bits
+until the next delta hangs on them (:func:`fold_bytes`). Ranks on one host add up, so
 the Checkpointer sums each host's ranks and compares the sum with what the host has available
 (``MemAvailable``) when it is built. A job that would not fit is refused then, on every rank alike,
 rather than swapping or being killed hours into training.
@@ -27,17 +28,19 @@ def reconstruction_bytes(tracker: Any) -> int:
 
 
 def fold_bytes(tracker: Any) -> int:
-    """Bytes a background compaction of a residual chain adds while it folds this rank's largest shard
-    (:mod:`~cnr_torchrec.ckpt.compact.fold`): its float32 sums, each optimizer state as float32 per value, and
-    two masks of a byte per value."""
-    largest = 0
+    """Bytes a background compaction of a residual chain adds (:mod:`~cnr_torchrec.ckpt.compact.fold`): while it
+    folds this rank's largest shard, its float32 sums, each optimizer state as float32 per value, and two masks
+    of a byte per value; and until the delta that hangs on the fold commits, every shard's folded rows at
+    8 bits (a byte per value, and a float32 scale and bias per row)."""
+    largest = kept = 0
     for table in tracker.tables():
         for kernel, shard in tracker.shards(table):
             tbe = kernel.tbe
             states = tbe.split_optimizer_states()[shard.local_index] if hasattr(tbe, "split_optimizer_states") else []
-            values = shard.num_rows * (shard.cols[1] - shard.cols[0])
-            largest = max(largest, values * (4 * (1 + len(states)) + 2))
-    return largest
+            dim = shard.cols[1] - shard.cols[0]
+            largest = max(largest, shard.num_rows * dim * (4 * (1 + len(states)) + 2))
+            kept += shard.num_rows * (dim + 8)
+    return largest + kept
 
 
 def host_available_bytes() -> int | None:

@@ -15,8 +15,9 @@ takes the same decisions):
 2. The save after ``t`` committed reserves the compacted checkpoint's id ``c`` and starts
    the merge of ``t``'s chain. Deltas go on meanwhile, on the old chain.
 3. Once every rank's merge has finished, the next save hangs on ``c``: a delta of the rows
-   dirty since ``t``, whose parent is ``c``. ``c`` restores exactly what ``t`` does, so that
-   delta restores the model as it stands. The old chain is no longer needed by the newest
+   dirty since ``t``, whose parent is ``c``. ``c`` restores exactly what ``t`` does (a residual
+   chain's fold: within one 8-bit step, and the job's reconstruction moves to it, fold.py), so
+   that delta restores the model as it stands. The old chain is no longer needed by the newest
    checkpoints, and retention collects it.
 
 A merge that fails (or a root that changed under it) leaves the chain as it was: the
@@ -83,13 +84,17 @@ class Compaction:
         open_storage: opens a Storage for the compaction's thread (Storage is not thread-safe).
         store: the Checkpointer's c10d store (None on one process).
         on_commit: rank 0 calls it with the committed manifest (to update the catalog).
+        residual: the job codes residuals: the chain is folded whatever it holds, and the rank keeps
+            the folded rows (:attr:`folded`) for its reconstruction.
     """
 
     def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int, tracker: Any,
                  open_storage: Callable[[], Storage], store: Any, timeout_s: float,
                  on_commit: Callable[[Manifest, Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pool: IOPool | None = None) -> None:
+                 pool: IOPool | None = None, residual: bool = False) -> None:
         self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
+        self.residual = residual
+        self.folded: dict[fold.Key, Any] = {}  # this rank's encoded folded rows, per region (residual jobs)
         self._chunk_bytes, self._pool = chunk_bytes, pool
         self._tracker = tracker
         self._open_storage, self._store, self._timeout_s = open_storage, store, timeout_s
@@ -141,14 +146,14 @@ class Compaction:
                 storage.close()
 
     def _merge(self, storage: Storage, chain: list[Manifest], regions: list[Region]) -> dict[str, Any]:
-        """This rank's file: a lossless merge, or for a residual chain a fold of its sums (fold.py)."""
+        """This rank's file: a lossless merge, or for a residual chain (or job) a fold of its sums (fold.py)."""
         tip = chain[-1]
         same_ranks = tip.world_size == self.world_size and tip.per_rank_state
-        write = fold.fold_rank if fold.is_residual(chain) else merge.merge_rank
-        return write(storage, chain, regions, new_id=self.new_id, rank=self.rank,
-                     rank_state=tip.ranks[self.rank] if same_ranks else None,
-                     dense_state=tip.ranks[0] if self.rank == 0 else None,
-                     chunk_bytes=self._chunk_bytes, pool=self._pool)
+        kw = dict(new_id=self.new_id, rank=self.rank, rank_state=tip.ranks[self.rank] if same_ranks else None,
+                  dense_state=tip.ranks[0] if self.rank == 0 else None, chunk_bytes=self._chunk_bytes, pool=self._pool)
+        if not _folds(chain, self.residual):
+            return merge.merge_rank(storage, chain, regions, **kw)
+        return fold.fold_rank(storage, chain, regions, keep=self.folded.__setitem__ if self.residual else None, **kw)
 
     def _key(self, what: str) -> str:
         return f"compact/{self.new_id}/{what}"
@@ -189,7 +194,8 @@ class Compaction:
                 out = Outcome(False, error="; ".join(bad))
             else:
                 body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
-                                      self.world_size, (time.perf_counter() - t0) * 1e3)
+                                      self.world_size, (time.perf_counter() - t0) * 1e3,
+                                      folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
                 manifest = check_manifest(body, manifest_path(self.new_id))
                 faults.hit("compact.before_manifest")
                 storage.write_atomic(manifest_path(self.new_id), seal(body))
@@ -216,17 +222,24 @@ class Compaction:
             log.warning("could not remove the partial files of compaction %d: %s", self.new_id, e)
 
 
+def _folds(chain: list[Manifest], residual_job: bool) -> bool:
+    """Whether compacting ``chain`` folds it (fold.py) rather than merging it: a residual chain, or any chain of
+    a job that codes residuals (whose reconstruction needs the folded rows). The same on every rank."""
+    return residual_job or fold.is_residual(chain)
+
+
 def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id: int, world_size: int,
-                   write_ms: float) -> dict[str, Any]:
-    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks."""
+                   write_ms: float, *, folded: dict[str, Any] | None) -> dict[str, Any]:
+    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks (``folded``: the
+    codec fold.py wrote the sums with; None: a lossless merge)."""
     tip = chain[-1]
     for r in reports:
         r["write_ms"] = round(write_ms, 3)
-    if fold.is_residual(chain):  # float32 sums, written whole (fold.py)
-        folded = {"codec": dict(fold.FOLDED_CODEC), "encodings": {t: "full" for t in tip.tables},
-                  "reason": f"folded from residual chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"}
+    if folded is not None:  # the sums, written whole (fold.py)
+        fields = {"codec": dict(folded), "encodings": {t: "full" for t in tip.tables},
+                  "reason": f"folded from chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"}
     else:
-        folded = {}
+        fields = {}
     return {
         "id": new_id, "step": tip.step, "kind": "baseline", "since": None, "parent": None, "base": new_id,
         "depth": 0, "encodings": {t: "rows" for t in tip.tables},
@@ -237,7 +250,7 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
         "equals": tip.id, "compacted_from": [chain[0].id, tip.id],
         "per_rank_state": all(r.get("rng") is not None for r in reports),
         "ranks": reports,
-        **folded,
+        **fields,
     }
 
 
@@ -256,6 +269,7 @@ class Compactor:
         self.config, self._start = config, start
         self.tip: int | None = None  # the delta chosen as the next compaction's tip, until it commits
         self.running: Compaction | None = None
+        self.folded: dict[fold.Key, Any] | None = None  # the folded rows of the compaction the next delta hangs on
 
     def flags(self) -> list[int]:
         """This rank's part of the all-gather: its part of the compaction is over; and it heard it commit."""
@@ -274,6 +288,7 @@ class Compactor:
             if committed and comp.tip in state.chain and state.chain[0] == comp.chain[0]:
                 log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
                          comp.chain[0], comp.tip)
+                self.folded = comp.folded if comp.residual else None
                 return ChainState(state.next_id, (comp.new_id,), out.nbytes, ()), True
             why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
                    else "is moot: the chain changed meanwhile")
@@ -287,6 +302,12 @@ class Compactor:
         elif self.tip is not None and self.tip not in state.chain:
             self.tip = None  # the tip's save failed
         return state, False
+
+    def take_folded(self) -> dict[fold.Key, Any]:
+        """This rank's folded rows of the compaction the next delta hangs on (a residual job's fold), handed over
+        once: the reconstruction keeps them until that delta commits."""
+        out, self.folded = self.folded or {}, None
+        return out
 
     def mark_tip(self, decision: Decision, state: ChainState) -> bool:
         """Whether ``decision`` (a delta) brings the chain to the trigger with no compaction under way; if so

@@ -1,41 +1,54 @@
-"""Compaction of a residual chain: each rank adds up the rows of its regions and writes them as float32.
+"""Compaction of a residual chain: each rank adds up the rows of its regions and writes them at 8 bits.
 
 In a residual chain (``quantization.residual``) a row restores as its newest whole entry plus
 every newer residual, so no checkpoint's stored bytes hold the row and the lossless merge of
 :mod:`~cnr_torchrec.ckpt.compact.merge` cannot keep them. The fold adds them up instead, newest
 checkpoint first and in the order a restore adds them
-(:func:`~cnr_torchrec.ckpt.tools.offline.assemble_regions`), and writes each region's sums as
-float32 rows (codec ``none``) with the optimizer state the chain stores. Restoring the folded
-checkpoint therefore gives, bit for bit, what restoring its chain gives.
+(:func:`~cnr_torchrec.ckpt.tools.offline.assemble_regions`), and writes each region's sums with
+the optimizer state the chain stores. Data-parallel tables, which saves store exact, stay float32.
+A background compaction writes the other sums with
+:data:`FOLDED_CODEC`, adaptive 8-bit, so its folded baseline restores each row's sum within an
+8-bit step of the row's range, not bit for bit: float32 sums would be exact, but a float32
+baseline is as large as a full snapshot. ``cnr compact``, which no job follows, writes them in
+float32 (:data:`LOSSLESS_CODEC`).
+
+How the job's closed loop carries on across the fold: the rank keeps the encoded rows it wrote
+(``keep``), and the job's reconstruction moves to them when the delta that hangs on the folded
+baseline commits (:meth:`~cnr_torchrec.ckpt.save.residual.Reconstruction.hang_on`). That delta
+holds the rows dirty since the compaction's tip, coded as residuals against the folded values,
+which is what the baseline restores for them; every other row restores as the folded value, and
+that is what its reconstruction becomes.
 
 A region is assembled and written one at a time, so a rank holds at most its largest region's
-float32 rows and states beyond what training holds.
-
-How the job's closed loop carries on across the fold: the delta that hangs on the folded
-baseline holds the rows dirty since the compaction's tip, coded as residuals against the tip's
-reconstruction (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction` keeps the tip's values of
-the rows that change after it), which is what the fold holds for them: the residuals the job wrote
-for them after the tip are not in the new chain. Every other row's reconstruction is still the tip's.
+float32 rows and states beyond what training holds, plus the encoded rows it keeps.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
-from cnr_torchrec.ckpt.compact.merge import compacted_report, none_rows
+from cnr_torchrec.ckpt.compact.merge import compacted_report
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.writer import encode_in_blocks
 from cnr_torchrec.ckpt.tools.offline import assemble_regions
+from cnr_torchrec.quant import EncodedRows, get_codec
 
-__all__ = ["FOLDED_CODEC", "fold_rank", "is_residual"]
+__all__ = ["FOLDED_CODEC", "LOSSLESS_CODEC", "Key", "fold_rank", "is_residual"]
 
-FOLDED_CODEC = {"method": "none", "bits": None, "params": {}}
-"""The codec a folded checkpoint's manifest names: its rows are float32 sums."""
+FOLDED_CODEC = {"method": "adaptive", "bits": 8, "params": {}}
+"""The codec a background compaction writes a folded checkpoint's rows with (its manifest names it)."""
+LOSSLESS_CODEC = {"method": "none", "bits": None, "params": {}}
+"""float32 sums: ``cnr compact``'s fold, which restores bit for bit what the chain restores."""
+
+Key = tuple[str, tuple[int, int], tuple[int, int]]
+"""A region as the reconstruction names a shard: (table, rows, cols)."""
 
 
 def is_residual(chain: list[Manifest]) -> bool:
@@ -54,10 +67,13 @@ def fold_rank(
     dense_state: RankReport | None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     pool: IOPool | None = None,
+    codec: dict[str, Any] = FOLDED_CODEC,
+    keep: Callable[[Key, EncodedRows], None] | None = None,
 ) -> dict[str, Any]:
     """Writes this rank's file of ``chain`` folded into checkpoint ``new_id``: each region's rows, summed as a
-    restore sums them, as float32 entries. Arguments and returned report: as
-    :func:`~cnr_torchrec.ckpt.compact.merge.merge_rank`'s.
+    restore sums them, encoded by ``codec`` (:data:`FOLDED_CODEC` or :data:`LOSSLESS_CODEC`). Arguments and
+    returned report: as :func:`~cnr_torchrec.ckpt.compact.merge.merge_rank`'s; ``keep`` is handed each
+    region's encoded rows.
 
     Raises:
         CorruptCheckpointError: a file of the chain fails its checks (names it), or the chain leaves part
@@ -67,13 +83,19 @@ def fold_rank(
     blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
     tables: dict[str, list[dict[str, Any]]] = {}
     rows_written = 0
+    encoder = get_codec(codec["method"], codec["bits"], **codec["params"])
+    exact = get_codec(LOSSLESS_CODEC["method"], LOSSLESS_CODEC["bits"])
+    replicated = {t for m in chain for t in m.replicated}  # data_parallel tables, stored whole and exact
     for i, region in enumerate(regions):
         data = assemble_regions(storage, chain, [region])[region]
         whole = ((0, region.rows[1] - region.rows[0]), (0, region.cols[1] - region.cols[0]))  # the region's own
         states = [(s.for_shard(*whole).to(s.dtype), s.rowwise) for s in data.states]
         entry: dict[str, Any] = {"rows": list(region.rows), "cols": list(region.cols), "encoding": "full"}
-        entry.update(write_rows(blobs, f"f{i}", none_rows(data.weights), states))
+        encoded = encode_in_blocks(exact if region.table in replicated else encoder, data.weights)
+        entry.update(write_rows(blobs, f"f{i}", encoded, states))
+        if keep is not None:
+            keep((region.table, tuple(region.rows), tuple(region.cols)), encoded)
         tables.setdefault(region.table, []).append(entry)
         rows_written += region.rows[1] - region.rows[0]
-        del data, states  # one region's sums at a time
+        del data, states, encoded  # one region's sums at a time
     return compacted_report(storage, chain, rank, tables, rows_written, rank_state, dense_state, blobs, t0)

@@ -30,7 +30,7 @@ from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.compact.background import compacted_body
-from cnr_torchrec.ckpt.compact.fold import fold_rank, is_residual
+from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
 from cnr_torchrec.ckpt.format.layout import regions_of_layout
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
@@ -113,10 +113,13 @@ def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: 
     tip = chain[-1]
     regions = regions_of_layout(tip)
     reports = []
-    write = fold_rank if is_residual(chain) else merge_rank
     for report in tip.ranks:
-        reports.append(write(storage, chain, regions[report.rank], new_id=new_id, rank=report.rank,
-                             rank_state=report, dense_state=tip.ranks[0] if report.rank == 0 else None))
+        kw = dict(new_id=new_id, rank=report.rank, rank_state=report,
+                  dense_state=tip.ranks[0] if report.rank == 0 else None)
+        if is_residual(chain):
+            reports.append(fold_rank(storage, chain, regions[report.rank], codec=LOSSLESS_CODEC, **kw))
+        else:
+            reports.append(merge_rank(storage, chain, regions[report.rank], **kw))
         written += _files(reports[-1])
         if progress is not None:
             progress(len(report.entries()))
@@ -130,7 +133,8 @@ def _compacted_body(chain: list[Manifest], new_id: int, reports: list[dict[str, 
     ``cnr compact`` does differently. ``codec``: the re-encoding codec's description (None: lossless,
     which keeps the tip's codec and stores replicated tables as entries)."""
     tip = chain[-1]
-    body = compacted_body(chain, reports, new_id, tip.world_size, write_ms)
+    body = compacted_body(chain, reports, new_id, tip.world_size, write_ms,
+                          folded=LOSSLESS_CODEC if is_residual(chain) else None)
     body["reason"] += " by cnr compact"
     if codec is not None:  # the re-encoded rows, written whole in the tip's layout
         body.update(codec=codec, encodings={t: "full" for t in tip.tables}, replicated=list(tip.replicated))

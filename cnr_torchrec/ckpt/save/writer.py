@@ -57,8 +57,8 @@ def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Rec
 
     A delta's residuals are coded against what its parent's chain restores: the previous checkpoint's,
     or, for the delta that hangs on a compacted baseline (``since`` the baseline: the rows dirty since the
-    compaction's tip), the tip's, which is what the compacted baseline holds. A baseline writes its rows
-    whole, and so does a delta with no reference to code against.
+    compaction's tip), the folded rows that baseline holds. A baseline writes its rows whole, and so does
+    a delta with no reference to code against.
     """
     if reconstruction is None:
         return encode_in_blocks(codec, s.weights), False
@@ -66,7 +66,7 @@ def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Rec
         raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
                           "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
     key = (s.table, tuple(s.rows), tuple(s.cols))
-    ref = reconstruction.reference(key, s.ids, at_tip=d.since == "baseline") if d.kind == "delta" else None
+    ref = reconstruction.reference(key, s.ids, on_fold=d.since == "baseline") if d.kind == "delta" else None
     encoded = encode_in_blocks(codec, s.weights if ref is None else s.weights.float() - ref)
     decoded = codec.decode(encoded)
     reconstruction.stage(key, s.ids, decoded if ref is None else ref + decoded, s.rows[1] - s.rows[0])
@@ -103,10 +103,6 @@ def write_rank(
         entry.update(write_rows(blobs, prefix, encoded, states))
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(entry)
-    if reconstruction is not None and d.tip:
-        reconstruction.stage_tip()
-    if reconstruction is not None and d.kind == "delta" and d.since == "baseline":
-        reconstruction.stage_tip_end()
     replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}
     dense = {name: blobs.add(f"dense/{name}", t) for name, t in staged.dense.items()}
     where = f"rank {staged.rank}"
