@@ -573,7 +573,7 @@ def study(args: argparse.Namespace, say: Any = print) -> dict[str, Any]:
         for b in args.bits:
             for r in args.restores:
                 c = compare(train_run(args, task, method=m, bits=b, restores=r), ref, labels)
-                c.update(method=m, bits=b, restores=r, restore_steps=restore_steps(args.steps, r))
+                c.update(method=m, bits=b, restores=r, restore_steps=restore_steps(args.steps, r), seeds=[args.seed])
                 cells[f"{m}_{b}_{r}"] = c
                 say(f"[{len(cells)}/{n}] {m} {b}-bit, {r} restore(s): {_pct(c['dlogloss_rel'])} "
                     f"(se {c['se_rel'] * 100:.4f}%) in {c['wall_s']:.1f} s; largest delta {c['max_dirty_fraction']:.1%} "

@@ -68,7 +68,8 @@ def _full_tables(dmp):
 def _config(root, policy, method, bits, quant=None, **kw):
     from cnr_torchrec import load_config
 
-    quantization = {"method": method, "bits": bits, **(quant or {})}
+    # Plain coding: each restored row is the codec's image of the live row (residual coding: test_residual.py).
+    quantization = {"method": method, "bits": bits, "residual": False, **(quant or {})}
     return load_config({"root": root, "policy": policy, "quantization": quantization, **kw})
 
 

@@ -106,7 +106,8 @@ def test_overrides_replace_file_values(tmp_path):
     assert (cfg.policy, cfg.retention, cfg.root) == ("full", KeepConfig(checkpoints=7), str(tmp_path))
     with pytest.raises(ConfigError, match="give keep_last or keep, not both"):
         load_config(path, keep_last=3)
-    assert cfg.quantization == QuantizationConfig(method="uniform_sym", bits=8, params={})
+    # residual: auto is plain coding under policy full.
+    assert cfg.quantization == QuantizationConfig(method="uniform_sym", bits=8, params={}, residual=False)
     # Everything not overridden comes from the file.
     assert (cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s, cfg.storage_options) == (
         base.on_busy, base.full_shard_fraction, base.save_timeout_s, base.storage_options)

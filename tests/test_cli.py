@@ -57,8 +57,9 @@ _train = train
 def _config(root, method, bits):
     from cnr_torchrec import load_config
 
-    return load_config({"root": root, "policy": "consecutive", "quantization": {"method": method, "bits": bits},
-                        "keep_last": 5})
+    # Plain coding: exports are the codec's image of the live rows (residual chains: test_residual.py).
+    return load_config({"root": root, "policy": "consecutive",
+                        "quantization": {"method": method, "bits": bits, "residual": False}, "keep_last": 5})
 
 
 def _write_chain(root, method, bits, saves, world_size=1, rank=0):

@@ -20,8 +20,9 @@ def cfg(**kw):
 
 @pytest.mark.parametrize("restores,bits", [(0, 4), (1, 4), (2, 8), (3, 8), (4, 8), (20, 8), (21, 8), (500, 8)])
 def test_bits_follow_the_default_table(restores, bits):
-    # The table measured by the accuracy studies ({1: 4, 20: 8}; test_accuracy_bench checks where it comes from).
-    c = cfg(quantization={"bits": "auto"}, failure={"expected_restores": restores})
+    # The table measured by the accuracy studies for plain coding ({1: 4, 20: 8}; test_accuracy_bench checks where
+    # it comes from). With residual: auto, the default, the Checkpointer fills the table in (test_residual_default).
+    c = cfg(quantization={"bits": "auto", "residual": False}, failure={"expected_restores": restores})
     assert bits_for_job(c, restores_done=0)[0] == bits
 
 
@@ -50,7 +51,7 @@ def test_expected_restores_from_rate_and_hours_and_an_edited_table():
                                                     "bits_table": {2: 3, 10: 4}, "fallback_bits": 8})
     assert c.failure.estimate_restores == math.ceil(0.05 * 50) == 3
     assert bits_for_job(c, 0) == (4, "3 restores expected (bits_table {2: 3, 10: 4})")
-    c = cfg(quantization={"bits": "auto"}, failure={"failure_rate_per_hour": 0.5, "job_hours": 2})
+    c = cfg(quantization={"bits": "auto", "residual": False}, failure={"failure_rate_per_hour": 0.5, "job_hours": 2})
     assert c.failure.estimate_restores == 1  # exactly 1.0: not rounded up to 2
     assert bits_for_job(c, 0)[0] == 4  # the measured table: 4 bits for one restore
 

@@ -138,9 +138,14 @@ class FailureConfig:
             value = getattr(self, key)
             if value is not None and not (math.isfinite(value) and value > 0):
                 raise ConfigError(f"{key} must be a positive number, got {value}")
-        table = self.bits_table
-        if table is None:
-            return  # CheckpointConfig fills in the measured table for the quantization
+        if self.fallback_bits not in (2, 3, 4, 8):
+            raise ConfigError(f"fallback_bits must be 2, 3, 4 or 8, got {self.fallback_bits}")
+        if self.bits_table is not None:  # None: CheckpointConfig fills in the measured table for the quantization
+            self._check_table(self.bits_table)
+        if not 0.0 < self.target_lost_fraction < 1.0:
+            raise ConfigError(f"target_lost_fraction must be in (0, 1), got {self.target_lost_fraction}")
+
+    def _check_table(self, table: dict[int, int]) -> None:
         if not table or any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in table):
             raise ConfigError(f"bits_table keys must be restore counts >= 0, got {table}")
         bits = [table[k] for k in sorted(table)]
@@ -151,8 +156,6 @@ class FailureConfig:
                 f"bits_table must not lower the bits as restores grow, and fallback_bits must be at least "
                 f"its last value; got {table}, fallback {self.fallback_bits}"
             )
-        if not 0.0 < self.target_lost_fraction < 1.0:
-            raise ConfigError(f"target_lost_fraction must be in (0, 1), got {self.target_lost_fraction}")
 
     @property
     def estimate_restores(self) -> int | None:

@@ -224,6 +224,12 @@ def _check_rank(f: _Fields, report: Any, where: str, index: int,
     stored = sum(e.num_stored for es in tables.values() for e in es)
     if stored != report["rows_written"]:
         f.fail(f"{where}.rows_written", f"is {report['rows_written']}, but the entries hold {stored} rows")
+    if "residual_entries" in report:  # written since residual coding became the default; absent before
+        residual = sum(e.residual for es in tables.values() for e in es)
+        f.value(report["residual_entries"], f"{where}.residual_entries", _int())
+        if report["residual_entries"] != residual:
+            f.fail(f"{where}.residual_entries", f"is {report['residual_entries']}, but {residual} entries are "
+                   "marked residual")
     for table, blob in report["replicated_tables"].items():
         field = f"{where}.replicated_tables[{table!r}]"
         if table not in shapes:

@@ -88,7 +88,7 @@ def write_rank(
     d = staged.decision
     blobs = PayloadWriter(storage, rank_file(d.ckpt_id, staged.rank), chunk_bytes, pool)
     tables: dict[str, list[dict[str, Any]]] = {}
-    rows_written = 0
+    rows_written = residual_entries = 0
     for i, s in enumerate(staged.shards):
         prefix = f"s{i}"
         n_rows = s.rows[1] - s.rows[0]
@@ -99,6 +99,7 @@ def write_rank(
         encoded, residual = _encode_shard(codec, s, d, reconstruction)
         if residual:
             entry["residual"] = True
+            residual_entries += 1
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
         entry.update(write_rows(blobs, prefix, encoded, states))
         rows_written += encoded.num_rows
@@ -125,6 +126,8 @@ def write_rank(
         "tbe_iter": staged.tbe_iter,
         "table_shapes": staged.table_shapes,
         "rows_written": rows_written,
+        # Cross-checked with the entries' flags: a manifest that drops one is refused, not restored as whole rows.
+        **({"residual_entries": residual_entries} if residual_entries else {}),
         "stall_ms": round(staged.stall_ms, 3),
         "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
     }
