@@ -354,7 +354,7 @@ class CheckpointConfig:
                 "baselines. Use policy consecutive with compaction, or leave compaction out"
             )
         if self.quantization.residual is not False:
-            self._check_residual()
+            self._settle_residual()
         if self.failure.bits_table is None and self.quantization.residual != "auto":
             measured = RESIDUAL_BITS_TABLE if self.quantization.residual else DEFAULT_BITS_TABLE
             object.__setattr__(self, "failure", dataclasses.replace(self.failure, bits_table=dict(measured)))
@@ -377,7 +377,9 @@ class CheckpointConfig:
                 f"got {self.save_timeout_s}"
             )
 
-    def _check_residual(self) -> None:
+    def _settle_residual(self) -> None:
+        """Where this config leaves residual coding nothing to do (a policy other than consecutive, a method
+        that does not quantize): ``true`` is refused and ``auto`` becomes plain coding."""
         q = self.quantization
         why = []
         if self.policy != "consecutive":

@@ -12,13 +12,16 @@ rather than swapping or being killed hours into training.
 from __future__ import annotations
 
 import socket
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
+import torch
 import torch.distributed as dist
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "reconstruction_bytes"]
+__all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "reconstruction_bytes",
+           "shard_states"]
 
 
 def reconstruction_bytes(tracker: Any) -> int:
@@ -27,19 +30,28 @@ def reconstruction_bytes(tracker: Any) -> int:
                for table in tracker.tables() for _, shard in tracker.shards(table))
 
 
+def shard_states(tracker: Any) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
+    """(table, shard, its fused optimizer's state tensors) for every local shard; each TBE asked once."""
+    asked: dict[int, list] = {}
+    for table in tracker.tables():
+        for kernel, shard in tracker.shards(table):
+            tbe = kernel.tbe
+            if id(tbe) not in asked:
+                asked[id(tbe)] = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
+            states = asked[id(tbe)]
+            yield table, shard, list(states[shard.local_index]) if states else []
+
+
 def fold_bytes(tracker: Any) -> int:
     """Bytes a background compaction of a residual chain adds (:mod:`~cnr_torchrec.ckpt.compact.fold`): while it
     folds this rank's largest shard, its float32 sums, each optimizer state as float32 per value, and two masks
     of a byte per value; and until the delta that hangs on the fold commits, every shard's folded rows at
     8 bits (a byte per value, and a float32 scale and bias per row)."""
     largest = kept = 0
-    for table in tracker.tables():
-        for kernel, shard in tracker.shards(table):
-            tbe = kernel.tbe
-            states = tbe.split_optimizer_states()[shard.local_index] if hasattr(tbe, "split_optimizer_states") else []
-            dim = shard.cols[1] - shard.cols[0]
-            largest = max(largest, shard.num_rows * dim * (4 * (1 + len(states)) + 2))
-            kept += shard.num_rows * (dim + 8)
+    for _, shard, states in shard_states(tracker):
+        dim = shard.cols[1] - shard.cols[0]
+        largest = max(largest, shard.num_rows * dim * (4 * (1 + len(states)) + 2))
+        kept += shard.num_rows * (dim + 8)
     return largest + kept
 
 

@@ -23,7 +23,8 @@ from typing import Any
 
 from cnr_torchrec.ckpt._collective import Ranks
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.host_memory import check_host_memory, fold_bytes, reconstruction_bytes
+from cnr_torchrec.ckpt.host_memory import check_host_memory, fold_bytes, reconstruction_bytes, shard_states
+from cnr_torchrec.ckpt.save.staging import is_rowwise
 from cnr_torchrec.errors import ConfigError
 
 __all__ = ["choose_residual", "per_column_state_tables"]
@@ -33,14 +34,8 @@ log = logging.getLogger(__name__)
 
 def per_column_state_tables(tracker: Any) -> list[str]:
     """This rank's tables whose fused optimizer keeps state per column (one value per weight), sorted."""
-    out = set()
-    for table in tracker.tables():
-        for kernel, shard in tracker.shards(table):
-            tbe = kernel.tbe
-            states = tbe.split_optimizer_states()[shard.local_index] if hasattr(tbe, "split_optimizer_states") else []
-            if any(s.dim() > 1 and s.numel() != shard.num_rows for s in states):
-                out.add(table)
-    return sorted(out)
+    return sorted({table for table, shard, states in shard_states(tracker)
+                   if not all(is_rowwise(s, shard.num_rows) for s in states)})
 
 
 def _memory(tracker: Any, distributed: bool, compaction: bool) -> None:

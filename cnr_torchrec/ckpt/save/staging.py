@@ -134,6 +134,11 @@ def _clone_tree(obj: Any) -> Any:
     return obj
 
 
+def is_rowwise(state: torch.Tensor, num_rows: int) -> bool:
+    """Whether a shard's optimizer state holds one value per row (row-wise Adagrad's), not one per weight."""
+    return state.dim() == 1 or state.numel() == num_rows
+
+
 def _tbe_views(tbe: Any, views: dict[int, tuple[list, list]]) -> tuple[list, list]:
     """A TBE's per-table weight and optimizer-state views, asked for once per save."""
     if id(tbe) not in views:
@@ -260,7 +265,7 @@ class _TableStager:
 
         staged_states = []
         for j, s in enumerate(states):
-            rowwise = s.dim() == 1 or s.numel() == shard.num_rows
+            rowwise = is_rowwise(s, shard.num_rows)
             s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
             staged_states.append((pick(s2, j), rowwise))
         self.out.shards.append(
