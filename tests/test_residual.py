@@ -381,6 +381,13 @@ def _plan_specs(plan):
     return [TableSpec(f"t{i}", 96, 8, st, "ebc") for i, st in enumerate(plan)]
 
 
+def _default_config(root):
+    """The defaults (adaptive 4-bit, residual: auto), keeping the whole chain."""
+    from cnr_torchrec import load_config
+
+    return load_config({"root": root, "keep_last": 10})
+
+
 def _residual_config(root):
     from cnr_torchrec import load_config
 
@@ -443,7 +450,7 @@ def _torchrec_save_worker(rank, world_size, root, model, ref_path):
 
     dmp, opt = M.build_dmp(model, "A")
     expected: dict[str, torch.Tensor] = {}
-    with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
+    with Checkpointer(dmp, _default_config(root), dense_optimizer=opt) as ck:
         for step in range(1, 5):
             M.train_step(dmp, opt, M.make_batch(model, seed=100 * step + rank))
             info = ck.save(step).wait()
@@ -474,7 +481,7 @@ def _torchrec_restore_worker(rank, world_size, root, model, ref_path):
     from cnr_torchrec import Checkpointer
 
     dmp, opt = M.build_dmp(model, "B", seed=5)
-    with Checkpointer(dmp, _residual_config(root), dense_optimizer=opt) as ck:
+    with Checkpointer(dmp, _default_config(root), dense_optimizer=opt) as ck:
         assert ck.restore() == 4
     want = torch.load(ref_path, weights_only=True)
     for t, (w, _, _) in M.full_tables(dmp, model).items():
@@ -485,6 +492,8 @@ def _torchrec_restore_worker(rank, world_size, root, model, ref_path):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model", ["sparse_nn", "mixed"])
 def test_a_residual_chain_of_torchrecs_models_restores_onto_other_plans(tmp_path, model):
+    """TorchRec's TestSparseNN (shared tables, weighted features) and an EBC + EC model, on the default config:
+    it codes residuals (every delta entry is residual) and restores onto other plans as the closed loop says."""
     root, ref = str(tmp_path / "ck"), str(tmp_path / "ref.pt")
     run_ranks(_torchrec_save_worker, world_size=2, timeout=150, args=(root, model, ref))
     run_ranks(_torchrec_restore_worker, world_size=1, timeout=100, args=(root, model, ref))  # 2 ranks -> 1, plan B
