@@ -2,7 +2,8 @@
 
 TorchRec hides the kernels from ``named_modules()``: each sharded EBC/EC keeps one
 lookup per sharding type in ``_lookups`` (data_parallel ones wrapped in DDP), and
-each lookup's ``_emb_modules`` holds kernels whose ``emb_module`` is the TBE.
+each lookup's ``_emb_modules`` holds kernels whose ``emb_module`` is the TBE. A sharded
+managed-collision module keeps its EBC/EC in ``_embedding_module``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ import torch
 from torch import nn
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
-from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 from torchrec.distributed.types import ShardingType
 
 from cnr_torchrec.errors import UnsupportedShardingError
+from cnr_torchrec.track.managed_collision import inner_module
 from cnr_torchrec.track.tbe_cache import why_cache_inexact
 
 __all__ = ["ShardSlice", "TrackedKernel", "find_kernels", "plan_table_shapes"]
@@ -124,18 +125,12 @@ def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
     for fqn, module in dmp.module.named_modules():
         if fqn not in planned:
             continue
+        module = inner_module(module) or module  # a managed-collision module: its tables' EBC/EC
         if not isinstance(module, _SHARDED_TYPES):
             tables = ", ".join(sorted(dmp.plan.plan[fqn].keys()))
-            if isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
-                raise UnsupportedShardingError(
-                    f"module '{fqn}' (tables {tables}) is a {type(module).__name__}: its managed-collision modules "
-                    "remap ids with state kept beside the tables, which a checkpoint of the tables alone would not "
-                    "restore. Use a plain EmbeddingBagCollection / EmbeddingCollection with ids hashed into range "
-                    "before the lookup, or checkpoint this model with torch.distributed.checkpoint"
-                )
             raise UnsupportedShardingError(
                 f"module '{fqn}' (tables {tables}) was sharded as {type(module).__name__}; CheckNRunDMP tracks "
-                "EmbeddingBagCollection and EmbeddingCollection only"
+                "EmbeddingBagCollection and EmbeddingCollection, and their managed-collision (sort-zch) forms, only"
             )
         seen_modules.add(fqn)
         for sharding_type, lookup in zip(module._sharding_types, module._lookups):

@@ -46,10 +46,13 @@ class TbeBits:
                 self.baseline.bitwise_or_(self.bitmap)
         self.bitmap.zero_()
         if kept is not None:
-            # Re-mark the kept rows as one feature over the TBE's whole flat row space.
-            offsets = torch.tensor([0, kept.numel()], dtype=torch.int64, device=self.bitmap.device)
-            space = torch.tensor([0, self.num_rows], dtype=torch.int64, device=self.bitmap.device)
-            ops.mark_rows(kept, offsets, space, space[1:], self.bitmap)
+            self.mark(kept)
+
+    def mark(self, flat_rows: torch.Tensor) -> None:
+        """Marks flat rows dirty in this interval (one feature over the TBE's whole flat row space)."""
+        offsets = torch.tensor([0, flat_rows.numel()], dtype=torch.int64, device=self.bitmap.device)
+        space = torch.tensor([0, self.num_rows], dtype=torch.int64, device=self.bitmap.device)
+        ops.mark_rows(flat_rows, offsets, space, space[1:], self.bitmap)
 
     def bits(self) -> int:
         """Bits held for this TBE, both views."""
@@ -83,6 +86,11 @@ class DirtyIntervals:
         """Starts a new interval on every TBE, keeping the flat rows ``kept`` holds for it."""
         for i, b in enumerate(self.tbes):
             b.restart(baseline=baseline, kept=kept.get(i))
+
+    def mark(self, flat: dict[int, torch.Tensor]) -> None:
+        """Marks flat rows dirty in this interval, per TBE index."""
+        for i, rows in flat.items():
+            self.tbes[i].mark(rows)
 
     def bits(self) -> int:
         """Bits held for the sharded (not data_parallel) TBEs."""

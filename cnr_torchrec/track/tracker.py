@@ -6,7 +6,9 @@
 * ``hooks.py``: the forward hooks that mark each training lookup's rows, check its
   bounds and hold it in flight until its update has run;
 * ``intervals.py``: the dirty-row bitmaps of each interval and the views a save reads;
-* ``counters.py``: the per-row lookup counters (MFU/SSU) of budget-limited saves.
+* ``counters.py``: the per-row lookup counters (MFU/SSU) of budget-limited saves;
+* ``managed_collision.py``: the remapping state of managed-collision (sort-zch) tables, and
+  the rows their evictions change without a lookup.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from cnr_torchrec.track.discovery import ShardSlice, TrackedKernel, find_kernels
 from cnr_torchrec.track.hooks import LookupHooks, _KernelState
 from cnr_torchrec.track.intervals import DirtyIntervals
 from cnr_torchrec.track.layout import ShardLayout
+from cnr_torchrec.track.managed_collision import McTable, find_mc_tables
 
 __all__ = ["DirtyRowTracker"]
 
@@ -80,9 +83,13 @@ class DirtyRowTracker:
         sync_free: keep host syncs out of the training step (see above); None (the
             default) turns it on for TBEs on CUDA and off for TBEs on CPU.
 
+    Managed-collision (sort-zch) tables are tracked like any other, plus the rows their
+    evictions change without a lookup: the rows whose remapping state (raw id, counts, last
+    access) an eviction changed, and the rows it re-initialised (see ``managed_collision.py``).
+
     Raises:
         UnsupportedShardingError: a table is not on an FBGEMM TBE with a fused optimizer,
-            or sits in a managed-collision module.
+            or is remapped by a managed-collision module other than sort-zch.
     """
 
     def __init__(
@@ -99,6 +106,7 @@ class DirtyRowTracker:
         self._counters = LookupCounters(self._layout, count_updates)
         self._hooks = LookupHooks(self._layout, self._intervals.tbes, self._counters.tbes,
                                   fuse_bounds_check=fuse_bounds_check, sync_free=sync_free)
+        self._mc, self._mc_undo = find_mc_tables(dmp, self.mark_changed)
 
     @property
     def _kernels(self) -> list[_KernelState]:
@@ -240,7 +248,21 @@ class DirtyRowTracker:
             return 0.0
         return (self._intervals.bits() + self._counters.bits()) / rows
 
+    def mc_table(self, table: str) -> McTable | None:
+        """This rank's managed-collision module of ``table``, or None where a plain EBC/EC holds it."""
+        self._layout.entry(table)
+        return self._mc.get(table)
+
+    def mc_tables(self) -> dict[str, McTable]:
+        """This rank's managed-collision tables, by name."""
+        return dict(self._mc)
+
     # ------------------------------------------------------------------ updates
+
+    def mark_changed(self, table: str, rows: torch.Tensor) -> None:
+        """Marks global rows of ``table`` dirty in this interval: rows that changed without a lookup (an
+        eviction's). Rows this rank does not hold are ignored."""
+        self._intervals.mark(self._layout.kept_flat_rows({table: rows}))
 
     def reset(self, *, baseline: bool = False, keep: Mapping[str, torch.Tensor] | None = None) -> None:
         """Starts a new tracking interval.
@@ -296,3 +318,6 @@ class DirtyRowTracker:
     def remove(self) -> None:
         """Detaches the hooks, and gives the TBEs back their configured bounds checks."""
         self._hooks.remove()
+        for undo in self._mc_undo:
+            undo()
+        self._mc_undo = []

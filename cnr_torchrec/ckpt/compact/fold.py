@@ -92,7 +92,7 @@ def fold_rank(
         states = [(s.for_shard(*whole).to(s.dtype), s.rowwise) for s in data.states]
         entry: dict[str, Any] = {"rows": list(region.rows), "cols": list(region.cols), "encoding": "full"}
         encoded = encode_in_blocks(exact if region.table in replicated else encoder, data.weights)
-        entry.update(write_rows(blobs, f"f{i}", encoded, states))
+        entry.update(write_rows(blobs, f"f{i}", encoded, states, data.mc_rows(whole[0])))
         if keep is not None:
             keep((region.table, tuple(region.rows), tuple(region.cols)), encoded)
         tables.setdefault(region.table, []).append(entry)

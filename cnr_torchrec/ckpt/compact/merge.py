@@ -96,16 +96,19 @@ class _Stored:
         for s in self.entry.states:
             blob = self.load.payload.blobs[s.blob]
             states.append([s.rowwise, blob.dtype, list(blob.shape)[1:]])
-        return json.dumps([list(self.cols), meta, states], sort_keys=True)
+        mc = list(self.entry.mc.fields) if self.entry.mc is not None else None
+        return json.dumps([list(self.cols), meta, states, mc], sort_keys=True)
 
-    def rows_at(self, positions: torch.Tensor) -> tuple[EncodedRows, list[tuple[bool, torch.Tensor]]]:
-        """The stored rows at ``positions``, still encoded, and their optimizer-state rows."""
+    def rows_at(self, positions: torch.Tensor) -> tuple[EncodedRows, list[tuple[bool, torch.Tensor]],
+                                                      torch.Tensor | None]:
+        """The stored rows at ``positions``, still encoded, their optimizer-state rows and managed-collision
+        state (None for other tables)."""
         n = self.global_rows().numel()
         if self.entry.replicated is not None:
             weights = self.load(self.entry.replicated)
             if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
                 raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
-            return none_rows(weights.index_select(0, positions)), []
+            return none_rows(weights.index_select(0, positions)), [], None
         keys = sorted(self.entry.weights.blobs)
         wanted, back = torch.unique(positions, return_inverse=True)  # sorted, as a RowReader reads them
         rows = [t.index_select(0, back) for t in self.load.rows(self.entry, wanted)]
@@ -116,7 +119,8 @@ class _Stored:
             raise self.corrupt(f"encoded rows are inconsistent: {e}") from None
         if encoded.dim != self.cols[1] - self.cols[0]:
             raise self.corrupt(f"{encoded.dim} values a row stored for columns {self.cols}")
-        return encoded, [(s.rowwise, t) for s, t in zip(self.entry.states, rows[len(keys):])]
+        states = [(s.rowwise, t) for s, t in zip(self.entry.states, rows[len(keys):])]
+        return encoded, states, rows[-1] if self.entry.mc is not None else None
 
 
 def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_Stored]]:
@@ -214,11 +218,12 @@ def _concat(parts: list[EncodedRows]) -> EncodedRows:
 def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefix: str,
                  blobs: BlobWriter) -> tuple[dict[str, Any], int]:
     """One entry holding ``pieces`` (one group), rows in global order. Returns (entry, rows)."""
-    encoded, states, rows = [], [], []
+    encoded, states, mc, rows = [], [], [], []
     for s, positions, global_rows in pieces:
-        e, st = s.rows_at(positions)
+        e, st, m = s.rows_at(positions)
         encoded.append(e)
         states.append(st)
+        mc.append(m)
         rows.append(global_rows)
     rows_all = torch.cat(rows)
     order = torch.argsort(rows_all)
@@ -230,9 +235,10 @@ def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefi
         kind, packed = encode_ids(rows_all - lo, hi - lo)
         entry["encoding"] = "rows"
         entry["ids"] = {"kind": kind, "count": int(rows_all.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
+    fields = pieces[0][0].entry.mc.fields if mc[0] is not None else ()
     entry.update(write_rows(blobs, prefix, merged, [
         (torch.cat([st[j][1] for st in states]).index_select(0, order), states[0][j][0]) for j in range(len(states[0]))
-    ]))
+    ], (torch.cat(mc).index_select(0, order), fields) if mc[0] is not None else None))
     return entry, int(rows_all.numel())
 
 
@@ -267,8 +273,8 @@ def copy_blob_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
 
 def copy_state(storage: Storage, rank_state: RankReport | None, dense_state: RankReport | None,
                 blobs: BlobWriter) -> dict[str, Any]:
-    """The report keys a merge copies from the tip: dense and dense_optimizer, extra and rng."""
-    out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None}
+    """The report keys a merge copies from the tip: dense and dense_optimizer, extra, rng and mc_runtime."""
+    out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None, "mc_runtime": {}}
     if dense_state is not None:
         load = PayloadReader(storage, dense_state.payload, whole=False)
         out["dense"] = {n: copy_blob(b, load, blobs) for n, b in dense_state.dense.items()}
@@ -277,6 +283,7 @@ def copy_state(storage: Storage, rank_state: RankReport | None, dense_state: Ran
         load = PayloadReader(storage, rank_state.payload, whole=False)
         out["extra"] = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.extra.items()}
         out["rng"] = copy_blob_tree(rank_state.rng, load, blobs)
+        out["mc_runtime"] = {t: copy_blob_tree(v, load, blobs) for t, v in rank_state.mc_runtime.items()}
     return out
 
 
@@ -329,6 +336,7 @@ def compacted_report(storage: Storage, chain: list[Manifest], rank: int, tables:
     return {
         "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
         "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],
+        **({"mc_runtime": copied["mc_runtime"]} if copied["mc_runtime"] else {}),
         "tbe_iter": max(r.tbe_iter for r in chain[-1].ranks),
         "table_shapes": {t: list(s) for t, s in chain[-1].tables.items()}, "rows_written": rows_written,
         "stall_ms": 0.0, "write_ms": round((time.perf_counter() - t0) * 1e3, 3),

@@ -172,7 +172,7 @@ def _write_compacted_rank(
                     )
                 state = data.states[j]
                 states.append((state.for_shard(rows, cols).to(DTYPES[report.blobs[s.blob].dtype]), state.rowwise))
-            out.update(write_rows(blobs, prefix, encoded, states))
+            out.update(write_rows(blobs, prefix, encoded, states, data.mc_rows(rows)))
             rows_written += encoded.num_rows
             out_tables.setdefault(table, []).append(out)
             if progress is not None:
@@ -184,6 +184,7 @@ def _write_compacted_rank(
         copy_blob_tree(dense_opt, load, blobs)
     extra = {n: copy_blob_tree(tree, load, blobs) for n, tree in report.extra.items()}
     rng = copy_blob_tree(report.rng, load, blobs)
+    mc_runtime = {t: copy_blob_tree(tree, load, blobs) for t, tree in report.mc_runtime.items()}
     return {
         "rank": report.rank,
         "ok": True,
@@ -194,6 +195,7 @@ def _write_compacted_rank(
         "dense_optimizer": dense_opt,
         "extra": extra,
         "rng": rng,
+        **({"mc_runtime": mc_runtime} if mc_runtime else {}),
         "tbe_iter": report.tbe_iter,
         "table_shapes": dict(report.table_shapes),
         "rows_written": rows_written,

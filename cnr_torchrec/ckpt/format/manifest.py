@@ -16,8 +16,9 @@ Nesting, outermost first::
       RankReport        one rank's part: its payload, entries, dense and per-rank state
         Payload         the rank's bytes: chunk files and the blobs inside them
           Chunk, Blob
-        TableEntry      one shard's rows of one table: row ids, encoded weights, optimizer states
-          RowIds, Weights, StateRef
+        TableEntry      one shard's rows of one table: row ids, encoded weights, optimizer states,
+                        managed-collision state
+          RowIds, Weights, StateRef, McRows
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ __all__ = [
     "Blob",
     "Chunk",
     "Manifest",
+    "McRows",
     "Payload",
     "RankReport",
     "RowIds",
@@ -130,6 +132,18 @@ class StateRef:
 
 
 @dataclass(frozen=True)
+class McRows:
+    """The managed-collision (sort-zch) state of an entry's rows: int64 ``[rows, len(fields)]``, by table row.
+
+    ``fields`` names the columns: ``raw_id`` (int64's max for an empty slot), then the eviction
+    policy's metadata (``counts``, ``last_access_iter``) as the module names it.
+    """
+
+    blob: str
+    fields: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class RowChecks:
     """One CRC-32C (int32, in blob ``blob``) for each group of ``rows`` stored rows of an entry, the last
     group shorter when the rows do not divide evenly."""
@@ -143,7 +157,8 @@ class TableEntry:
     """The rows one shard stored of one table: global ``rows`` x ``cols`` ranges, half open.
 
     Without ``ids`` the entry stores every row of its range, in order. ``checks`` (format 5):
-    the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.rows`). A ``residual`` entry
+    the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.rows`). ``mc``: the
+    rows' managed-collision state, for a sort-zch table. A ``residual`` entry
     adds to the rows the chain restored before it (``quantization.residual``). ``replicated``
     is never stored: it names the blob of a whole float32 table (a data_parallel table, which
     rank 0 stores whole), which restore reads as an entry spanning the table.
@@ -158,15 +173,17 @@ class TableEntry:
     residual: bool = False
     replicated: str | None = None
     checks: RowChecks | None = None
+    mc: McRows | None = None
 
     @property
     def row_blobs(self) -> list[str]:
         """The blobs holding one record per stored row, in the order the row's part of its group's CRC-32C
         covers them: the encoded rows' tensors by field name (or the replicated table), then the optimizer
-        states."""
+        states, then the managed-collision state."""
         if self.replicated is not None:
             return [self.replicated]
-        return [self.weights.blobs[k] for k in sorted(self.weights.blobs)] + [s.blob for s in self.states]
+        mc = [self.mc.blob] if self.mc is not None else []
+        return [self.weights.blobs[k] for k in sorted(self.weights.blobs)] + [s.blob for s in self.states] + mc
 
     @property
     def num_rows(self) -> int:
@@ -190,6 +207,9 @@ class RankReport:
         table_shapes: the global shape of each table this rank holds.
         dense_optimizer, rng, extra: flattened state trees
             (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`); ``extra`` by name.
+        mc_runtime: per managed-collision table this rank holds, its module's eviction window
+            and iteration counters (:meth:`~cnr_torchrec.track.managed_collision.McTable.runtime`),
+            as flattened state trees.
     """
 
     rank: int
@@ -205,6 +225,7 @@ class RankReport:
     dense_optimizer: Any = None
     rng: Any = None
     extra: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
+    mc_runtime: Mapping[str, Any] = field(default_factory=lambda: _EMPTY)
 
     @property
     def file(self) -> str:

@@ -66,17 +66,22 @@ def as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def write_rows(blobs: BlobWriter, prefix: str, encoded: EncodedRows,
-               states: Sequence[tuple[torch.Tensor, bool]]) -> dict[str, Any]:
-    """Adds an entry's row blobs (encoded rows, optimizer states as given) and the CRC-32Cs of their groups
-    of rows to ``blobs``. Returns the entry's ``weights``, ``states`` and ``checks`` keys."""
+               states: Sequence[tuple[torch.Tensor, bool]],
+               mc: tuple[torch.Tensor, Sequence[str]] | None = None) -> dict[str, Any]:
+    """Adds an entry's row blobs (encoded rows, optimizer states as given, the managed-collision state
+    ``(int64 rows, fields)`` of a sort-zch table) and the CRC-32Cs of their groups of rows to ``blobs``.
+    Returns the entry's ``weights``, ``states``, ``checks`` (and ``mc``) keys."""
     tensors = encoded.to_tensors()
     names = {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in tensors.items()}
     refs = [{"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)} for j, (t, rowwise) in enumerate(states)]
     parts = [as_rows(tensors[k]) for k in sorted(tensors)] + [as_rows(t) for t, _ in states]
+    out: dict[str, Any] = {"weights": {"meta": encoded.metadata(), "blobs": names}, "states": refs}
+    if mc is not None:
+        out["mc"] = {"blob": blobs.add(f"{prefix}/mc", mc[0]), "fields": list(mc[1])}
+        parts.append(as_rows(mc[0]))
     rows = max(1, CHECK_BYTES // max(1, sum(p.shape[1] for p in parts)))
-    crc = blobs.add(f"{prefix}/crc32c", row_crc32c(parts, rows))
-    return {"weights": {"meta": encoded.metadata(), "blobs": names}, "states": refs,
-            "checks": {"blob": crc, "rows": rows}}
+    out["checks"] = {"blob": blobs.add(f"{prefix}/crc32c", row_crc32c(parts, rows)), "rows": rows}
+    return out
 
 
 class _Fetch:

@@ -30,6 +30,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     Blob,
     Chunk,
     Manifest,
+    McRows,
     Payload,
     RankReport,
     RowChecks,
@@ -241,11 +242,19 @@ def _check_rank(f: _Fields, report: Any, where: str, index: int,
         _check_tree(f, report.get(key), f"{where}.{key}", blobs)
     for name, tree in report.get("extra", {}).items():
         _check_tree(f, tree, f"{where}.extra[{name!r}]", blobs)
+    mc_runtime = report.get("mc_runtime", {})
+    if not isinstance(mc_runtime, dict):
+        f.fail(f"{where}.mc_runtime", "must be an object")
+    for table, tree in mc_runtime.items():
+        if table not in shapes:
+            f.fail(f"{where}.mc_runtime[{table!r}]", "names a table the manifest does not list")
+        _check_tree(f, tree, f"{where}.mc_runtime[{table!r}]", blobs)
     return RankReport(
         rank=index, payload=payload, tables=frozen(tables), replicated_tables=frozen(report["replicated_tables"]),
         dense=frozen(report["dense"]), tbe_iter=report["tbe_iter"], table_shapes=frozen(report["table_shapes"]),
         rows_written=report["rows_written"], stall_ms=float(report["stall_ms"]), write_ms=float(report["write_ms"]),
         dense_optimizer=report["dense_optimizer"], rng=report.get("rng"), extra=frozen(report["extra"]),
+        mc_runtime=frozen(mc_runtime),
     )
 
 
@@ -344,8 +353,18 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
         if blobs[raw["blob"]].dtype != "int32":
             f.fail(f"{where}.checks.blob", f"names a blob of {blobs[raw['blob']].dtype}, where int32 is needed")
         checks = RowChecks(blob=raw["blob"], rows=raw["rows"])
+    mc = None
+    if "mc" in entry:
+        raw = entry["mc"]
+        f.record(raw, f"{where}.mc", {"blob": _type(str), "fields": _type(list)})
+        if not raw["fields"] or raw["fields"][0] != "raw_id" or not all(isinstance(x, str) for x in raw["fields"]):
+            f.fail(f"{where}.mc.fields", "must be a list of names starting with 'raw_id'")
+        _blob_shape(f, blobs, raw["blob"], f"{where}.mc.blob", (n, len(raw["fields"])))
+        if blobs[raw["blob"]].dtype != "int64":
+            f.fail(f"{where}.mc.blob", f"names a blob of {blobs[raw['blob']].dtype}, where int64 is needed")
+        mc = McRows(blob=raw["blob"], fields=tuple(raw["fields"]))
     return TableEntry(rows=(r0, r1), cols=(c0, c1), encoding=entry["encoding"], weights=weights, ids=ids,
-                      states=tuple(refs), residual=bool(entry.get("residual")), checks=checks)
+                      states=tuple(refs), residual=bool(entry.get("residual")), checks=checks, mc=mc)
 
 
 def _check_weights(f: _Fields, weights: Any, where: str, n: int, dim: int, blobs: Mapping[str, Blob]) -> Weights:

@@ -16,6 +16,11 @@ Row-wise optimizer state (one value per row of a column shard) is mapped by colu
 overlap: when a shard now spans columns that several shards held, its value is their
 column-weighted mean, which is exact for row-wise Adagrad's mean of squared gradients
 whenever the new shard is a union of old ones.
+
+A managed-collision table's by-row state (raw id and eviction metadata) is claimed by row
+like the rest, from the newest entry that holds it, and handed to the module at the end
+(:meth:`Applier.finish`). Slots move only with the plan's row ranges; a restore onto
+other ranges relocates by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.relocate`).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointEr
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.track.managed_collision import McTable
 
 __all__ = ["Applier", "EntryPlan"]
 
@@ -54,7 +60,8 @@ class _Target:
     chain written under other plans may hold a row for some columns and not others.
     """
 
-    def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False) -> None:
+    def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False,
+                 mc: McTable | None = None) -> None:
         self.kernel, self.shard = kernel, shard
         c0, c1 = shard.cols
         edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
@@ -70,6 +77,11 @@ class _Target:
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
         self.states = list(live[shard.local_index]) if live else []
         self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
+        # A managed-collision table's by-row state, claimed apart too (the newest entry's, residual or not),
+        # and given to its module once the chain is applied (:meth:`Applier.finish`).
+        self.mc = mc
+        self.mc_state = mc.by_row() if mc is not None else None
+        self.mc_filled = torch.zeros(shard.num_rows, dtype=torch.bool) if mc is not None else None
         self.done = shard.num_rows == 0
 
     def refresh(self) -> None:
@@ -78,7 +90,8 @@ class _Target:
         Checked once per checkpoint of the chain, not per entry: a mask scan is dearer
         than the few entries it could skip within one checkpoint.
         """
-        self.done = all(_all(f) for f in self.filled.values()) and (not self.has_rowwise or _all(self.state_filled))
+        self.done = (all(_all(f) for f in self.filled.values()) and (not self.has_rowwise or _all(self.state_filled))
+                     and (self.mc is None or _all(self.mc_filled)))
 
     def columns(self, live: torch.Tensor, seg: tuple[int, int]) -> torch.Tensor:
         """The columns ``seg`` (global) of ``live``, a [rows, shard columns] view."""
@@ -96,6 +109,7 @@ class _Claim:
     with_states: bool  # the entry's optimizer states fit the shard's
     state_map: torch.Tensor | None  # row-wise state's map, when the entry has one
     weight: float  # the share of the shard's columns the entry holds (row-wise state is merged by it)
+    mc_map: torch.Tensor | None = None  # the managed-collision state's map, when the entry and shard have one
 
 
 @dataclass
@@ -119,7 +133,7 @@ class Applier:
     """
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
-                 stats: dict[str, float] | None = None) -> None:
+                 stats: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset()) -> None:
         self._stats = stats  # gets minimal_bytes: the stored bytes of the rows that are applied
         breaks: dict[str, set[int]] = {}
         for m in manifests:
@@ -130,8 +144,8 @@ class Applier:
         # plus every newer residual, so the weights start from zero and every entry adds to them.
         self.additive = any(e.residual for m in manifests for _, _, e in m.entries())
         self.targets = {
-            table: [_Target(k, s, sorted(cuts), self.additive) for k, s in tracker.shards(table)]
-            for table, cuts in breaks.items()
+            table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table)) for k, s in tracker.shards(table)]
+            for table, cuts in breaks.items() if table not in exclude
         }
         # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
         # column weight)]).
@@ -171,7 +185,7 @@ class Applier:
         claims = [self._claim(table, entry, t, r, c, offsets, n_stored) for t, r, c in hits]
         needed = torch.zeros(n_stored, dtype=torch.bool)
         for claim in claims:
-            for m in (*claim.maps, claim.state_map):
+            for m in (*claim.maps, claim.state_map, claim.mc_map):
                 if m is not None:
                     needed |= m >= 0
         sel = _nonzero(needed)
@@ -213,7 +227,18 @@ class Applier:
                 state_map = maps[0]
             else:
                 state_map = claim_rows_(target.state_filled, offsets, n_stored, lo, hi, shift)
-        return _Claim(target, segs, maps, with_states, state_map, weight)
+        mc_map = None
+        if target.mc is not None and entry.mc is not None:
+            if entry.mc.fields != target.mc.fields:
+                raise IncompatibleCheckpointError(
+                    f"table '{table}': the checkpoint's managed-collision state has fields {list(entry.mc.fields)}, "
+                    f"the model's module {list(target.mc.fields)}; restore with the eviction policy it was saved with")
+            mc_map = claim_rows_(target.mc_filled, offsets, n_stored, lo, hi, shift)
+        elif target.mc is not None or entry.mc is not None:
+            raise IncompatibleCheckpointError(
+                f"table '{table}' is a managed-collision table in the "
+                f"{'model' if target.mc is not None else 'checkpoint'} only; restore it onto the same kind of module")
+        return _Claim(target, segs, maps, with_states, state_map, weight, mc_map)
 
     def apply(self, plan: EntryPlan, rows: list[torch.Tensor]) -> None:
         """Writes the rows ``plan`` claimed; ``rows``: the stored rows ``plan.sel`` of each of the entry's
@@ -229,8 +254,9 @@ class Applier:
                 encoded = EncodedRows.from_tensors(dict(zip(keys, rows)), {**entry.weights.meta, "num_rows": m})
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{plan.table}' are inconsistent: {e}") from None
-            saved_states = rows[len(keys):]
+            saved_states = rows[len(keys):len(keys) + len(entry.states)]
         states = [(s.rowwise, t) for s, t in zip(entry.states, saved_states)]
+        mc_rows = rows[-1] if entry.mc is not None else None
         for claim in plan.claims:
             every = m == entry.num_stored  # every stored row was read: the maps as they are
             maps = [mp if every else mp.index_select(0, sel) for mp in claim.maps]
@@ -238,6 +264,9 @@ class Applier:
             if state_map is not None and not every:
                 state_map = state_map.index_select(0, sel)
             self._write(claim, entry, maps, state_map, encoded, weights, states if claim.with_states else [])
+            if claim.mc_map is not None:
+                mc_map = claim.mc_map if every else claim.mc_map.index_select(0, sel)
+                scatter_rows_(claim.target.mc_state, mc_map, mc_rows)
             if self._stats is not None:
                 width = entry.cols[1] - entry.cols[0]
                 applied = sum(np.count_nonzero(mp.numpy() >= 0) * (seg[1] - seg[0]) / width
@@ -333,6 +362,13 @@ class Applier:
             for t in ts:
                 if not t.done:
                     t.refresh()
+
+
+    def finish(self) -> None:
+        """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt)."""
+        for t in (t for ts in self.targets.values() for t in ts):
+            if t.mc is not None:
+                t.mc.load_by_row(t.mc_state)
 
 
 def _all(mask: torch.Tensor) -> bool:

@@ -6,7 +6,9 @@ claimed; then the reads of exactly those rows start, all at once
 (:class:`~cnr_torchrec.ckpt.format.rows.RowReader`), and the entries are decoded as their rows
 land. The walk stops early once every row is restored. Then what every rank holds alike (dense parameters,
 the dense optimizer, the TBE step counter) comes from rank 0's file of the tip, and per-rank
-state (extra_state, RNG) from this rank's own, when the world size is the one that saved.
+state (extra_state, RNG, managed-collision eviction windows) from this rank's own, when the
+world size is the one that saved. A managed-collision table whose slots moved is relocated
+by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.relocate`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buf
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
+from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.restore.threads import wider_pool
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
@@ -67,8 +70,11 @@ def restore_chain(
     """
     target = manifests[-1]
     check_compatible(target, tracker)
+    relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
     with wider_pool(threads):
-        read = _apply_chain(manifests, storage, tracker, replicated, stats, pool)
+        read = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated)
+        with timed(stats, "relocate_ms"):
+            relocate_tables(relocated, manifests, storage, tracker, rank, world_size)
 
     def reader(r: int) -> RowReader:  # the tip's file of rank r: its reader, else a few range reads of it
         load = read.get(r)
@@ -85,15 +91,17 @@ def restore_chain(
             )
             return
         _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state)
+        _restore_mc_runtime(target.ranks[rank], reader(rank), tracker, relocated)
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
-                 stats: dict[str, float] | None, pool: IOPool | None) -> dict[int, RowReader]:
-    """The chain's entries onto this rank's shards, newest checkpoint first, each row read, decoded and copied
-    once. Returns the readers of the tip's files, by rank (dense and per-rank state are there too)."""
+                 stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str]) -> dict[int, RowReader]:
+    """The chain's entries onto this rank's shards (but those of the ``relocated`` tables), newest checkpoint
+    first, each row read, decoded and copied once. Returns the readers of the tip's files, by rank (dense and
+    per-rank state are there too)."""
     target = manifests[-1]
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated, stats)
+        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated)
     tip: dict[int, RowReader] = {}
     try:
         for m in reversed(manifests):
@@ -119,6 +127,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
                 for load, plan in work:
                     applier.apply(plan, load.rows(plan.entry, plan.sel))
                 applier.finish_checkpoint()
+        applier.finish()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
         # are stale now (even after a failure part way, when the rows are a mix).
@@ -144,6 +153,24 @@ def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,
         raise CorruptCheckpointError(
             f"{mine.file}: this rank's saved extra_state or RNG state is malformed ({type(e).__name__}: {e}); the "
             f"manifest of checkpoint {target.id} was edited or crafted", path=mine.file) from None
+
+
+def _restore_mc_runtime(mine: RankReport, load: RowReader, tracker: DirtyRowTracker, relocated: set[str]) -> None:
+    """The eviction windows and counters of this rank's managed-collision modules, from its own report (the
+    relocated tables have theirs already)."""
+    for table, mc in tracker.mc_tables().items():
+        if table in relocated:
+            continue
+        if table not in mine.mc_runtime:
+            raise IncompatibleCheckpointError(
+                f"{mine.file} holds no eviction window of managed-collision table '{table}'; the checkpoint was "
+                "written for a model without that module")
+        try:
+            mc.load_runtime(unflatten_state(mine.mc_runtime[table], load))
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+            raise CorruptCheckpointError(
+                f"{mine.file}: the saved eviction window of table '{table}' is malformed ({type(e).__name__}: {e})",
+                path=mine.file) from None
 
 
 def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,

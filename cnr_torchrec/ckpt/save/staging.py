@@ -1,7 +1,8 @@
 """The blocking half of a save: ``stage``, on the training thread.
 
 ``stage`` copies what the decision asks for into host memory that training will not
-touch again: dirty weight and optimizer-state rows of every local shard, and on rank 0
+touch again: dirty weight and optimizer-state rows of every local shard (with the
+managed-collision state of a sort-zch table's rows), and on rank 0
 the replicated state (data_parallel tables, dense parameters, the dense optimizer). It
 is the only part of a save that stalls training besides the planner's all-gather.
 :mod:`~cnr_torchrec.ckpt.save.writer` encodes and writes what it staged, in the background.
@@ -38,7 +39,8 @@ class StagedShard:
 
     ``ids`` are offsets into the shard (None when the shard is written whole).
     ``states`` are the fused optimizer's per-row states, each with a flag saying whether
-    it holds one value per row (rowwise) or one per column.
+    it holds one value per row (rowwise) or one per column. ``mc``: a managed-collision
+    table's by-row state of the same rows (int64, its columns named by ``mc_fields``).
     """
 
     table: str
@@ -48,6 +50,8 @@ class StagedShard:
     ids: torch.Tensor | None
     weights: torch.Tensor
     states: list[tuple[torch.Tensor, bool]]
+    mc: torch.Tensor | None = None
+    mc_fields: tuple[str, ...] = ()
 
 
 @dataclass
@@ -61,6 +65,7 @@ class Staged:
     dense_optimizer: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
     rng: Any = None
+    mc_runtime: dict[str, Any] = field(default_factory=dict)
     tbe_iter: int = 0
     table_shapes: dict[str, list[int]] = field(default_factory=dict)
     stall_ms: float = 0.0
@@ -268,15 +273,17 @@ class _TableStager:
             rowwise = is_rowwise(s, shard.num_rows)
             s2 = s.reshape(shard.num_rows) if rowwise else s.reshape(shard.num_rows, -1)
             staged_states.append((pick(s2, j), rowwise))
-        self.out.shards.append(
-            StagedShard(table, shard.rows, shard.cols, encoding, ids, pick(weights, "w"), staged_states)
-        )
+        staged = StagedShard(table, shard.rows, shard.cols, encoding, ids, pick(weights, "w"), staged_states)
+        mc = self.tracker.mc_table(table)
+        if mc is not None:  # row-wise sharded: this rank's slots are the shard
+            staged.mc, staged.mc_fields = mc.by_row(rows), mc.fields
+        self.out.shards.append(staged)
 
 
 def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
                       extra_state: dict[str, Any]) -> None:
     """What is not a sharded table: the TBE step, the dense part and its optimizer (rank 0's: DDP
-    keeps them alike), this rank's ``extra_state`` and RNG."""
+    keeps them alike), this rank's ``extra_state``, RNG and managed-collision eviction windows."""
     iters = [int(it.item()) for tbe in tracker.tbes()
              if isinstance(it := getattr(tbe, "iter", None), torch.Tensor) and it.numel() == 1]
     out.tbe_iter = max(iters, default=0)
@@ -286,5 +293,6 @@ def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, d
             out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
     out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
     out.rng = _clone_tree(rng_state())
+    out.mc_runtime = {table: mc.runtime() for table, mc in tracker.mc_tables().items()}
 
 

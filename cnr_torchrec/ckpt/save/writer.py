@@ -101,7 +101,7 @@ def write_rank(
             entry["residual"] = True
             residual_entries += 1
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
-        entry.update(write_rows(blobs, prefix, encoded, states))
+        entry.update(write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields)))
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(entry)
     replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}
@@ -112,6 +112,8 @@ def write_rank(
         dense_opt = flatten_state(staged.dense_optimizer, "dense_optimizer", blobs, f"{where}: dense_optimizer")
     extra = {n: flatten_state(v, f"extra/{n}", blobs, f"{where}: extra_state[{n!r}]") for n, v in staged.extra.items()}
     rng = flatten_state(staged.rng, "rng", blobs, f"{where}: rng")
+    mc_runtime = {t: flatten_state(v, f"mc/{t}", blobs, f"{where}: managed collision of '{t}'")
+                  for t, v in staged.mc_runtime.items()}
 
     return {
         "rank": staged.rank,
@@ -123,6 +125,7 @@ def write_rank(
         "dense_optimizer": dense_opt,
         "extra": extra,
         "rng": rng,
+        **({"mc_runtime": mc_runtime} if mc_runtime else {}),
         "tbe_iter": staged.tbe_iter,
         "table_shapes": staged.table_shapes,
         "rows_written": rows_written,

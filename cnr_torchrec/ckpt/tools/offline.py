@@ -119,10 +119,17 @@ def _row_mean(block: torch.Tensor) -> torch.Tensor:
 
 
 class TableData(NamedTuple):
-    """A whole table after applying a chain: fp32 weights ``[rows, dim]`` and its optimizer states."""
+    """A whole table after applying a chain: fp32 weights ``[rows, dim]``, its optimizer states, and for a
+    managed-collision table its by-row state (int64 ``[rows, fields]``, :class:`~.manifest.McRows`)."""
 
     weights: torch.Tensor
     states: list[RowState]
+    mc: torch.Tensor | None = None
+    mc_fields: tuple[str, ...] = ()
+
+    def mc_rows(self, rows: tuple[int, int]) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+        """The by-row state of rows ``[rows)`` with its fields, as :func:`~.rows.write_rows` takes it."""
+        return None if self.mc is None else (self.mc[rows[0] : rows[1]].contiguous(), self.mc_fields)
 
 
 def _entry_rows(table: str, entry: TableEntry, load: RowReader, file: str) -> torch.Tensor:
@@ -182,7 +189,8 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
     for g in (g for gs in sharded.values() for g in gs):
         shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
         out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])
-        covered[g] = _Covered(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool))
+        covered[g] = _Covered(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool),
+                              torch.zeros(shape[0], dtype=torch.bool))
     for m in reversed(chain):
         for report in m.ranks:
             file = report.file
@@ -195,7 +203,7 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                 for entry in entries:
                     _check_inside(entry, table, tip.tables[table], file)
                     for g in sharded.get(table, ()):
-                        _apply_entry(out[g], covered[g], g, table, entry, load, file)
+                        out[g] = _apply_entry(out[g], covered[g], g, table, entry, load, file)
                     if progress is not None:
                         progress(1)
     out.update(_replicated_tables(storage, tip, replicated))
@@ -204,10 +212,12 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
 
 
 class _Covered(NamedTuple):
-    """The cells of a region that newer entries gave: its weights (by whole entries), its states (by any)."""
+    """The cells of a region that newer entries gave: its weights (by whole entries), its states (by any), and
+    the rows whose managed-collision state they gave."""
 
     weights: torch.Tensor
     states: torch.Tensor
+    mc: torch.Tensor
 
 
 def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: str) -> None:
@@ -222,23 +232,24 @@ def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: s
 
 
 def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str, entry: TableEntry,
-                 load: RowReader, file: str) -> None:
+                 load: RowReader, file: str) -> TableData:
     """Adds the rows and columns one entry holds of ``region`` to the cells no newer whole entry gave, and
     sets the optimizer states no newer entry gave; reads only those rows."""
     (w0, w1), (v0, v1) = region.rows, region.cols
     (c0, c1) = entry.cols
     a0, a1 = max(c0, v0), min(c1, v1)  # the columns the entry holds of the region
     if max(entry.rows[0], w0) >= min(entry.rows[1], w1) or a0 >= a1:
-        return
+        return data
     stored = _entry_rows(table, entry, load, file)
     lo, hi = (int(i) for i in torch.searchsorted(stored, torch.tensor([w0, w1])))
     local = stored[lo:hi] - w0  # the region row of stored rows lo..hi-1
     mine, theirs = slice(a0 - v0, a1 - v0), slice(a0 - c0, a1 - c0)  # the columns in the region, in the entry
     open_w = ~covered.weights[local, mine]
     open_s = ~covered.states[local, mine]
-    pick = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False)).view(-1)
+    open_mc = ~covered.mc[local] if entry.mc is not None else torch.zeros(local.numel(), dtype=torch.bool)
+    pick = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False) | open_mc).view(-1)
     if not pick.numel():
-        return
+        return data
     parts = load.rows(entry, pick + lo)
     keys = sorted(entry.weights.blobs)
     try:
@@ -263,6 +274,18 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
         state.values[g, mine] = torch.where(open_s, vals, state.values[g, mine])
     if entry.states:
         covered.states[g, mine] = True
+    if entry.mc is not None:
+        if data.mc is None:
+            data = data._replace(mc=torch.zeros(n_rows, len(entry.mc.fields), dtype=torch.int64),
+                                 mc_fields=entry.mc.fields)
+        elif data.mc.shape[1] != len(entry.mc.fields):
+            raise CorruptCheckpointError(f"{file}: table '{table}' stores managed-collision state with fields "
+                                         f"{list(entry.mc.fields)} and, in a newer entry, {data.mc.shape[1]} fields",
+                                         path=file)
+        take = open_mc[pick]
+        data.mc[g[take]] = parts[-1][take]
+        covered.mc[g[take]] = True
+    return data
 
 
 def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Region]) -> dict[Region, TableData]:

@@ -1,0 +1,168 @@
+"""Restoring a managed-collision table onto other slot ranges: its rows relocated by raw id.
+
+A sort-zch table's rows belong to raw ids, and TorchRec sends each raw id to the rank of
+its input block (:func:`~cnr_torchrec.track.managed_collision.route`). On another world
+size (or another split of the rows) an id's rank and slot change, so its row cannot be
+restored by global row as other tables' are. Each rank here:
+
+1. applies the chain to the whole table (:func:`~cnr_torchrec.ckpt.tools.offline.assemble_tables`:
+   weights, optimizer states and by-row state, exactly as a restore would give them);
+2. takes the held raw ids that now route to it. Where they outnumber its slots (all but
+   the last, which takes the ids the module misses and is never filled), the module's
+   eviction policy keeps the ids it would keep: the most frequent (LFU), the most recent
+   (LRU), or the highest count over distance (DistanceLFU); the rest are dropped and counted
+   in the log;
+3. writes them into its first slots in raw-id order, with their weights, optimizer state and
+   metadata; the other slots are empty;
+4. takes the eviction window's history of every saved rank, routed by raw id, and the
+   iteration counters (equal on every rank).
+
+Every rank reads the whole table: a reshard is rare, and this needs no collective.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.payload import unflatten_state
+from cnr_torchrec.ckpt.format.rows import RowReader
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.tools.offline import RowState, TableData, assemble_tables
+from cnr_torchrec.errors import IncompatibleCheckpointError
+from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.track.managed_collision import EMPTY, McTable, route
+
+__all__ = ["needs_relocation", "relocate_tables"]
+
+log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
+
+
+def needs_relocation(chain: list[Manifest], tracker: DirtyRowTracker, rank: int, world_size: int) -> set[str]:
+    """The managed-collision tables of this rank whose slots the chain did not save as they are now: another
+    world size, or another row range for this rank in some checkpoint of the chain."""
+    out = set()
+    for table, mc in tracker.mc_tables().items():
+        mine = (mc.start, mc.start + mc.num_rows)
+        for m in chain:
+            same = m.world_size == world_size and rank < len(m.ranks) and all(
+                tuple(e.rows) == mine for e in m.ranks[rank].tables.get(table, ()))
+            if not same:
+                out.add(table)
+    return out
+
+
+def relocate_tables(tables: set[str], chain: list[Manifest], storage: Storage, tracker: DirtyRowTracker,
+                    rank: int, world_size: int) -> None:
+    """Restores ``tables`` (managed-collision tables of this rank) from ``chain`` by raw id."""
+    if not tables:
+        return
+    whole = assemble_tables(storage, chain, tables=tables)
+    for table in sorted(tables):
+        data = whole[table]
+        mc = tracker.mc_table(table)
+        if data.mc is None:
+            raise IncompatibleCheckpointError(
+                f"table '{table}' is a managed-collision table in the model, a plain one in checkpoint "
+                f"{chain[-1].id}; restore it onto the same kind of module")
+        if data.mc.shape[1] != len(mc.fields):
+            raise IncompatibleCheckpointError(
+                f"table '{table}': the checkpoint's managed-collision state has {data.mc.shape[1]} fields, the "
+                f"model's module {list(mc.fields)}; restore with the eviction policy it was saved with")
+        runtime = _saved_runtime(chain[-1], storage, table)
+        order = _ids_for_this_rank(table, data, mc, runtime, rank, world_size)
+        _write_rows(table, data, order, mc, tracker)
+        mc.load_runtime(_routed_runtime(runtime, mc, rank, world_size))
+
+
+def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[dict[str, Any]], rank: int,
+                       world_size: int) -> torch.Tensor:
+    """The saved rows whose raw ids this rank holds now, in raw-id order, those the policy keeps."""
+    raw = data.mc[:, 0]
+    held = torch.nonzero(raw != EMPTY).view(-1)
+    mine = held[route(raw[held], mc.input_size, world_size) == rank]
+    capacity = mc.num_rows - 1  # the last slot takes the ids the module misses; the module never fills it
+    if mine.numel() > capacity:
+        current = max((int(r["current_iter"]) for r in runtime), default=0)
+        scores = _keep_scores(mc, data.mc[mine], current)
+        kept = mine[torch.argsort(scores, descending=True, stable=True)[:capacity]]
+        log.warning("table '%s': %d held raw ids route to rank %d, which has %d slots for them; its %s eviction "
+                    "policy kept %d and dropped %d", table, mine.numel(), rank, capacity,
+                    type(mc.mch._eviction_policy).__name__, capacity, mine.numel() - capacity)
+        mine = kept
+    return mine[torch.argsort(raw[mine])]
+
+
+def _keep_scores(mc: McTable, state: torch.Tensor, current_iter: int) -> torch.Tensor:
+    """The eviction score the module's policy gives each held id (higher is kept), from its metadata."""
+    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy
+
+    policy = mc.mch._eviction_policy
+    col = {name: state[:, j].double() for j, name in enumerate(mc.fields)}
+    if isinstance(policy, DistanceLFU_EvictionPolicy):
+        return col["counts"] / torch.pow(current_iter - col["last_access_iter"] + 1, policy._decay_exponent)
+    if isinstance(policy, LRU_EvictionPolicy):
+        return col["last_access_iter"]
+    if isinstance(policy, LFU_EvictionPolicy):
+        return col["counts"]
+    raise IncompatibleCheckpointError(
+        f"table '{mc.table}': more held raw ids route to this rank than it has slots, and its eviction policy "
+        f"{type(policy).__name__} is not one this library can rank ids by (LFU, LRU, DistanceLFU). Restore onto "
+        "a world size with more slots per rank")
+
+
+def _write_rows(table: str, data: TableData, order: torch.Tensor, mc: McTable, tracker: DirtyRowTracker) -> None:
+    """Saved rows ``order`` into this rank's first slots: weights, optimizer states and by-row state."""
+    (kernel, shard), = tracker.shards(table)
+    n = order.numel()
+    weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+    live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
+    states = list(live[shard.local_index]) if live else []
+    if len(states) != len(data.states):
+        raise IncompatibleCheckpointError(
+            f"table '{table}': checkpoint has {len(data.states)} optimizer states, the model {len(states)}; "
+            "restore with the optimizer it was saved with")
+    cols = shard.cols
+    with torch.no_grad():
+        weights[:n] = data.weights[order, cols[0]:cols[1]].to(weights)
+        for live_state, saved in zip(states, data.states):
+            moved = RowState(saved.rowwise, saved.values[order]).for_shard((0, n), cols)
+            live_state.reshape(shard.num_rows, -1)[:n] = moved.reshape(n, -1).to(live_state)
+    state = torch.zeros(mc.num_rows, len(mc.fields), dtype=torch.int64)
+    state[:, 0] = EMPTY
+    state[:n] = data.mc[order]
+    mc.load_by_row(state)
+
+
+def _saved_runtime(tip: Manifest, storage: Storage, table: str) -> list[dict[str, Any]]:
+    """Every saved rank's eviction window and counters of ``table``, from the tip."""
+    out = []
+    for report in tip.ranks:
+        if table in report.mc_runtime:
+            out.append(unflatten_state(report.mc_runtime[table], RowReader(storage, report.payload)))
+    return out
+
+
+def _routed_runtime(saved: list[dict[str, Any]], mc: McTable, rank: int, world_size: int) -> dict[str, Any]:
+    """This rank's eviction window after a reshard: every saved rank's history entries whose raw ids route
+    here, in saved rank order, and the counters (every rank steps alike)."""
+    if not saved:
+        return mc.runtime()
+    first = saved[0]
+    history, metadata = [], {k: [] for k in first["history_metadata"]}
+    for r in saved:
+        ids = r["history"]
+        here = route(ids, mc.input_size, world_size) == rank
+        history.append(ids[here])
+        for k in metadata:
+            metadata[k].append(r["history_metadata"][k][here])
+    sizes = [int(r["history_size"]) for r in saved if int(r["history_size"]) > 0]
+    # Sized as the module sizes it (its share of the global batch's ids over the window), never below what came.
+    size = -(-sum(sizes) // world_size) if sizes else -1
+    return {**first, "history_size": size,
+            "history": torch.cat(history) if history else torch.empty(0, dtype=torch.int64),
+            "history_metadata": {k: torch.cat(v) for k, v in metadata.items()},
+            "evicted": False, "pending": torch.empty(0, dtype=torch.int64)}

@@ -1,0 +1,250 @@
+"""Managed-collision (sort-zch) tables: the remapping state by table row, and the rows it changes.
+
+A ``ManagedCollisionEmbeddingBagCollection`` / ``ManagedCollisionEmbeddingCollection`` maps raw
+ids onto a fixed table through one ``MCHManagedCollisionModule`` per table and rank. That module
+keeps its state by *sort position*: ``_mch_sorted_raw_ids`` (the raw ids it holds, sorted, empty
+slots holding int64's max), ``_mch_remapped_ids_mapping`` (the table row of each position) and the
+eviction policy's metadata (``_mch_counts``, ``_mch_last_access_iter``), all re-sorted at every
+eviction. Stored by position, one eviction would change every row after the first insert.
+
+Here the same state is read and written by table row: row ``r`` holds raw id ``raw[r]`` (or none)
+and its metadata. A delta then holds only the rows whose state changed, and a restore rebuilds the
+sorted buffers exactly: the module sorts stably, so empty slots always lie in ascending row order
+behind the raw ids, and the sorted buffers are a function of the by-row state.
+
+What changes rows without a lookup, and how it is seen here:
+
+* an eviction (every ``eviction_interval`` training steps) updates the metadata of the held ids seen
+  in the window, and gives the evicted slots new raw ids: :meth:`McTable.watch` wraps the module's
+  ``_update_and_evict`` and marks the rows whose by-row state differs after it;
+* the sharded module's ``_evict`` re-initialises the evicted rows' weights (torch's global RNG)
+  and, for row-wise Adagrad, their momentum: wrapped too, and the rows it is given marked.
+
+Between evictions, each rank's module also holds the eviction window's history (the raw ids seen
+since the last eviction, with their metadata) and its iteration counters: :meth:`McTable.runtime`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cnr_torchrec.errors import UnsupportedShardingError
+
+__all__ = ["EMPTY", "McTable", "find_mc_tables", "inner_module", "route"]
+
+log = logging.getLogger(__name__)
+
+EMPTY = torch.iinfo(torch.int64).max  # the raw id of an empty slot, as the module writes it
+
+Mark = Callable[[str, torch.Tensor], None]
+"""Marks global rows of a table dirty: ``mark(table, global_rows)``."""
+
+
+def inner_module(module: nn.Module) -> nn.Module | None:
+    """The sharded EBC/EC inside a sharded managed-collision module, or None for any other module.
+
+    Raises:
+        UnsupportedShardingError: the module's tables are remapped by something other than sort-zch.
+    """
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    if not isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
+        return None
+    for table, mch in module._managed_collision_collection._managed_collision_modules.items():
+        if type(mch) is not MCHManagedCollisionModule:
+            raise UnsupportedShardingError(
+                f"table '{table}' is remapped by a {type(mch).__name__}; CheckNRunDMP checkpoints sort-zch tables "
+                "(MCHManagedCollisionModule) only. MP-ZCH (HashZchManagedCollisionModule) keeps identities and "
+                "metadata this library does not restore: use mc_type='sort-zch', or checkpoint this model with "
+                "torch.distributed.checkpoint"
+            )
+    return module._embedding_module
+
+
+@dataclass
+class McTable:
+    """This rank's managed-collision module of one table, and its slots' place in the table.
+
+    Attributes:
+        table: the table's name.
+        module: the sharded managed-collision module that holds it.
+        mch: this rank's ``MCHManagedCollisionModule`` of the table.
+        fields: the columns of the by-row state: ``raw_id``, then the policy's metadata names.
+    """
+
+    table: str
+    module: nn.Module
+    mch: nn.Module
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        return ("raw_id", *self.mch._mch_metadata)
+
+    @property
+    def start(self) -> int:
+        """The global row of this rank's first slot."""
+        return int(self.mch._output_global_offset)
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.mch._zch_size)
+
+    @property
+    def input_size(self) -> int:
+        return int(self.mch._input_hash_size)
+
+    # ---------------------------------------------------------------- by-row state
+
+    def by_row(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """int64 ``[rows, len(fields)]``: the raw id (:data:`EMPTY` for none) and metadata of each slot,
+        or of the slots ``rows`` (offsets into this rank's slots) only."""
+        mch = self.mch
+        position = torch.empty(self.num_rows, dtype=torch.int64, device=mch._mch_sorted_raw_ids.device)
+        position[mch._mch_remapped_ids_mapping - self.start] = torch.arange(self.num_rows, device=position.device)
+        if rows is not None:
+            position = position[rows.to(position.device)]
+        cols = [mch._mch_sorted_raw_ids, *mch._mch_metadata.values()]
+        return torch.stack([c[position] for c in cols], dim=1).cpu()
+
+    def load_by_row(self, state: torch.Tensor) -> None:
+        """Rebuilds the sorted buffers from a by-row state (``[num_rows, len(fields)]``, as :meth:`by_row`)."""
+        mch = self.mch
+        state = state.to(mch._mch_sorted_raw_ids.device)
+        # Stable: empty slots keep ascending row order, as the module's own stable re-sorts keep them.
+        order = torch.argsort(state[:, 0], stable=True)
+        with torch.no_grad():
+            mch._mch_sorted_raw_ids.copy_(state[order, 0])
+            mch._mch_remapped_ids_mapping.copy_(order + self.start)
+            for j, buf in enumerate(mch._mch_metadata.values(), start=1):
+                buf.copy_(state[order, j])
+
+    # ---------------------------------------------------------------- between evictions
+
+    def runtime(self) -> dict[str, Any]:
+        """What exact continuation needs beyond the by-row state: the eviction window's history and the
+        iteration counters."""
+        mch = self.mch
+        n = int(mch._current_history_buffer_offset)
+        size = int(mch._input_history_buffer_size)
+        return {
+            "current_iter": int(mch._current_iter),
+            "iter_tensor": int(mch._current_iter_tensor.item()),
+            "last_eviction_iter": int(mch._last_eviction_iter),
+            "history_size": size,
+            "history": (mch._history_accumulator[:n].cpu().clone() if size > 0
+                        else torch.empty(0, dtype=torch.int64)),
+            "history_metadata": {k: v[:n].cpu().clone() for k, v in mch._history_metadata.items()},
+            "pending": (mch._evicted_emb_indices.cpu().clone().long() if mch._evicted
+                        else torch.empty(0, dtype=torch.int64)),
+            "evicted": bool(mch._evicted),
+        }
+
+    def load_runtime(self, state: dict[str, Any]) -> None:
+        """Puts back what :meth:`runtime` returned (on the rank that saved it, or a history routed here)."""
+        mch = self.mch
+        size = int(state["history_size"])
+        history = state["history"]
+        if size > 0:
+            size = max(size, int(history.numel()))
+            if int(mch._input_history_buffer_size) != size:
+                self._allocate_history(size)
+            n = int(history.numel())
+            device = mch._history_accumulator.device
+            mch._history_accumulator[:n] = history.to(device)
+            for k, v in state["history_metadata"].items():
+                mch._history_metadata[k][:n] = v.to(device)
+            mch._current_history_buffer_offset = n
+        mch._current_iter = int(state["current_iter"])
+        mch._last_eviction_iter = int(state["last_eviction_iter"])
+        with torch.no_grad():
+            mch._current_iter_tensor.fill_(int(state["iter_tensor"]))
+        mch._evicted = bool(state["evicted"])
+        if mch._evicted:
+            mch._evicted_emb_indices = state["pending"].to(mch._mch_sorted_raw_ids.device)
+
+    def _allocate_history(self, size: int) -> None:
+        """The history buffers as the module allocates them at its first training step, ``size`` long."""
+        mch = self.mch
+        device = mch._mch_sorted_raw_ids.device
+        mch._input_history_buffer_size = size
+        mch._history_accumulator = torch.empty(size, dtype=torch.int64, device=device)
+        for name, is_mch, is_history in mch._eviction_policy.metadata_info:
+            if is_history:
+                mch.register_buffer(f"_history_{name}", torch.zeros(size, dtype=torch.int64, device=device),
+                                    persistent=False)
+                mch._history_metadata[name] = getattr(mch, f"_history_{name}")
+
+    # ---------------------------------------------------------------- tracking
+
+    def watch(self, mark: Mark) -> Callable[[], None]:
+        """Marks (through ``mark``) the rows each eviction changes. Returns the undo."""
+        mch = self.mch
+        original = mch._update_and_evict
+
+        def update_and_evict(*args: Any, **kwargs: Any) -> None:
+            before = self.by_row()
+            original(*args, **kwargs)
+            changed = torch.nonzero((self.by_row() != before).any(dim=1)).view(-1)
+            if changed.numel():
+                mark(self.table, changed + self.start)
+
+        mch._update_and_evict = update_and_evict
+        return lambda: mch.__dict__.pop("_update_and_evict", None)
+
+
+def _watch_evict(module: nn.Module, starts: dict[str, int], mark: Mark) -> Callable[[], None]:
+    """Wraps the sharded module's ``_evict``: the rows it re-initialises (offsets into this rank's shard of
+    each table) are marked before it runs."""
+    original = module._evict
+
+    def evict(evictions_per_table: dict[str, torch.Tensor | None]) -> None:
+        for table, rows in evictions_per_table.items():
+            if rows is not None and rows.numel():
+                mark(table, rows.detach().long().cpu() + starts[table])
+        original(evictions_per_table)
+
+    module._evict = evict
+    return lambda: module.__dict__.pop("_evict", None)
+
+
+def find_mc_tables(dmp: nn.Module, mark: Mark | None = None) -> tuple[dict[str, McTable], list[Callable[[], None]]]:
+    """This rank's managed-collision tables of ``dmp``, by table; with ``mark``, their eviction paths watched
+    (returns the undos too).
+
+    Raises:
+        UnsupportedShardingError: a table remapped by something other than sort-zch.
+    """
+    from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
+
+    tables: dict[str, McTable] = {}
+    undo: list[Callable[[], None]] = []
+    planned = set(dmp.plan.plan.keys())
+    for fqn, module in dmp.module.named_modules():
+        if fqn not in planned or not isinstance(module, BaseShardedManagedCollisionEmbeddingCollection):
+            continue
+        inner_module(module)  # refuses what is not sort-zch
+        found = {t: McTable(t, module, mch)
+                 for t, mch in module._managed_collision_collection._managed_collision_modules.items()}
+        tables.update(found)
+        if mark is not None:
+            undo += [mc.watch(mark) for mc in found.values()]
+            undo.append(_watch_evict(module, {t: mc.start for t, mc in found.items()}, mark))
+    return tables, undo
+
+
+def route(raw_ids: torch.Tensor, input_size: int, world_size: int) -> torch.Tensor:
+    """The rank each raw id is sent to under row-wise sharding on ``world_size`` ranks.
+
+    TorchRec's input distribution of a managed-collision table bucketizes ids into blocks of
+    ``ceil(input_size / buckets)``, one bucket per rank (``RwSparseFeaturesDist`` with the module's
+    ``input_size()`` and ``buckets()``).
+    """
+    block = -(-input_size // world_size)
+    return torch.clamp(raw_ids // block, max=world_size - 1)
