@@ -12,13 +12,13 @@ and its metadata. A delta then holds only the rows whose state changed, and a re
 sorted buffers exactly: the module sorts stably, so empty slots always lie in ascending row order
 behind the raw ids, and the sorted buffers are a function of the by-row state.
 
-What changes rows without a lookup, and how it is seen here:
-
-* an eviction (every ``eviction_interval`` training steps) updates the metadata of the held ids seen
-  in the window, and gives the evicted slots new raw ids: :meth:`McTable.watch` wraps the module's
-  ``_update_and_evict`` and marks the rows whose by-row state differs after it;
-* the sharded module's ``_evict`` re-initialises the evicted rows' weights (torch's global RNG)
-  and, for row-wise Adagrad, their momentum: wrapped too, and the rows it is given marked.
+What changes rows without a lookup: an eviction (every ``eviction_interval`` training steps).
+It updates the metadata of the held ids seen in the window and gives the evicted slots new raw
+ids; later in the same forward, the sharded module's ``_evict`` re-initialises those slots'
+weights (torch's global RNG) and, for row-wise Adagrad, their momentum. :meth:`McTable.watch`
+wraps the module's ``_update_and_evict`` and marks the rows whose by-row state differs after it:
+the rows whose metadata changed, and among them every row ``_evict`` will re-initialise (a row
+is re-initialised exactly when its raw id changed).
 
 Between evictions, each rank's module also holds the eviction window's history (the raw ids seen
 since the last eviction, with their metadata) and its iteration counters: :meth:`McTable.runtime`.
@@ -199,21 +199,6 @@ class McTable:
         return lambda: mch.__dict__.pop("_update_and_evict", None)
 
 
-def _watch_evict(module: nn.Module, starts: dict[str, int], mark: Mark) -> Callable[[], None]:
-    """Wraps the sharded module's ``_evict``: the rows it re-initialises (offsets into this rank's shard of
-    each table) are marked before it runs."""
-    original = module._evict
-
-    def evict(evictions_per_table: dict[str, torch.Tensor | None]) -> None:
-        for table, rows in evictions_per_table.items():
-            if rows is not None and rows.numel():
-                mark(table, rows.detach().long().cpu() + starts[table])
-        original(evictions_per_table)
-
-    module._evict = evict
-    return lambda: module.__dict__.pop("_evict", None)
-
-
 def find_mc_tables(dmp: nn.Module, mark: Mark | None = None) -> tuple[dict[str, McTable], list[Callable[[], None]]]:
     """This rank's managed-collision tables of ``dmp``, by table; with ``mark``, their eviction paths watched
     (returns the undos too).
@@ -235,7 +220,6 @@ def find_mc_tables(dmp: nn.Module, mark: Mark | None = None) -> tuple[dict[str, 
         tables.update(found)
         if mark is not None:
             undo += [mc.watch(mark) for mc in found.values()]
-            undo.append(_watch_evict(module, {t: mc.start for t, mc in found.items()}, mark))
     return tables, undo
 
 

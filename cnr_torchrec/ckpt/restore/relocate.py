@@ -89,8 +89,8 @@ def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[d
         current = max((int(r["current_iter"]) for r in runtime), default=0)
         scores = _keep_scores(mc, data.mc[mine], current)
         kept = mine[torch.argsort(scores, descending=True, stable=True)[:capacity]]
-        log.warning("table '%s': %d held raw ids route to rank %d, which has %d slots for them; its %s eviction "
-                    "policy kept %d and dropped %d", table, mine.numel(), rank, capacity,
+        log.warning("table '%s': %d held raw ids route to rank %d, which has %d slots for them; its eviction "
+                    "policy (%s) kept %d and dropped %d", table, mine.numel(), rank, capacity,
                     type(mc.mch._eviction_policy).__name__, capacity, mine.numel() - capacity)
         mine = kept
     return mine[torch.argsort(raw[mine])]

@@ -1,0 +1,275 @@
+"""Managed-collision (sort-zch) tables, checked against TorchRec's own modules and nothing written here:
+
+* tracked rows against the weights, optimizer state and remapping state diffed across each step;
+* a restore, then training on, against the uninterrupted run, bit for bit, on 1, 2 and 4 ranks;
+* a restore onto another world size against the held raw ids before the move (and, 2 -> 1, against
+  TorchRec's own DCP round trip);
+* TestSparseNN's own ZCH variant (``zch_kwargs``).
+
+The models are in ``_mc_models.py``: an MC-EBC (mixed dims, a table two features look up) or an MC-EC,
+row_wise with fused EXACT_SGD or EXACT_ADAGRAD (what trains on CPU), fed skewed batches that make every
+eviction interval evict.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from _dist import run_ranks
+
+EMPTY = torch.iinfo(torch.int64).max
+
+
+def _config(root, **kw):
+    from cnr_torchrec import load_config
+
+    # Lossless rows: every check below is bit for bit.
+    return load_config({"root": root, "policy": "consecutive",
+                        "quantization": {"method": "none", "residual": False}, **kw})
+
+
+def _build(kind, world_size, *, policy="lfu", optimizer="sgd", seed=0, interval=3, rows=(48, 32)):
+    import _mc_models as M
+
+    from cnr_torchrec import CheckNRunDMP
+
+    return M.build_mc_model(kind, world_size, policy=policy, optimizer=optimizer, dmp_cls=CheckNRunDMP,
+                            eviction_interval=interval, seed=seed, zch_rows=rows)
+
+
+def _batches(model, n, world_size, rank):
+    import _mc_models as M
+
+    return M.mc_batches(n, world_size, rank, seed=1, features=model.features)
+
+
+def _shard_rows(model, table):
+    """This rank's rows of ``table``: (shard, weights, optimizer states as [rows, -1], by-row MC state)."""
+    tracker = model.dmp.dirty_tracker
+    (kernel, shard), = tracker.shards(table)
+    weights = kernel.tbe.split_embedding_weights()[shard.local_index].detach().clone()
+    states = kernel.tbe.split_optimizer_states()
+    states = [s.detach().clone().reshape(shard.num_rows, -1) for s in (states[shard.local_index] if states else [])]
+    return shard, weights, states, tracker.mc_table(table).by_row()
+
+
+def _everything(model):
+    """This rank's whole model state as TorchRec keeps it: the state_dict's local tensors (tables, MC buffers
+    by sort position, dense), the optimizer states and each MC module's counters and eviction window."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in model.dmp.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            for i, shard in enumerate(value.local_shards()):
+                out[(key, i)] = shard.tensor.detach().clone()
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+    for table in model.table_names:
+        _, _, states, _ = _shard_rows(model, table)
+        for j, s in enumerate(states):
+            out[(table, "state", j)] = s
+    for table, mch in model.mc_modules().items():
+        n = mch._current_history_buffer_offset
+        out[(table, "window")] = (mch._current_iter, mch._last_eviction_iter, n)
+        if n:
+            out[(table, "history")] = mch._history_accumulator[:n].clone()
+    return out
+
+
+def _differences(a, b):
+    bad = []
+    for key, x in a.items():
+        y = b.get(key)
+        same = (isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)) if isinstance(
+            x, torch.Tensor) else x == y
+        if not same:
+            bad.append(key)
+    return bad
+
+
+# ----------------------------------------------------------------------------- tracking
+
+
+def _tracking_worker(rank, world_size, kind, policy, optimizer):
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer)
+    tracker = model.dmp.dirty_tracker
+    evictions = 0
+    for step, batch in enumerate(_batches(model, 10, world_size, rank)):
+        before = {t: _shard_rows(model, t) for t in model.table_names}
+        tracker.reset()
+        import _mc_models as M
+
+        M.train_step(model, batch)
+        for table in model.table_names:
+            shard, w0, s0, mc0 = before[table]
+            _, w1, s1, mc1 = _shard_rows(model, table)
+            mc_changed = (mc0 != mc1).any(dim=1)
+            changed = (w0 != w1).any(dim=1) | mc_changed
+            for a, b in zip(s0, s1):
+                changed |= (a != b).any(dim=1)
+            evictions += int(mc_changed[:-1].any())  # the last slot's metadata moves at every eviction
+            want = torch.nonzero(changed).view(-1) + shard.rows[0]
+            got = tracker.dirty_rows(table)
+            # None missed, and none extra: every looked-up row's update is non-zero here.
+            assert torch.equal(got, want), (rank, step, table, sorted(set(want.tolist()) ^ set(got.tolist())))
+    assert evictions >= 4, "the fixture's batches no longer evict"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("kind,policy,optimizer", [("ebc", "lfu", "adagrad"), ("ec", "lru", "sgd"),
+                                                   ("ebc", "distance_lfu", "sgd")])
+def test_tracked_rows_are_the_rows_whose_weights_state_or_remapping_changed(kind, policy, optimizer):
+    run_ranks(_tracking_worker, world_size=2, timeout=150, args=(kind, policy, optimizer))
+
+
+# ----------------------------------------------------------------------------- exact continuation
+
+
+def _continuation_worker(rank, world_size, root, kind, policy, optimizer, restore_at, total, rows):
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer, rows=rows)
+    batches = _batches(model, total, world_size, rank)
+    torch.manual_seed(1000 + rank)  # evictions re-initialise rows from the global RNG
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(batches):
+            if step in (2, restore_at):  # a baseline, then a delta mid eviction window
+                ck.save(step).wait()
+            M.train_step(model, batch)
+    uninterrupted = _everything(model)
+
+    torch.manual_seed(7)  # another RNG stream, other initial weights: everything must come from the checkpoint
+    other = _build(kind, world_size, policy=policy, optimizer=optimizer, seed=5, rows=rows)
+    with Checkpointer(other.dmp, _config(root), dense_optimizer=other.dense_optimizer) as ck:
+        assert ck.restore() == restore_at
+        for batch in batches[restore_at:]:
+            M.train_step(other, batch)
+    assert restore_at % 3 != 0  # restored mid eviction window
+    bad = _differences(uninterrupted, _everything(other))
+    assert not bad, f"rank {rank}: {bad}"
+
+
+# Tables that fill at the first eviction, and (the 512/256-row case) tables still part empty at the restore,
+# whose empty slots' order decides where the next ids go.
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world_size,kind,policy,optimizer,rows", [
+    (1, "ebc", "lfu", "adagrad", (48, 32)), (2, "ec", "lru", "sgd", (512, 256)),
+    (2, "ebc", "distance_lfu", "adagrad", (48, 32)), (4, "ebc", "lru", "sgd", (48, 32)),
+])
+def test_a_restore_continues_bit_for_bit_like_the_uninterrupted_job(tmp_path, world_size, kind, policy, optimizer,
+                                                                    rows):
+    run_ranks(_continuation_worker, world_size=world_size, timeout=200,
+              args=(str(tmp_path / "ck"), kind, policy, optimizer, 7, 12, rows))
+
+
+# ----------------------------------------------------------------------------- other world sizes
+
+
+def _held(model):
+    """Every rank's held raw ids: ``{(table, raw id): (weights, optimizer states, metadata)}``."""
+    mine = {}
+    for table in model.table_names:
+        _, weights, states, mc = _shard_rows(model, table)
+        for r in torch.nonzero(mc[:, 0] != EMPTY).view(-1).tolist():
+            mine[(table, int(mc[r, 0]))] = (weights[r], [s[r] for s in states], mc[r, 1:])
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _looked_up(model, held):
+    """Each held raw id's embedding as TorchRec's own forward gives it (input dist, remap, lookup), in eval
+    mode (no profiling, no eviction): ``{(table, raw id): row}``. Every rank asks for a share of the ids."""
+    from torchrec import KeyedJaggedTensor
+
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    per_table = {t: sorted(i for tt, i in held if tt == t) for t in model.table_names}
+    feature = {t.name: t.features[0] for t in model.tables}
+    batch = max(-(-len(ids) // world_size) for ids in per_table.values())
+    mine = {}
+    for t, ids in per_table.items():
+        padded = ids + ids[-1:] * (batch * world_size - len(ids))
+        mine[t] = padded[rank * batch:(rank + 1) * batch]
+    values, lengths = [], []
+    for f in model.features:
+        table = next((t for t, ff in feature.items() if ff == f), None)
+        ids = mine[table] if table is not None else []
+        values += ids
+        lengths += [1] * len(ids) if table is not None else [0] * batch
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=model.features, values=torch.tensor(values, dtype=torch.int64),
+                                              lengths=torch.tensor(lengths, dtype=torch.int64))
+    model.dmp.eval()
+    with torch.no_grad():
+        out, _ = model.sharded_mc(kjt)
+    model.dmp.train()
+    got = {}
+    for t, ids in mine.items():
+        rows = out[feature[t]].values() if model.kind == "ec" else out[feature[t]]
+        got.update({(t, i): rows[k].clone() for k, i in enumerate(ids)})
+    parts = [None] * world_size
+    dist.all_gather_object(parts, got)
+    return {k: v for p in parts for k, v in p.items()}
+
+
+def _save_worker(rank, world_size, root, kind, policy, optimizer, held_path):
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer)
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(_batches(model, 10, world_size, rank)):
+            if step in (3, 7):
+                ck.save(step).wait()
+            M.train_step(model, batch)
+        ck.save(10).wait()
+    held = _held(model)
+    if rank == 0:
+        torch.save(held, held_path)
+
+
+def _moved_worker(rank, world_size, root, kind, policy, optimizer, held_path, log_path):
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    handler = logging.FileHandler(f"{log_path}.{rank}")
+    logging.getLogger("cnr_torchrec").addHandler(handler)
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer, seed=3)
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        ck.restore()
+        before, after = torch.load(held_path), _held(model)
+        assert set(after) <= set(before)
+        for key in after:
+            w, states, meta = before[key]
+            w2, states2, meta2 = after[key]
+            assert torch.equal(w, w2) and torch.equal(meta, meta2) and all(map(torch.equal, states, states2)), key
+        # And TorchRec's own routing and remapping find each id there.
+        for key, row in _looked_up(model, after).items():
+            assert torch.equal(row, before[key][0]), key
+        handler.flush()
+        dropped = 0
+        for r in range(world_size):
+            with open(f"{log_path}.{r}") if os.path.exists(f"{log_path}.{r}") else open(os.devnull) as f:
+                dropped += sum(int(line.rsplit("dropped ", 1)[1]) for line in f if "dropped" in line)
+        assert len(before) - len(after) == dropped
+        for step, batch in enumerate(_batches(model, 13, world_size, rank)[10:]):  # and trains on
+            M.train_step(model, batch)
+        ck.save(13).wait()
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("before,after,kind,policy,optimizer", [
+    (2, 1, "ebc", "lfu", "adagrad"), (1, 2, "ec", "lru", "sgd"), (4, 2, "ebc", "distance_lfu", "adagrad"),
+])
+def test_a_restore_onto_another_world_size_moves_rows_by_raw_id(tmp_path, before, after, kind, policy, optimizer):
+    root, held, log = str(tmp_path / "ck"), str(tmp_path / "held.pt"), str(tmp_path / "log")
+    run_ranks(_save_worker, world_size=before, timeout=120, args=(root, kind, policy, optimizer, held))
+    run_ranks(_moved_worker, world_size=after, timeout=120, args=(root, kind, policy, optimizer, held, log))
