@@ -273,3 +273,65 @@ def test_a_restore_onto_another_world_size_moves_rows_by_raw_id(tmp_path, before
     root, held, log = str(tmp_path / "ck"), str(tmp_path / "held.pt"), str(tmp_path / "log")
     run_ranks(_save_worker, world_size=before, timeout=120, args=(root, kind, policy, optimizer, held))
     run_ranks(_moved_worker, world_size=after, timeout=120, args=(root, kind, policy, optimizer, held, log))
+
+
+# ----------------------------------------------------------------------------- DCP export
+
+
+def _model_state(model):
+    """This rank's ``dmp.state_dict()`` as local tensors (MC buffers by sort position, as TorchRec keeps them)."""
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    out = {}
+    for key, value in model.dmp.state_dict().items():
+        if isinstance(value, ShardedTensor):
+            out[key] = torch.cat([s.tensor for s in value.local_shards()]).detach().clone()
+        elif isinstance(value, torch.Tensor):
+            out[key] = value.detach().clone()
+    return out
+
+
+def _export_save_worker(rank, world_size, root, kind, policy, optimizer, out):
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer)
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(_batches(model, 8, world_size, rank)):
+            if step == 3:
+                ck.save(step).wait()
+            M.train_step(model, batch)
+        ck.save(8).wait()
+    torch.save(_model_state(model), f"{out}.{rank}")
+
+
+def _export_load_worker(rank, world_size, path, kind, policy, optimizer, out):
+    import torch.distributed.checkpoint as dcp
+
+    from cnr_torchrec.ckpt.tools.dcp import MODEL, DMPLoadPlanner
+
+    model = _build(kind, world_size, policy=policy, optimizer=optimizer, seed=4)
+    dcp.load({MODEL: model.dmp.state_dict()}, checkpoint_id=path, planner=DMPLoadPlanner())
+    want, got = torch.load(f"{out}.{rank}"), _model_state(model)
+    mc = [k for k in want if "_managed_collision_modules" in k]
+    assert len(mc) >= 8 and set(want) == set(got)
+    assert not [k for k in want if not torch.equal(want[k], got[k])]
+
+
+@pytest.mark.timeout(200)
+def test_a_dcp_export_holds_the_mc_buffers_as_torchrec_names_and_shards_them(tmp_path):
+    """``cnr export --format dcp``, then torch's own ``dcp.load`` into the same plan: every table and MC buffer
+    (sorted raw ids, remapping, metadata, iteration counter, output segments) equals the live model's."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp
+
+    root, out, path = str(tmp_path / "ck"), str(tmp_path / "live"), str(tmp_path / "dcp")
+    args = ("ebc", "distance_lfu", "adagrad")
+    run_ranks(_export_save_worker, world_size=2, timeout=120, args=(root, *args, out))
+    storage = Storage(root)
+    try:
+        export_dcp(storage, path)
+    finally:
+        storage.close()
+    run_ranks(_export_load_worker, world_size=2, timeout=120, args=(path, *args, out))

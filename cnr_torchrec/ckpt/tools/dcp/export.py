@@ -44,12 +44,73 @@ class _Piece:
     rows: tuple[int, int]
     cols: tuple[int, int]
     what: str = "weight"
+    dtype: torch.dtype = torch.float32
 
     def take(self, data: TableData) -> torch.Tensor:
         (r0, r1), (c0, c1) = self.rows, self.cols
         if self.what == "rowwise":
             return data.states[0].for_shard(self.rows, self.cols)
+        if self.what.startswith("mc:"):
+            return _mc_buffer(data, self.rows, self.what.removeprefix("mc:"))
         return (data.weights if self.what == "weight" else data.states[0].values)[r0:r1, c0:c1]
+
+
+def _mc_buffer(data: TableData, rows: tuple[int, int], field: str) -> torch.Tensor:
+    """A managed-collision buffer of the module that holds slots ``rows``, as it keeps it: by sort position
+    (raw ids ascending, empty slots after them in row order), from the table's by-row state."""
+    if data.mc is None:
+        raise CorruptCheckpointError(f"the chain stores no managed-collision state for rows {rows}")
+    state = data.mc[rows[0] : rows[1]]
+    order = torch.argsort(state[:, 0], stable=True)
+    if field == "mapping":
+        return order + rows[0]
+    return state[order, data.mc_fields.index(field)].contiguous()
+
+
+def _mc_pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ...]]) -> list[_Piece]:
+    """A sort-zch table's remapping buffers, as the sharded module's state_dict names and shards them: one
+    chunk per rank's slots of ``_mch_sorted_raw_ids``, ``_mch_remapped_ids_mapping`` and the policy's metadata."""
+    fields = next((e.mc.fields for r in tip.ranks for e in r.tables.get(table, ()) if e.mc is not None), None)
+    if fields is None:
+        return []
+    prefix = _mc_prefix(tip, table)
+    rows = tip.tables[table][0]
+    names = {"raw_id": "_mch_sorted_raw_ids", "mapping": "_mch_remapped_ids_mapping",
+             **{f: f"_mch_{f}" for f in fields[1:]}}
+    return [_Piece((MODEL, f"{prefix}.{buffer}"), (rows,), (r[0],), (r[1] - r[0],), table, r, c, f"mc:{field}",
+                   torch.int64)
+            for field, buffer in names.items() for r, c in blocks]
+
+
+def _mc_prefix(tip: Manifest, table: str) -> str:
+    """``<module>._managed_collision_collection._managed_collision_modules.<table>``, from the table's weight
+    name (``<module>._embedding_module.<embedding_bags|embeddings>.<table>.weight``)."""
+    fqn = tip.table_fqns.get(table, "")
+    module, sep, _ = fqn.partition("._embedding_module.")
+    if not sep:
+        raise IncompatibleCheckpointError(
+            f"table '{table}' stores managed-collision state, but its weight is named {fqn!r}, not as a "
+            "ManagedCollision(EmbeddingBag|Embedding)Collection's; export it with --format torch")
+    return f"{module}._managed_collision_collection._managed_collision_modules.{table}"
+
+
+def _mc_plain_buffers(tip: Manifest, load: PayloadReader, pieces: list[_Piece]) -> dict[str, torch.Tensor]:
+    """The managed-collision buffers every rank keeps whole: ``_current_iter_tensor`` (the step count, from
+    rank 0's saved counters) and ``_output_segments_tensor`` (the first slot of each rank, then the table's
+    rows, padded with -1 to TorchRec's 1025)."""
+    first = tip.ranks[0]
+    out = {}
+    for table in sorted({p.table for p in pieces if p.what.startswith("mc:")}):
+        prefix = _mc_prefix(tip, table)
+        starts = sorted({p.rows[0] for p in pieces if p.table == table and p.what == "mc:raw_id"})
+        segments = starts + [tip.tables[table][0]]
+        out[f"{prefix}._output_segments_tensor"] = torch.tensor(segments + [-1] * (1025 - len(segments)))
+        runtime = unflatten_state(first.mc_runtime[table], load) if table in first.mc_runtime else None
+        if runtime is None:
+            raise CorruptCheckpointError(f"{first.file} holds no counters of managed-collision table '{table}'",
+                                         path=first.file)
+        out[f"{prefix}._current_iter_tensor"] = torch.tensor([int(runtime["iter_tensor"])])
+    return out
 
 
 def _pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ...]]) -> list[_Piece]:
@@ -104,7 +165,7 @@ class _ExportPlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         items = [WriteItem(index=MetadataIndex(fqn, torch.Size(p.offsets)), type=WriteItemType.SHARD,
                            tensor_data=TensorWriteData(ChunkStorageMetadata(torch.Size(p.offsets), torch.Size(p.sizes)),
-                                                       TensorProperties(dtype=torch.float32), torch.Size(p.size)))
+                                                       TensorProperties(dtype=p.dtype), torch.Size(p.size)))
                  for (fqn, _), p in self._pieces.items()]
         self.plan = dataclasses.replace(plan, items=plan.items + items)
         return self.plan
@@ -142,10 +203,12 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
     blocks: dict[str, list[tuple[tuple[int, int], ...]]] = {}  # the tip's shards: (rows, cols)
     for g in (g for regions in regions_of_layout(tip).values() for g in regions if g.rows[1] > g.rows[0]):
         blocks.setdefault(g.table, []).append((g.rows, g.cols))
-    pieces = [p for t in sorted(tip.tables) for p in _pieces(tip, t, sorted(blocks.get(t, [])))]
+    pieces = [p for t in sorted(tip.tables) for p in (_pieces(tip, t, sorted(blocks.get(t, [])))
+                                                       + _mc_pieces(tip, t, sorted(blocks.get(t, []))))]
     first = tip.ranks[0]
     load = PayloadReader(storage, first.payload, whole=False)  # the dense state: a few blobs of rank 0's file
     dense: dict[str, Any] = {MODEL: {name: load(blob) for name, blob in first.dense.items()}}
+    dense[MODEL].update(_mc_plain_buffers(tip, load, pieces))
     named = unflatten_state(first.dense_optimizer, load)
     if named is not None and "param_names" in named:  # by parameter name (an older build's is by position only)
         dense[DENSE_OPTIM] = by_fqn(named)
