@@ -250,7 +250,10 @@ def test_dense_optimizer_state_follows_its_parameters_across_plans(tmp_path, mod
 # ----------------------------------------------------------------------------- (c) managed collision
 
 
-def _managed_collision_worker(rank, world_size):
+def _zch_sparse_nn(world_size, mc_type, seed=0):
+    """TorchRec's own ZCH variant of TestSparseNN: a ManagedCollisionEmbeddingBagCollection whose managed-collision
+    module (``mc_type``: "sort-zch" or "mp-zch") remaps raw ids below 4000 into a 64-row table two features share,
+    in a CheckNRunDMP with fused EXACT_SGD (row-wise Adagrad's evictions have no CPU kernel), and a dense optimizer."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec import EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -259,31 +262,117 @@ def _managed_collision_worker(rank, world_size):
     from torchrec.distributed.test_utils.table_config import ManagedCollisionConfig
     from torchrec.distributed.test_utils.test_model import TestSparseNN
     from torchrec.distributed.types import ShardingEnv, ShardingPlan
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
-    from cnr_torchrec import CheckNRunDMP, UnsupportedShardingError
+    from cnr_torchrec import CheckNRunDMP
 
-    # TorchRec's own ZCH variant of TestSparseNN: a ManagedCollisionEmbeddingBagCollection whose
-    # MCHManagedCollisionModule ("sort-zch") remaps raw ids into a shared table.
-    tables = [EmbeddingBagConfig(name="zch_shared", num_embeddings=64, embedding_dim=8, feature_names=["f_u", "f_i"])]
-    model = TestSparseNN(tables=tables, num_float_features=6, dense_device=torch.device("cpu"),
-                         sparse_device=torch.device("meta"),
-                         zch_kwargs={"zch_shared": ManagedCollisionConfig(mc_type="sort-zch", input_hash_size=4000)})
-    assert isinstance(model.sparse.ebc, ManagedCollisionEmbeddingBagCollection)
-    fused = {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+    torch.manual_seed(seed)
+    tables, weighted = _zch_tables(64)
+    zch = ManagedCollisionConfig(mc_type=mc_type, input_hash_size=ZCH_IDS, total_num_buckets=world_size)
+    model = TestSparseNN(tables=tables, weighted_tables=weighted, num_float_features=6,
+                         dense_device=torch.device("cpu"), sparse_device=torch.device("meta"),
+                         zch_kwargs={t.name: zch for t in tables + weighted})
+    fused = {"optimizer": EmbOptimType.EXACT_SGD, "learning_rate": 0.05}
     sharder = ManagedCollisionEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder(fused_params=fused))
-    module_plan = construct_module_sharding_plan(model.sparse.ebc, {"zch_shared": row_wise(compute_kernel="fused")},
-                                                 sharder=sharder, local_size=world_size, world_size=world_size,
-                                                 device_type="cpu")
-    with pytest.raises(UnsupportedShardingError, match="managed-collision") as err:
-        CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                     plan=ShardingPlan({"sparse.ebc": module_plan}), sharders=[sharder])
-    assert "sparse.ebc" in str(err.value) and "zch_shared" in str(err.value)
+    plan = {}
+    for fqn, module, configs in (("sparse.ebc", model.sparse.ebc, tables),
+                                 ("sparse.weighted_ebc", model.sparse.weighted_ebc, weighted)):
+        plan[fqn] = construct_module_sharding_plan(module, {t.name: row_wise(compute_kernel="fused") for t in configs},
+                                                   sharder=sharder, local_size=world_size, world_size=world_size,
+                                                   device_type="cpu")
+    dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
+                       plan=ShardingPlan(plan), sharders=[sharder])
+    dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters())]
+    return dmp, torch.optim.SGD(dense, lr=0.05)
+
+
+ZCH_IDS = 4000
+
+
+def _zch_tables(rows):
+    """The ZCH model's tables, ``rows`` each: one two features share, and a weighted one of its own."""
+    from torchrec import EmbeddingBagConfig
+
+    return ([EmbeddingBagConfig(name="zch_shared", num_embeddings=rows, embedding_dim=8, feature_names=["f_u", "f_i"])],
+            [EmbeddingBagConfig(name="zch_weighted", num_embeddings=rows, embedding_dim=4, feature_names=["f_w"])])
+
+
+def _zch_batch(seed):
+    """TorchRec's ModelInput over raw ids below ``ZCH_IDS`` (the table configs it draws from say so)."""
+    import random
+
+    from torchrec.distributed.test_utils.model_input import ModelInput
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    tables, weighted = _zch_tables(ZCH_IDS)
+    return ModelInput.generate(batch_size=8, tables=tables, weighted_tables=weighted, num_float_features=6,
+                               pooling_avg=3)
+
+
+def _zch_worker(rank, world_size, root):
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer, load_config
+
+    dmp, opt = _zch_sparse_nn(world_size, "sort-zch")
+    config = load_config({"root": root})  # the default: consecutive, residual 4-bit
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        for step in range(1, 9):
+            M.train_step(dmp, opt, _zch_batch(100 * step + rank))
+            if step % 4 == 0:
+                ck.save(step).wait()
+        assert ck.config.quantization.residual is True
+        live = {t: _zch_rows(ck.tracker, t) for t in ("zch_shared", "zch_weighted")}
+        # TestSparseNN's sort-zch modules evict every 1000 steps: here the table is still empty, and the
+        # eviction window's history holds every id seen so far (the state_dict does not).
+        assert all(_window(ck.tracker, t)[0].numel() > 50 for t in live)
+        window = {t: _window(ck.tracker, t) for t in live}
+
+    other, opt2 = _zch_sparse_nn(world_size, "sort-zch", seed=3)
+    with Checkpointer(other, config, dense_optimizer=opt2) as ck:
+        assert ck.restore() == 8
+        for table, (mc, weights) in live.items():
+            mc2, restored = _zch_rows(ck.tracker, table)
+            # The remapping exactly; the weights as 4-bit residuals give them back.
+            assert torch.equal(mc2, mc), table
+            span = (weights.max(dim=1).values - weights.min(dim=1).values).clamp_min(1e-6)
+            assert bool(((restored - weights).abs().max(dim=1).values <= span / 8).all()), table
+            history, counters = _window(ck.tracker, table)
+            assert torch.equal(history, window[table][0]) and counters == window[table][1], table
+        M.train_step(other, opt2, _zch_batch(999 + rank))
+
+
+def _window(tracker, table):
+    """This rank's eviction window of ``table``: the raw ids seen since the last eviction, and the counters."""
+    mch = tracker.mc_table(table).mch
+    n = mch._current_history_buffer_offset
+    return mch._history_accumulator[:n].clone(), (mch._current_iter, mch._last_eviction_iter)
+
+
+def _zch_rows(tracker, table):
+    """This rank's by-row remapping state and weights of ``table``."""
+    (kernel, shard), = tracker.shards(table)
+    weights = kernel.tbe.split_embedding_weights()[shard.local_index].detach().clone()
+    return tracker.mc_table(table).by_row(), weights
 
 
 @pytest.mark.timeout(150)
-def test_managed_collision_module_is_refused_by_name():
-    run_ranks(_managed_collision_worker, world_size=2, timeout=100)
+def test_torchrecs_zch_sparse_nn_is_checkpointed_and_restored_with_its_remapping(tmp_path):
+    run_ranks(_zch_worker, world_size=2, timeout=120, args=(str(tmp_path / "ck"),))
+
+
+def _mp_zch_worker(rank, world_size):
+    from cnr_torchrec import UnsupportedShardingError
+
+    with pytest.raises(UnsupportedShardingError, match="HashZchManagedCollisionModule") as err:
+        _zch_sparse_nn(world_size, "mp-zch")
+    assert "zch_shared" in str(err.value) and "sort-zch" in str(err.value)
+
+
+@pytest.mark.timeout(150)
+def test_mp_zch_tables_are_refused_by_name():
+    run_ranks(_mp_zch_worker, world_size=2, timeout=100)
 
 
 # ----------------------------------------------------------------------------- (d) uneven column shards
