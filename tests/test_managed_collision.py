@@ -335,3 +335,86 @@ def test_a_dcp_export_holds_the_mc_buffers_as_torchrec_names_and_shards_them(tmp
     finally:
         storage.close()
     run_ranks(_export_load_worker, world_size=2, timeout=120, args=(path, *args, out))
+
+
+# ----------------------------------------------------------------------------- compaction
+
+
+def _compaction_worker(rank, world_size, root, quantization, offline_root):
+    """Saves every step with background compaction (every 2 deltas), then restores the newest checkpoint, a
+    compacted baseline's delta, and, from ``offline_root``, the same chain after ``cnr compact``."""
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer, load_config
+
+    model = _build("ebc", world_size, policy="distance_lfu", optimizer="sgd", rows=(64, 48))
+    config = load_config({"root": root, "policy": "consecutive", "quantization": quantization,
+                          "compaction": {"max_chain": 2}})
+    batches = _batches(model, 9, world_size, rank)
+    torch.manual_seed(50 + rank)
+    with Checkpointer(model.dmp, config, dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(batches, start=1):
+            M.train_step(model, batch)
+            ck.save(step).wait()
+            ck.wait(compaction=True)
+        want = {t: (model.dmp.dirty_tracker.mc_table(t).by_row(), model.mc_modules()[t]._current_iter)
+                for t in model.table_names}
+        weights = {t: _shard_rows(model, t)[1] for t in model.table_names}
+    compacted = _compacted_ids(root)
+    assert compacted, "no compaction ran"
+    for where in (root, offline_root):
+        other = _build("ebc", world_size, policy="distance_lfu", optimizer="sgd", rows=(64, 48), seed=2)
+        config = load_config({"root": where, "policy": "consecutive", "quantization": quantization})
+        with Checkpointer(other.dmp, config, dense_optimizer=other.dense_optimizer) as ck:
+            assert ck.restore() == 9
+            for t, (state, it) in want.items():
+                assert torch.equal(other.dmp.dirty_tracker.mc_table(t).by_row(), state), (where, t)
+                assert other.mc_modules()[t]._current_iter == it
+                if quantization["method"] == "none":
+                    assert torch.equal(_shard_rows(other, t)[1], weights[t]), (where, t)
+
+
+def _compacted_ids(root):
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.summary import summarize
+
+    storage = Storage(root)
+    try:
+        return [c["id"] for c in summarize(storage)["checkpoints"] if c.get("compacted_from")]
+    finally:
+        storage.close()
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("quantization", [{"method": "none", "residual": False},
+                                          {"method": "adaptive", "bits": 4, "residual": True}],
+                         ids=["merge", "residual-fold"])
+def test_compaction_keeps_the_remapping_state(tmp_path, quantization):
+    """Background compaction (a lossless merge, or residual folds at 8 bits) and ``cnr compact`` carry every row's
+    remapping state and each rank's eviction window into the new baseline."""
+    import shutil
+
+    from cnr_torchrec.cli import main
+
+    root, offline = str(tmp_path / "ck"), str(tmp_path / "offline")
+
+    run_ranks(_save_for_offline_worker, world_size=2, timeout=120, args=(root, quantization))
+    shutil.copytree(root, offline)
+    assert main(["compact", offline]) == 0
+    shutil.rmtree(root)
+    run_ranks(_compaction_worker, world_size=2, timeout=200, args=(root, quantization, offline))
+
+
+def _save_for_offline_worker(rank, world_size, root, quantization):
+    """The job of :func:`_compaction_worker` without compaction: a plain chain, for ``cnr compact``."""
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer, load_config
+
+    model = _build("ebc", world_size, policy="distance_lfu", optimizer="sgd", rows=(64, 48))
+    config = load_config({"root": root, "policy": "consecutive", "quantization": quantization})
+    torch.manual_seed(50 + rank)
+    with Checkpointer(model.dmp, config, dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(_batches(model, 9, world_size, rank), start=1):
+            M.train_step(model, batch)
+            ck.save(step).wait()
