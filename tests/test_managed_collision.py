@@ -418,3 +418,66 @@ def _save_for_offline_worker(rank, world_size, root, quantization):
         for step, batch in enumerate(_batches(model, 9, world_size, rank), start=1):
             M.train_step(model, batch)
             ck.save(step).wait()
+
+
+# ----------------------------------------------------------------------------- crafted manifests
+
+
+@pytest.mark.timeout(600)
+def test_every_field_of_a_crafted_mc_manifest_is_refused_by_name_or_harmless(group, tmp_path):
+    """The mutation suite of test_manifest_schema.py on a delta of a managed-collision model: its ``mc`` entries
+    and ``mc_runtime`` trees included."""
+    import copy
+    import json
+    import re
+
+    import _mc_models as M
+    from test_manifest_schema import _fields, _mutations, _set
+
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
+    from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
+
+    root = str(tmp_path / "root")
+    model = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad")
+    with Checkpointer(model.dmp, _config(root, on_corrupt="fail"), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(_batches(model, 5, 1, 0)):
+            if step in (2, 4):
+                info = ck.save(step).wait()
+            M.train_step(model, batch)
+    path = os.path.join(root, manifest_path(info.id))
+    raw = open(path, "rb").read()
+    body = json.loads(raw)["body"]
+    assert body["kind"] == "delta" and body["ranks"][0]["mc_runtime"]
+
+    fresh = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=1)
+    restorer = Checkpointer(fresh.dmp, _config(root, on_corrupt="fail"), dense_optimizer=fresh.dense_optimizer)
+    assert restorer.restore() == 4
+    want = _everything(fresh)
+    outcomes, problems = {"named": 0, "identical": 0}, []
+    for field, value in (fv for fv in _fields(body) if "mc" in "".join(map(str, fv[0]))):
+        for how, new in _mutations(value):
+            mutated = copy.deepcopy(body)
+            _set(mutated, field, how, new)
+            with open(path, "wb") as f:
+                f.write(seal(mutated))
+            name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in field)
+            try:
+                got_step = restorer.restore()
+            except (CorruptCheckpointError, UnsafeCheckpointError, IncompatibleCheckpointError) as e:
+                outcomes["named"] += 1
+                if not re.search(r"ckpt-\d{8}/(manifest.json|rank-)|checkpoint \d\b", str(e)):
+                    problems.append(f"{name} {how}: the error names no file: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - the point of the test
+                problems.append(f"{name} {how}: {type(e).__name__}: {e}")
+                continue
+            if got_step != mutated["step"] or _differences(want, _everything(fresh)):
+                problems.append(f"{name} {how}: restored other values without an error")
+            else:
+                outcomes["identical"] += 1
+    with open(path, "wb") as f:
+        f.write(raw)
+    restorer.close()
+    assert not problems, "\n".join(problems[:15])
+    assert outcomes["named"] > 20, outcomes

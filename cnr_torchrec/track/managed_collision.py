@@ -41,6 +41,7 @@ __all__ = ["EMPTY", "McTable", "find_mc_tables", "inner_module", "route"]
 log = logging.getLogger(__name__)
 
 EMPTY = torch.iinfo(torch.int64).max  # the raw id of an empty slot, as the module writes it
+MAX_HISTORY = 1 << 31  # eviction-window ids a restore allocates at most (16 GiB of int64)
 
 Mark = Callable[[str, torch.Tensor], None]
 """Marks global rows of a table dirty: ``mark(table, global_rows)``."""
@@ -146,8 +147,45 @@ class McTable:
             "evicted": bool(mch._evicted),
         }
 
+    def check_runtime(self, state: Any) -> None:
+        """Raises ValueError, saying what is wrong, unless ``state`` is a window :meth:`runtime` could have given
+        for this module: its fields and types, a history no longer than its buffer with the policy's metadata
+        beside each id, and counters as the module keeps them (``current_iter`` is -1 before the first step,
+        else the iteration tensor's value, at most ``eviction_interval - 1`` past the last eviction)."""
+        want = {"current_iter": int, "iter_tensor": int, "last_eviction_iter": int, "history_size": int,
+                "history": torch.Tensor, "history_metadata": dict, "pending": torch.Tensor, "evicted": bool}
+        if not isinstance(state, dict) or set(state) != set(want):
+            raise ValueError(f"the eviction window must have the fields {sorted(want)}")
+        for key, kind in want.items():
+            if type(state[key]) is not kind:
+                raise ValueError(f"{key} must be a {kind.__name__}, not {type(state[key]).__name__}")
+        history, meta = state["history"], state["history_metadata"]
+        n, size = history.numel(), state["history_size"]
+        if history.dtype != torch.int64 or history.dim() != 1 or size < -1 or n > max(size, 0):
+            raise ValueError(f"the history must be at most history_size ({size}) int64 ids, not {n} "
+                             f"{history.dtype}")
+        if size > MAX_HISTORY:
+            raise ValueError(f"history_size {size} is past any buffer this library restores ({MAX_HISTORY} ids: a "
+                             "module allocates its batch's ids x eviction_interval x 1.25)")
+        names = {name for name, _, is_history in self.mch._eviction_policy.metadata_info if is_history}
+        if set(meta) != names or any(not isinstance(v, torch.Tensor) or v.dtype != torch.int64 or v.shape != (n,)
+                                     for v in meta.values()):
+            raise ValueError(f"the history metadata must be {sorted(names)}, each an int64 value per id")
+        it, current, last = state["iter_tensor"], state["current_iter"], state["last_eviction_iter"]
+        interval = int(self.mch._eviction_interval)
+        fresh = current == -1 and last == -1
+        if it < 0 or not (fresh or (current == it and 0 <= current - last < interval)):
+            raise ValueError(f"the counters (iteration {current}, tensor {it}, last eviction {last}) are not a "
+                             f"module's with eviction interval {interval}")
+        pending = state["pending"]
+        if pending.dtype != torch.int64 or pending.dim() != 1 or (not state["evicted"] and pending.numel()) or (
+                pending.numel() and not bool(((pending >= self.start) & (pending < self.start + self.num_rows)).all())):
+            raise ValueError("the pending evictions must be int64 rows of this module's slots, and only when evicted")
+
     def load_runtime(self, state: dict[str, Any]) -> None:
-        """Puts back what :meth:`runtime` returned (on the rank that saved it, or a history routed here)."""
+        """Puts back what :meth:`runtime` returned (on the rank that saved it, or a history routed here);
+        ``state`` must pass :meth:`check_runtime`."""
+        self.check_runtime(state)
         mch = self.mch
         size = int(state["history_size"])
         history = state["history"]

@@ -167,10 +167,10 @@ def _restore_mc_runtime(mine: RankReport, load: RowReader, tracker: DirtyRowTrac
                 "written for a model without that module")
         try:
             mc.load_runtime(unflatten_state(mine.mc_runtime[table], load))
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
+        except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(
-                f"{mine.file}: the saved eviction window of table '{table}' is malformed ({type(e).__name__}: {e})",
-                path=mine.file) from None
+                f"{mine.file}: the saved eviction window of table '{table}' is malformed ({e}); the manifest of "
+                "this checkpoint was edited or crafted", path=mine.file) from None
 
 
 def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,

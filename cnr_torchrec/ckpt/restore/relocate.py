@@ -32,7 +32,7 @@ from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.offline import RowState, TableData, assemble_tables
-from cnr_torchrec.errors import IncompatibleCheckpointError
+from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import EMPTY, McTable, route
 
@@ -72,7 +72,7 @@ def relocate_tables(tables: set[str], chain: list[Manifest], storage: Storage, t
             raise IncompatibleCheckpointError(
                 f"table '{table}': the checkpoint's managed-collision state has {data.mc.shape[1]} fields, the "
                 f"model's module {list(mc.fields)}; restore with the eviction policy it was saved with")
-        runtime = _saved_runtime(chain[-1], storage, table)
+        runtime = _saved_runtime(chain[-1], storage, mc)
         order = _ids_for_this_rank(table, data, mc, runtime, rank, world_size)
         _write_rows(table, data, order, mc, tracker)
         mc.load_runtime(_routed_runtime(runtime, mc, rank, world_size))
@@ -137,12 +137,25 @@ def _write_rows(table: str, data: TableData, order: torch.Tensor, mc: McTable, t
     mc.load_by_row(state)
 
 
-def _saved_runtime(tip: Manifest, storage: Storage, table: str) -> list[dict[str, Any]]:
-    """Every saved rank's eviction window and counters of ``table``, from the tip."""
+def _saved_runtime(tip: Manifest, storage: Storage, mc: McTable) -> list[dict[str, Any]]:
+    """Every saved rank's eviction window and counters of the table, from the tip.
+
+    Raises:
+        CorruptCheckpointError: a window that no module could have saved (names the file).
+    """
     out = []
     for report in tip.ranks:
-        if table in report.mc_runtime:
-            out.append(unflatten_state(report.mc_runtime[table], RowReader(storage, report.payload)))
+        if mc.table in report.mc_runtime:
+            try:
+                state = unflatten_state(report.mc_runtime[mc.table], RowReader(storage, report.payload))
+                # The checks of this module's own window, but the pending rows: they are the saving rank's.
+                mc.check_runtime({**state, "pending": torch.empty(0, dtype=torch.int64), "evicted": False}
+                                 if isinstance(state, dict) else state)
+            except (KeyError, TypeError, ValueError) as e:
+                raise CorruptCheckpointError(
+                    f"{report.file}: the saved eviction window of table '{mc.table}' is malformed ({e}); the "
+                    "manifest of this checkpoint was edited or crafted", path=report.file) from None
+            out.append(state)
     return out
 
 
