@@ -481,3 +481,46 @@ def test_every_field_of_a_crafted_mc_manifest_is_refused_by_name_or_harmless(gro
     restorer.close()
     assert not problems, "\n".join(problems[:15])
     assert outcomes["named"] > 20, outcomes
+
+
+def _import_worker(rank, world_size, path, root):
+    """The 2-rank export onto 1 rank twice: restored by cnr from its import, and loaded by TorchRec itself (dcp.load
+    of the state_dict, then load_state_dict, whose hook re-sorts the buffers)."""
+    import torch.distributed.checkpoint as dcp
+
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt.tools.dcp import MODEL, DMPLoadPlanner
+
+    ours = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=7)
+    with Checkpointer(ours.dmp, _config(root), dense_optimizer=ours.dense_optimizer) as ck:
+        ck.restore()
+    theirs = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=8)
+    sd = theirs.dmp.state_dict()
+    dcp.load({MODEL: sd}, checkpoint_id=path, planner=DMPLoadPlanner())
+    theirs.dmp.load_state_dict(sd)
+    held = 0
+    for table in ours.table_names:
+        _, w1, _, mc1 = _shard_rows(ours, table)
+        _, w2, _, mc2 = _shard_rows(theirs, table)
+        assert torch.equal(mc1, mc2) and torch.equal(w1, w2), table
+        held += int((mc1[:, 0] != EMPTY).sum())
+        assert (ours.mc_modules()[table]._current_iter_tensor == theirs.mc_modules()[table]._current_iter_tensor).all()
+    assert held > 40
+
+
+@pytest.mark.timeout(200)
+def test_an_import_of_a_dcp_export_restores_what_torchrecs_own_load_gives(tmp_path):
+    """2 ranks -> ``cnr export --format dcp`` -> ``cnr import-dcp`` -> restore on 1 rank, against TorchRec's own
+    load of the same export onto 1 rank (which works this way round): the same rows, remapping and counter."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp, import_dcp
+
+    root, out, path, imported = (str(tmp_path / n) for n in ("ck", "live", "dcp", "imported"))
+    run_ranks(_export_save_worker, world_size=2, timeout=120, args=(root, "ebc", "distance_lfu", "adagrad", out))
+    for where, act in ((root, lambda s: export_dcp(s, path)), (imported, lambda s: import_dcp(path, s))):
+        storage = Storage(where)
+        try:
+            act(storage)
+        finally:
+            storage.close()
+    run_ranks(_import_worker, world_size=1, timeout=120, args=(path, imported))

@@ -83,6 +83,8 @@ def restore_chain(
     with timed(stats, "state_ms"):
         if replicated:
             _restore_replicated(target, model, tracker, dense_optimizer, reader(0))
+        if target.world_size == world_size:  # an import's too (written without the rest of the per-rank state)
+            _restore_mc_runtime(target.ranks[rank], reader(rank), tracker, relocated)
         if target.world_size != world_size or not target.per_rank_state:
             log.warning(
                 "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
@@ -91,7 +93,6 @@ def restore_chain(
             )
             return
         _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state)
-        _restore_mc_runtime(target.ranks[rank], reader(rank), tracker, relocated)
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,

@@ -31,7 +31,8 @@ __all__ = ["write_baseline"]
 
 def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard], table_shapes: Mapping[str, list[int]],
                    table_fqns: Mapping[str, str], dense: Mapping[str, torch.Tensor], dense_optimizer: Any,
-                   reason: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Manifest:
+                   reason: str, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   mc_runtime: Mapping[str, Any] | None = None) -> Manifest:
     """Commits whole tables and dense state as a one-rank, full-precision baseline with the next free id.
 
     Shards are encoded and written as they come (a generator keeps one table in memory at a time);
@@ -47,6 +48,8 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
         dense: the dense parameters and buffers by name.
         dense_optimizer: the dense optimizer's state by parameter name, or None.
         reason: why this baseline was written, for the manifest.
+        mc_runtime: each managed-collision table's eviction window
+            (:meth:`~cnr_torchrec.track.managed_collision.McTable.runtime`).
 
     Returns:
         The committed manifest.
@@ -55,7 +58,7 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
     tables = list(table_shapes)
     decision = Decision(new_id, step, "baseline", None, None, (new_id,), {t: "full" for t in tables}, reason)
     staged = Staged(decision, 0, 1, shards=shards, dense=dict(dense), dense_optimizer=dense_optimizer,
-                    table_shapes={t: list(s) for t, s in table_shapes.items()})
+                    table_shapes={t: list(s) for t, s in table_shapes.items()}, mc_runtime=dict(mc_runtime or {}))
     codec, t0 = get_codec("none"), time.perf_counter()
     try:
         report = write_rank(staged, codec, storage, chunk_bytes=chunk_bytes)  # consumes the shards lazily

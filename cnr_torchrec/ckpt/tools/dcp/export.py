@@ -24,6 +24,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.layout import regions_of_layout
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
+from cnr_torchrec.ckpt.tools.dcp.mc import SEGMENTS, buffer_of, mc_prefix
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
@@ -75,23 +76,21 @@ def _mc_pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ..
         return []
     prefix = _mc_prefix(tip, table)
     rows = tip.tables[table][0]
-    names = {"raw_id": "_mch_sorted_raw_ids", "mapping": "_mch_remapped_ids_mapping",
-             **{f: f"_mch_{f}" for f in fields[1:]}}
-    return [_Piece((MODEL, f"{prefix}.{buffer}"), (rows,), (r[0],), (r[1] - r[0],), table, r, c, f"mc:{field}",
-                   torch.int64)
-            for field, buffer in names.items() for r, c in blocks]
+    return [_Piece((MODEL, f"{prefix}.{buffer_of(field)}"), (rows,), (r[0],), (r[1] - r[0],), table, r, c,
+                   f"mc:{field}", torch.int64)
+            for field in (*fields, "mapping") for r, c in blocks]
 
 
 def _mc_prefix(tip: Manifest, table: str) -> str:
-    """``<module>._managed_collision_collection._managed_collision_modules.<table>``, from the table's weight
-    name (``<module>._embedding_module.<embedding_bags|embeddings>.<table>.weight``)."""
+    """The table's managed-collision module's name, from its weight's
+    (``<module>._embedding_module.<embedding_bags|embeddings>.<table>.weight``)."""
     fqn = tip.table_fqns.get(table, "")
     module, sep, _ = fqn.partition("._embedding_module.")
     if not sep:
         raise IncompatibleCheckpointError(
             f"table '{table}' stores managed-collision state, but its weight is named {fqn!r}, not as a "
             "ManagedCollision(EmbeddingBag|Embedding)Collection's; export it with --format torch")
-    return f"{module}._managed_collision_collection._managed_collision_modules.{table}"
+    return mc_prefix(module, table)
 
 
 def _mc_plain_buffers(tip: Manifest, load: PayloadReader, pieces: list[_Piece]) -> dict[str, torch.Tensor]:
@@ -104,7 +103,7 @@ def _mc_plain_buffers(tip: Manifest, load: PayloadReader, pieces: list[_Piece]) 
         prefix = _mc_prefix(tip, table)
         starts = sorted({p.rows[0] for p in pieces if p.table == table and p.what == "mc:raw_id"})
         segments = starts + [tip.tables[table][0]]
-        out[f"{prefix}._output_segments_tensor"] = torch.tensor(segments + [-1] * (1025 - len(segments)))
+        out[f"{prefix}._output_segments_tensor"] = torch.tensor(segments + [-1] * (SEGMENTS - len(segments)))
         runtime = unflatten_state(first.mc_runtime[table], load) if table in first.mc_runtime else None
         if runtime is None:
             raise CorruptCheckpointError(f"{first.file} holds no counters of managed-collision table '{table}'",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -17,6 +17,7 @@ from cnr_torchrec.ckpt.save.baseline import write_baseline
 from cnr_torchrec.ckpt.save.staging import StagedShard
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM, _column_shards
 from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
+from cnr_torchrec.ckpt.tools.dcp.mc import MC_KEY, by_row, fields_of, fresh_window
 from cnr_torchrec.ckpt.tools.offline import Progress
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
 
@@ -30,6 +31,7 @@ class _DcpTable(NamedTuple):
     fqn: str
     shape: tuple[int, int]
     state: str | None  # flat key of its fused optimizer state
+    mc: dict[str, str] | None = None  # a managed-collision table's buffers: flat key by buffer name
 
 
 def _fp32(md: Metadata, key: str, where: str) -> TensorStorageMetadata:
@@ -77,6 +79,20 @@ def _dcp_tables(md: Metadata, where: str) -> dict[str, _DcpTable]:
     if not out:
         raise IncompatibleCheckpointError(f"{where}: no embedding table under '{MODEL}'; dcp.save {{'{MODEL}': "
                                           f"dmp.state_dict(), '{OPTIM}': dmp.fused_optimizer.state_dict()}}")
+    for table, buffers in _mc_keys(paths).items():
+        if table not in out:
+            raise IncompatibleCheckpointError(f"{where}: it holds managed-collision buffers of table '{table}' but "
+                                              "not its weight")
+        out[table] = out[table]._replace(mc=buffers)
+    return out
+
+
+def _mc_keys(paths: dict[str, tuple[Any, ...]]) -> dict[str, dict[str, str]]:
+    """The managed-collision buffers under ``model``, by table: flat key by buffer name."""
+    out: dict[str, dict[str, str]] = {}
+    for key, p in paths.items():
+        if len(p) == 2 and p[0] == MODEL and (m := MC_KEY.match(str(p[1]))):
+            out.setdefault(m["table"], {})[m["buffer"]] = key
     return out
 
 
@@ -89,21 +105,47 @@ def _table_shards(path: str, md: Metadata, tables: dict[str, _DcpTable],
         got = _read(path, {wkey: torch.empty(rows, dim),
                            **({} if t.state is None else {t.state: _empty(md.state_dict_metadata[t.state])})})
         weights, state = got[wkey], got.get(t.state)
+        mc = _mc_state(path, md, t)
         if state is None or state.dim() == 2:
             states = [] if state is None else [(state, False)]
-            yield StagedShard(t.name, (0, rows), (0, dim), "full", None, weights, states)
+            yield StagedShard(t.name, (0, rows), (0, dim), "full", None, weights, states, *mc)
         else:
             chunks = [(c.offsets, c.sizes) for c in md.state_dict_metadata[wkey].chunks]
             for i, (c0, c1) in enumerate(_column_shards(chunks, rows, dim, state.numel() // rows, wkey)):
                 yield StagedShard(t.name, (0, rows), (c0, c1), "full", None, weights[:, c0:c1].contiguous(),
-                                  [(state[i * rows: (i + 1) * rows], True)])
+                                  [(state[i * rows: (i + 1) * rows], True)], *mc)
         if progress is not None:
             progress(1)
 
 
+def _mc_state(path: str, md: Metadata, t: _DcpTable) -> tuple[torch.Tensor | None, tuple[str, ...]]:
+    """A managed-collision table's by-row state and its fields (None and () for other tables)."""
+    if t.mc is None:
+        return None, ()
+    sorted_buffers = {b: k for b, k in t.mc.items() if b.startswith("_mch_")}
+    got = _read(path, {k: _empty(md.state_dict_metadata[k]) for k in sorted_buffers.values()})
+    buffers = {b: got[k] for b, k in sorted_buffers.items()}
+    return by_row(buffers, t.shape[0], f"{path}: table '{t.name}'"), fields_of(buffers)
+
+
+def _mc_windows(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, dict[str, Any]]:
+    """Each managed-collision table's eviction window, as a state_dict leaves it: empty, at its saved iteration."""
+    out = {}
+    for t in (t for t in tables.values() if t.mc is not None):
+        key = t.mc.get("_current_iter_tensor")
+        if key is None:
+            raise IncompatibleCheckpointError(f"{path}: table '{t.name}' has managed-collision buffers but no "
+                                              "_current_iter_tensor")
+        iteration = _read(path, {key: _empty(md.state_dict_metadata[key])})[key]
+        out[t.name] = fresh_window(fields_of(t.mc), int(iteration.reshape(-1)[0]))
+    return out
+
+
 def _dense(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, torch.Tensor]:
-    """The dense parameters and buffers: every ``model`` entry that is not a table."""
-    taken = {t.fqn for t in tables.values()}
+    """The dense parameters and buffers: every ``model`` entry that is not a table (or its managed-collision
+    buffers)."""
+    taken = {t.fqn for t in tables.values()} | {
+        str(_path(md, k)[1]) for t in tables.values() for k in (t.mc or {}).values()}
     keys = {k: str(p[1]) for k in md.state_dict_metadata
             if len(p := _path(md, k)) == 2 and p[0] == MODEL and str(p[1]) not in taken}
     for k in keys:  # (a dtype our payloads do not store fails when it is written)
@@ -153,6 +195,6 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
         table_shapes={t.name: list(t.shape) for t in tables.values()},
         table_fqns={t.name: t.fqn for t in tables.values()}, dense=_dense(path, md, tables),
         dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
-        reason=f"imported from DCP checkpoint {path}",
+        reason=f"imported from DCP checkpoint {path}", mc_runtime=_mc_windows(path, md, tables),
     )
 
