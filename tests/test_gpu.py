@@ -642,3 +642,53 @@ def _bad_id_worker(root: str) -> None:
 @pytest.mark.timeout(300)
 def test_a_bad_id_on_cuda_is_raised_at_the_next_query_not_in_the_step(tmp_path):
     _run_alone(_bad_id_worker, str(tmp_path / "ck"))
+
+
+# ============================================================================ managed-collision tables
+
+
+def _mc_rowwise_adagrad_worker(root: str) -> None:
+    """A sort-zch MC-EBC on the GPU with fused EXACT_ROWWISE_ADAGRAD, whose evictions reset the evicted rows'
+    momentum (``fbgemm::reset_weight_momentum``, CUDA only): tracked rows against the diffed weights, momentum and
+    remapping state of every step; then a restore mid eviction window against the uninterrupted run."""
+    import _mc_models as M
+    from test_managed_collision import _build, _config, _differences, _everything, _shard_rows
+
+    from cnr_torchrec import Checkpointer
+
+    device = _device()
+    model = _build("ebc", 1, policy="lru", optimizer="rowwise_adagrad", device=device)
+    tracker = model.dmp.dirty_tracker
+    batches = [b.to(device) for b in M.mc_batches(12, 1, 0, seed=1, features=model.features)]
+    for batch in batches[:7]:
+        before = {t: _shard_rows(model, t) for t in model.table_names}
+        tracker.reset()
+        M.train_step(model, batch)
+        for table in model.table_names:
+            shard, w0, s0, mc0 = before[table]
+            _, w1, s1, mc1 = _shard_rows(model, table)
+            changed = (w0 != w1).any(dim=1).cpu() | (mc0 != mc1).any(dim=1)
+            for a, b in zip(s0, s1):
+                changed |= (a != b).any(dim=1).cpu()
+            assert torch.equal(tracker.dirty_rows(table), torch.nonzero(changed).view(-1) + shard.rows[0])
+
+    model = _build("ebc", 1, policy="lru", optimizer="rowwise_adagrad", device=device)
+    torch.manual_seed(11)
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(batches):
+            if step in (2, 7):
+                ck.save(step).wait()
+            M.train_step(model, batch)
+    uninterrupted = _everything(model)
+    torch.manual_seed(3)
+    other = _build("ebc", 1, policy="lru", optimizer="rowwise_adagrad", seed=5, device=device)
+    with Checkpointer(other.dmp, _config(root), dense_optimizer=other.dense_optimizer) as ck:
+        assert ck.restore() == 7
+        for batch in batches[7:]:
+            M.train_step(other, batch)
+    assert not _differences(uninterrupted, _everything(other))
+
+
+@pytest.mark.timeout(300)
+def test_mc_tables_with_rowwise_adagrad_evictions_track_and_continue_exactly_on_cuda(tmp_path):
+    _run_alone(_mc_rowwise_adagrad_worker, str(tmp_path / "ck"))

@@ -32,19 +32,20 @@ def _config(root, **kw):
                         "quantization": {"method": "none", "residual": False}, **kw})
 
 
-def _build(kind, world_size, *, policy="lfu", optimizer="sgd", seed=0, interval=3, rows=(48, 32)):
+def _build(kind, world_size, *, policy="lfu", optimizer="sgd", seed=0, interval=3, rows=(48, 32),
+           device=torch.device("cpu")):
     import _mc_models as M
 
     from cnr_torchrec import CheckNRunDMP
 
     return M.build_mc_model(kind, world_size, policy=policy, optimizer=optimizer, dmp_cls=CheckNRunDMP,
-                            eviction_interval=interval, seed=seed, zch_rows=rows)
+                            eviction_interval=interval, seed=seed, zch_rows=rows, device=device)
 
 
-def _batches(model, n, world_size, rank):
+def _batches(model, n, world_size, rank, device=torch.device("cpu")):
     import _mc_models as M
 
-    return M.mc_batches(n, world_size, rank, seed=1, features=model.features)
+    return [b.to(device) for b in M.mc_batches(n, world_size, rank, seed=1, features=model.features)]
 
 
 def _shard_rows(model, table):
