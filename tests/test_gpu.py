@@ -652,7 +652,7 @@ def _mc_rowwise_adagrad_worker(root: str) -> None:
     momentum (``fbgemm::reset_weight_momentum``, CUDA only): tracked rows against the diffed weights, momentum and
     remapping state of every step; then a restore mid eviction window against the uninterrupted run."""
     import _mc_models as M
-    from test_managed_collision import _build, _config, _differences, _everything, _shard_rows
+    from test_managed_collision import _build, _config, _differences, _everything, _shard_rows, changed_rows
 
     from cnr_torchrec import Checkpointer
 
@@ -665,12 +665,7 @@ def _mc_rowwise_adagrad_worker(root: str) -> None:
         tracker.reset()
         M.train_step(model, batch)
         for table in model.table_names:
-            shard, w0, s0, mc0 = before[table]
-            _, w1, s1, mc1 = _shard_rows(model, table)
-            changed = (w0 != w1).any(dim=1).cpu() | (mc0 != mc1).any(dim=1)
-            for a, b in zip(s0, s1):
-                changed |= (a != b).any(dim=1).cpu()
-            assert torch.equal(tracker.dirty_rows(table), torch.nonzero(changed).view(-1) + shard.rows[0])
+            assert torch.equal(tracker.dirty_rows(table), changed_rows(before[table], _shard_rows(model, table)))
 
     model = _build("ebc", 1, policy="lru", optimizer="rowwise_adagrad", device=device)
     torch.manual_seed(11)

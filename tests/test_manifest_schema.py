@@ -99,10 +99,49 @@ def _set(body, path, how, value):
         node[path[-1]] = value
 
 
+def _same(a, b) -> bool:
+    """Equal tensors (shape and values), or equal values."""
+    if isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+def crafted_outcomes(body, path, restore, state, want, fields):
+    """Each of ``fields`` of manifest ``body`` mutated every way, re-sealed at ``path`` and restored (``restore()``
+    returns the step): counts of named refusals and identical restores, and the problems (another exception, an
+    error that names no file, other values than ``want``, as ``state()`` reads them). Leaves ``path`` mutated."""
+    from cnr_torchrec.ckpt.format.commits import seal
+    from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
+
+    outcomes, problems = {"named": 0, "identical": 0}, []
+    for field, value in fields:
+        for how, new in _mutations(value):
+            mutated = copy.deepcopy(body)
+            _set(mutated, field, how, new)
+            with open(path, "wb") as f:
+                f.write(seal(mutated))
+            name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in field)
+            try:
+                got_step = restore()
+            except (CorruptCheckpointError, UnsafeCheckpointError, IncompatibleCheckpointError) as e:
+                outcomes["named"] += 1
+                if not re.search(r"ckpt-\d{8}/(manifest.json|rank-)|checkpoint \d+\b", str(e)):
+                    problems.append(f"{name} {how}: the error names no file: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - the point of the test
+                problems.append(f"{name} {how}: {type(e).__name__}: {e}")
+                continue
+            got = state()
+            if got_step != mutated["step"] or any(not _same(got.get(k), want[k]) for k in want):
+                problems.append(f"{name} {how}: restored other values without an error")
+            else:
+                outcomes["identical"] += 1
+    return outcomes, problems
+
+
 @pytest.mark.timeout(600)
 def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
-    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
-    from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
+    from cnr_torchrec.ckpt.format.commits import manifest_path
 
     root = str(tmp_path / "root")
     ck, dmp, specs, opt = _checkpointer(root, 0)
@@ -121,30 +160,8 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
     assert restorer.restore() == 2
     want = local_state(fresh)
 
-    outcomes = {"named": 0, "identical": 0}
-    problems = []
-    for field, value in _fields(body):
-        for how, new in _mutations(value):
-            mutated = copy.deepcopy(body)
-            _set(mutated, field, how, new)
-            with open(path, "wb") as f:
-                f.write(seal(mutated))
-            name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in field)
-            try:
-                got_step = restorer.restore()
-            except (CorruptCheckpointError, UnsafeCheckpointError, IncompatibleCheckpointError) as e:
-                outcomes["named"] += 1
-                if not re.search(r"ckpt-\d{8}/(manifest.json|rank-)|checkpoint 1\b", str(e)):
-                    problems.append(f"{name} {how}: the error names no file: {e}")
-                continue
-            except Exception as e:  # noqa: BLE001 - the point of the test
-                problems.append(f"{name} {how}: {type(e).__name__}: {e}")
-                continue
-            got = local_state(fresh)
-            if got_step != mutated["step"] or any(not torch.equal(got[k], want[k]) for k in want):
-                problems.append(f"{name} {how}: restored other values without an error")
-            else:
-                outcomes["identical"] += 1
+    outcomes, problems = crafted_outcomes(body, path, restorer.restore, lambda: local_state(fresh), want,
+                                          _fields(body))
     with open(path, "wb") as f:
         f.write(raw)
     print(f"mutations: {outcomes}")  # shown with -s

@@ -13,8 +13,6 @@ each step, and the ids read from the ModelInput batches' KJTs.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -255,7 +253,6 @@ def _zch_sparse_nn(world_size, mc_type, seed=0):
     module (``mc_type``: "sort-zch" or "mp-zch") remaps raw ids below 4000 into a 64-row table two features share,
     in a CheckNRunDMP with fused EXACT_SGD (row-wise Adagrad's evictions have no CPU kernel), and a dense optimizer."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec import EmbeddingBagConfig
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
