@@ -507,3 +507,56 @@ def test_an_import_of_a_dcp_export_restores_what_torchrecs_own_load_gives(tmp_pa
         finally:
             storage.close()
     run_ranks(_import_worker, world_size=1, timeout=120, args=(path, imported))
+
+
+# ----------------------------------------------------------------------------- CPR partial recovery
+
+
+def _clobber(model):
+    """What a replaced rank starts from, in this process: zero rows, empty tables, a fresh eviction window."""
+    from cnr_torchrec.ckpt.tools.dcp.mc import fresh_window
+
+    with torch.no_grad():
+        for table in model.table_names:
+            mc = model.dmp.dirty_tracker.mc_table(table)
+            (kernel, shard), = model.dmp.dirty_tracker.shards(table)
+            kernel.tbe.split_embedding_weights()[shard.local_index].zero_()
+            state = torch.zeros(mc.num_rows, len(mc.fields), dtype=torch.int64)
+            state[:, 0] = EMPTY
+            mc.load_by_row(state)
+            mc.load_runtime(fresh_window(mc.fields, 0))
+
+
+def _partial_worker(rank, world_size, root):
+    """Rank 1 fails after a save (its state clobbered, in process): it reloads its MC tables' rows, remapping and
+    eviction window as saved, while rank 0 keeps its live ones; both train on."""
+    import _mc_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    model = _build("ec", world_size, policy="lru", optimizer="adagrad")
+    batches = _batches(model, 8, world_size, rank)
+    with Checkpointer(model.dmp, _config(root), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(batches[:6]):
+            if step in (2, 4):
+                at_save = _everything(model)
+                ck.save(step).wait()
+            M.train_step(model, batch)
+        live = _everything(model)
+        assert at_save[("big", "window")] != live[("big", "window")]
+        if rank == 1:
+            _clobber(model)
+        ck.recover([1])
+        got = _everything(model)
+        if rank == 0:  # the survivor keeps everything it had
+            assert not _differences(live, got)
+        else:  # the replaced rank gets its rows, optimizer state, remapping and window as saved at step 4
+            tables = {k: v for k, v in at_save.items() if "dense" not in str(k)}
+            assert not _differences(tables, got), _differences(tables, got)
+        for batch in batches[6:]:
+            M.train_step(model, batch)
+
+
+@pytest.mark.timeout(200)
+def test_partial_recovery_reloads_the_failed_ranks_remapping_and_window(tmp_path):
+    run_ranks(_partial_worker, world_size=2, timeout=150, args=(str(tmp_path / "ck"),))
