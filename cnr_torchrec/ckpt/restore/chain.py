@@ -73,8 +73,9 @@ def restore_chain(
     relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
     with wider_pool(threads):
         read = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated)
-        with timed(stats, "relocate_ms"):
-            relocate_tables(relocated, manifests, storage, tracker, rank, world_size)
+        if relocated:
+            with timed(stats, "relocate_ms"):
+                relocate_tables(relocated, manifests, storage, tracker, rank, world_size)
 
     def reader(r: int) -> RowReader:  # the tip's file of rank r: its reader, else a few range reads of it
         load = read.get(r)

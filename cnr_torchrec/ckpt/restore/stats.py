@@ -8,6 +8,7 @@
   the entries' row ids and claiming rows), and starting their reads;
 * ``apply_ms``: gathering those rows, checking their CRCs, decoding and writing them into the
   shards, of which ``read_wait_ms``: waiting for reads still in flight;
+* ``relocate_ms``: managed-collision tables whose slots moved, restored by raw id (only when there are);
 * ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
 * ``agree_ms``: the ranks' exchange of their outcome.
 
@@ -26,7 +27,8 @@ from contextlib import contextmanager
 
 __all__ = ["PHASES", "timed"]
 
-PHASES = ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "read_wait_ms", "state_ms", "agree_ms")
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms", "state_ms",
+          "agree_ms")
 
 
 @contextmanager
