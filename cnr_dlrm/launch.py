@@ -22,12 +22,13 @@ import os
 import tempfile
 import time
 import uuid
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["agree_round", "init_distributed"]
+__all__ = ["Launch", "agree_round", "init_distributed"]
 
 _KEY = "cnr/round"
 
@@ -67,8 +68,25 @@ def agree_round(store: dist.Store, rank: int, world: int, timeout: timedelta = t
     return number
 
 
-def init_distributed() -> tuple[torch.device, int]:
-    """Starts the default process group (gloo on CPU, nccl on GPU); returns (device, incarnation).
+@dataclass(frozen=True)
+class Launch:
+    """What :func:`init_distributed` started.
+
+    Attributes:
+        device: this rank's device.
+        incarnation: the rounds of the job before this one (0 for its first start), the same on every rank.
+        store: torchrun's rendezvous store, which outlives the job's restarts; None for a plain one-rank run.
+        round_number: this round's number in ``store`` (0 without one).
+    """
+
+    device: torch.device
+    incarnation: int
+    store: dist.Store | None = None
+    round_number: int = 0
+
+
+def init_distributed() -> Launch:
+    """Starts the default process group (gloo on CPU, nccl on GPU).
 
     Under torchrun the group's keys live under a prefix of this round (:func:`agree_round`), and
     the incarnation counts the rounds before it: 0 for the job's first start, the same on every
@@ -76,7 +94,7 @@ def init_distributed() -> tuple[torch.device, int]:
     incarnation falls back to this node's restart count.) A plain ``python -m
     cnr_dlrm.train`` is one rank, incarnation 0, with a file rendezvous.
     """
-    incarnation = 0
+    incarnation, store, number = 0, None, 0
     cuda = torch.cuda.is_available()
     backend = "nccl" if cuda else "gloo"
     if "RANK" in os.environ:
@@ -95,4 +113,4 @@ def init_distributed() -> tuple[torch.device, int]:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    return device, incarnation
+    return Launch(device, incarnation, store, number)

@@ -3,12 +3,14 @@
 Launch with torchrun::
 
     torchrun --standalone --nproc_per_node 2 --max-restarts 1 -m cnr_dlrm.train \\
-        --config configs/demo.yaml [--set train.steps=400 ...] [--fail-at-step 120 --fail-rank 1]
+        --config configs/demo.yaml [--set train.steps=400 ...] [--fail-at-step 120 --fail-rank 1] [--debug]
 
 At start the job restores the newest committed checkpoint under ``checkpoint.root`` (a fresh
 start when there is none), trains through ``TrainPipelineSparseDist`` with a save every
 ``train.checkpoint_interval`` steps, evaluates on a held-out stream, and rank 0 prints a
-summary and writes ``report.json``. docs/train.md describes the config and the report.
+summary and writes ``report.json``. A named error (a CnrError: another model's checkpoint, a
+corrupt one...) is printed once per job as one line (:mod:`cnr_dlrm.failure`); ``--debug`` adds
+the tracebacks. docs/train.md describes the config and the report.
 """
 
 from __future__ import annotations
@@ -32,12 +34,13 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
+from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, CnrError, ConfigError, one_line
 from cnr_torchrec.track.tbe_cache import flush_caches
 
 from cnr_dlrm.config import JobConfig, TrainConfig, apply_overrides, load_job_config
 from cnr_dlrm.data import ClickDataset, ResumableReader, SyntheticCriteo, make_loader
 from cnr_dlrm.dlrm import build_model, build_plan, dense_parameters, make_sharder, table_features
+from cnr_dlrm.failure import FailureReport
 from cnr_dlrm.launch import init_distributed
 
 __all__ = ["JobConfig", "Journal", "TrainConfig", "apply_overrides", "auc", "evaluate", "format_summary",
@@ -255,11 +258,11 @@ def _restore(ckpt: Any, rank: int, journal: Journal | None, total_rows: int, inc
         # "drop": onto another world size the per-rank reader state cannot be mapped; the caller then
         # reads each rank's stream from the restored step, which repeats no sample either.
         step = ckpt.restore(per_rank_state="drop")
+        bar.update(chain)
     except CheckpointNotFoundError:
-        bar.close()
         return 0
-    bar.update(chain)
-    bar.close()
+    finally:
+        bar.close()  # before an error's line, which would otherwise land on the bar's
     if rank == 0 and journal is not None:
         restored = [i for i in infos if i.step == step]
         journal.record_restore(restored[-1].id if restored else -1, step, incarnation)
@@ -389,28 +392,30 @@ def _train(job: _Job, cfg: JobConfig, args: argparse.Namespace, device: torch.de
     if start < tc.steps:
         pipeline = TrainPipelineSparseDist(job.dmp, job.dense_opt, device, execute_all_batches=True)
         bar = _Bar(rank == 0, total=tc.steps, initial=start, desc="train", unit="step")
-        for step in range(start + 1, tc.steps + 1):
-            if step == args.fail_at_step and rank == args.fail_rank and incarnation == 0:
-                _kill_self(rank, step)
-            try:
-                loss, _, _ = pipeline.progress(job.reader)
-            except StopIteration:
-                raise CheckpointError(
-                    f"rank {rank}: the reader ran out before step {step} of {tc.steps}; its restored state does "
-                    f"not match the checkpoint (use a new checkpoint.root)"
-                ) from None
-            job.reader.step_done()
-            if rank == 0:
-                last_loss = float(loss)
-                first_loss = last_loss if first_loss is None else first_loss
-            # checkpoint.interval (a number or auto) hands the choice to the Checkpointer; called every step.
-            due = ckpt.should_save(step) if auto_interval else step % tc.checkpoint_interval == 0
-            if due or step == tc.steps:
-                handles.append(ckpt.save(step))
-            while handles and handles[0].done():
-                _settle(handles.pop(0), job.journal, job.total_rows)
-            bar.update(1, loss=f"{last_loss:.4f}" if last_loss is not None else "")
-        bar.close()
+        try:
+            for step in range(start + 1, tc.steps + 1):
+                if step == args.fail_at_step and rank == args.fail_rank and incarnation == 0:
+                    _kill_self(rank, step)
+                try:
+                    loss, _, _ = pipeline.progress(job.reader)
+                except StopIteration:
+                    raise CheckpointError(
+                        f"rank {rank}: the reader ran out before step {step} of {tc.steps}; its restored state "
+                        f"does not match the checkpoint (use a new checkpoint.root)"
+                    ) from None
+                job.reader.step_done()
+                if rank == 0:
+                    last_loss = float(loss)
+                    first_loss = last_loss if first_loss is None else first_loss
+                # checkpoint.interval (a number or auto) hands the choice to the Checkpointer; called every step.
+                due = ckpt.should_save(step) if auto_interval else step % tc.checkpoint_interval == 0
+                if due or step == tc.steps:
+                    handles.append(ckpt.save(step))
+                while handles and handles[0].done():
+                    _settle(handles.pop(0), job.journal, job.total_rows)
+                bar.update(1, loss=f"{last_loss:.4f}" if last_loss is not None else "")
+        finally:
+            bar.close()  # before an error's line, which would otherwise land on the bar's
         pipeline.detach()
     return first_loss, last_loss, handles
 
@@ -559,6 +564,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dump-state", default=None, metavar="DIR",
                    help="write each rank's final table shards, optimizer and dense state to DIR/rank-N.pt")
     p.add_argument("--verbose", action="store_true", help="log checkpoint decisions and saves (INFO)")
+    p.add_argument("--debug", action="store_true",
+                   help="on a named error (CnrError), print each failing rank's traceback before the one-line "
+                        "message")
     return p.parse_args(argv)
 
 
@@ -569,7 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = load_job_config(args.config, args.set)
     except ConfigError as e:
         if rank_env == 0:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"error: {one_line(e)}", file=sys.stderr)
         return 2
     warnings.filterwarnings("ignore")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, force=True,
@@ -583,15 +591,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"error: --fail-at-step must be in [1, train.steps={cfg.train.steps}] and --fail-rank in "
                   f"[0, {world_env}), got {args.fail_at_step} and {args.fail_rank}", file=sys.stderr)
         return 2
-    device, incarnation = init_distributed()
+    launch = init_distributed()
+    failure = FailureReport(launch.store, launch.round_number, dist.get_rank(), debug=args.debug)
     try:
-        report = run(cfg, args, device, incarnation)
+        report = run(cfg, args, launch.device, launch.incarnation)
         if report is not None:
             print(format_summary(report), flush=True)
         dist.barrier()
+    except CnrError as e:  # what to do is in its message: one line, once per job (bugs keep their traceback)
+        failure.named(e)
+        return 1
     except RuntimeError as e:
         if not any(m in str(e) for m in _PEER_GONE):
             raise
+        reporter = failure.reporter()
+        if reporter is not None:  # the peer died of a named error, which it printed
+            print(f"rank {failure.rank} failed, see rank {reporter}", file=sys.stderr, flush=True)
+            return 1
         # A peer died mid-collective (e.g. --fail-at-step): say so in one line; torchrun restarts the group.
         log.error("a peer rank is gone (%s); exiting so that torchrun can restart the group",
                   str(e).splitlines()[0][:160])

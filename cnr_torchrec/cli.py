@@ -1,27 +1,32 @@
 """The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline.
 
-Exit codes: 0 success (``verify``: sound); 1 a checkpoint is corrupt (``verify`` found
-problems, or ``compact``/``export``/``import-dcp`` met a corrupt file); 2 the command could
-not run (bad arguments, missing root, nothing committed, unknown id, bad
-``--storage-option``, a DCP checkpoint of another layout). Errors are one line on stderr,
-without a traceback.
+Exit codes: 0 success (``verify``: sound; ``cnr`` alone prints the commands); 1 a checkpoint is
+corrupt (``verify`` found problems, or ``compact``/``export``/``import-dcp`` met a corrupt file);
+2 the command could not run (bad arguments, missing root, nothing committed, unknown id, bad
+``--storage-option``, an existing ``export --out``, a DCP checkpoint of another layout). Errors
+are one line on stderr, the error's class and what to do; ``--debug`` prints the traceback
+before it.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from cnr_torchrec.errors import CnrError, CorruptCheckpointError
+from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError, one_line
 
 __all__ = ["main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_ERROR"]
 
 EXIT_OK, EXIT_CORRUPT, EXIT_ERROR = 0, 1, 2
+
+_LISTED = 10  # PROBLEM lines per file of a checkpoint: a damaged file would otherwise list every blob
 
 
 # ---------------------------------------------------------------------- helpers
@@ -65,7 +70,8 @@ def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
     table = [header]
     for r in rows:
         table.append((
-            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]), f"{r['base']}..{r['id']} ({r['depth'] + 1})",
+            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]),
+            f"{r['base']}..{r['id']} ({r['depth'] + 1}{'' if r['broken_member'] is None else ', broken'})",
             _codec_label(r["method"], r["bits"]), _human_bytes(r["nbytes"]),
             f"{100 * r['nbytes'] / full:.1f}" if full else "-", f"{r['rows_written']}/{r['total_rows']}",
             f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}", f"{r['write_ms']:.1f}",
@@ -76,8 +82,15 @@ def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
             for row in table]
 
 
-def _chain_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """One line per chain (a baseline and the deltas on it), however many deltas it holds."""
+def _broken(r: dict[str, Any], corrupt: set[int]) -> str:
+    """Why checkpoint ``r`` cannot be restored (its chain lacks a member), in a few words."""
+    m = r["broken_member"]
+    return f"checkpoint {m} of its chain is {'corrupt (below)' if m in corrupt else 'not committed'}"
+
+
+def _chain_lines(rows: list[dict[str, Any]], corrupt: set[int]) -> list[str]:
+    """One line per chain (a baseline and the deltas on it), however many deltas it holds. A delta restores
+    only if every member of its chain loads; ``corrupt`` holds the ids whose manifest does not."""
     by_id = {r["id"]: r for r in rows}
     on: dict[int, list[dict[str, Any]]] = {}
     for d in rows:
@@ -96,13 +109,23 @@ def _chain_lines(rows: list[dict[str, Any]]) -> list[str]:
             newest = max(deltas, key=lambda d: (d["step"], d["id"]))
             held = _human_bytes(r["nbytes"] + sum(d["nbytes"] for d in deltas))
             what = (f"{len(deltas)} delta(s) {deltas[0]['id']}..{deltas[-1]['id']}, the newest {newest['id']} (step "
-                    f"{newest['step']}) restores {newest['depth'] + 1} checkpoint(s); {held} in all")
+                    f"{newest['step']}) ")
+            if newest["broken_member"] is None:
+                what += f"restores {newest['depth'] + 1} checkpoint(s)"
+            else:
+                sound = [d for d in deltas if d["broken_member"] is None]
+                best = max(sound, key=lambda d: (d["step"], d["id"])) if sound else None
+                what += f"cannot be restored: {_broken(newest, corrupt)}; " + (
+                    f"the newest that restores is {best['id']} (step {best['step']}, {best['depth'] + 1} "
+                    "checkpoint(s))" if best else f"only baseline {r['id']} itself restores")
+            what += f"; {held} in all"
         else:
             what = "no deltas"
         lines.append(f"  baseline {r['id']} (step {r['step']}{note}): {what}")
     for d in rows:
         if d["kind"] == "delta" and d["base"] not in by_id:
-            lines.append(f"  delta {d['id']} hangs on baseline {d['base']}, which is not committed (it cannot be "
+            state = "corrupt (below)" if d["base"] in corrupt else "not committed"
+            lines.append(f"  delta {d['id']} hangs on baseline {d['base']}, which is {state} (it cannot be "
                          "restored)")
     return lines
 
@@ -117,7 +140,7 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
     lines += _checkpoint_table(shown, summary["full_snapshot_nbytes"])
     lines.append("")
     lines.append("chains (a restore applies the chain's baseline, then its deltas in order):")
-    lines += _chain_lines(rows)
+    lines += _chain_lines(rows, {c["id"] for c in summary["corrupt"]})
     total, full = summary["total_nbytes"], summary["full_snapshot_nbytes"]
     lines.append("")
     lines.append(
@@ -166,8 +189,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     options = parse_storage_options(args.storage_option)
     problems = verify_root(args.root, options, None if args.id is None else [args.id])
     if problems:
-        for p in problems:
-            print(f"PROBLEM {p}")
+        # At most _LISTED lines per file of a checkpoint, and one line counting the rest, so that the PROBLEM
+        # lines and the "more" lines add up to the count below.
+        for (_, path), group in itertools.groupby(problems, key=lambda p: (p.ckpt_id, p.path)):
+            group = list(group)
+            for p in group[:_LISTED]:
+                print(f"PROBLEM {p}")
+            if len(group) > _LISTED:
+                print(f"... and {len(group) - _LISTED} more problem(s) in {path}")
         bad = sorted({p.ckpt_id for p in problems if p.ckpt_id is not None})
         print(f"{len(problems)} problem(s)" + (f" in checkpoint(s) {', '.join(map(str, bad))}" if bad else ""))
         return EXIT_CORRUPT
@@ -212,6 +241,16 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _check_out(out: str, what: str) -> None:
+    """ConfigError unless ``out`` is a new path in an existing directory (checked before anything is read)."""
+    if os.path.lexists(out):
+        raise ConfigError(f"{out} exists; give --out a new {what} (an export never overwrites)")
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"the directory of --out {out} ({parent}) does not exist; create it, or give --out a "
+                          f"{what} in an existing directory")
+
+
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
@@ -220,6 +259,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
     from cnr_torchrec.ckpt.tools.root import resolve_id
 
+    _check_out(args.out, "directory" if args.format == "dcp" else "file")
     storage = _open(args)
     try:
         cid = resolve_id(storage, args.id)
@@ -239,7 +279,6 @@ def _cmd_export(args: argparse.Namespace) -> int:
               f"{_human_bytes(summary['nbytes'])} -> {args.out} (dcp.load it; see docs/dcp.md)")
         return EXIT_OK
     out = os.path.abspath(args.out)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
     tmp = f"{out}.tmp-{os.getpid()}"
     try:
         torch.save(state, tmp)
@@ -287,11 +326,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "same root.",
         epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
     )
+    debug_help = "on an error, print its traceback before the one-line message"
+    parser.add_argument("--debug", action="store_true", help=debug_help)
     common = argparse.ArgumentParser(add_help=False)
+    # SUPPRESS: `cnr --debug inspect` must not be undone by the subcommand's own default.
+    common.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help=debug_help)
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                         help="passed to the torchsnapshot storage plugin (repeatable; VALUE parsed as JSON if it can "
                              "be), e.g. for s3:// roots")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("inspect", parents=[common], help="list checkpoints, chains, sizes, dirty fractions",
                        description="List the committed checkpoints (chain, step, kind, codec, bytes, rows, dirty "
@@ -354,6 +397,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _error(args: argparse.Namespace, e: CnrError, advice: str = "") -> None:
+    """Prints ``e`` as one line on stderr (after its traceback, with --debug)."""
+    if args.debug:
+        traceback.print_exc()
+    line = one_line(e)
+    print(f"cnr {args.command}: {line}{'' if line.endswith('.') or not advice else '.'}{advice}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Runs the ``cnr`` command; returns its exit code (see the module docstring)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -362,14 +413,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:  # argparse has printed usage and the error
         return int(e.code or 0)
+    if args.command is None:  # `cnr` alone: what it can do, as `cnr --help` shows it
+        parser.print_help()
+        return EXIT_OK
     try:
         return args.func(args)
     except CorruptCheckpointError as e:
-        print(f"cnr {args.command}: corrupt checkpoint: {e}. Run `cnr verify` for every problem; restore or compact "
-              "an older checkpoint.", file=sys.stderr)
+        _error(args, e, " Run `cnr verify` for every problem; restore or compact an older checkpoint.")
         return EXIT_CORRUPT
     except CnrError as e:
-        print(f"cnr {args.command}: {e}", file=sys.stderr)
+        _error(args, e)
         return EXIT_ERROR
     except BrokenPipeError:  # `cnr inspect ROOT | head`: the reader left; say nothing more
         devnull = os.open(os.devnull, os.O_WRONLY)
@@ -377,6 +430,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     except OSError as e:
         where = f" ({e.filename})" if e.filename else ""
+        if args.debug:
+            traceback.print_exc()
         print(f"cnr {args.command}: {e.strerror or e}{where}; check the path and its permissions", file=sys.stderr)
         return EXIT_ERROR
     except KeyboardInterrupt:

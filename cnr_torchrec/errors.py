@@ -17,11 +17,25 @@ __all__ = [
     "SaveFailedError",
     "StorageError",
     "UnsafeCheckpointError",
+    "one_line",
 ]
 
 
 class CnrError(Exception):
     """Base class of every cnr_torchrec error."""
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as its class name and its message on one line, as the ``cnr`` command and the example job print it.
+
+    Args:
+        error: usually a CnrError, whose message already says what to do.
+
+    Returns:
+        ``"<ClassName>: <message>"``, the message's lines joined by spaces.
+    """
+    message = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {message}" if message else type(error).__name__
 
 
 class UnsupportedShardingError(CnrError, ValueError):

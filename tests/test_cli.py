@@ -232,6 +232,32 @@ def test_inspect_json_and_text_match_the_manifests(roots, tmp_path, capsys):
     assert "in 4 checkpoint(s)" in out
 
 
+@pytest.mark.timeout(60)
+def test_inspect_does_not_claim_a_chain_restores_when_a_member_is_corrupt(roots, tmp_path, capsys):
+    root = _copy(roots["q"], tmp_path)  # baseline 0, deltas 1..3, each on the one before
+    _flip(os.path.join(root, "ckpt-00000002", "manifest.json"), 200)
+
+    code, out, _ = _run(capsys, "inspect", root, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert [c["id"] for c in doc["corrupt"]] == [2]
+    assert {r["id"]: r["broken_member"] for r in doc["checkpoints"]} == {0: None, 1: None, 3: 2}
+
+    code, out, _ = _run(capsys, "inspect", root)
+    assert code == 0
+    assert "restores 4 checkpoint(s)" not in out
+    assert ("the newest 3 (step 4) cannot be restored: checkpoint 2 of its chain is corrupt (below); the newest "
+            "that restores is 1 (step 2, 2 checkpoint(s))") in out
+    assert any(line.split()[:5] == ["3", "4", "delta", "consecutive", "0..3"] and "broken" in line
+               for line in out.splitlines()), out
+
+    # The baseline's manifest corrupt too: no delta restores, and none is said to.
+    _flip(os.path.join(root, "ckpt-00000000", "manifest.json"), 200)
+    code, out, _ = _run(capsys, "inspect", root)
+    assert code == 0 and "restores" not in out.replace("restore ignores", "")
+    assert "delta 3 hangs on baseline 0, which is corrupt (below) (it cannot be restored)" in out
+
+
 # ---------------------------------------------------------------------- verify
 
 
@@ -286,6 +312,26 @@ def test_verify_passes_a_sound_root_and_names_every_damaged_file(roots, tmp_path
     with open(victim, "wb") as f:
         f.write(data)
     assert verify_root(root) == []
+
+
+@pytest.mark.timeout(60)
+def test_verify_count_adds_up_with_the_lines_it_prints(roots, tmp_path, capsys):
+    from cnr_torchrec.ckpt.tools.verify import verify_root
+
+    root = _copy(roots["q"], tmp_path)
+    victim = os.path.join(root, "ckpt-00000000", "rank-00000.bin")
+    for pos in range(0, os.path.getsize(victim), 97):  # damage every blob: more problems than a file lists
+        _flip(victim, pos)
+    problems = verify_root(root)
+    assert not any(p.message.startswith("...") for p in problems)  # the library lists every problem
+    code, out, _ = _run(capsys, "verify", root)
+    assert code == 1
+    lines = out.splitlines()
+    listed = sum(line.startswith("PROBLEM ") for line in lines)
+    more = [int(line.split()[2]) for line in lines if line.startswith("... and ")]
+    assert more and listed + sum(more) == len(problems)  # some lines stand for several problems
+    assert lines[-1] == f"{len(problems)} problem(s) in checkpoint(s) 0, 1, 2, 3"
+    assert len(lines) == listed + len(more) + 1
 
 
 # ---------------------------------------------------------------------- compact
@@ -345,7 +391,7 @@ def test_quantized_compaction_equals_the_codec_applied_to_the_chain(roots, tmp_p
 def test_export_loads_with_weights_only_into_an_unsharded_model(roots, tmp_path, capsys):
     from examples.toy import ToyModel, zipf_batch
 
-    out_file = str(tmp_path / "sub" / "export.pt")
+    out_file = str(tmp_path / "export.pt")
     code, out, _ = _run(capsys, "export", roots["q"], "--out", out_file, "--id", "3")
     assert code == 0 and "exported checkpoint 3" in out
     state = torch.load(out_file, weights_only=True)
@@ -375,11 +421,33 @@ def test_export_loads_with_weights_only_into_an_unsharded_model(roots, tmp_path,
         torch.testing.assert_close(plain(batch), dmp(batch), rtol=1e-5, atol=1e-6)
 
     # fp32 chain: the export is the live model at the last save, exactly.
+    out_file = str(tmp_path / "export-fp32.pt")
     code, _, _ = _run(capsys, "export", roots["n"], "--out", out_file)
     assert code == 0
     state = torch.load(out_file, weights_only=True)
     for t, (w, _) in roots["n_live"].items():
         assert torch.equal(state[fqns[t]], w), t
+
+
+@pytest.mark.timeout(60)
+def test_export_refuses_an_existing_out_and_a_missing_directory(roots, tmp_path, capsys):
+    existing = tmp_path / "existing.pt"
+    existing.write_bytes(b"keep me")
+    (tmp_path / "existing_dir").mkdir()
+    cases = [
+        (["--out", str(existing)], f"{existing} exists; give --out a new file (an export never overwrites)"),
+        (["--out", str(tmp_path / "existing_dir"), "--format", "dcp"], "exists; give --out a new directory"),
+        (["--out", str(tmp_path / "no" / "x.pt")], f"the directory of --out {tmp_path / 'no' / 'x.pt'} "
+                                                    f"({tmp_path / 'no'}) does not exist; create it"),
+        (["--out", str(tmp_path / "no" / "x"), "--format", "dcp"], "does not exist; create it"),
+    ]
+    for argv, message in cases:
+        code, out, err = _run(capsys, "export", roots["q"], *argv)
+        assert code == 2 and out == "", (argv, code, out, err)
+        assert err.startswith("cnr export: ConfigError: ") and message in err, (argv, err)
+        assert len(err.strip().splitlines()) == 1, err
+    assert existing.read_bytes() == b"keep me" and os.listdir(tmp_path / "existing_dir") == []
+    assert not (tmp_path / "no").exists()
 
 
 # ---------------------------------------------------------------------- two ranks
@@ -650,6 +718,26 @@ def test_compact_and_export_refuse_a_corrupt_chain(roots, tmp_path, capsys):
     assert not (tmp_path / "e.pt").exists()
 
 
+def test_cnr_alone_prints_the_commands(capsys):
+    code, out, err = _run(capsys)
+    assert code == 0 and err == ""
+    assert out.startswith("usage: cnr")
+    for command in ("inspect", "verify", "compact", "export", "import-dcp"):
+        assert f"    {command}" in out, out
+
+
+@pytest.mark.timeout(60)
+def test_debug_puts_the_traceback_before_the_one_line_error(tmp_path, capsys):
+    missing = str(tmp_path / "missing")
+    code, _, plain = _run(capsys, "inspect", missing)
+    assert code == 2 and "Traceback" not in plain and len(plain.strip().splitlines()) == 1
+    for argv in (["--debug", "inspect", missing], ["inspect", missing, "--debug"]):
+        code, _, err = _run(capsys, *argv)
+        lines = err.strip().splitlines()
+        assert code == 2 and lines[0].startswith("Traceback") and "cnr_torchrec" in err, err
+        assert lines[-1] == plain.strip()
+
+
 @pytest.mark.timeout(120)
 def test_installed_entry_point_help():
     exe = os.path.join(os.path.dirname(sys.executable), "cnr")
@@ -677,7 +765,8 @@ def test_inspect_of_a_thousand_checkpoints_stays_short():
     def row(i, base, depth):
         return {"id": i, "step": 10 * i, "kind": "delta" if depth else "baseline", "policy": "consecutive",
                 "base": base, "depth": depth, "method": "adaptive", "bits": 4, "nbytes": 1000, "rows_written": 5,
-                "total_rows": 100, "dirty_fraction": 0.05, "stall_ms": 1.0, "write_ms": 2.0, "compacted_from": None}
+                "total_rows": 100, "dirty_fraction": 0.05, "stall_ms": 1.0, "write_ms": 2.0, "compacted_from": None,
+                "broken_member": None}
 
     # 1,000 checkpoints: a compaction every 17, each baseline with 16 deltas on it.
     rows = [row(i, i - i % 17, i % 17) for i in range(1000)]

@@ -96,7 +96,9 @@ def summarize(storage: Storage) -> dict[str, Any]:
         (directories without a manifest: ``{"id", "files"}``) and ``corrupt``
         (``{"id", "path", "message"}`` for manifests that do not load or break the schema), and
         ``reconstruction_nbytes``: the host memory a job resuming the newest checkpoint keeps when it holds
-        residual rows (0 otherwise).
+        residual rows (0 otherwise). Each row also holds ``chain`` (its members' ids, baseline first, as far as
+        their manifests load) and ``broken_member``: None, or the id of a member of its chain whose manifest
+        does not load (corrupt, or not committed), which keeps the checkpoint from being restored.
     """
     rows, corrupt, manifests = [], [], []
     for i in committed_ids(storage):
@@ -109,7 +111,11 @@ def summarize(storage: Storage) -> dict[str, Any]:
         rows.append(checkpoint_row(m))
     by_id = {m.id: m for m in manifests}
     for r, m in zip(rows, manifests):
-        r["chain"] = list(chain_ids(m, by_id))
+        chain = chain_ids(m, by_id)  # stops below a member whose manifest did not load
+        r["chain"] = list(chain)
+        first = by_id[chain[0]]
+        r["broken_member"] = None if len(chain) == m.depth + 1 else (
+            first.parent if first.parent is not None else first.id)
     committed = {r["id"] for r in rows} | {c["id"] for c in corrupt}
     uncommitted = [{"id": i, "files": _dir_files(storage, i)} for i in existing_dir_ids(storage) if i not in committed]
     newest = manifests[-1] if manifests else None
