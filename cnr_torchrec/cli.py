@@ -373,9 +373,10 @@ def build_parser() -> argparse.ArgumentParser:
                        description="--format torch (default): a plain, unsharded state_dict in one file: each table "
                                    "under its unsharded name, the dense parameters, and row optimizer state under "
                                    "'<weight>.optimizer_state.<i>'; torch.load(FILE, weights_only=True) reads it. "
-                                   "--format dcp: a torch.distributed.checkpoint directory laid out as a "
-                                   "DistributedModelParallel's state dicts ('model', 'optim', 'dense_optim'), which "
-                                   "dcp.load restores into a DMP of any plan and world size (docs/dcp.md).")
+                                   "--format dcp: a torch.distributed.checkpoint directory laid out as torchtitan "
+                                   "lays one out: the model's state_dict keys at the top level, with 'optim', "
+                                   "'dense_optim' and 'train_state' beside them; dcp.load(model.state_dict(), ...) "
+                                   "restores the model into a DMP of any plan and world size (docs/dcp.md).")
     p.add_argument("root", metavar="DIR")
     p.add_argument("--out", required=True, metavar="OUT", help="the file (torch), or a new directory (dcp)")
     p.add_argument("--id", type=int, help="checkpoint to export (default: the newest committed)")
@@ -383,15 +384,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_export)
 
     p = sub.add_parser("import-dcp", parents=[common], help="turn a DCP checkpoint of a DMP into a baseline",
-                       description="Write a DCP checkpoint of a DistributedModelParallel (dcp.save of {'model': "
-                                   "dmp.state_dict(), 'optim': dmp.fused_optimizer.state_dict()}, and optionally "
-                                   "'dense_optim') as a full-precision baseline of DIR, which Checkpointer.restore() "
-                                   "restores onto any plan (docs/dcp.md). DIR must hold no checkpoint unless --append.")
+                       description="Write a DCP checkpoint of a DistributedModelParallel (dcp.save of "
+                                   "{**dmp.state_dict(), 'optim': dmp.fused_optimizer.state_dict()}, optionally "
+                                   "'dense_optim' and 'train_state'; the older layout nested under 'model' is read "
+                                   "too) as a full-precision baseline of DIR, which Checkpointer.restore() restores "
+                                   "onto any plan (docs/dcp.md). DIR must hold no checkpoint unless --append.")
     p.add_argument("src", metavar="DCP_DIR", help="the directory dcp.save wrote")
     p.add_argument("root", metavar="DIR", help="checkpoint root (created if missing)")
     p.add_argument("--append", action="store_true",
                    help="add the import to a root that holds checkpoints, as a new baseline (same tables)")
-    p.add_argument("--step", type=int, default=0, help="the training step the baseline records (default 0)")
+    p.add_argument("--step", type=int, default=None,
+                   help="the training step the baseline records (default: the step DCP_DIR records, else 0)")
     p.set_defaults(func=_cmd_import_dcp)
 
     return parser

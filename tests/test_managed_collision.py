@@ -314,10 +314,10 @@ def _export_save_worker(rank, world_size, root, kind, policy, optimizer, out):
 def _export_load_worker(rank, world_size, path, kind, policy, optimizer, out):
     import torch.distributed.checkpoint as dcp
 
-    from cnr_torchrec.ckpt.tools.dcp import MODEL, DMPLoadPlanner
+    from cnr_torchrec.ckpt.tools.dcp import DMPLoadPlanner
 
     model = _build(kind, world_size, policy=policy, optimizer=optimizer, seed=4)
-    dcp.load({MODEL: model.dmp.state_dict()}, checkpoint_id=path, planner=DMPLoadPlanner())
+    dcp.load(model.dmp.state_dict(), checkpoint_id=path, planner=DMPLoadPlanner())
     want, got = torch.load(f"{out}.{rank}"), _model_state(model)
     mc = [k for k in want if "_managed_collision_modules" in k]
     assert len(mc) >= 8 and set(want) == set(got)
@@ -472,14 +472,14 @@ def _import_worker(rank, world_size, path, root):
     import torch.distributed.checkpoint as dcp
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.tools.dcp import MODEL, DMPLoadPlanner
+    from cnr_torchrec.ckpt.tools.dcp import DMPLoadPlanner
 
     ours = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=7)
     with Checkpointer(ours.dmp, _config(root), dense_optimizer=ours.dense_optimizer) as ck:
         ck.restore()
     theirs = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=8)
     sd = theirs.dmp.state_dict()
-    dcp.load({MODEL: sd}, checkpoint_id=path, planner=DMPLoadPlanner())
+    dcp.load(sd, checkpoint_id=path, planner=DMPLoadPlanner())
     theirs.dmp.load_state_dict(sd)
     held = 0
     for table in ours.table_names:

@@ -22,7 +22,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.layout import regions_of_layout
-from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, OPTIM, TRAIN_STATE, check_model_keys
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
 from cnr_torchrec.ckpt.tools.dcp.mc import SEGMENTS, buffer_of, mc_prefix
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
@@ -76,7 +76,7 @@ def _mc_pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ..
         return []
     prefix = _mc_prefix(tip, table)
     rows = tip.tables[table][0]
-    return [_Piece((MODEL, f"{prefix}.{buffer_of(field)}"), (rows,), (r[0],), (r[1] - r[0],), table, r, c,
+    return [_Piece((f"{prefix}.{buffer_of(field)}",), (rows,), (r[0],), (r[1] - r[0],), table, r, c,
                    f"mc:{field}", torch.int64)
             for field in (*fields, "mapping") for r, c in blocks]
 
@@ -116,7 +116,7 @@ def _pieces(tip: Manifest, table: str, blocks: list[tuple[tuple[int, int], ...]]
     """The weight of ``table`` in the tip's shard ``blocks``, and its fused optimizer state in TorchRec's layout."""
     rows, dim = tip.tables[table]
     fqn = tip.table_fqns.get(table, f"{table}.weight")
-    weight = [_Piece((MODEL, fqn), (rows, dim), (r[0], c[0]), (r[1] - r[0], c[1] - c[0]), table, r, c)
+    weight = [_Piece((fqn,), (rows, dim), (r[0], c[0]), (r[1] - r[0], c[1] - c[0]), table, r, c)
               for r, c in blocks]
     states = [e.states for r in tip.ranks for e in r.tables.get(table, ())]
     count = max(map(len, states), default=0)
@@ -183,7 +183,9 @@ class _ExportPlanner(DefaultSavePlanner):
 def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
                progress: Progress | None = None) -> dict[str, Any]:
     """Writes checkpoint ``ckpt_id`` (default: the newest committed) as a DCP checkpoint in new directory ``out``:
-    float32 tables, decoded one at a time once the chain verifies. Runs in this process alone.
+    the model's keys at the top level (float32 tables, decoded one at a time once the chain verifies), the fused
+    optimizer under ``optim``, the dense one under ``dense_optim`` and the step under ``train_state``
+    (docs/dcp.md). Runs in this process alone.
 
     Returns:
         ``{"id", "step", "tensors", "nbytes", "tables_decoded"}`` (table assemblies: one per table).
@@ -192,7 +194,8 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
         ConfigError: ``out`` exists.
         CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
         CorruptCheckpointError: a file of the chain fails its checks (names it).
-        IncompatibleCheckpointError: a table stores more than one optimizer state per row.
+        IncompatibleCheckpointError: a table stores more than one optimizer state per row, or a model key is
+            (or begins with) a top-level name of the layout (``layout.RESERVED``).
     """
     out = os.path.abspath(out)
     if os.path.lexists(out):
@@ -206,8 +209,10 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
                                                        + _mc_pieces(tip, t, sorted(blocks.get(t, []))))]
     first = tip.ranks[0]
     load = PayloadReader(storage, first.payload, whole=False)  # the dense state: a few blobs of rank 0's file
-    dense: dict[str, Any] = {MODEL: {name: load(blob) for name, blob in first.dense.items()}}
-    dense[MODEL].update(_mc_plain_buffers(tip, load, pieces))
+    dense: dict[str, Any] = {name: load(blob) for name, blob in first.dense.items()}  # the model's, top level
+    dense.update(_mc_plain_buffers(tip, load, pieces))
+    check_model_keys([*dense, *(p.path[0] for p in pieces if p.path[0] != OPTIM)], f"checkpoint {tip.id}")
+    dense[TRAIN_STATE] = {"step": tip.step}
     named = unflatten_state(first.dense_optimizer, load)
     if named is not None and "param_names" in named:  # by parameter name (an older build's is by position only)
         dense[DENSE_OPTIM] = by_fqn(named)

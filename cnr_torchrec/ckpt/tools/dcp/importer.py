@@ -15,7 +15,7 @@ from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.baseline import write_baseline
 from cnr_torchrec.ckpt.save.staging import StagedShard
-from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM, _column_shards
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, STEP_PATHS, _column_shards
 from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
 from cnr_torchrec.ckpt.tools.dcp.mc import MC_KEY, by_row, fields_of, fresh_window
 from cnr_torchrec.ckpt.tools.offline import Progress
@@ -43,19 +43,24 @@ def _fp32(md: Metadata, key: str, where: str) -> TensorStorageMetadata:
     return m
 
 
-def _dcp_tables(md: Metadata, where: str) -> dict[str, _DcpTable]:
-    """The tables: ``model`` weights with fused state under ``optim``, and those named like TorchRec's
-    (``...embedding_bags.<table>.weight``, ``...embeddings.<table>.weight``). Checks dtypes and shapes."""
+def _model_keys(md: Metadata) -> dict[str, str]:
+    """The model's entries, flat key by model key: those under ``model`` where the checkpoint nests them there
+    (the older layout; every other top-level entry is then ignored), else every top-level entry but a ``step``."""
     paths = {k: _path(md, k) for k in md.state_dict_metadata}
+    nested = {str(p[1]): k for k, p in paths.items() if len(p) == 2 and p[0] == LEGACY_MODEL}
+    return nested or {str(p[0]): k for k, p in paths.items() if len(p) == 1 and p not in STEP_PATHS}
+
+
+def _dcp_tables(md: Metadata, model: dict[str, str], where: str) -> dict[str, _DcpTable]:
+    """The tables: the model's weights with fused state under ``optim``, and those named like TorchRec's
+    (``...embedding_bags.<table>.weight``, ``...embeddings.<table>.weight``). Checks dtypes and shapes."""
     fused: dict[str, dict[str, str]] = {}
-    for key, p in paths.items():
-        if len(p) == 4 and p[:2] == (OPTIM, "state"):
+    for key in md.state_dict_metadata:
+        if len(p := _path(md, key)) == 4 and p[:2] == (OPTIM, "state"):
             fused.setdefault(str(p[2]), {})[str(p[3])] = key
     out: dict[str, _DcpTable] = {}
-    for key, p in sorted(paths.items()):
-        if len(p) != 2 or p[0] != MODEL:
-            continue
-        fqn, states, m = str(p[1]), fused.pop(str(p[1]), {}), _TABLE_FQN.search(str(p[1]))
+    for fqn, key in sorted(model.items()):
+        states, m = fused.pop(fqn, {}), _TABLE_FQN.search(fqn)
         if not states and m is None:
             continue  # a dense parameter or buffer
         name = m.group(1) if m else next(iter(states)).rsplit(".", 1)[0]
@@ -75,11 +80,11 @@ def _dcp_tables(md: Metadata, where: str) -> dict[str, _DcpTable]:
         out[name] = _DcpTable(name, fqn, (rows, dim), state)
     if fused:
         raise IncompatibleCheckpointError(f"{where}: it holds fused optimizer state of {sorted(fused)} but not their "
-                                          f"weights under '{MODEL}': it lacks those tables")
+                                          "weights among the model's keys: it lacks those tables")
     if not out:
-        raise IncompatibleCheckpointError(f"{where}: no embedding table under '{MODEL}'; dcp.save {{'{MODEL}': "
-                                          f"dmp.state_dict(), '{OPTIM}': dmp.fused_optimizer.state_dict()}}")
-    for table, buffers in _mc_keys(paths).items():
+        raise IncompatibleCheckpointError(f"{where}: no embedding table among the model's keys; dcp.save({{**dmp."
+                                          f"state_dict(), '{OPTIM}': dmp.fused_optimizer.state_dict()}})")
+    for table, buffers in _mc_keys(model).items():
         if table not in out:
             raise IncompatibleCheckpointError(f"{where}: it holds managed-collision buffers of table '{table}' but "
                                               "not its weight")
@@ -87,21 +92,21 @@ def _dcp_tables(md: Metadata, where: str) -> dict[str, _DcpTable]:
     return out
 
 
-def _mc_keys(paths: dict[str, tuple[Any, ...]]) -> dict[str, dict[str, str]]:
-    """The managed-collision buffers under ``model``, by table: flat key by buffer name."""
+def _mc_keys(model: dict[str, str]) -> dict[str, dict[str, str]]:
+    """The model's managed-collision buffers, by table: flat key by buffer name."""
     out: dict[str, dict[str, str]] = {}
-    for key, p in paths.items():
-        if len(p) == 2 and p[0] == MODEL and (m := MC_KEY.match(str(p[1]))):
+    for name, key in model.items():
+        if m := MC_KEY.match(name):
             out.setdefault(m["table"], {})[m["buffer"]] = key
     return out
 
 
-def _table_shards(path: str, md: Metadata, tables: dict[str, _DcpTable],
+def _table_shards(path: str, md: Metadata, model: dict[str, str], tables: dict[str, _DcpTable],
                   progress: Progress | None) -> Iterator[StagedShard]:
     """Each table as entries of whole rows, read one table at a time: one entry, or one per column shard when
     its row-wise state was saved per column shard (each keeps its own value)."""
     for t in sorted(tables.values(), key=lambda t: t.name):
-        (rows, dim), wkey = t.shape, f"{MODEL}.{t.fqn}"
+        (rows, dim), wkey = t.shape, model[t.fqn]
         got = _read(path, {wkey: torch.empty(rows, dim),
                            **({} if t.state is None else {t.state: _empty(md.state_dict_metadata[t.state])})})
         weights, state = got[wkey], got.get(t.state)
@@ -141,29 +146,52 @@ def _mc_windows(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[s
     return out
 
 
-def _dense(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, torch.Tensor]:
-    """The dense parameters and buffers: every ``model`` entry that is not a table (or its managed-collision
+def _dense(path: str, md: Metadata, model: dict[str, str], tables: dict[str, _DcpTable]) -> dict[str, torch.Tensor]:
+    """The dense parameters and buffers: every model entry that is not a table (or its managed-collision
     buffers)."""
-    taken = {t.fqn for t in tables.values()} | {
-        str(_path(md, k)[1]) for t in tables.values() for k in (t.mc or {}).values()}
-    keys = {k: str(p[1]) for k in md.state_dict_metadata
-            if len(p := _path(md, k)) == 2 and p[0] == MODEL and str(p[1]) not in taken}
+    fqns, mc = {t.fqn for t in tables.values()}, {k for t in tables.values() for k in (t.mc or {}).values()}
+    keys = {k: name for name, k in model.items() if name not in fqns and k not in mc}
     for k in keys:  # (a dtype our payloads do not store fails when it is written)
         if not isinstance(md.state_dict_metadata[k], TensorStorageMetadata):
-            raise IncompatibleCheckpointError(f"{path}: {k} is not a tensor; every '{MODEL}' entry must be one")
+            raise IncompatibleCheckpointError(f"{path}: {k} is not a tensor; the model's entries must all be "
+                                              "tensors (save other state under a key of its own, as a dict)")
     return {keys[k]: v for k, v in _read(path, {k: _empty(md.state_dict_metadata[k]) for k in keys}).items()}
 
 
-def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int = 0,
+def _step(path: str, md: Metadata) -> int | None:
+    """The training step the checkpoint records (the first of ``STEP_PATHS`` it holds), or None.
+
+    Raises:
+        IncompatibleCheckpointError: it is not a non-negative integer (or a one-element integer tensor).
+    """
+    keys = {_path(md, k): k for k in md.state_dict_metadata}
+    key = next((keys[p] for p in STEP_PATHS if p in keys), None)
+    if key is None:
+        return None
+    value = _read(path, {key: _empty(md.state_dict_metadata[key])})[key]
+    if torch.is_tensor(value) and value.numel() == 1 and not value.is_floating_point() and not value.is_complex():
+        value = int(value.reshape(-1)[0])
+    if type(value) is not int or value < 0:
+        raise IncompatibleCheckpointError(f"{path}: '{key}' is {value!r}, not a training step (an int >= 0); "
+                                          "save the step as an int, or leave it out and pass --step")
+    return value
+
+
+def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int | None = None,
                progress: Progress | None = None) -> Manifest:
-    """Writes the DCP checkpoint in directory ``path`` (the module's layout, as ``dcp.save({"model":
-    dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(), "dense_optim": ...})`` wrote it) as a baseline
-    of ``storage`` with the next free id: full-precision entries, one table read at a time. A failure before
-    the commit (the sealed manifest) removes what was written.
+    """Writes the DCP checkpoint in directory ``path`` as a baseline of ``storage`` with the next free id:
+    full-precision entries, one table read at a time. A failure before the commit (the sealed manifest) removes
+    what was written.
+
+    It reads the layout of docs/dcp.md, ``dcp.save({**dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict(),
+    "dense_optim": ...})``, and the older one that nests the model under ``"model"`` (what earlier versions
+    exported): when ``model`` holds entries, those are the model's and other top-level entries are ignored.
 
     Args:
         append: import into a root that holds checkpoints, as a new baseline with the newest one's tables.
-        step: the training step the baseline records.
+        step: the training step the baseline records. None (the default): the step the checkpoint records
+            (a top-level ``step``, else ``train_state.step``, what an export and torchtitan write, else
+            ``trainer.step``), or 0 when it records none.
 
     Returns:
         The new checkpoint's manifest.
@@ -172,11 +200,14 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
         CheckpointNotFoundError: ``path`` holds no DCP checkpoint.
         ConfigError: the root holds checkpoints and ``append`` is False.
         IncompatibleCheckpointError: a table (or its weight) is missing, a shape differs (from the root's, or
-            between a table and its state), a table or its state is not float32, or the layout is another.
+            between a table and its state), a table or its state is not float32, the saved step is not an
+            int >= 0, or the layout is another.
         UnsafeCheckpointError, CorruptCheckpointError: its metadata pickles what DCP never writes, or does not load.
     """
     md = _metadata(path)
-    tables = _dcp_tables(md, path)
+    model = _model_keys(md)
+    tables = _dcp_tables(md, model, path)
+    saved_step = _step(path, md)
     committed = committed_ids(storage)
     if committed and not append:
         raise ConfigError(f"{storage.root} already holds checkpoints (newest: {committed[-1]}); import into an empty "
@@ -191,9 +222,10 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int =
                                               "Import it into a new root")
     tree = _read_tree(path, md, DENSE_OPTIM)
     return write_baseline(
-        storage, step=step, shards=_table_shards(path, md, tables, progress),
+        storage, step=step if step is not None else (saved_step or 0),
+        shards=_table_shards(path, md, model, tables, progress),
         table_shapes={t.name: list(t.shape) for t in tables.values()},
-        table_fqns={t.name: t.fqn for t in tables.values()}, dense=_dense(path, md, tables),
+        table_fqns={t.name: t.fqn for t in tables.values()}, dense=_dense(path, md, model, tables),
         dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
         reason=f"imported from DCP checkpoint {path}", mc_runtime=_mc_windows(path, md, tables),
     )

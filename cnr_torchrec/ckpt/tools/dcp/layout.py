@@ -1,16 +1,42 @@
-"""The DMP layout of a DCP checkpoint: its top-level keys, and how row-wise state splits by column shards."""
+"""The DMP layout of a DCP checkpoint: the model's keys at the top level and the rest under named keys, the
+older layout that nested the model under ``model``, and how row-wise state splits by column shards."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from cnr_torchrec.errors import IncompatibleCheckpointError
 
-__all__ = ["MODEL", "OPTIM", "DENSE_OPTIM"]
+__all__ = ["OPTIM", "DENSE_OPTIM", "TRAIN_STATE", "LEGACY_MODEL", "STEP_PATHS", "RESERVED", "check_model_keys"]
 
-MODEL, OPTIM, DENSE_OPTIM = "model", "optim", "dense_optim"
-"""The top-level keys: ``dmp.state_dict()``, ``dmp.fused_optimizer.state_dict()``, the dense optimizer."""
+OPTIM, DENSE_OPTIM, TRAIN_STATE = "optim", "dense_optim", "train_state"
+"""The named keys beside the model's: ``dmp.fused_optimizer.state_dict()``, the dense optimizer by parameter FQN,
+and ``{"step": N}`` (torchtitan's name and shape for it)."""
+
+LEGACY_MODEL = "model"
+"""Where earlier versions, and the docs they came with, nested ``dmp.state_dict()``. ``import-dcp`` still reads
+it."""
+
+STEP_PATHS: tuple[tuple[str, ...], ...] = (("step",), (TRAIN_STATE, "step"), ("trainer", "step"))
+"""Where ``import-dcp`` looks for the training step, in this order."""
+
+RESERVED = (OPTIM, DENSE_OPTIM, TRAIN_STATE, "trainer", "step")
+"""Top-level names that a model key may neither be nor begin with (followed by a dot): DCP flattens the named
+entries to ``<name>.<...>`` keys, beside the model's own."""
+
+
+def check_model_keys(keys: Iterable[str], where: str) -> None:
+    """Refuses model keys that would mix with the named entries of the layout.
+
+    Raises:
+        IncompatibleCheckpointError: a key is a name of :data:`RESERVED` or begins with one and a dot.
+    """
+    clash = sorted(k for k in keys if k.split(".", 1)[0] in RESERVED)
+    if clash:
+        raise IncompatibleCheckpointError(
+            f"{where}: the model's keys {clash[:5]} would mix with the top-level entries {list(RESERVED)} that a "
+            "DCP export keeps beside the model's keys; rename that module, or export with --format torch")
 
 
 def _column_shards(boxes: Sequence[tuple[Any, Any]], rows: int, dim: int, k: int, what: str) -> list[tuple[int, int]]:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from cnr_torchrec.ckpt.format.dense_optim import by_fqn, from_fqn, load_named_state, named_state
-from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, MODEL, OPTIM, _column_shards
+from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
 from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, CorruptCheckpointError, IncompatibleCheckpointError,
                                  UnsafeCheckpointError)
 
@@ -169,13 +169,16 @@ class _Remap:
 
 
 class DMPLoadPlanner(DefaultLoadPlanner):
-    """``dcp.load(state_dict, checkpoint_id=..., planner=DMPLoadPlanner())`` into a DMP of any plan.
+    """``dcp.load(state_dict, checkpoint_id=..., planner=DMPLoadPlanner())`` into a DMP of any plan, where
+    ``state_dict`` is ``dmp.state_dict()``, alone or with ``optim`` (``dmp.fused_optimizer.state_dict()``) beside
+    its keys; or, for a checkpoint of the older layout, ``{"model": dmp.state_dict(), "optim": ...}``.
 
     On top of DefaultLoadPlanner (weights reshard by FQN), for the module's layout: (1) row-wise fused state
     whose column shards differ from the saved ones is read per saved column shard and put on each local shard
     by column overlap: a shard inside one saved shard takes its value, one spanning several their column-width-
     weighted mean, as ``Checkpointer.restore`` does; (2) optimizer state (``optim``, ``dense_optim``) the
     checkpoint lacks stays as it is, listed in ``skipped``; (3) other values load with ``weights_only=True``.
+    A model key the checkpoint lacks fails, as with DefaultLoadPlanner.
     """
 
     def __init__(self) -> None:
@@ -207,7 +210,9 @@ class DMPLoadPlanner(DefaultLoadPlanner):
         if not (len(path) == 4 and path[:2] == (OPTIM, "state") and isinstance(live, ShardedTensor)
                 and live.dim() == 1 and isinstance(saved, TensorStorageMetadata) and len(saved.size) == 1):
             return None
-        wkey = f"{MODEL}.{path[2]}"
+        wkey = str(path[2])  # the weight: a top-level model key, or under ``model`` in the older layout
+        if wkey not in self.state_dict:
+            wkey = f"{LEGACY_MODEL}.{wkey}"
         wsaved, wlive = md.get(wkey), self.state_dict.get(wkey)
         if not (isinstance(wsaved, TensorStorageMetadata) and len(wsaved.size) == 2
                 and isinstance(wlive, ShardedTensor)):
