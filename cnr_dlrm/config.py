@@ -179,7 +179,7 @@ def load_job_config(source: str | os.PathLike | Mapping[str, Any], overrides: Se
         ConfigError: a missing or invalid file, an unknown key anywhere (with a did-you-mean), a
             wrong type, an out-of-range value or a bad override. The message names the key.
     """
-    data, where = read_mapping(source, "job config", empty_ok=True)
+    data, where = read_mapping(source, "job config", empty_ok=True, by_name=False)
     if where == "config":
         where = "job config"
     data = apply_overrides(data, overrides)

@@ -1,10 +1,15 @@
 """``CheckNRunDMP``: DistributedModelParallel with dirty-row tracking built in."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`, and typing's Optional and List where DMP has them: the
+# parameters that DistributedModelParallel also takes carry its very annotation objects, since
+# TorchRec's signature check (torchrec.schema.utils.is_signature_compatible) compares annotations
+# with `!=`, and neither a string nor `list[...]` equals its `List[...]` (tests/test_dropin.py).
+from typing import List, Optional
 
 import torch
 from torch import nn
-from torchrec.distributed import DistributedModelParallel
+from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
+from torchrec.distributed.model_tracker.types import ModelTrackerConfigs
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from cnr_torchrec.track import DirtyRowTracker
@@ -48,14 +53,14 @@ class CheckNRunDMP(DistributedModelParallel):
     def __init__(
         self,
         module: nn.Module,
-        env: ShardingEnv | None = None,
-        device: torch.device | None = None,
-        plan: ShardingPlan | None = None,
-        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        env: Optional[ShardingEnv] = None,
+        device: Optional[torch.device] = None,
+        plan: Optional[ShardingPlan] = None,
+        sharders: Optional[List[ModuleSharder[torch.nn.Module]]] = None,
         init_data_parallel: bool = True,
         init_parameters: bool = True,
-        data_parallel_wrapper=None,
-        model_tracker_configs=None,
+        data_parallel_wrapper: Optional[DataParallelWrapper] = None,
+        model_tracker_configs: Optional[ModelTrackerConfigs] = None,
         *,
         count_updates: bool = False,
         baseline_view: bool = False,

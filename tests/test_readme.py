@@ -70,3 +70,11 @@ def test_every_docs_page_is_in_the_index():
     index = open(os.path.join(REPO, "docs", "README.md")).read()
     pages = sorted(f for f in os.listdir(os.path.join(REPO, "docs")) if f.endswith(".md") and f != "README.md")
     assert [p for p in pages if f"]({p})" not in index] == []
+
+
+def test_the_readmes_install_is_the_one_the_install_test_runs():
+    """The README's install block is docs/install.md's, which tests/test_install.py runs in a new venv."""
+    readme = [line for line in _shell_lines(open(README).read()) if line.startswith("pip ")]
+    doc = [line for line in _shell_lines(open(os.path.join(REPO, "docs", "install.md")).read())
+           if line.startswith("pip ")]
+    assert readme and readme == doc[: len(readme)] and len(readme) == 5

@@ -399,10 +399,11 @@ class CheckpointConfig:
 
 
 def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> CheckpointConfig:
-    """Builds a :class:`CheckpointConfig` from a YAML file or a mapping.
+    """Builds a :class:`CheckpointConfig` from a shipped config, a YAML file or a mapping.
 
     Args:
-        source: path of a YAML file, or a mapping with the same keys.
+        source: the name of a config the package ships (``"consecutive"``, ``"full"``, ``"one_shot"``,
+            ``"intermittent"``), the path of a YAML file, or a mapping with the same keys.
         overrides: top-level keys that replace the file's values.
 
     Raises:

@@ -7,15 +7,20 @@ wrong type is refused rather than coerced (only an integer is taken for a float)
 message starts with where the value was (the file and the key path), so a typo in a nested
 section points at itself.
 
-It knows nothing of checkpoints: :func:`cnr_torchrec.ckpt.config.load_config` builds a
+A bare name (a ``str`` with no path separator that does not end in ``.yaml`` or ``.yml``) is
+one of the configs the package ships, ``cnr_torchrec/configs/NAME.yaml``: ``load_config("consecutive")``
+works wherever the package is installed. Anything else is a path, relative to the working directory.
+
+It knows nothing of checkpoints' fields: :func:`cnr_torchrec.ckpt.config.load_config` builds a
 :class:`~cnr_torchrec.ckpt.config.CheckpointConfig` with it, and the training job's config
-(``cnr_torchrec.job.config``) builds its sections with it, so both report errors alike.
+(``cnr_dlrm.config``) builds its sections with it, so both report errors alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib.resources
 import os
 import types
 import typing
@@ -26,22 +31,82 @@ import yaml
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["convert_value", "dataclass_from_mapping", "read_mapping"]
+__all__ = [
+    "convert_value",
+    "dataclass_from_mapping",
+    "is_config_name",
+    "read_mapping",
+    "shipped_config_names",
+    "shipped_config_path",
+]
+
+_SHIPPED_SUFFIX = ".yaml"
+
+
+def _shipped_dir() -> Any:
+    # Through importlib.resources, so that the package's own files are found wherever it is installed.
+    return importlib.resources.files("cnr_torchrec").joinpath("configs")
+
+
+def shipped_config_names() -> list[str]:
+    """The names of the configs the package ships, sorted (each one's file is ``cnr_torchrec/configs/NAME.yaml``)."""
+    folder = _shipped_dir()
+    if not folder.is_dir():
+        return []
+    return sorted(f.name[: -len(_SHIPPED_SUFFIX)] for f in folder.iterdir() if f.name.endswith(_SHIPPED_SUFFIX))
+
+
+def is_config_name(source: Any) -> bool:
+    """Whether ``source`` names a shipped config rather than a file: a ``str`` with no path separator
+    that does not end in ``.yaml`` or ``.yml`` (a :class:`os.PathLike` is always a path)."""
+    if not isinstance(source, str):
+        return False
+    separators = [os.sep] + ([os.altsep] if os.altsep else [])
+    return not any(sep in source for sep in separators) and not source.endswith((".yaml", ".yml"))
+
+
+def shipped_config_path(name: str) -> str:
+    """The file of the shipped config ``name``.
+
+    Args:
+        name: one of :func:`shipped_config_names`, such as ``"consecutive"``.
+
+    Returns:
+        The path of ``cnr_torchrec/configs/<name>.yaml`` in the installed package.
+
+    Raises:
+        ConfigError: no shipped config has that name; the message lists those that do.
+    """
+    names = shipped_config_names()
+    if name not in names:
+        raise ConfigError(
+            f"{name!r} is not a config the package ships; the shipped configs are {names}. "
+            f"To read a file, pass its path (such as ./{name} or {name}.yaml)"
+        )
+    return os.fspath(_shipped_dir().joinpath(name + _SHIPPED_SUFFIX))
 
 
 def read_mapping(
-    source: str | os.PathLike | Mapping[str, Any], what: str, empty_ok: bool = False
+    source: str | os.PathLike | Mapping[str, Any], what: str, empty_ok: bool = False, *, by_name: bool = True
 ) -> tuple[dict[str, Any], str]:
     """The top-level mapping of a YAML file (or a mapping, copied), and how to name it in errors.
 
     An empty file is an empty mapping when ``empty_ok`` (every key has a default), else an error.
 
+    Args:
+        source: a mapping, the path of a YAML file, or (with ``by_name``) the name of a shipped config.
+        what: what the file is, for errors ("config file").
+        empty_ok: an empty file is an empty mapping instead of an error.
+        by_name: read a bare name (see :func:`is_config_name`) as a shipped config's name; without it,
+            every ``str`` is a path.
+
     Raises:
-        ConfigError: the file is missing, is not YAML, or its top level is not a mapping.
+        ConfigError: the file is missing, is not YAML, or its top level is not a mapping; or a bare
+            name that no shipped config has (the message lists the shipped names).
     """
     if isinstance(source, Mapping):
         return dict(source), "config"
-    where = os.fspath(source)
+    where = shipped_config_path(source) if by_name and is_config_name(source) else os.fspath(source)
     try:
         with open(where) as f:
             data = yaml.safe_load(f)
