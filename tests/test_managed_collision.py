@@ -365,6 +365,7 @@ def _compaction_worker(rank, world_size, root, quantization, offline_root):
         want = {t: (model.dmp.dirty_tracker.mc_table(t).by_row(), model.mc_modules()[t]._current_iter)
                 for t in model.table_names}
         weights = {t: _shard_rows(model, t)[1] for t in model.table_names}
+    dist.barrier()  # rank 0's last commit (and the retention that follows it) is done before the root is listed
     compacted = _compacted_ids(root)
     assert compacted, "no compaction ran"
     for where in (root, offline_root):
