@@ -516,15 +516,14 @@ def test_an_import_of_a_dcp_export_restores_what_torchrecs_own_load_gives(tmp_pa
 def _clobber(model):
     """What a replaced rank starts from, in this process: zero rows, empty tables, a fresh eviction window."""
     from cnr_torchrec.ckpt.tools.dcp.mc import fresh_window
+    from cnr_torchrec.track.managed_collision import empty_state
 
     with torch.no_grad():
         for table in model.table_names:
             mc = model.dmp.dirty_tracker.mc_table(table)
             (kernel, shard), = model.dmp.dirty_tracker.shards(table)
             kernel.tbe.split_embedding_weights()[shard.local_index].zero_()
-            state = torch.zeros(mc.num_rows, len(mc.fields), dtype=torch.int64)
-            state[:, 0] = EMPTY
-            mc.load_by_row(state)
+            mc.load_by_row(empty_state(mc.num_rows, len(mc.fields)))
             mc.load_runtime(fresh_window(mc.fields, 0))
 
 

@@ -36,7 +36,7 @@ from torch import nn
 
 from cnr_torchrec.errors import UnsupportedShardingError
 
-__all__ = ["EMPTY", "McTable", "find_mc_tables", "inner_module", "route"]
+__all__ = ["EMPTY", "McTable", "empty_state", "find_mc_tables", "inner_module", "route", "sort_order"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,19 @@ def inner_module(module: nn.Module) -> nn.Module | None:
                 "torch.distributed.checkpoint"
             )
     return module._embedding_module
+
+
+def sort_order(state: torch.Tensor) -> torch.Tensor:
+    """The rows of a by-row state (``[rows, fields]``, raw id first) in the order the module keeps its sorted
+    buffers: raw ids ascending, empty slots after them in ascending row order (the module sorts stably)."""
+    return torch.argsort(state[:, 0], stable=True)
+
+
+def empty_state(rows: int, fields: int) -> torch.Tensor:
+    """The by-row state of ``rows`` empty slots: no raw id, zero metadata."""
+    state = torch.zeros(rows, fields, dtype=torch.int64)
+    state[:, 0] = EMPTY
+    return state
 
 
 @dataclass
@@ -118,8 +131,7 @@ class McTable:
         """Rebuilds the sorted buffers from a by-row state (``[num_rows, len(fields)]``, as :meth:`by_row`)."""
         mch = self.mch
         state = state.to(mch._mch_sorted_raw_ids.device)
-        # Stable: empty slots keep ascending row order, as the module's own stable re-sorts keep them.
-        order = torch.argsort(state[:, 0], stable=True)
+        order = sort_order(state)
         with torch.no_grad():
             mch._mch_sorted_raw_ids.copy_(state[order, 0])
             mch._mch_remapped_ids_mapping.copy_(order + self.start)

@@ -34,7 +34,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.offline import RowState, TableData, assemble_tables
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.track.managed_collision import EMPTY, McTable, route
+from cnr_torchrec.track.managed_collision import EMPTY, McTable, empty_state, route
 
 __all__ = ["needs_relocation", "relocate_tables"]
 
@@ -131,8 +131,7 @@ def _write_rows(table: str, data: TableData, order: torch.Tensor, mc: McTable, t
         for live_state, saved in zip(states, data.states):
             moved = RowState(saved.rowwise, saved.values[order]).for_shard((0, n), cols)
             live_state.reshape(shard.num_rows, -1)[:n] = moved.reshape(n, -1).to(live_state)
-    state = torch.zeros(mc.num_rows, len(mc.fields), dtype=torch.int64)
-    state[:, 0] = EMPTY
+    state = empty_state(mc.num_rows, len(mc.fields))
     state[:n] = data.mc[order]
     mc.load_by_row(state)
 

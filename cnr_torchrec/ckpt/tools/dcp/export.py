@@ -28,6 +28,7 @@ from cnr_torchrec.ckpt.tools.dcp.mc import SEGMENTS, buffer_of, mc_prefix
 from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
+from cnr_torchrec.track.managed_collision import sort_order
 
 __all__ = ["export_dcp"]
 
@@ -62,7 +63,7 @@ def _mc_buffer(data: TableData, rows: tuple[int, int], field: str) -> torch.Tens
     if data.mc is None:
         raise CorruptCheckpointError(f"the chain stores no managed-collision state for rows {rows}")
     state = data.mc[rows[0] : rows[1]]
-    order = torch.argsort(state[:, 0], stable=True)
+    order = sort_order(state)
     if field == "mapping":
         return order + rows[0]
     return state[order, data.mc_fields.index(field)].contiguous()
