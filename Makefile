@@ -4,20 +4,36 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 DEPS   := $(VENV)/.deps-stamp
 EXT    := $(VENV)/.ext-stamp
+EMU    := $(VENV)/.emu-stamp
+TEST_DEPS := $(VENV)/.test-deps-stamp
 CSRC   := $(shell find csrc -type f 2>/dev/null)
-NPROC  ?= 2
+NPROC  ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_ARGS ?=
 
 .PHONY: install test demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
-$(DEPS): requirements.txt scripts/install.sh
+$(DEPS): requirements.txt requirements-torchrec.txt scripts/install.sh
+	@echo "set-up: the pinned torch, FBGEMM and TorchRec stack into $(VENV) (once; about 2 minutes on an idle 2-core machine)"
 	bash scripts/install.sh $(VENV)
 	@touch $@
 
+# What the tests need besides (pytest, the moto S3 server, matplotlib).
+$(TEST_DEPS): $(DEPS) requirements-test.txt
+	bash scripts/install.sh $(VENV) requirements-test.txt
+	@touch $@
+
+# The library's extension, cnr_torchrec._C: all that the library, the demo and the benchmarks load.
 $(EXT): $(DEPS) setup.py $(CSRC)
-	CNR_CUDA_EMU=1 MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	@echo "set-up: building cnr_torchrec._C with $(NPROC) jobs (after a change to csrc/; about 1 minute on 2 cores)"
+	MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	@touch $@
+
+# The CUDA kernels of csrc/cuda/ compiled for the CPU (cnr_torchrec._C_cuda_emu), which only the tests load.
+$(EMU): $(EXT)
+	@echo "set-up: building the emulated CUDA kernels for the tests (about 1 minute on 2 cores)"
+	CNR_CUDA_EMU=only MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace
 	@touch $@
 
 # Compile-check the CUDA sources (they include no torch header) wherever nvcc exists.
@@ -35,14 +51,14 @@ nvcc-check:
 CUDA_VENV ?= .venv-cuda
 CUDA_DEPS := $(CUDA_VENV)/.deps-stamp
 
-$(CUDA_DEPS): requirements.txt scripts/install_cuda.sh scripts/nvml_stub.c
+$(CUDA_DEPS): requirements.txt requirements-torchrec.txt requirements-test.txt scripts/install_cuda.sh scripts/nvml_stub.c
 	bash scripts/install_cuda.sh $(CUDA_VENV)
 	@touch $@
 
-cuda-check: $(CUDA_DEPS) $(DEPS)
+cuda-check: $(CUDA_DEPS) $(TEST_DEPS)
 	CPU_VENV=$(VENV) bash scripts/cuda_check.sh $(CUDA_VENV) .cuda-build $(PYTEST_ARGS)
 
-test: install nvcc-check
+test: $(EMU) $(TEST_DEPS) nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The example job (cnr_dlrm/, beside the library, not in its wheel): torchrun's `-m` workers start in this
@@ -100,10 +116,10 @@ accuracy-combine: install
 	  --json out/accuracy-production-residual-compaction-seeds.json --markdown out/accuracy-production-residual-compaction-seeds.md
 
 clean:
-	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) .cuda-build
+	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) $(EMU) .cuda-build
 
 # 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto), then a job on
 # two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks; see docs/reliability.md.
-reliability: install
+reliability: install $(TEST_DEPS)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/reliability.py --kills 100 --json out/reliability.json
 	OMP_NUM_THREADS=1 $(PY) benchmarks/multinode.py --json out/multinode.json

@@ -66,6 +66,13 @@ def _sources(pattern: str) -> list[str]:
     return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
 
 
+def _debug_info() -> list[str]:
+    """No debug info unless ``CNR_DEBUG_INFO=1``: Python's own flags ask for ``-g``, which
+    makes the compiler write several times more and the build slower, for symbols that
+    only a debugger reads."""
+    return [] if os.environ.get("CNR_DEBUG_INFO", "0") == "1" else ["-g0"]
+
+
 def _cxx_flags() -> list[str]:
     """Host compiler flags of ``cnr_torchrec._C``.
 
@@ -73,7 +80,7 @@ def _cxx_flags() -> list[str]:
     picked at run time). ``CNR_PORTABLE=1`` builds the generic-vector code that other
     CPUs run, with no x86 intrinsics and no ``-march``, so that path is tested on x86.
     """
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG"]
+    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *_debug_info()]
     if os.environ.get("CNR_PORTABLE", "0") == "1":
         flags.append("-DCNR_NO_X86_INTRINSICS")
     elif platform.machine().lower() in ("x86_64", "amd64"):
@@ -83,6 +90,11 @@ def _cxx_flags() -> list[str]:
 
 def _shared_libstdcxx() -> list[str]:
     return SHARED_LIBSTDCXX_FLAGS if platform.system() == "Linux" else []
+
+
+def _headers() -> list[str]:
+    """Every header under csrc/: a change to one rebuilds the extensions."""
+    return _sources("csrc/*.h") + _sources("csrc/*/*.h") + _sources("csrc/*/*.cuh")
 
 
 def _extension():
@@ -96,10 +108,11 @@ def _extension():
         return CUDAExtension(
             "cnr_torchrec._C",
             sources,
+            depends=_headers(),
             extra_compile_args={"cxx": cxx_flags + ["-DCNR_WITH_CUDA"], "nvcc": ["-O3", "-std=c++17"]},
             extra_link_args=["-fopenmp", *_shared_libstdcxx()],
         )
-    return CppExtension("cnr_torchrec._C", sources, extra_compile_args=cxx_flags,
+    return CppExtension("cnr_torchrec._C", sources, depends=_headers(), extra_compile_args=cxx_flags,
                         extra_link_args=["-fopenmp", *_shared_libstdcxx()])
 
 
@@ -109,21 +122,32 @@ def _emulated_cuda_extension():
     The same ``.cu`` and ``*_bind.cpp`` sources as the CUDA build, compiled as host
     C++ against the emulated CUDA runtime of csrc/cuda_emu/ (whose shim headers come
     first on the include path), register ``torch.ops.cnr_emu``. Built only with
-    ``CNR_CUDA_EMU=1`` (``make install`` sets it). No FMA contraction: the kernels'
-    ``_rn`` arithmetic must round like the GPU's.
+    ``CNR_CUDA_EMU=1`` (beside ``_C``) or ``CNR_CUDA_EMU=only`` (alone; ``make test``
+    builds it so). No FMA contraction: the kernels' ``_rn`` arithmetic must round like
+    the GPU's.
     """
-    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-DCNR_CUDA_EMU"]
+    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-DCNR_CUDA_EMU", *_debug_info()]
     return CppExtension(
         "cnr_torchrec._C_cuda_emu",
         _sources("csrc/cuda_emu/*.cpp"),
+        depends=_headers() + _sources("csrc/cuda/*"),
         include_dirs=[os.path.join(ROOT, "csrc", "cuda_emu")],
         extra_compile_args=flags,
         extra_link_args=_shared_libstdcxx(),
     )
 
 
+def _ext_modules() -> list:
+    """``_C``, plus the emulated CUDA kernels under ``CNR_CUDA_EMU=1``, or those alone under
+    ``CNR_CUDA_EMU=only``."""
+    emu = os.environ.get("CNR_CUDA_EMU", "0")
+    if emu not in ("0", "1", "only"):
+        raise SystemExit(f"CNR_CUDA_EMU={emu!r}: use 0 (the default), 1 (with _C) or only (without _C).")
+    return ([] if emu == "only" else [_extension()]) + ([] if emu == "0" else [_emulated_cuda_extension()])
+
+
 # The package's metadata, dependencies and entry points are in pyproject.toml.
 setup(
-    ext_modules=[_extension()] + ([_emulated_cuda_extension()] if os.environ.get("CNR_CUDA_EMU") == "1" else []),
+    ext_modules=_ext_modules(),
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

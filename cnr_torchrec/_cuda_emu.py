@@ -3,7 +3,7 @@
 The extension compiles ``csrc/cuda/*.cu`` and their bindings as host C++ against
 ``csrc/cuda_emu/`` and registers them as ``torch.ops.cnr_emu``, with the schemas of
 ``torch.ops.cnr``; tests compare the two on CPU tensors. It is built only with
-``CNR_CUDA_EMU=1`` (``make install`` sets it).
+``CNR_CUDA_EMU=1`` or ``CNR_CUDA_EMU=only`` (``make test`` builds it so).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ def load() -> torch._ops._OpNamespace:
         from cnr_torchrec import _C_cuda_emu  # noqa: F401  (importing registers the ops)
     except ImportError as e:
         raise ImportError(
-            "cnr_torchrec._C_cuda_emu (the CUDA kernels under emulation, for tests) is not built. Build it with "
-            "`make install`, or `CNR_CUDA_EMU=1 pip install --no-build-isolation -e .` from the repository root. "
+            "cnr_torchrec._C_cuda_emu (the CUDA kernels under emulation, for tests) is not built. `make test` "
+            "builds it; alone: `CNR_CUDA_EMU=only python setup.py build_ext --inplace` from the repository root. "
             f"Original error: {e}"
         ) from e
     return torch.ops.cnr_emu

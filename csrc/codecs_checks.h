@@ -6,7 +6,7 @@
 // and the CUDA bindings read them there first (see cuda/device.h).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <utility>

@@ -3,7 +3,8 @@
 // so that torch.compile with dynamic shapes can trace the ops.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 
 #include <tuple>
 

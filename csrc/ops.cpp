@@ -3,7 +3,8 @@
 // cpu/<family>.cpp and cuda/<family>.cu (bound in cuda/<family>_bind.cpp).
 #include <Python.h>
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include "codecs_meta.h"

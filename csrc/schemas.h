@@ -3,7 +3,7 @@
 // same schemas for `cnr_emu`, so both backends are called with one signature.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include <vector>

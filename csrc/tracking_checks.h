@@ -16,7 +16,7 @@
 // one (the other ids are marked). An id of -1 is a pruned row and no problem.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <climits>

@@ -1,22 +1,42 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project virtualenv with the pinned stack.
-# Usage: scripts/install.sh VENV_DIR
+# Usage: scripts/install.sh VENV_DIR [REQUIREMENTS]
+#   REQUIREMENTS: requirements.txt (the default: the library, the example job and the build)
+#   or requirements-test.txt (those and the tests' own).
+#
+# Quiet by design: pip prints errors only (this machine's pip configuration names package
+# indexes that do not exist, one warning per package). No bytecode is written at install
+# time: Python compiles what it imports, and a venv of torch and its kin is thousands of
+# files of which a job imports a fraction.
 set -euo pipefail
 venv=${1:-.venv}
+requirements=${2:-requirements.txt}
 python=${PYTHON:-python3}
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
 fi
-pip() { "$venv/bin/python" -m pip --disable-pip-version-check -q "$@"; }
+pip() { "$venv/bin/python" -m pip --disable-pip-version-check -qq "$@"; }
 
 # torch first, pinned: an unpinned torch requirement elsewhere would pull CUDA wheels.
-pip install torch==2.13.0
-if "$venv/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else 1)'; then
-  pip install fbgemm-gpu==1.8.0
+pip install --no-compile torch==2.13.0
+# Which build it is, read from torch/version.py alone: importing torch now would warn that
+# numpy is missing, and compile half of torch.
+if "$venv/bin/python" - <<'EOF'
+import importlib.util, os, sys
+torch_dir = os.path.dirname(importlib.util.find_spec("torch").origin)
+spec = importlib.util.spec_from_file_location("torch_build", os.path.join(torch_dir, "version.py"))
+build = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(build)
+sys.exit(0 if build.cuda else 1)
+EOF
+then
+  pip install --no-compile fbgemm-gpu==1.8.0
 else
-  pip install fbgemm-gpu-cpu==1.8.0
+  pip install --no-compile fbgemm-gpu-cpu==1.8.0
 fi
-# torchrec declares the CUDA fbgemm-gpu package; install it bare and pin its deps ourselves.
-pip install --no-deps torchrec==1.8.0
-pip install -r requirements.txt
+pip install --no-compile -r "$requirements"
+# Last and without its dependencies: torchrec declares the CUDA build `fbgemm-gpu`, which a CPU
+# environment must not get (requirements-torchrec.txt names the rest, installed above). Installed
+# last, pip has nothing of torchrec's left to check, so it prints no resolver complaint.
+pip install --no-compile --no-deps torchrec==1.8.0

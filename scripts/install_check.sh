@@ -8,11 +8,11 @@
 # venv already satisfies the declared dependencies (nothing to download, torch untouched);
 # then the wheel is built, installed and checked (scripts/install_check.py imports; with the
 # CUDA venv, scripts/cuda_ops.py). The CPU venv also builds the portable extension
-# (CNR_PORTABLE=1: no x86 intrinsics, no -march), runs tests/test_codecs.py,
-# tests/test_tracking_ops.py and tests/test_row_crc32c.py against it, and compares its
-# codec digest with the default build's. Where Debian's aarch64 cross compiler is installed
-# (g++-aarch64-linux-gnu), the CPU sources are also compiled for aarch64, a CPU with no x86
-# intrinsics; without it that step is skipped. Every step is timed.
+# (CNR_PORTABLE=1: no x86 intrinsics, no -march), runs the CPU-kernel tests of
+# scripts/portable_tests.py against it, and compares its codec digest with the default
+# build's. Where Debian's aarch64 cross compiler is installed (g++-aarch64-linux-gnu), the
+# CPU sources are also compiled for aarch64, a CPU with no x86 intrinsics; without it that
+# step is skipped. Every step is timed.
 #
 # Usage: scripts/install_check.sh SRC CPU_VENV CUDA_VENV
 #   SRC: a clean copy of the tree (no build outputs); it is not modified.
@@ -103,8 +103,7 @@ portable_tests() {
   rm -rf "$work/tests-portable"
   mkdir "$work/tests-portable"
   cp -a "$src/tests" "$src/pyproject.toml" "$work/tests-portable/"
-  (cd "$work/tests-portable" && run_in portable "$cpu_venv" -m pytest -q tests/test_codecs.py tests/test_tracking_ops.py \
-    tests/test_row_crc32c.py)
+  (cd "$work/tests-portable" && run_in portable "$cpu_venv" "$src/scripts/portable_tests.py")
 }
 
 aarch64_compiles() {
@@ -132,7 +131,7 @@ build_and_install portable "$cpu_venv" CNR_PORTABLE=1
 step "portable: import from outside the tree" imports_ok portable "$cpu_venv"
 step "portable: no AVX instructions" no_wide_vectors portable
 step "portable: same codec bytes as the default build" same_digest
-step "portable: tests/test_codecs.py tests/test_tracking_ops.py tests/test_row_crc32c.py" portable_tests
+step "portable: scripts/portable_tests.py (the CPU kernels' tests)" portable_tests
 if command -v aarch64-linux-gnu-g++ >/dev/null; then
   step "aarch64: cross-compile the CPU sources" aarch64_compiles
 else

@@ -15,8 +15,10 @@ pip() { "$venv/bin/python" -m pip --isolated --disable-pip-version-check -q "$@"
 
 pip install torch==2.13.0 fbgemm-gpu==1.8.0
 "$venv/bin/python" -c 'import sys, torch; sys.exit(0 if torch.version.cuda else "torch is not a CUDA build")'
+# The tests run against this venv: their requirements too. torchrec last and bare, as in
+# scripts/install.sh.
+pip install -r requirements-test.txt
 pip install --no-deps torchrec==1.8.0
-pip install -r requirements.txt
 # fbgemm-gpu's CUDA build needs the driver's NVML to import; without a GPU, a stub answers
 # "driver not loaded" (see scripts/nvml_stub.c). It lives in the venv and is found through
 # LD_LIBRARY_PATH in `make cuda-check` only.

@@ -54,6 +54,31 @@ def copy_tree(dest: pathlib.Path) -> pathlib.Path:
     return dest
 
 
+# ---- the portable build's tests ------------------------------------------------
+
+
+def test_portable_selection_sets_up_without_the_emulation(tmp_path):
+    """``make cuda-check`` runs scripts/portable_tests.py against a build with no emulated CUDA
+    kernels. Against a copy of the package without them, every selected test gets its fixtures."""
+    site = tmp_path / "site"
+    shutil.copytree(ROOT / "cnr_torchrec", site / "cnr_torchrec",
+                    ignore=shutil.ignore_patterns("_C_cuda_emu*", "__pycache__"))
+    # Found ahead of anything an editable install of this tree would offer, it fails as the absent build does.
+    (site / "cnr_torchrec" / "_C_cuda_emu.py").write_text("raise ImportError('not in the portable build')\n")
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "tests", work / "tests", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy2(ROOT / "pyproject.toml", work)
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    probe = subprocess.run([sys.executable, "-c", "import cnr_torchrec; print(cnr_torchrec.__file__); "
+                            "from cnr_torchrec import _C_cuda_emu"], cwd=work, env=env, capture_output=True, text=True)
+    assert probe.stdout.startswith(str(site)) and "ImportError" in probe.stderr, probe.stdout + probe.stderr
+
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "portable_tests.py"), "--setup-only"],
+                         cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    set_up = re.findall(r"^ +tests/\S+ \(fixtures used", run.stdout, re.M)
+    assert run.returncode == 0 and len(set_up) > 100, run.stdout[-4000:] + run.stderr[-2000:]
+
+
 # ---- configs by name ------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@
 // groups are hashed side by side, so a 20-byte row costs a few nanoseconds. Other CPUs (and CNR_PORTABLE builds) use
 // a table built from the polynomial at start-up. Tests compare both with the
 // google-crc32c package.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

@@ -3,7 +3,8 @@
 // decoders live in codecs_decode.cpp, the searches in codecs_search.cpp, k-means
 // in codecs_kmeans.cpp. Every kernel handles one row at a time, so rows split over
 // threads freely and the bytes never depend on the thread count.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

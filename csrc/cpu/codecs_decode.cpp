@@ -3,7 +3,8 @@
 // and codebook (k-means) codes. Codes are unpacked into vector lanes block by
 // block; large outputs are written with streaming stores. Every kernel handles
 // one row at a time, so the values never depend on the thread count or ISA.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

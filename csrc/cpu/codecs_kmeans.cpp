@@ -15,7 +15,9 @@
 // Like the searches, 16 rows run side by side, one per vector lane. In one
 // dimension a Lloyd step needs only, per threshold between neighbouring
 // centroids, the count and sum of the values above it: no per-value scatter.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

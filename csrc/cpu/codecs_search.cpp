@@ -17,7 +17,8 @@
 // per quantization bin measured far slower for D = 64..1024 (the sort and the
 // bin searches dominate), and the cheap uniform-noise estimate of the in-range
 // error steered the search to ranges 8-20% worse; see CODECS_NOTES.md.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

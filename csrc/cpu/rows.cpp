@@ -5,7 +5,8 @@
 // 7-8x slower on 32-wide float rows.
 // claim_rows_: which stored rows of a checkpoint entry a shard still needs, and
 // where they go, in one pass (restore applies the chain newest first).
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

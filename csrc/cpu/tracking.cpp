@@ -2,7 +2,9 @@
 // into int64 words. Threads that hit the same word meet in a relaxed atomic OR;
 // a plain load first skips the atomic for rows that are already dirty, which is
 // the common case under Zipf-skewed ids.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Dispatch.h>
+#include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 

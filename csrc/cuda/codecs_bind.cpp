@@ -2,7 +2,10 @@
 // argument checks of codecs_checks.h that the CPU kernels use. Compiled in CUDA
 // builds of torch and in the emulated build (see device.h). exhaustive_search,
 // a measurement tool, stays CPU-only.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "device.h"

@@ -12,7 +12,7 @@
 // the hot-path ops to zero.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cuda_runtime.h>
 

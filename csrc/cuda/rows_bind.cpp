@@ -2,7 +2,8 @@
 // memory speed there, so there is no kernel of our own. The checks are the CPU
 // kernel's (codecs_checks.h), made before anything is written: the index is read
 // on the host (a restore's index is made there), negative entries are dropped.
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
 #include <torch/library.h>
 
 #include "device.h"

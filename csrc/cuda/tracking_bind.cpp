@@ -1,7 +1,10 @@
 // Binds the CUDA dirty-row launchers (tracking.cu) to the `cnr` ops, with the
 // checks of tracking_checks.h that the CPU kernels use. Compiled in CUDA builds
 // of torch, and in the emulated build (see device.h).
-#include <ATen/ATen.h>
+#include <ATen/TensorOperators.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <torch/library.h>
 
 #include "device.h"

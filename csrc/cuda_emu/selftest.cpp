@@ -2,7 +2,8 @@
 // runs them through torch.ops.cnr_emu.selftest): the semantics of the warp and
 // block operations, and the errors of kernels that CUDA would hang on, misuse
 // warp masks, or cannot launch. Written as CUDA, compiled only here.
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/zeros.h>
 
 #include <cuda_runtime.h>
 
