@@ -28,6 +28,7 @@ $(TEST_DEPS): $(DEPS) requirements-test.txt
 $(EXT): $(DEPS) setup.py $(CSRC)
 	@echo "set-up: building cnr_torchrec._C with $(NPROC) jobs (after a change to csrc/; about 1 minute on 2 cores)"
 	MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
+	$(PY) -m compileall -q cnr_torchrec cnr_dlrm  # as scripts/install.sh does for the venv
 	@touch $@
 
 # The CUDA kernels of csrc/cuda/ compiled for the CPU (cnr_torchrec._C_cuda_emu), which only the tests load.
