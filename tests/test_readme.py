@@ -78,3 +78,103 @@ def test_the_readmes_install_is_the_one_the_install_test_runs():
     doc = [line for line in _shell_lines(open(os.path.join(REPO, "docs", "install.md")).read())
            if line.startswith("pip ")]
     assert readme and readme == doc[: len(readme)] and len(readme) == 5
+
+
+# ---- every command and path of the README and docs/ -----------------------------
+
+PAGES = [README] + sorted(os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
+                          if f.endswith(".md"))
+TOP_DIRS = ("benchmarks", "cnr_dlrm", "cnr_torchrec", "configs", "csrc", "docs", "examples", "scripts", "tests")
+
+
+def _block_lines(page: str) -> list[str]:
+    """Every line of every fenced block of a page, continuation lines joined."""
+    blocks = re.findall(r"^```[\w-]*\n(.*?)^```", open(page).read(), re.S | re.M)
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+
+
+def _code(page: str) -> list[str]:
+    """Every inline code span and every line of every fenced block of a page."""
+    prose = re.sub(r"^```[\w-]*\n.*?^```", "", open(page).read(), flags=re.S | re.M)
+    return re.findall(r"`([^`\n]+)`", prose) + _block_lines(page)
+
+
+def _expand_braces(path: str) -> list[str]:
+    """``a/{b,c}.json`` -> ``a/b.json``, ``a/c.json`` (one level, as the docs write them)."""
+    m = re.search(r"\{([^{}]*)\}", path)
+    if not m:
+        return [path]
+    return [p for alt in m.group(1).split(",") for p in _expand_braces(path[:m.start()] + alt + path[m.end():])]
+
+
+def test_every_repository_path_the_docs_name_exists():
+    """A path under one of the repository's folders, in a code span or block of any page, names files that exist
+    (``*`` and ``{a,b}`` as a shell expands them; built files such as ``cnr_torchrec/_C*.so`` included)."""
+    import glob
+
+    pattern = re.compile(r"(?<![\w/.-])((?:%s)/[\w./*{},-]*[\w*}])" % "|".join(TOP_DIRS))
+    missing, seen = [], 0
+    for page in PAGES:
+        for code in _code(page):
+            for path in pattern.findall(code):
+                seen += 1
+                if not all(glob.glob(os.path.join(REPO, p)) for p in _expand_braces(path)):
+                    missing.append(f"{os.path.relpath(page, REPO)}: {path}")
+    assert seen > 100 and not missing, missing
+
+
+def test_every_make_target_the_docs_name_exists():
+    targets = set(re.findall(r"^([\w-]+):", open(os.path.join(REPO, "Makefile")).read(), re.M))
+    named = {(os.path.relpath(page, REPO), t) for page in PAGES for code in _code(page)
+             for t in re.findall(r"(?:^|[\s;&(])make ([a-z][\w-]*)", code)}
+    assert len(named) > 10 and not [n for n in named if n[1] not in targets], sorted(n for n in named
+                                                                                      if n[1] not in targets)
+
+
+def test_every_cnr_command_the_docs_show_exists():
+    """Each ``cnr`` command of the README and docs/, in a block or a code span, names a subcommand the CLI has and
+    only flags that subcommand declares; each one in a shell block parses as written."""
+    import argparse
+
+    from cnr_torchrec.cli import build_parser
+
+    parser = build_parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    bad, seen = [], 0
+    for page in PAGES:
+        for code in _code(page):
+            line = code.split(" #", 1)[0].strip()
+            if not re.match(r"(\.venv/bin/)?cnr [a-z][\w-]*( |$)", line) or "..." in line:  # not its output
+                continue
+            seen += 1
+            argv = shlex.split(line.replace("[", " ").replace("]", " "))[1:]  # usage lines: [--flag N]
+            where = f"{os.path.relpath(page, REPO)}: {line}"
+            if argv[0] not in subs:
+                bad.append(where)
+                continue
+            flags = {o for a in subs[argv[0]]._actions for o in a.option_strings}
+            bad += [f"{where} ({arg})" for arg in argv if arg.startswith("-") and arg.split("=")[0] not in flags]
+            if line in _block_lines(page) and "[" not in line:
+                try:
+                    parser.parse_args(argv)
+                except SystemExit:
+                    bad.append(where)
+    assert seen > 10 and not bad, bad
+
+
+def test_every_benchmark_flag_the_docs_show_is_declared():
+    """``benchmarks/X.py --flag`` in the README and docs/: X declares ``--flag`` (each script's argparse lists its
+    flags literally)."""
+    bad, seen = [], 0
+    for page in PAGES:
+        for code in _code(page):
+            for script, args in re.findall(r"(benchmarks/\w+\.py)((?: +[^\s|;&]+)*)", code):
+                source = open(os.path.join(REPO, script)).read()
+                for helper in re.findall(r"^from (\w+) import", source, re.M):  # e.g. bench_dist's shared flags
+                    if os.path.exists(os.path.join(REPO, "benchmarks", f"{helper}.py")):
+                        source += open(os.path.join(REPO, "benchmarks", f"{helper}.py")).read()
+                for flag in re.findall(r"(?<!\S)(--[a-z][\w-]*)", args):
+                    seen += 1
+                    if f'"{flag}"' not in source:
+                        bad.append(f"{os.path.relpath(page, REPO)}: {script} {flag}")
+    assert seen > 10 and not bad, bad
