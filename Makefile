@@ -35,7 +35,9 @@ $(EXT): $(DEPS) setup.py $(CSRC)
 # The CUDA kernels of csrc/cuda/ compiled for the CPU (cnr_torchrec._C_cuda_emu), which only the tests load.
 $(EMU): $(EXT)
 	@echo "set-up: building the emulated CUDA kernels for the tests (about 1 minute on 2 cores)"
-	CNR_CUDA_EMU=only MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace
+	@# Its compiler output goes to a log, shown only if it fails (pip -q hides _C's the same way).
+	CNR_CUDA_EMU=only MAX_JOBS=$(NPROC) $(PY) setup.py -q build_ext --inplace > $(VENV)/emu-build.log 2>&1 \
+	  || { tail -n 60 $(VENV)/emu-build.log; exit 1; }
 	@touch $@
 
 # Compile-check the CUDA sources (they include no torch header) wherever nvcc exists.
@@ -64,7 +66,8 @@ test: $(EMU) $(TEST_DEPS) nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The example job (cnr_dlrm/, beside the library, not in its wheel): torchrun's `-m` workers start in this
-# directory, which is how they find it. `python -m cnr_dlrm.report /tmp/cnr_demo --out plots/` plots the run.
+# directory, which is how they find it. `python -m cnr_dlrm.report /tmp/cnr_demo --out plots/` plots the run
+# (with matplotlib, which `make test` installs; `make demo` alone does not).
 demo: install
 	@echo "demo: 2 ranks, 1,200 steps; rank 1 is killed at step 830 and the job resumes from its checkpoints (about 1.5 minutes)"
 	rm -rf /tmp/cnr_demo
