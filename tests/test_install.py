@@ -239,6 +239,9 @@ def test_documented_install_in_a_new_venv(tmp_path):
         out = subprocess.run(["bash", "-c", command], cwd=src, env=env, capture_output=True, text=True, timeout=1200)
         timings.append(f"{time.monotonic() - start:6.1f} s  {command}")
         assert out.returncode == 0, f"`{command}` failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
+        # In this order pip has no installed package to find unsatisfied (torchrec, which declares the CUDA
+        # fbgemm-gpu, goes in after its dependencies and without a check), so it prints no resolver complaint.
+        assert "dependency resolver" not in out.stderr, f"`{command}`:\n{out.stderr[-4000:]}"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     start = time.monotonic()
