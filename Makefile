@@ -15,7 +15,7 @@ PYTEST_ARGS ?=
 install: $(EXT)
 
 $(DEPS): requirements.txt requirements-torchrec.txt scripts/install.sh
-	@echo "set-up, before anything else (the first run, or new pins): about 2.5 minutes on an idle 2-core machine, a venv with the pinned stack (1 minute), then the C++ extension (1.5 minutes). Later runs skip both."
+	@echo "set-up, before anything else (the first run, or new pins): about 2 minutes on an idle 2-core machine, a venv with the pinned stack (1 minute), then the C++ extension (1 to 1.5 minutes). Later runs skip both."
 	bash scripts/install.sh $(VENV)
 	@touch $@
 
@@ -27,7 +27,7 @@ $(TEST_DEPS): $(DEPS) requirements-test.txt
 
 # The library's extension, cnr_torchrec._C: all that the library, the demo and the benchmarks load.
 $(EXT): $(DEPS) setup.py $(CSRC)
-	@echo "set-up: building cnr_torchrec._C with $(NPROC) jobs (about 1.5 minutes on 2 cores)"
+	@echo "set-up: building cnr_torchrec._C with $(NPROC) jobs (1 to 1.5 minutes on 2 cores)"
 	MAX_JOBS=$(NPROC) $(PY) -m pip install --disable-pip-version-check -q --no-build-isolation --no-deps -e .
 	$(PY) -m compileall -q cnr_torchrec cnr_dlrm  # as scripts/install.sh does for the venv
 	@touch $@
@@ -69,7 +69,7 @@ test: $(EMU) $(TEST_DEPS) nvcc-check
 # directory, which is how they find it. `python -m cnr_dlrm.report /tmp/cnr_demo --out plots/` plots the run
 # (with matplotlib, which `make test` installs; `make demo` alone does not).
 demo: install
-	@echo "demo: 2 ranks, 1,200 steps; rank 1 is killed at step 830 and the job resumes from its checkpoints (about 1.5 minutes)"
+	@echo "demo: 2 ranks, 1,200 steps; rank 1 is killed at step 830 and the job resumes from its checkpoints (a little over a minute)"
 	rm -rf /tmp/cnr_demo
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node 2 --max-restarts 1 \
 	  -m cnr_dlrm.train --config configs/demo.yaml --fail-at-step 830 --fail-rank 1

@@ -42,7 +42,7 @@ pip install --no-compile -r "$requirements"
 pip install --no-compile --no-deps torchrec==1.8.0
 
 # Bytecode for what the jobs and the tests import, written once, here. Python would write it at
-# the first import, but not where PYTHONDONTWRITEBYTECODE is set (as on this project's CI
+# the first import, but not where PYTHONDONTWRITEBYTECODE is set (as on this project's
 # machines): there every process, each rank of each job, would compile its ~2,000 modules of
 # torch and TorchRec again (about 14 s each on 2 cores).
 imports="torchrec torchsnapshot torchdata.stateful_dataloader"
