@@ -40,8 +40,20 @@ def documented_commands() -> list[str]:
     return [line.strip() for line in block.group(1).splitlines() if line.strip() and not line.lstrip().startswith("#")]
 
 
+# Build outputs and venvs, left out of a tree that is not a git work tree of its own.
+NOT_SOURCE = shutil.ignore_patterns(".git", ".venv*", "build", ".cuda-build", "*.egg-info", "*.so", "*.o",
+                                    "__pycache__", "out")
+
+
 def copy_tree(dest: pathlib.Path) -> pathlib.Path:
-    """A copy of the source tree as git sees it (tracked and unignored files: no venv, no build outputs)."""
+    """A copy of the source tree as git sees it (tracked and unignored files: no venv, no build outputs).
+
+    A tree that is not the top of a git work tree (the copy ``make cuda-check`` tests in, which lies in
+    an ignored folder of the checkout) is copied whole, less its build outputs."""
+    top = subprocess.run(["git", "rev-parse", "--show-toplevel"], cwd=ROOT, capture_output=True, text=True)
+    if top.returncode != 0 or pathlib.Path(top.stdout.strip()).resolve() != ROOT:
+        shutil.copytree(ROOT, dest, symlinks=True, ignore=NOT_SOURCE)
+        return dest
     files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
                            check=True, capture_output=True).stdout.split(b"\0")
     for rel in filter(None, files):
