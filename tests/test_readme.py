@@ -142,6 +142,7 @@ def test_every_cnr_command_the_docs_show_exists():
     subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
     bad, seen = [], 0
     for page in PAGES:
+        shell = {code.split(" #", 1)[0].strip() for code in _block_lines(page)}
         for code in _code(page):
             line = code.split(" #", 1)[0].strip()
             if not re.match(r"(\.venv/bin/)?cnr [a-z][\w-]*( |$)", line) or "..." in line:  # not its output
@@ -154,7 +155,7 @@ def test_every_cnr_command_the_docs_show_exists():
                 continue
             flags = {o for a in subs[argv[0]]._actions for o in a.option_strings}
             bad += [f"{where} ({arg})" for arg in argv if arg.startswith("-") and arg.split("=")[0] not in flags]
-            if line in _block_lines(page) and "[" not in line:
+            if line in shell and "[" not in line:
                 try:
                     parser.parse_args(argv)
                 except SystemExit:
