@@ -14,6 +14,7 @@ __all__ = [
     "CheckpointerClosedError",
     "CorruptCheckpointError",
     "IncompatibleCheckpointError",
+    "RestoreFailedError",
     "SaveFailedError",
     "StorageError",
     "UnsafeCheckpointError",
@@ -70,7 +71,22 @@ class CheckpointError(CnrError):
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    """No committed checkpoint matches the request."""
+    """No committed checkpoint matches the request: there is nothing to restore (a fresh start is right)."""
+
+
+class RestoreFailedError(CheckpointError, RuntimeError):
+    """Committed checkpoints exist, but none of them could be restored; the model is left as it was.
+
+    Deliberately not a :class:`CheckpointNotFoundError`: a job that starts afresh when there is no
+    checkpoint must not start afresh when its checkpoints are unreadable.
+
+    Attributes:
+        skipped: checkpoint id -> why it could not be restored (the file, on which rank).
+    """
+
+    def __init__(self, message: str, skipped: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.skipped = dict(skipped or {})
 
 
 class CheckpointerClosedError(CheckpointError, RuntimeError):

@@ -274,7 +274,7 @@ def _reader_worker(rank, world_size, root, phase):
     data = torch.utils.data.Subset(_Range(200), list(range(rank, 200, world_size)))
     loader = StatefulDataLoader(data, batch_size=4, shuffle=True,
                                 generator=torch.Generator().manual_seed(7 + rank))
-    ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt,
+    ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None, restore_rng=True), dense_optimizer=opt,
                         extra_state={"reader": loader})
     log = os.path.join(root, f"seen-{rank}.txt")
     if phase == "train":

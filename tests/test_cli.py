@@ -59,7 +59,8 @@ def _config(root, method, bits):
 
     # Plain coding: exports are the codec's image of the live rows (residual chains: test_residual.py).
     return load_config({"root": root, "policy": "consecutive",
-                        "quantization": {"method": method, "bits": bits, "residual": False}, "keep_last": 5})
+                        "quantization": {"method": method, "bits": bits, "residual": False}, "keep_last": 5,
+                        "restore_rng": True})  # the RNG a chain restores is compared with its export's
 
 
 def _write_chain(root, method, bits, saves, world_size=1, rank=0):

@@ -133,6 +133,7 @@ def _untrusted_worker(rank, world_size, work):
         CheckpointNotFoundError,
         CorruptCheckpointError,
         IncompatibleCheckpointError,
+        RestoreFailedError,
         UnsafeCheckpointError,
     )
 
@@ -269,12 +270,12 @@ def _untrusted_worker(rank, world_size, work):
             f.seek(17)
             f.write(bytes([b[0] ^ 0xFF]))
     dist.barrier()
-    # (payload damage is found while applying: the model is partly overwritten, as the error says)
-    attempt_err = attempt("no sound chain (fallback)", root, CheckpointNotFoundError,
-                          "ckpt-00000000/rank-00001.bin", before_apply=False)
-    out["no sound chain lists what was skipped"] = "Skipped as unsound" in str(attempt_err)
-    err = attempt("no sound chain (fail)", root, CorruptCheckpointError, "ckpt-00000000/rank-00001.bin", mode="fail",
-                  before_apply=False)
+    # Payload damage is found while applying, after rank 0 (or both) wrote rows: each rank puts back what it
+    # overwrote, so the model is as it was. Checkpoints exist: not CheckpointNotFoundError, never a fresh start.
+    attempt_err = attempt("no sound chain (fallback)", root, RestoreFailedError, "ckpt-00000000/rank-00001.bin")
+    out["no sound chain lists what was skipped"] = (not isinstance(attempt_err, CheckpointNotFoundError)
+                                                    and 0 in getattr(attempt_err, "skipped", {}))
+    err = attempt("no sound chain (fail)", root, CorruptCheckpointError, "ckpt-00000000/rank-00001.bin", mode="fail")
     out["fail names the file in .path"] = getattr(err, "path", None) == "ckpt-00000000/rank-00001.bin"
     return out
 

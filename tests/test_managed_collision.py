@@ -27,8 +27,9 @@ EMPTY = torch.iinfo(torch.int64).max
 def _config(root, **kw):
     from cnr_torchrec import load_config
 
-    # Lossless rows: every check below is bit for bit.
-    return load_config({"root": root, "policy": "consecutive",
+    # Lossless rows: every check below is bit for bit. Evictions re-initialise rows from the global RNG, so exact
+    # continuation needs it restored too.
+    return load_config({"root": root, "policy": "consecutive", "restore_rng": True,
                         "quantization": {"method": "none", "residual": False}, **kw})
 
 
@@ -370,7 +371,8 @@ def _compaction_worker(rank, world_size, root, quantization, offline_root):
     assert compacted, "no compaction ran"
     for where in (root, offline_root):
         other = _build("ebc", world_size, policy="distance_lfu", optimizer="sgd", rows=(64, 48), seed=2)
-        config = load_config({"root": where, "policy": "consecutive", "quantization": quantization})
+        config = load_config({"root": where, "policy": "consecutive", "quantization": quantization,
+                              "restore_rng": True})
         with Checkpointer(other.dmp, config, dense_optimizer=other.dense_optimizer) as ck:
             assert ck.restore() == 9
             for t, (state, it) in want.items():

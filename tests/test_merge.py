@@ -33,7 +33,8 @@ def _config(root, method="adaptive", bits=4, extra=None):
 
     # Plain coding: these chains merge losslessly (residual chains fold: test_residual.py).
     quantization = {"method": method, "bits": bits, "residual": False, **(extra or {})}
-    return load_config({"root": root, "policy": "consecutive", "quantization": quantization, "keep": {"chains": 20}})
+    return load_config({"root": root, "policy": "consecutive", "quantization": quantization, "keep": {"chains": 20},
+                        "restore_rng": True})  # a merge keeps the tip's RNG state: restores compare it
 
 
 def _job(cfg, model, plan, saves, *, rank=0, seed=0, restore=False):

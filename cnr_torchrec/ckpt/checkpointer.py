@@ -353,9 +353,19 @@ class Checkpointer:
                 dropped with a warning. ``"drop"``: restore everything else and leave the
                 per-rank state as it is, with a warning.
 
+        A restore either succeeds or leaves the model as it found it: what it may overwrite
+        (this rank's shards and their optimizer state, dense parameters, the dense optimizer,
+        eviction windows, ``extra_state``) is copied to host memory first and put back if it
+        raises (``restore_rollback``). The global RNGs are set to the saved ones only under
+        ``restore_rng``. The checkpoint of step ``s`` holds the state after step ``s``: a
+        resumed job trains from ``s + 1``.
+
         Raises:
-            CheckpointNotFoundError: nothing committed (or nothing at ``step``) under the root,
-                or nothing sound is left after falling back (the message lists what was skipped).
+            CheckpointNotFoundError: nothing committed (or nothing at ``step``) under the root:
+                there is nothing to restore, and a fresh start is right.
+            RestoreFailedError: checkpoints (of ``step``) exist, but none could be restored (each
+                one skipped is in the message and in ``.skipped``). Not a CheckpointNotFoundError:
+                never start afresh on it.
             CorruptCheckpointError: ``on_corrupt: fail`` and a file of the chosen chain fails its
                 checks; ``.path`` names it, on every rank.
             StorageError: the storage failed on some rank (a listing, a read: an S3 ``ClientError``,

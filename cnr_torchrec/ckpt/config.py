@@ -312,6 +312,18 @@ class CheckpointConfig:
         restore_threads: threads per rank that a restore decodes rows on (ATen's intra-op
             pool, widened during the restore only); None: the rank's share of the cores
             (see :func:`~cnr_torchrec.ckpt.restore.threads.decode_threads`).
+        restore_rng: whether a restore also sets this process's global RNG states (torch,
+            CUDA, Python's ``random``, NumPy) to those saved with the checkpoint, rank by rank.
+            Off by default: a restore then leaves them as the job set them, so anything built
+            after it (a data set drawn from the global RNG, dropout) is what it would be
+            without the restore. On, a resumed job draws the same random numbers as the job
+            that saved, which exact continuation of dropout or of managed-collision evictions
+            (they re-initialise rows from the global RNG) needs; it needs the world size that saved.
+        restore_rollback: keep a host copy of what a restore may overwrite (this rank's shards,
+            their optimizer state, dense parameters and optimizer, eviction windows, extra_state)
+            until the restore succeeds, so that a restore that fails leaves the model as it was.
+            Off saves that memory (one copy of the rank's shards) for the restore's length; a
+            failed restore then leaves the tables partly overwritten, and its error says so.
     """
 
     root: str
@@ -331,6 +343,8 @@ class CheckpointConfig:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     io_threads: int = 4
     restore_threads: int | None = None
+    restore_rng: bool = False
+    restore_rollback: bool = True
 
     def __post_init__(self) -> None:
         if not self.root:

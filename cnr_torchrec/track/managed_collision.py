@@ -219,6 +219,40 @@ class McTable:
         if mch._evicted:
             mch._evicted_emb_indices = state["pending"].to(mch._mch_sorted_raw_ids.device)
 
+    # ---------------------------------------------------------------- a restore that fails
+
+    _SCALARS = ("_current_iter", "_last_eviction_iter", "_current_history_buffer_offset", "_input_history_buffer_size",
+                "_evicted")
+
+    def capture(self) -> dict[str, Any]:
+        """A copy of everything a restore may change in the module (buffers, history, counters), for
+        :meth:`put_back`. Unlike :meth:`runtime` it is not a format: it never leaves the process."""
+        mch = self.mch
+        return {
+            "buffers": {name: b.detach().clone() for name, b in mch.named_buffers(recurse=False)},
+            "history": mch._history_accumulator.clone() if hasattr(mch, "_history_accumulator") else None,
+            "pending": mch._evicted_emb_indices.clone(),
+            "scalars": {name: getattr(mch, name) for name in self._SCALARS},
+        }
+
+    def put_back(self, captured: dict[str, Any]) -> None:
+        """Makes the module what it was when :meth:`capture` gave ``captured``."""
+        mch = self.mch
+        with torch.no_grad():
+            for name, saved in captured["buffers"].items():
+                live = getattr(mch, name)
+                if live.shape == saved.shape:
+                    live.copy_(saved)
+                    continue
+                setattr(mch, name, saved.clone())  # a history buffer a restore re-allocated: the old size back
+                if name.startswith("_history_"):
+                    mch._history_metadata[name.removeprefix("_history_")] = getattr(mch, name)
+        if captured["history"] is not None:
+            mch._history_accumulator = captured["history"].clone()
+        mch._evicted_emb_indices = captured["pending"].clone()
+        for name, value in captured["scalars"].items():
+            setattr(mch, name, value)
+
     def _allocate_history(self, size: int) -> None:
         """The history buffers as the module allocates them at its first training step, ``size`` long."""
         mch = self.mch

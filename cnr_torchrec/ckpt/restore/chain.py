@@ -55,6 +55,7 @@ def restore_chain(
     stats: dict[str, float] | None = None,
     pool: IOPool | None = None,
     threads: int = 1,
+    rng: bool = False,
 ) -> None:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
@@ -67,6 +68,7 @@ def restore_chain(
         pool: threads that read the chunks; every file a checkpoint needs is read at once,
             and its entries are decoded as their chunks land.
         threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
+        rng: also set the global RNG states to this rank's saved ones (config ``restore_rng``).
     """
     target = manifests[-1]
     check_compatible(target, tracker)
@@ -93,7 +95,7 @@ def restore_chain(
                 target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
             )
             return
-        _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state)
+        _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state, rng)
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
@@ -138,8 +140,8 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
 
 
 def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,
-                        extra_state: Mapping[str, Any]) -> None:
-    """This rank's extra_state and RNG state, from its own report of ``target``."""
+                        extra_state: Mapping[str, Any], rng: bool) -> None:
+    """This rank's extra_state and (with ``rng``) RNG state, from its own report of ``target``."""
     unknown = sorted(set(extra_state) - set(mine.extra))
     if unknown:
         raise IncompatibleCheckpointError(
@@ -148,7 +150,8 @@ def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,
     try:
         for name, obj in extra_state.items():
             obj.load_state_dict(unflatten_state(mine.extra[name], load))
-        set_rng_state(unflatten_state(mine.rng, load))
+        if rng:
+            set_rng_state(unflatten_state(mine.rng, load))
     except CnrError:
         raise
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError, OverflowError) as e:

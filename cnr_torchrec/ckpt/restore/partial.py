@@ -112,7 +112,7 @@ class Recovery:
     """CPR partial recoveries for one :class:`~cnr_torchrec.ckpt.Checkpointer`.
 
     Only the failed ranks reload, their embedding shards with their optimizer state, their
-    ``extra_state`` (reader position) and RNG, from the newest complete checkpoint (or the newest
+    ``extra_state`` (reader position) and RNG (under ``restore_rng``), from the newest complete checkpoint (or the newest
     of a step); the survivors read nothing and keep their training state. What DDP replicates
     (dense parameters and buffers, data_parallel tables, the dense optimizer, the TBE step) is
     then broadcast from the lowest surviving rank. The updates the failed ranks' rows received
@@ -187,7 +187,7 @@ class Recovery:
             chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self._ranks.rank,
             world_size=self._ranks.world_size, dense_optimizer=None, replicated=False, stats=stats,
             extra_state=self.extra_state if same_world else {}, pool=self._io,
-            threads=decode_threads(self._restorer.config.restore_threads),
+            threads=decode_threads(self._restorer.config.restore_threads), rng=self._restorer.config.restore_rng,
         )
         if self.dense_optimizer is not None:  # its layout; the survivor's values follow
             restore_dense_optimizer(chain[-1], self._storage, self.model, self.dense_optimizer, stats)

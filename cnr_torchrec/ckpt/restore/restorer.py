@@ -20,7 +20,13 @@ from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.restore.threads import decode_threads
-from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, IncompatibleCheckpointError
+from cnr_torchrec.ckpt.restore.rollback import Snapshot
+from cnr_torchrec.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    RestoreFailedError,
+)
 
 __all__ = ["Restorer"]
 
@@ -37,11 +43,27 @@ class Restorer:
         self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
+        self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
 
     def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
         """Picks, applies and agrees on a chain (collective). Returns it, and the checkpoints skipped as unsound
-        (id -> why), the same on every rank. Raises what :meth:`Checkpointer.restore` documents."""
+        (id -> why), the same on every rank. Raises what :meth:`Checkpointer.restore` documents; when it raises,
+        the model is as it was (``restore_rollback``)."""
         self.stats = {}
+        self._snapshot = None
+        try:
+            return self._run(step, per_rank_state)
+        except BaseException:
+            if self._snapshot is not None:
+                with timed(self.stats, "rollback_ms"):
+                    self._snapshot.put_back()
+                log.warning("restore failed: the model, its optimizers and its state are put back as they were "
+                            "before restore()")
+            raise
+        finally:
+            self._snapshot = None  # its host copy is freed here
+
+    def _run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
         model_tables = self._model_tables()
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
@@ -52,9 +74,9 @@ class Restorer:
                     log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
                 bad[i] = why
             if not pick["chain"]:
-                skipped = "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items()))
-                raise CheckpointNotFoundError(self.not_found(step) + (f". Skipped as unsound: {skipped}" if skipped
-                                                                        else ""))
+                if bad:
+                    raise self._none_restores(step, bad)
+                raise CheckpointNotFoundError(self.not_found(step))
             ids = pick["chain"]
             status, own, chain = self._attempt(ids, chain, model_tables, per_rank_state)
             with timed(self.stats, "agree_ms"):
@@ -63,6 +85,19 @@ class Restorer:
                 break
             self._after_failed_attempt(failed, own, ids, bad)
         return chain, bad
+
+    def _none_restores(self, step: int | None, bad: dict[int, str]) -> RestoreFailedError:
+        """The error for a root whose checkpoints (of ``step``) exist but none of which restores."""
+        skipped = "; ".join(f"checkpoint {i}: {why}" for i, why in sorted(bad.items()))
+        which = "" if step is None else f" of step {step}"
+        state = ("the model is as it was before restore()" if self.config.restore_rollback else
+                 "the tables may be partly overwritten (restore_rollback: false): restore another checkpoint "
+                 "before training")
+        return RestoreFailedError(
+            f"checkpoints{which} exist under {self.config.root}, but none could be restored ({skipped}); {state}. "
+            f"Run `cnr verify {self.config.root}` to see which files are bad, then restore(step=...) an older "
+            "checkpoint, or move the root aside to start afresh. This is not CheckpointNotFoundError: do not "
+            "treat it as a fresh start", skipped=bad)
 
     def _attempt(self, ids: list[int], chain: list[Manifest] | None, model_tables: dict[str, list[int]],
                  per_rank_state: str) -> tuple[Failure | None, Exception | None, list[Manifest] | None]:
@@ -81,11 +116,16 @@ class Restorer:
                     "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
                     "the model and optimizers and start that state afresh."
                 )
+            if self._snapshot is None and self.config.restore_rollback:  # nothing is written before this
+                with timed(self.stats, "snapshot_ms"):
+                    self._snapshot = Snapshot.take(model=self.model, tracker=self.tracker,
+                                                   dense_optimizer=self.dense_optimizer,
+                                                   extra_state=self.extra_state, rng=self.config.restore_rng)
             restore_chain(  # every chunk is checked against its xxh3 as it lands
                 chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
-                stats=self.stats, threads=decode_threads(self.config.restore_threads),
+                stats=self.stats, threads=decode_threads(self.config.restore_threads), rng=self.config.restore_rng,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
@@ -100,10 +140,11 @@ class Restorer:
             raise errors_seen[0].error() from (own if errors_seen[0].rank == self.rank else None)
         f = failed[0]
         if self.config.on_corrupt == "fail":
+            state = ("The model is as it was before restore()." if self.config.restore_rollback else
+                     "The model is partly overwritten (restore_rollback: false): restore again before training.")
             raise CorruptCheckpointError(
                 f"{f.message} (rank {f.rank}, restoring checkpoint {ids[-1]}; on_corrupt: fail). Restore another "
-                "checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. "
-                "The model is partly overwritten: restore again before training.",
+                f"checkpoint with restore(step=...), or set on_corrupt: fallback to take the newest sound one. {state}",
                 path=f.path,
             ) from (own if f.rank == self.rank else None)
         owner = ckpt_id_of(f.path)

@@ -4,6 +4,8 @@
   root, reading and checking manifests and file sizes on rank 0), of which
   ``manifests_ms``: this rank's manifest reads, seal and schema checks;
 * ``check_ms``: comparing the chain's tip with the model;
+* ``snapshot_ms``: the host copy of what the restore may overwrite (``restore_rollback``), and
+  ``rollback_ms``: putting it back, after a restore that failed;
 * ``plan_ms``: working out which stored rows of which checkpoints this rank's shards need (reading
   the entries' row ids and claiming rows), and starting their reads;
 * ``apply_ms``: gathering those rows, checking their CRCs, decoding and writing them into the
@@ -27,8 +29,8 @@ from contextlib import contextmanager
 
 __all__ = ["PHASES", "timed"]
 
-PHASES = ("resolve_ms", "manifests_ms", "check_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms", "state_ms",
-          "agree_ms")
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms",
+          "state_ms", "agree_ms", "rollback_ms")
 
 
 @contextmanager

@@ -1,0 +1,93 @@
+"""What a restore may overwrite, copied to host memory first, so that a failed restore can put it back.
+
+A restore writes rows into the tables as their bytes land, then the dense parameters, the
+optimizers and per-rank state; a file that fails its checks half way (or a storage error)
+would otherwise leave the model a mix of what it was and what the checkpoint holds. A
+:class:`Snapshot` is taken before the first attempt and put back if no attempt succeeds, so
+that a failed :meth:`~cnr_torchrec.ckpt.Checkpointer.restore` leaves every table, optimizer
+state, dense parameter, eviction window and stateful object exactly as it found them.
+
+It costs one host copy of this rank's shards and their optimizer state for the length of the
+restore (``restore_rollback: false`` in the config does without it).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
+from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.track.tbe_cache import flush_caches, invalidate_caches
+
+__all__ = ["Snapshot"]
+
+log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of restore's log
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+@dataclass
+class Snapshot:
+    """A copy of everything a restore of this rank may write, and the live tensors to write it back to."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, its copy)
+    mc: list[tuple[Any, Any]] = field(default_factory=list)  # (McTable, what McTable.capture() gave)
+    stateful: list[tuple[Any, Any]] = field(default_factory=list)  # (object with load_state_dict, its state)
+    rng: dict[str, Any] | None = None
+    tbes: list[nn.Module] = field(default_factory=list)
+
+    @classmethod
+    def take(cls, *, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
+             extra_state: Mapping[str, Any], rng: bool) -> Snapshot:
+        """Copies what a restore onto ``model`` may change.
+
+        Args:
+            model: the CheckNRunDMP.
+            tracker: its tracker: the TBEs (weights, optimizer states, step counter) and managed-collision modules.
+            dense_optimizer: its ``state_dict()`` is deep-copied (None: nothing to copy).
+            extra_state: each object's ``state_dict()`` is deep-copied.
+            rng: also copy the global RNG states (the restore sets them).
+        """
+        snap = cls(tbes=list(tracker.tbes()))
+        flush_caches(snap.tbes)  # the cache's rows are the newest: copy them, not the stale weights behind them
+        for tbe in snap.tbes:
+            views = list(tbe.split_embedding_weights())
+            if hasattr(tbe, "split_optimizer_states"):
+                views += [s for states in tbe.split_optimizer_states() for s in states]
+            it = getattr(tbe, "iter", None)
+            if isinstance(it, torch.Tensor):
+                views.append(it)
+            snap.tensors += [(v, _host_copy(v)) for v in views if v.numel()]
+        snap.tensors += [(t, _host_copy(t)) for t in dense_named_state(model, tracker.module_fqns()).values()]
+        snap.mc = [(mc, mc.capture()) for mc in tracker.mc_tables().values()]
+        objects = ([dense_optimizer] if dense_optimizer is not None else []) + list(extra_state.values())
+        snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in objects]
+        snap.rng = rng_state() if rng else None
+        return snap
+
+    @property
+    def nbytes(self) -> int:
+        """The host memory the tensors' copies take."""
+        return sum(c.numel() * c.element_size() for _, c in self.tensors)
+
+    def put_back(self) -> None:
+        """Writes every copy back where it came from. A rank's own: it makes no collective call."""
+        with torch.no_grad():
+            for live, saved in self.tensors:
+                live.copy_(saved)
+        invalidate_caches(self.tbes)  # lines a failed attempt may have left are stale now
+        for mc, captured in self.mc:
+            mc.put_back(captured)
+        for obj, state in self.stateful:
+            obj.load_state_dict(copy.deepcopy(state))
+        if self.rng is not None:
+            set_rng_state(self.rng)
