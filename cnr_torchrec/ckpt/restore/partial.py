@@ -112,8 +112,8 @@ class Recovery:
     """CPR partial recoveries for one :class:`~cnr_torchrec.ckpt.Checkpointer`.
 
     Only the failed ranks reload, their embedding shards with their optimizer state, their
-    ``extra_state`` (reader position) and RNG (under ``restore_rng``), from the newest complete checkpoint (or the newest
-    of a step); the survivors read nothing and keep their training state. What DDP replicates
+    ``extra_state`` (reader position) and, under ``restore_rng``, RNG, from the newest complete
+    checkpoint (or the newest of a step); the survivors read nothing and keep their training state. What DDP replicates
     (dense parameters and buffers, data_parallel tables, the dense optimizer, the TBE step) is
     then broadcast from the lowest surviving rank. The updates the failed ranks' rows received
     since the checkpoint are lost: that is the trade CPR makes for not rolling every rank back
