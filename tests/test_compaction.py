@@ -240,15 +240,15 @@ def test_commit_cost_and_manifest_size_do_not_grow_with_the_chain(group, tmp_pat
 
 
 def _catalog(spec):
-    """A catalog from (id, step, kind, parent, base, nbytes) rows."""
+    """A catalog from (id, step, kind, parent, base, nbytes[, equals]) rows (equals: a compaction's tip)."""
     from cnr_torchrec.ckpt.retention import Catalog, Entry
 
-    return Catalog(Entry(i, step, kind, parent, base, nbytes, 1) for i, step, kind, parent, base, nbytes in spec)
+    return Catalog(Entry(*row[:6], 1, equals=row[6] if len(row) > 6 else None) for row in spec)
 
 
 # A consecutive chain 0..4, a compaction 5 of chain 0..2 (step 30), and deltas 6, 7 hanging on it.
 ROOT = [(0, 10, "baseline", None, 0, 100), (1, 20, "delta", 0, 0, 10), (2, 30, "delta", 1, 0, 10),
-        (3, 40, "delta", 2, 0, 10), (4, 50, "delta", 3, 0, 10), (5, 30, "baseline", None, 5, 100),
+        (3, 40, "delta", 2, 0, 10), (4, 50, "delta", 3, 0, 10), (5, 30, "baseline", None, 5, 100, 2),
         (6, 60, "delta", 5, 5, 30), (7, 70, "delta", 6, 5, 10)]
 
 

@@ -5,6 +5,10 @@ with each commit, so committing checkpoint n costs the same whatever n is: one e
 added, the retention rule run over the kept entries (which retention bounds), index.json
 rewritten, and whatever is no longer kept deleted. Entries hold what the rule needs and
 no more: each checkpoint's link to its parent, its step and its bytes.
+
+"Newest" is by commit, in the order restore tries checkpoints
+(:func:`~cnr_torchrec.ckpt.format.commits.newest_state_first`), not by step: a job that goes on
+from an older step writes the newest branch, which is kept, and the branch it left ages out.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from cnr_torchrec.ckpt.format.commits import (
     committed_ids,
     load_manifest,
     manifest_path,
+    newest_state_first,
     rank_file,
     remove_uncommitted,
     write_index,
@@ -86,15 +91,25 @@ class Catalog:
                 i = self.entries[i].parent
         return out
 
+    def newest_first(self, leave_out: int | None = None) -> list[int]:
+        """The kept ids, newest state first: by commit, as restore orders them (:func:`newest_state_first`).
+        ``leave_out``: an id to order the others without."""
+        ids = [i for i in self.entries if i != leave_out]
+        return [e.id for e in newest_state_first(ids, self.entries.get)]
+
     def retained(self, keep: KeepConfig, pinned: Iterable[int] = ()) -> set[int]:
         """The ids ``keep`` keeps: the newest checkpoints (by count and bytes), the newest chains,
-        and ``pinned`` (a compaction's source), each with what its chain needs."""
-        # Newest by step: a compacted baseline has its tip's step and a higher id than the deltas after the tip.
-        newest_first = sorted(self.entries, key=lambda i: (self.entries[i].step, i), reverse=True)
-        if not newest_first:
+        and ``pinned`` (a compaction's source), each with what its chain needs.
+
+        Newest is by commit, not by step (:meth:`newest_first`): a job that went on from an older
+        step writes the newest branch, and the branch it left ages out. A chain is a baseline and
+        everything on it; the newest chains are those whose newest checkpoints are newest.
+        """
+        order = self.newest_first()
+        if not order:
             return set()
-        kept = self.needs(newest_first[:1])  # the newest, whatever the limits
-        for n, i in enumerate(newest_first[1:], start=2):
+        kept = self.needs(order[:1])  # the newest, whatever the limits
+        for n, i in enumerate(order[1:], start=2):
             if keep.checkpoints is not None and n > keep.checkpoints:
                 break
             if keep.checkpoints is None and keep.bytes is None:
@@ -104,9 +119,44 @@ class Catalog:
                 break
             kept = grown
         if keep.chains is not None:
-            bases = sorted({e.base for e in self.entries.values()}, reverse=True)[: keep.chains]
+            bases = list(dict.fromkeys(self.entries[i].base for i in order))[: keep.chains]  # by newest member
             kept |= self.needs(i for i, e in self.entries.items() if e.base in bases)
         return kept | self.needs(pinned)
+
+    def branch_below(self, entry: Entry) -> int | None:
+        """The highest step of the other kept checkpoints if ``entry`` starts a branch below it; else None.
+
+        ``entry`` starts a branch when it does not go on from the newest of the others: its step is
+        lower than the newest's (a job that restored an older step, fell back past corrupt
+        checkpoints, or started afresh), or it is a delta whose parent is not on the newest's chain
+        (a compacted baseline on it stands for the chain it folds). A compacted baseline is no branch
+        (it has its tip's step), and neither are the deltas around a compaction. Only a branch's
+        first checkpoint qualifies: from then on it is the newest.
+        """
+        others = self.newest_first(leave_out=entry.id)
+        if entry.equals is not None or not others:
+            return None
+        top = max(self.entries[i].step for i in others)
+        newest = self.entries[others[0]]
+        if entry.step >= top:
+            return None
+        if entry.step < newest.step:
+            return top
+        parent = self.entries.get(entry.parent) if entry.parent is not None else None
+        if parent is None:
+            return None  # a baseline, or a parent retention no longer holds: nothing says it branched
+        anchor = parent.equals if parent.equals is not None else parent.id  # a compaction stands for its tip
+        return None if anchor in self._lineage(newest.id) else top
+
+    def _lineage(self, i: int) -> set[int]:
+        """``i`` and the kept checkpoints whose state it builds on: its chain, and through a compacted
+        baseline the chain it folds."""
+        out: set[int] = set()
+        while i is not None and i not in out and i in self.entries:
+            out.add(i)
+            e = self.entries[i]
+            i = e.parent if e.parent is not None else e.equals
+        return out
 
     def collect(self, storage: Storage, keep: KeepConfig, pinned: Iterable[int] = ()) -> list[int]:
         """Drops what ``keep`` does not keep: index.json first, then each manifest (the uncommit), then
@@ -139,7 +189,11 @@ class Retention:
 
     def committed(self, manifest: Manifest, storage: Storage) -> None:
         """``manifest`` committed: the catalog takes it and what ``keep`` does not keep is deleted. Never raises
-        (a commit must not fail for it); the next commit tries again."""
+        (a commit must not fail for it); the next commit tries again.
+
+        Logs a warning when ``manifest`` starts a branch below the highest step under the root
+        (:meth:`Catalog.branch_below`): once per branch, at its first commit.
+        """
         try:
             with self._lock:
                 pinned = tuple(self._pinned())
@@ -150,6 +204,12 @@ class Retention:
                         log.info("removed the directories of saves that never committed: %s", stale)
                 else:
                     self._catalog.add(manifest)
+                top = self._catalog.branch_below(Entry.of(manifest))
+                if top is not None:  # before collecting, which may fail: the branch's first commit is its only one
+                    log.warning("checkpoint %d (step %d) starts a new branch below step %d, the highest step under the "
+                                "root: retention keeps by commit, so it keeps this branch and collects the other one "
+                                "as it ages out, and restore() with no step restores this branch", manifest.id,
+                                manifest.step, top)
                 drop = self._catalog.collect(storage, self.keep, pinned=pinned)
             if drop:
                 log.info("garbage-collected checkpoints %s (%s)", drop, self.keep)

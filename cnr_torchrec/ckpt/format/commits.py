@@ -23,11 +23,12 @@ payloads are chunked (each rank report lists its chunks); a version 3 report's p
 
 from __future__ import annotations
 
+import bisect
 import json
 import posixpath
 import re
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import checksum
@@ -51,6 +52,8 @@ __all__ = [
     "write_index",
     "walk_chain",
     "chain_ids",
+    "Commit",
+    "newest_state_first",
     "check_files_inside",
     "remove_partial",
     "remove_uncommitted",
@@ -196,6 +199,56 @@ def walk_chain(tip: Manifest, load: Callable[[int], Manifest]) -> list[Manifest]
                                      f"{node.depth} and parent {node.parent!r}; a baseline is its own "
                                      "base, at depth 0, with no parent", path=path)
     return chain[::-1]
+
+
+class Commit(Protocol):
+    """What :func:`newest_state_first` reads of a committed checkpoint (a :class:`Manifest`, a retention entry)."""
+
+    @property
+    def id(self) -> int: ...
+
+    @property
+    def equals(self) -> int | None: ...
+
+
+_C = TypeVar("_C", bound=Commit)
+
+
+def newest_state_first(ids: Iterable[int], load: Callable[[int], _C | None]) -> Iterator[_C]:
+    """Committed checkpoints, newest state first: the one order restore and retention call "newest".
+
+    Ids grow with every commit, so the checkpoint committed last holds the newest state, whatever
+    its step: a job that goes on from an older step (``restore(step=...)``, a fallback past corrupt
+    checkpoints, a fresh start into a used root) writes the newest branch. One exception: a
+    compacted baseline (``equals`` = the tip it reproduces) holds its tip's state, so it comes
+    right before that tip, after the deltas committed after the tip (older ids than it, newer state).
+
+    Lazy, newest first, so that a caller that stops at the first sound checkpoint loads one manifest.
+
+    Args:
+        ids: the committed ids, in any order (all of them: a compacted baseline is placed by the ids
+            that lie between its tip and itself, loaded or not).
+        load: the checkpoint of an id, or None to leave it out (collected meanwhile, found unsound);
+            called once per id, newest id first. Whatever it raises propagates.
+
+    Returns:
+        An iterator over what ``load`` returned, newest state first.
+    """
+    order = sorted(set(ids))
+    deferred: list[_C] = []  # compacted baselines waiting for their tip, by ``equals`` ascending
+    for cid in reversed(order):
+        while deferred and deferred[-1].equals >= cid:
+            yield deferred.pop()
+        c = load(cid)
+        if c is None:
+            continue
+        tip = c.equals
+        # Newer state than the tip lies between them when an id was committed after the tip and before c.
+        if tip is not None and bisect.bisect_right(order, tip) < bisect.bisect_left(order, cid):
+            bisect.insort(deferred, c, key=lambda d: d.equals)
+            continue
+        yield c
+    yield from reversed(deferred)
 
 
 def check_files_inside(manifest: Manifest) -> None:

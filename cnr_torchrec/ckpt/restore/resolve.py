@@ -7,6 +7,7 @@ outcome (:meth:`cnr_torchrec.ckpt.Checkpointer.restore`).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 from cnr_torchrec.ckpt.format.commits import (
@@ -15,6 +16,7 @@ from cnr_torchrec.ckpt.format.commits import (
     committed_ids,
     load_manifest,
     manifest_path,
+    newest_state_first,
     walk_chain,
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest
@@ -96,31 +98,25 @@ class _Resolver:
             raise _Through(i)
         return self._manifest(i)
 
-    def _candidates(self):
-        """Committed manifests, newest state first: by id, except that a compacted baseline comes right
-        before the tip it reproduces (deltas after that tip, though older ids, hold newer state)."""
+    def _candidates(self) -> Iterator[Manifest]:
+        """Committed manifests, newest state first (:func:`newest_state_first`: by commit, except that a
+        compacted baseline comes right before the tip it reproduces), the unsound ones skipped."""
         ids = committed_ids(self.storage)  # CorruptCheckpointError for a corrupt index.json, on stores that cannot list
-        deferred: list[Manifest] = []
-        for cid in reversed(ids):
-            while deferred and deferred[-1].equals >= cid:
-                yield deferred.pop()
-            if cid in self.bad:
-                continue
-            try:
-                m = self._manifest(cid)
-            except CheckpointNotFoundError:
-                continue  # collected since it was listed
-            except CorruptCheckpointError as e:
-                if self.fail:
-                    raise
-                self._skip(cid, str(e))
-                continue
-            tip = m.equals
-            if tip is not None and any(tip < j < cid for j in ids):
-                deferred = sorted(deferred + [m], key=lambda c: c.equals)
-                continue
-            yield m
-        yield from reversed(deferred)
+        return newest_state_first(ids, self._candidate)
+
+    def _candidate(self, cid: int) -> Manifest | None:
+        """``cid``'s manifest; None if it is known bad, collected since it was listed, or corrupt (then skipped)."""
+        if cid in self.bad:
+            return None
+        try:
+            return self._manifest(cid)
+        except CheckpointNotFoundError:
+            return None  # collected since it was listed
+        except CorruptCheckpointError as e:
+            if self.fail:
+                raise
+            self._skip(cid, str(e))
+            return None
 
     def _sound_chain_or_skip(self, m: Manifest) -> list[Manifest] | None:
         """``m``'s chain if it is sound; else None, with the culprit skipped (or raised under ``fail``)."""

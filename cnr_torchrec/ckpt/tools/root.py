@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
-from cnr_torchrec.ckpt.format.commits import committed_ids
+from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, newest_state_first
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 
@@ -72,8 +72,27 @@ def not_found_hint(storage: Storage) -> str:
     return "; pass the checkpoint root (the directory that holds the ckpt-*/ directories and index.json)"
 
 
+class _Unread(NamedTuple):
+    """A committed checkpoint whose manifest does not load: placed by its id; whoever opens it names why."""
+
+    id: int
+    equals: None = None
+
+
+def _newest(storage: Storage, ids: list[int]) -> int:
+    """The id of the newest state, as restore orders them (a compacted baseline before its tip's later deltas)."""
+    def load(i: int) -> Any:
+        try:
+            return load_manifest(storage, i)
+        except CnrError:
+            return _Unread(i)
+
+    return next(newest_state_first(ids, load)).id
+
+
 def resolve_id(storage: Storage, ckpt_id: int | None = None) -> int:
-    """``ckpt_id`` if it is committed, else the newest committed id when ``ckpt_id`` is None.
+    """``ckpt_id`` if it is committed, else, when ``ckpt_id`` is None, the newest committed state: the id
+    ``Checkpointer.restore()`` would try first (by commit, a compacted baseline just before its tip).
 
     Raises:
         CheckpointNotFoundError: nothing committed, or ``ckpt_id`` is not committed.
@@ -82,7 +101,7 @@ def resolve_id(storage: Storage, ckpt_id: int | None = None) -> int:
     if not ids:
         raise CheckpointNotFoundError(f"no committed checkpoint under {storage.root}{not_found_hint(storage)}")
     if ckpt_id is None:
-        return ids[-1]
+        return _newest(storage, ids)
     if ckpt_id not in ids:
         raise CheckpointNotFoundError(
             f"checkpoint {ckpt_id} is not committed under {storage.root}; committed ids: {_id_list(ids)} "
