@@ -63,10 +63,21 @@ def _open(args: argparse.Namespace):
 # ---------------------------------------------------------------------- inspect
 
 
+def _dense_optimizer_label(info: dict[str, Any] | None, short: bool = False) -> str:
+    """A checkpoint's dense optimizer state in words: ``none``, or ``kind (class)`` (``short``: the class's own
+    name, without its module)."""
+    if info is None:
+        return "none"
+    cls = info.get("class")
+    if cls is None:
+        return f"{info['kind']} (class not recorded)"
+    return f"{info['kind']} ({cls.rsplit('.', 1)[-1] if short else cls})"
+
+
 def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
     """One line per checkpoint; its chain as ``base..id (length)``, whatever the chain's length."""
     header = ("id", "step", "kind", "policy", "chain", "codec", "bytes", "% full", "rows", "dirty", "stall ms",
-              "write ms")
+              "write ms", "dense optimizer")
     table = [header]
     for r in rows:
         table.append((
@@ -75,9 +86,10 @@ def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
             _codec_label(r["method"], r["bits"]), _human_bytes(r["nbytes"]),
             f"{100 * r['nbytes'] / full:.1f}" if full else "-", f"{r['rows_written']}/{r['total_rows']}",
             f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}", f"{r['write_ms']:.1f}",
+            _dense_optimizer_label(r.get("dense_optimizer"), short=True),
         ))
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    left = {2, 3, 4, 5}
+    left = {2, 3, 4, 5, 12}
     return ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
             for row in table]
 
@@ -187,7 +199,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     options = parse_storage_options(args.storage_option)
-    problems = verify_root(args.root, options, None if args.id is None else [args.id])
+    dense: dict[int, Any] = {}
+    problems = verify_root(args.root, options, None if args.id is None else [args.id], dense_optimizers=dense)
     if problems:
         # At most _LISTED lines per file of a checkpoint, and one line counting the rest, so that the PROBLEM
         # lines and the "more" lines add up to the count below.
@@ -202,7 +215,23 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_CORRUPT
     print("OK: " + (f"checkpoint {args.id} and its chain verify" if args.id is not None
                     else f"every committed checkpoint under {args.root} verifies"))
+    by_label: dict[str, list[int]] = {}
+    for ckpt_id, info in sorted(dense.items()):
+        by_label.setdefault(_dense_optimizer_label(info), []).append(ckpt_id)
+    for label, ids in by_label.items():
+        print(f"dense optimizer state {label}: checkpoint(s) {_id_ranges(ids)}")
     return EXIT_OK
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """Sorted ids as runs: ``0-3, 7``."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # ---------------------------------------------------------------------- compact / export

@@ -55,11 +55,22 @@ def _train(dmp, opt, rank: int, steps: range) -> None:
         M.train_step(dmp, opt, M.make_batch(MODEL, seed=1000 * rank + step))
 
 
+def _keyed_model(seed: int):
+    """The fixture model with TorchRec's own dense optimizer: a KeyedOptimizerWrapper of Adam over the
+    parameters the fused optimizers leave out (golden_training's pattern)."""
+    from torchrec.optim.keyed import KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
+
+    dmp, _ = M.build_dmp(MODEL, PLAN, seed=seed)
+    dense = {n: p for n, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad}
+    return dmp, KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adam(params, lr=0.01))
+
+
 def _save_chain(root: str, rank: int) -> None:
     """A baseline and a delta of a trained model, written by the real Checkpointer."""
     from cnr_torchrec import Checkpointer
 
-    dmp, opt = M.build_dmp(MODEL, PLAN, seed=0)
+    dmp, opt = _keyed_model(seed=0)
     with Checkpointer(dmp, _config(root), dense_optimizer=opt, extra_state={"pos": Position(5)}) as ck:
         for step in (1, 2):
             _train(dmp, opt, rank, range(step * 10, step * 10 + 2))
@@ -97,9 +108,12 @@ def _failed_restore_worker(rank: int, world_size: int, root: str) -> None:
     for ckpt in (0, 1):
         _damage_every_payload(root, ckpt)
 
-    for rollback in (True, False):
-        dmp, opt = M.build_dmp(MODEL, PLAN, seed=3)  # another initialisation than the one saved
-        _train(dmp, opt, rank, range(50, 53))  # and state of its own: optimizer moments, a dense step count
+    # A trained model (its own optimizer moments), an untrained one (no dense optimizer state at all: the restore
+    # creates it, and the rollback must take it away again), and the control without rollback.
+    for rollback, trained in ((True, True), (True, False), (False, True)):
+        dmp, opt = _keyed_model(seed=3)  # another initialisation than the one saved
+        if trained:
+            _train(dmp, opt, rank, range(50, 53))
         pos = Position(99)
         before = M.local_state(dmp, opt)
         ck = Checkpointer(dmp, _config(root, restore_rollback=rollback), dense_optimizer=opt,
@@ -112,7 +126,8 @@ def _failed_restore_worker(rank: int, world_size: int, root: str) -> None:
         assert all("rank-00001.bin" in why for why in err.value.skipped.values()), err.value.skipped
         after = M.local_state(dmp, opt)
         if rollback:
-            M.assert_same(after, before, f"rank {rank}: the model after a failed restore")
+            M.assert_same(after, before, f"rank {rank}: the model after a failed restore (trained: {trained})")
+            assert bool(opt.state) == trained
             assert pos.at == 99
             assert "as it was before restore()" in str(err.value)
         else:

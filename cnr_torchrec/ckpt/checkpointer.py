@@ -18,7 +18,7 @@ from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.dense_optim import param_names
+from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -66,7 +66,7 @@ def _check_arguments(model: torch.nn.Module, config: Any, dense_optimizer: Any,
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
             raise ConfigError(f"extra_state[{name!r}] has no state_dict()/load_state_dict(); pass a Stateful object")
     if dense_optimizer is not None:
-        param_names(model, dense_optimizer)  # its state is saved by parameter name: every one must have one
+        check_dense_optimizer(model, dense_optimizer)  # refused now, not at the first save or restore
     return tracker
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.dense_optim import load_named_state
+from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
@@ -210,8 +210,15 @@ def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTra
 def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module, dense_optimizer: Any,
                             stats: dict[str, float] | None = None, load0: RowReader | None = None) -> None:
     """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
-    each parameter's by its name (see dense_optim.py). ``load0``: a reader of that file already at hand
-    (else ``storage`` is range-read)."""
+    in the form its class saved it in: by parameter name for torch.optim and TorchRec's keyed optimizers,
+    through the optimizer's own ``load_state_dict`` for any other (see dense_optim.py). ``load0``: a reader
+    of that file already at hand (else ``storage`` is range-read).
+
+    Raises:
+        IncompatibleCheckpointError: the checkpoint holds no dense optimizer state, another optimizer class
+            saved it, or its state does not fit this optimizer's parameters.
+        CorruptCheckpointError: the saved state is malformed for its form.
+    """
     first = target.ranks[0]
     if first.dense_optimizer is None:
         raise IncompatibleCheckpointError(
@@ -219,4 +226,4 @@ def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn
         )
     load0 = load0 or RowReader(storage, first.payload, stats)
     saved = unflatten_state(first.dense_optimizer, load0)
-    load_named_state(model, dense_optimizer, saved, f"checkpoint {target.id}")
+    load_dense_state(model, dense_optimizer, saved, f"checkpoint {target.id}")

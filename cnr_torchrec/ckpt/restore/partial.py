@@ -142,6 +142,12 @@ class Recovery:
             raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in [0, {world})")
         if len(failed) == world:
             raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
+        opt = self.dense_optimizer
+        if opt is not None and not (hasattr(opt, "param_groups") and hasattr(opt, "state")):
+            raise ConfigError(
+                f"recover(): the dense optimizer (a {type(opt).__name__}) has no param_groups/state, which partial "
+                "recovery copies from a surviving rank tensor by tensor; call restore() instead, or use a "
+                "torch.optim or TorchRec KeyedOptimizer")
         return failed
 
     def run(self, failed: list[int], step: int | None) -> tuple[RecoveryInfo, list[Manifest]]:

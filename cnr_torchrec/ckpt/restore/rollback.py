@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cnr_torchrec.ckpt.format.dense_optim import load_dense_state, state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import flush_caches, invalidate_caches
@@ -42,6 +43,7 @@ class Snapshot:
     tensors: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (live, its copy)
     mc: list[tuple[Any, Any]] = field(default_factory=list)  # (McTable, what McTable.capture() gave)
     stateful: list[tuple[Any, Any]] = field(default_factory=list)  # (object with load_state_dict, its state)
+    dense_optimizer: tuple[nn.Module, Any, Any] | None = None  # (model, optimizer, its saved form)
     rng: dict[str, Any] | None = None
     tbes: list[nn.Module] = field(default_factory=list)
 
@@ -69,8 +71,9 @@ class Snapshot:
             snap.tensors += [(v, _host_copy(v)) for v in views if v.numel()]
         snap.tensors += [(t, _host_copy(t)) for t in dense_named_state(model, tracker.module_fqns()).values()]
         snap.mc = [(mc, mc.capture()) for mc in tracker.mc_tables().values()]
-        objects = ([dense_optimizer] if dense_optimizer is not None else []) + list(extra_state.values())
-        snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in objects]
+        if dense_optimizer is not None:  # the form a checkpoint stores: a keyed optimizer loads only into it
+            snap.dense_optimizer = (model, dense_optimizer, copy.deepcopy(state_to_save(model, dense_optimizer)))
+        snap.stateful = [(obj, copy.deepcopy(obj.state_dict())) for obj in extra_state.values()]
         snap.rng = rng_state() if rng else None
         return snap
 
@@ -87,6 +90,9 @@ class Snapshot:
         invalidate_caches(self.tbes)  # lines a failed attempt may have left are stale now
         for mc, captured in self.mc:
             mc.put_back(captured)
+        if self.dense_optimizer is not None:
+            model, optimizer, saved = self.dense_optimizer
+            load_dense_state(model, optimizer, copy.deepcopy(saved), "putting back the state a failed restore changed")
         for obj, state in self.stateful:
             obj.load_state_dict(copy.deepcopy(state))
         if self.rng is not None:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
-from cnr_torchrec.ckpt.format.dense_optim import named_state
+from cnr_torchrec.ckpt.format.dense_optim import state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
@@ -290,7 +290,7 @@ def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, d
     if out.rank == 0:
         out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker.module_fqns()).items()}
         if dense_optimizer is not None:
-            out.dense_optimizer = _clone_tree(named_state(model, dense_optimizer))
+            out.dense_optimizer = _clone_tree(state_to_save(model, dense_optimizer))
     out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
     out.rng = _clone_tree(rng_state())
     out.mc_runtime = {table: mc.runtime() for table, mc in tracker.mc_tables().items()}

@@ -17,11 +17,12 @@ from cnr_torchrec.ckpt.format.commits import (
     load_manifest,
     manifest_path,
 )
+from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["checkpoint_row", "full_snapshot_nbytes", "reconstruction_nbytes", "summarize"]
+__all__ = ["checkpoint_row", "dense_optimizer_info", "full_snapshot_nbytes", "reconstruction_nbytes", "summarize"]
 
 
 def full_snapshot_nbytes(m: Manifest, *, with_state: bool = True) -> int:
@@ -35,12 +36,22 @@ def full_snapshot_nbytes(m: Manifest, *, with_state: bool = True) -> int:
     return total
 
 
+def dense_optimizer_info(m: Manifest) -> dict[str, str | None] | None:
+    """What dense optimizer state ``m`` holds: None (none), or ``{"kind", "class"}`` (see
+    :class:`~cnr_torchrec.ckpt.format.dense_optim.SavedDenseOptimizer`; ``class`` None where it was not
+    recorded, and ``kind`` ``"malformed"`` for a tree of no known form, which ``cnr verify`` reports)."""
+    try:
+        return describe(m.ranks[0].dense_optimizer)
+    except CorruptCheckpointError:
+        return {"kind": "malformed", "class": None}
+
+
 def checkpoint_row(m: Manifest) -> dict[str, Any]:
     """One checkpoint as a report row (the ``checkpoints`` items of a ``cnr-report``, plus a few keys).
 
     ``total_rows`` counts the rows the sharded tables' shards hold (a row split over k
     column shards counts k times, as ``rows_written`` counts it), so a baseline's
-    ``dirty_fraction`` is 1.
+    ``dirty_fraction`` is 1. ``dense_optimizer`` is :func:`dense_optimizer_info`'s.
     """
     total_rows = sum(e.num_rows for _, _, e in m.entries())
     return {
@@ -63,6 +74,7 @@ def checkpoint_row(m: Manifest) -> dict[str, Any]:
         "reason": m.reason,
         "compacted_from": list(m.compacted_from) if m.compacted_from else None,
         "residual": any(e.residual for _, _, e in m.entries()),
+        "dense_optimizer": dense_optimizer_info(m),
         "files": {c.path: c.nbytes for r in m.ranks for c in r.payload.chunks},
     }
 

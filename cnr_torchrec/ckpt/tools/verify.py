@@ -7,7 +7,8 @@ of its body (so even a flipped whitespace byte is caught). What the schema canno
 checked here, from the bytes: every rank file lies in its checkpoint's directory, and each
 chunk exists with the size and xxh3 the manifest gives; every blob matches its own xxh3 and
 overlaps no other; every entry's row ids decode to the count it claims and its encoded rows
-are consistent; and a delta's chain members exist, verify, link up and have its tables.
+are consistent; a delta's chain members exist, verify, link up and have its tables; and the
+dense optimizer's state is of a form this version restores (dense_optim.SavedDenseOptimizer).
 index.json, when present, must be a valid index listing only committed checkpoints.
 
 Nothing is unpickled: manifests are JSON and payloads are raw bytes.
@@ -31,6 +32,7 @@ from cnr_torchrec.ckpt.format.commits import (
     seal,
     walk_chain,
 )
+from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.rows import as_rows
@@ -70,6 +72,7 @@ class _Verifier:
         self.storage = storage
         self._own: dict[int, list[Problem]] = {}
         self._manifests: dict[int, Manifest] = {}
+        self.dense_optimizers: dict[int, dict[str, str | None] | None] = {}  # by checkpoint: describe()'s
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -115,6 +118,10 @@ class _Verifier:
             problems.append(Problem(ckpt_id, mpath, _strip_path(str(e), mpath)))
             return
         self._manifests[ckpt_id] = manifest
+        try:
+            self.dense_optimizers[ckpt_id] = describe(manifest.ranks[0].dense_optimizer)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(ckpt_id, mpath, str(e)))
         for report in manifest.ranks:
             self._check_rank(ckpt_id, report, problems)
 
@@ -267,8 +274,13 @@ def verify_checkpoint(storage: Storage, ckpt_id: int) -> list[Problem]:
     return _Verifier(storage).checkpoint(ckpt_id)
 
 
-def verify_root(root: str, storage_options: dict | None = None, ids: list[int] | None = None) -> list[Problem]:
+def verify_root(root: str, storage_options: dict | None = None, ids: list[int] | None = None, *,
+                dense_optimizers: dict[int, dict[str, str | None] | None] | None = None) -> list[Problem]:
     """Checks every committed checkpoint under ``root`` (or those in ``ids``), and index.json.
+
+    Args:
+        dense_optimizers: if given, filled with what dense optimizer state each checkpoint whose manifest
+            loads holds (chain members included): None, or ``{"kind", "class"}`` (dense_optim.describe).
 
     Returns:
         Every problem found, each naming its file; an empty list means sound.
@@ -295,6 +307,8 @@ def verify_root(root: str, storage_options: dict | None = None, ids: list[int] |
             problems += verifier.checkpoint(cid)
         if ids is None:
             problems += _check_index(storage, set(committed))
+        if dense_optimizers is not None:
+            dense_optimizers.update(sorted(verifier.dense_optimizers.items()))
         return problems
     finally:
         storage.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from cnr_torchrec.ckpt.format.chunks import PayloadReader
-from cnr_torchrec.ckpt.format.dense_optim import by_fqn
+from cnr_torchrec.ckpt.format.dense_optim import SavedDenseOptimizer
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -31,6 +32,8 @@ from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, Incompatibl
 from cnr_torchrec.track.managed_collision import sort_order
 
 __all__ = ["export_dcp"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,20 @@ class _ExportPlanner(DefaultSavePlanner):
         return p.take(self._held[1])
 
 
+def _dense_optim(saved: Any, where: str) -> dict[str, Any] | None:
+    """The ``dense_optim`` entry of an export, by parameter name: the torch.optim form remapped from positions,
+    a TorchRec keyed optimizer's state as it saved it (already by name); None, logged, for state of no names
+    (an opaque optimizer's, or one an older build kept by position only), which DCP could not load by name."""
+    if saved is None:
+        return None
+    record = SavedDenseOptimizer.from_tree(saved, where)
+    out = record.by_fqn()
+    if out is None:
+        log.warning("%s: the dense optimizer state (%s) is not keyed by parameter name; the export leaves it "
+                    "out of '%s'", where, record.label(), DENSE_OPTIM)
+    return out
+
+
 def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
                progress: Progress | None = None) -> dict[str, Any]:
     """Writes checkpoint ``ckpt_id`` (default: the newest committed) as a DCP checkpoint in new directory ``out``:
@@ -214,9 +231,9 @@ def export_dcp(storage: Storage, out: str, ckpt_id: int | None = None,
     dense.update(_mc_plain_buffers(tip, load, pieces))
     check_model_keys([*dense, *(p.path[0] for p in pieces if p.path[0] != OPTIM)], f"checkpoint {tip.id}")
     dense[TRAIN_STATE] = {"step": tip.step}
-    named = unflatten_state(first.dense_optimizer, load)
-    if named is not None and "param_names" in named:  # by parameter name (an older build's is by position only)
-        dense[DENSE_OPTIM] = by_fqn(named)
+    dense_optim = _dense_optim(unflatten_state(first.dense_optimizer, load), f"checkpoint {tip.id}")
+    if dense_optim is not None:
+        dense[DENSE_OPTIM] = dense_optim
     planner, tmp = _ExportPlanner(storage, chain, pieces, progress), f"{out}.tmp-{os.getpid()}"
     try:
         writer = FileSystemWriter(tmp, single_file_per_rank=False, overwrite=False)

@@ -9,7 +9,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from cnr_torchrec.ckpt.format.dense_optim import from_fqn
+from cnr_torchrec.ckpt.format.dense_optim import TORCH_OPTIM, SavedDenseOptimizer, from_fqn
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -177,6 +177,12 @@ def _step(path: str, md: Metadata) -> int | None:
     return value
 
 
+def _dense_optimizer(tree: Any, where: str) -> dict[str, Any]:
+    """``dense_optim`` as a baseline stores it: the by-name torch.optim form with no class recorded (DCP keeps
+    none), which restores into a torch.optim optimizer or a TorchRec keyed one."""
+    return SavedDenseOptimizer(TORCH_OPTIM, None, from_fqn(tree, where)).to_tree()
+
+
 def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int | None = None,
                progress: Progress | None = None) -> Manifest:
     """Writes the DCP checkpoint in directory ``path`` as a baseline of ``storage`` with the next free id:
@@ -226,7 +232,7 @@ def import_dcp(path: str, storage: Storage, *, append: bool = False, step: int |
         shards=_table_shards(path, md, model, tables, progress),
         table_shapes={t.name: list(t.shape) for t in tables.values()},
         table_fqns={t.name: t.fqn for t in tables.values()}, dense=_dense(path, md, model, tables),
-        dense_optimizer=None if tree is None else from_fqn(tree, f"{path}: '{DENSE_OPTIM}'"),
+        dense_optimizer=None if tree is None else _dense_optimizer(tree, f"{path}: '{DENSE_OPTIM}'"),
         reason=f"imported from DCP checkpoint {path}", mc_runtime=_mc_windows(path, md, tables),
     )
 

@@ -23,10 +23,16 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from cnr_torchrec.ckpt.format.dense_optim import by_fqn, from_fqn, load_named_state, named_state
+from cnr_torchrec.ckpt.format.dense_optim import (
+    TORCH_OPTIM,
+    SavedDenseOptimizer,
+    from_fqn,
+    load_dense_state,
+    state_to_save,
+)
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
-from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, CorruptCheckpointError, IncompatibleCheckpointError,
-                                 UnsafeCheckpointError)
+from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError,
+                                 IncompatibleCheckpointError, UnsafeCheckpointError)
 
 __all__ = ["DMPLoadPlanner", "dense_optimizer_state_dict", "load_dense_optimizer"]
 
@@ -243,26 +249,36 @@ class DMPLoadPlanner(DefaultLoadPlanner):
                     torch.load(value, weights_only=True))
 
 
-def dense_optimizer_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+def dense_optimizer_state_dict(model: torch.nn.Module, optimizer: Any) -> dict[str, Any]:
     """The dense optimizer's state by parameter FQN (positions change with the plan; torch's
-    ``get_optimizer_state_dict`` does not take a DMP), to save under ``dense_optim``.
+    ``get_optimizer_state_dict`` does not take a DMP), to save under ``dense_optim``: a torch.optim
+    optimizer's remapped from positions, a TorchRec KeyedOptimizer's as its ``state_dict()`` keys it
+    (with its ``param_groups``).
 
     Raises:
-        ConfigError: the optimizer holds a parameter that is not the model's.
+        ConfigError: a torch.optim optimizer holds a parameter that is not the model's, or the optimizer is
+            neither torch.optim nor a KeyedOptimizer (its state has no parameter names).
     """
-    return by_fqn(named_state(model, optimizer))
+    record = SavedDenseOptimizer.from_tree(state_to_save(model, optimizer), "dense_optimizer")
+    out = record.by_fqn()
+    if out is None:
+        raise ConfigError(f"a {record.cls} keeps its state in its own layout, not by parameter name; save "
+                          f"its state_dict() under a key of your own instead of '{DENSE_OPTIM}'")
+    return out
 
 
-def load_dense_optimizer(checkpoint_id: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def load_dense_optimizer(checkpoint_id: str, model: torch.nn.Module, optimizer: Any) -> None:
     """Loads ``dense_optim`` of the DCP checkpoint in ``checkpoint_id`` into ``optimizer`` by parameter name, as
     a restore does: every rank reads it whole; a parameter without saved state keeps a fresh one (logged).
+    ``optimizer`` is a torch.optim optimizer or a TorchRec KeyedOptimizer.
 
     Raises:
         CheckpointNotFoundError: no DCP checkpoint there, or one without ``dense_optim``.
-        IncompatibleCheckpointError: a parameter's state has another shape, or ``dense_optim`` is malformed.
+        IncompatibleCheckpointError: a parameter's state has another shape, ``dense_optim`` is malformed, or
+            ``optimizer`` keeps its state in a layout of its own.
     """
     tree = _read_tree(checkpoint_id, _metadata(checkpoint_id), DENSE_OPTIM)
     if tree is None:
         raise CheckpointNotFoundError(f"{checkpoint_id} holds no '{DENSE_OPTIM}'; leave the dense optimizer fresh")
     where = f"DCP checkpoint {checkpoint_id}: '{DENSE_OPTIM}'"
-    load_named_state(model, optimizer, from_fqn(tree, where), where)
+    load_dense_state(model, optimizer, SavedDenseOptimizer(TORCH_OPTIM, None, from_fqn(tree, where)).to_tree(), where)
