@@ -132,7 +132,7 @@ import torch.distributed as dist
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from cnr_torchrec import Checkpointer, load_config
-from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.config import CheckpointConfig, CompactionConfig
 from cnr_torchrec.ckpt.restore.threads import decode_threads
 
 # The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
@@ -550,7 +550,7 @@ def run_compaction_cycle(dmp, opt, specs, size: float, frac: float, args, rank: 
     checkpoint, warm; the cell reports every restore and the worst."""
     max_chain = args.compaction_cycle
     root = fresh_dir(os.path.join(args.out_dir, f"x{size:g}_d{frac:g}_compaction"), rank)
-    config = make_config(root, args, notes, compaction={"max_chain": max_chain})
+    config = make_config(root, args, notes, compaction=CompactionConfig(max_chain=max_chain))  # the section whole
     pooling = pooling_for(specs[0].rows, frac, args, world)
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     restores, found, n_step = [], [], 0

@@ -4,17 +4,76 @@
 # parameters that DistributedModelParallel also takes carry its very annotation objects, since
 # TorchRec's signature check (torchrec.schema.utils.is_signature_compatible) compares annotations
 # with `!=`, and neither a string nor `list[...]` equals its `List[...]` (tests/test_dropin.py).
+import os
 from typing import List, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torchrec.distributed.model_parallel import DataParallelWrapper, DistributedModelParallel
 from torchrec.distributed.model_tracker.types import ModelTrackerConfigs
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
+from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["CheckNRunDMP"]
+
+_SHARE_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def _refuse_unrestartable_gloo_group() -> None:
+    """Refuses a gloo group that torchrun's restarts of this job could not start again (pytorch/pytorch#135712).
+
+    torchrun's agent hosts the rendezvous TCPStore and hands it to its workers
+    (``TORCHELASTIC_USE_AGENT_STORE=True``: the c10d rendezvous of ``--standalone`` and ``--rdzv-backend
+    c10d`` unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, and the static rendezvous always). The store
+    outlives the workers, and a group that ``init_process_group`` rendezvoused itself (``env://`` or
+    ``tcp://``) keeps its keys there under a prefix that is the same in every incarnation. A restarted
+    rank then reads the dead group's gloo addresses and fails in ``connectFullMesh``, or hangs there
+    until the group's timeout. The c10d rendezvous shares its store since torch 2.5 (pytorch/pytorch#128096);
+    with torch 2.13 on 2 local ranks, 2 restarts of 3 failed so under it, and 3 of 3 under the static
+    rendezvous. The first start works, so the job would only find out at its first
+    failure: it is refused here, before any training step, when restarts are allowed
+    (``TORCHELASTIC_MAX_RESTARTS`` > 0). A group built on a store the application passed in (whose keys
+    may carry the round, as ``cnr_dlrm.launch`` does) is left alone, as is any group outside torchrun.
+
+    Raises:
+        ConfigError: the group is gloo, torchrun shares its store, restarts are allowed, and the group's
+            keys are the same in every incarnation; the message gives the ways out.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    try:
+        restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return
+    if restarts <= 0 or "gloo" not in str(dist.get_backend()).lower():
+        return
+    from torch.distributed import distributed_c10d
+
+    init_method = getattr(distributed_c10d, "_default_pg_init_method", None)
+    if init_method is None or init_method.startswith("file://"):
+        return  # a store the application built, or a file rendezvous: not torchrun's store as it is
+    static = os.environ.get(_SHARE_STORE_VAR) == "1"
+    fix = (f"{_SHARE_STORE_VAR}=1 is set, but this rendezvous shares its store anyway (the static rendezvous, "
+           "torchrun's default without --standalone or --rdzv-backend, ignores it): launch with --rdzv-backend "
+           "c10d (or --standalone on one node) and keep the variable set"
+           if static else
+           f"launch with {_SHARE_STORE_VAR}=1 in torchrun's environment, with --standalone or --rdzv-backend c10d, "
+           "so that each restart gets a new store (the static rendezvous, torchrun's default without those "
+           "flags, ignores the variable)")
+    raise ConfigError(
+        f"CheckNRunDMP: this gloo process group cannot be started again by torchrun's restarts "
+        f"(TORCHELASTIC_MAX_RESTARTS={restarts}): torchrun keeps its rendezvous store across restarts "
+        f"(TORCHELASTIC_USE_AGENT_STORE=True), and init_process_group({init_method!r}) keeps the group's keys "
+        "there under a prefix that every incarnation shares, so a restarted rank reads the dead group's "
+        "addresses and fails or hangs in gloo's connectFullMesh (pytorch/pytorch#135712). To fix it, "
+        f"{fix}; or give init_process_group a store whose keys carry the restart's round "
+        "(dist.PrefixStore, as cnr_dlrm/launch.py does); or launch with --max-restarts 0"
+    )
 
 
 class CheckNRunDMP(DistributedModelParallel):
@@ -43,6 +102,9 @@ class CheckNRunDMP(DistributedModelParallel):
             None (default): on for TBEs on CUDA, off on CPU.
 
     Raises:
+        ConfigError: a gloo group under torchrun that no restart could start again (its keys in
+            torchrun's shared store, restarts allowed): pytorch/pytorch#135712. The message says how
+            to launch instead (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``).
         UnsupportedShardingError: a table whose kernel is not an FBGEMM TBE, or whose
             compute kernel is not a fused one (data_parallel tables excepted).
         RowIdOutOfRangeError, MalformedLookupError: from a training forward (sync-free:
@@ -67,6 +129,7 @@ class CheckNRunDMP(DistributedModelParallel):
         fuse_bounds_check: bool = True,
         sync_free: bool | None = None,
     ) -> None:
+        _refuse_unrestartable_gloo_group()  # before any collective: a restart of this job would hang
         super().__init__(
             module,
             env=env,

@@ -1,4 +1,5 @@
-"""Checkpoint config: the example configs, defaults, overrides, and every way a config is rejected."""
+"""Checkpoint config: the example configs, defaults, overrides (merged into sections), and every way a config is
+rejected."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import yaml
 
 from cnr_torchrec.ckpt import POLICIES, CheckpointConfig, QuantizationConfig, load_config
 from cnr_torchrec.ckpt.config import CompactionConfig, KeepConfig
+from cnr_torchrec.ckpt.config_loading import shipped_config_path
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import get_codec
 
@@ -102,7 +104,7 @@ def test_overrides_replace_file_values(tmp_path):
     path = POLICY_FILES[1]  # one_shot
     base = load_config(path)
     cfg = load_config(path, policy="full", keep={"checkpoints": 7}, root=str(tmp_path),
-                      quantization={"method": "uniform_sym", "bits": 8})
+                      quantization=QuantizationConfig(method="uniform_sym", bits=8))
     assert (cfg.policy, cfg.retention, cfg.root) == ("full", KeepConfig(checkpoints=7), str(tmp_path))
     with pytest.raises(ConfigError, match="give keep_last or keep, not both"):
         load_config(path, keep_last=3)
@@ -111,6 +113,83 @@ def test_overrides_replace_file_values(tmp_path):
     # Everything not overridden comes from the file.
     assert (cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s, cfg.storage_options) == (
         base.on_busy, base.full_shard_fraction, base.save_timeout_s, base.storage_options)
+
+
+SHIPPED = yaml.safe_load(pathlib.Path(shipped_config_path("consecutive")).read_text())
+
+
+@pytest.mark.parametrize("section,override", [
+    ("quantization", {"bits": 8}),
+    ("quantization", {"state_dtype": "float32"}),
+    ("keep", {"bytes": 10**9}),
+    ("compaction", {"max_chain": 4}),
+])  # (the shipped failure and budget sections hold the defaults: a merge there looks like a replacement)
+def test_a_section_override_merges_into_the_shipped_section(section, override):
+    """``load_config("consecutive", quantization={"bits": 8})`` changes the bits and keeps every other key of
+    the shipped file's quantization section (its method, params, state_dtype, residual), as written in the file."""
+    assert set(override) < set(SHIPPED[section]), "the override must leave some of the file's keys to keep"
+    cfg = load_config("consecutive", root="/r", **{section: override})
+    got = getattr(cfg, section)
+    for key, value in {**SHIPPED[section], **override}.items():
+        assert getattr(got, key) == value, f"{section}.{key}"
+    # Nothing else moved: the same as the file with that one key edited.
+    edited = {**SHIPPED, "root": "/r", section: {**SHIPPED[section], **override}}
+    assert cfg == load_config(edited)
+
+
+def test_the_shipped_values_that_a_merge_keeps_are_not_the_defaults():
+    """The merge test above can fail: the shipped quantization differs from the dataclass's defaults in the
+    keys the override leaves alone, so a replaced section would not pass for a merged one."""
+    merged = load_config("consecutive", root="/r", quantization={"bits": 8}).quantization
+    replaced = load_config("consecutive", root="/r", quantization=QuantizationConfig(bits=8)).quantization
+    assert merged.params == SHIPPED["quantization"]["params"] != replaced.params == {}
+    assert merged.state_dtype == SHIPPED["quantization"]["state_dtype"] != replaced.state_dtype == "float32"
+
+
+def test_a_dataclass_replaces_a_section_whole():
+    cfg = load_config("consecutive", root="/r", quantization=QuantizationConfig(method="uniform_sym", bits=8),
+                      compaction=CompactionConfig(max_chain=4))
+    assert cfg.quantization == QuantizationConfig(method="uniform_sym", bits=8)
+    assert cfg.compaction == CompactionConfig(max_chain=4)  # the file's max_chain_bytes_ratio: 1.0 is gone
+    assert SHIPPED["compaction"]["max_chain_bytes_ratio"] is not None
+
+
+def test_none_turns_an_optional_section_off_and_a_dict_field_is_replaced():
+    cfg = load_config("consecutive", root="/r", compaction=None,
+                      quantization={"params": {"num_bins": 10}}, storage_options={"anon": True})
+    assert cfg.compaction is None
+    # A codec's parameters go together: the file's ratio and bias_dtype are not mixed into new params.
+    assert cfg.quantization.params == {"num_bins": 10}
+    assert cfg.quantization.state_dtype == SHIPPED["quantization"]["state_dtype"]
+    assert cfg.storage_options == {"anon": True}
+
+
+def test_a_section_override_onto_a_null_section():
+    """full.yaml has ``compaction: null``: a mapping then gives the section, with nothing to merge."""
+    cfg = load_config("full", root="/r", policy="consecutive", compaction={"max_chain": 4})
+    assert cfg.compaction == CompactionConfig(max_chain=4)
+
+
+def test_a_merge_that_conflicts_says_how_to_replace_the_section():
+    """Another method under the file's adaptive params: the error names the kept key and the way out; an
+    override whose own keys are wrong gets no such hint."""
+    with pytest.raises(ConfigError) as e:
+        load_config("consecutive", root="/r", quantization={"method": "uniform_sym"})
+    assert "num_bins" in str(e.value) and "quantization=QuantizationConfig(...)" in str(e.value)
+    assert "with overrides ['quantization', 'root']" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        load_config("consecutive", root="/r", quantization={"bit": 8})
+    assert "did you mean 'bits'" in str(e.value) and "QuantizationConfig(...)" not in str(e.value)
+    with pytest.raises(ConfigError, match="expected a mapping or a QuantizationConfig"):
+        load_config("consecutive", root="/r", quantization=KeepConfig(checkpoints=3))
+
+
+def test_nested_overrides_modify_neither_source():
+    src = {"root": "/r", "quantization": {"method": "adaptive", "params": {"num_bins": 25}}}
+    override = {"bits": 8, "params": {"ratio": 0.5}}
+    load_config(src, quantization=override)
+    assert src == {"root": "/r", "quantization": {"method": "adaptive", "params": {"num_bins": 25}}}
+    assert override == {"bits": 8, "params": {"ratio": 0.5}}
 
 
 def test_overrides_on_a_mapping_and_missing_root():

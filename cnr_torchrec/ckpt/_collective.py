@@ -34,6 +34,13 @@ __all__ = ["Failure", "Ranks", "as_named_error"]
 _STORAGE_PACKAGES = frozenset({"botocore", "aiobotocore", "aiohttp", "s3transfer", "urllib3", "google", "fsspec"})
 
 
+def _all_gather_single(out: torch.Tensor, local: torch.Tensor) -> None:
+    """``dist.all_gather_single``: torch 2.13 renamed ``all_gather_into_tensor`` to it, and the old name warns
+    (FutureWarning) on every call; an older torch has the old name only."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, local)
+
+
 def _is_storage_error(e: BaseException) -> bool:
     """An I/O error, or one raised by an object-store client (botocore's ClientError, say)."""
     return isinstance(e, OSError) or any(c.__module__.split(".")[0] in _STORAGE_PACKAGES for c in type(e).__mro__)
@@ -182,18 +189,29 @@ class Ranks:
         """Every rank's JSON-able ``obj``, on every rank, in rank order."""
         if not self.distributed:
             return [obj]
-        dev = self.device
         data = json.dumps(obj).encode()
-        sizes = torch.empty(self.world_size, dtype=torch.int64, device=dev)
-        dist.all_gather_into_tensor(sizes, torch.tensor([len(data)], dtype=torch.int64, device=dev))
-        sizes = sizes.cpu()
+        sizes = self.all_gather(torch.tensor([len(data)], dtype=torch.int64)).view(-1)
         width = int(sizes.max())
         mine = torch.zeros(width, dtype=torch.uint8)
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        out = torch.empty(self.world_size * width, dtype=torch.uint8, device=dev)
-        dist.all_gather_into_tensor(out, mine.to(dev))
-        rows = out.cpu().view(self.world_size, width)
+        rows = self.all_gather(mine)
         return [json.loads(bytes(rows[r, : int(sizes[r])].numpy())) for r in range(self.world_size)]
+
+    def all_gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``local`` (the same shape and dtype on every rank), stacked in rank order, on the CPU.
+
+        Args:
+            local: this rank's tensor, on any device.
+
+        Returns:
+            A tensor of shape ``(world_size, *local.shape)``; ``local`` alone, stacked, without a process group.
+        """
+        if not self.distributed:
+            return local.detach().cpu().unsqueeze(0)
+        dev = self.device
+        out = torch.empty(self.world_size * local.numel(), dtype=local.dtype, device=dev)
+        _all_gather_single(out, local.reshape(-1).to(dev))
+        return out.cpu().view(self.world_size, *local.shape)
 
     def _broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's ``data`` on every rank (the others pass anything)."""

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
@@ -150,6 +151,7 @@ class Checkpointer:
         dense_optimizer: Any = None,
         extra_state: dict[str, Any] | None = None,
     ) -> None:
+        install_default_handler()  # the library's INFO lines reach stderr unless the application configured logging
         tracker = _check_arguments(model, config, dense_optimizer, extra_state)
         self._ranks = Ranks()
         self._dist = self._ranks.distributed
@@ -553,10 +555,7 @@ class Checkpointer:
                + self._compactor.flags() + [int(busy)])
         local = torch.tensor(row, dtype=torch.int64)
         if self._dist:
-            dev = self._ranks.device
-            out = torch.empty(self.world_size * local.numel(), dtype=torch.int64, device=dev)
-            dist.all_gather_into_tensor(out, local.to(dev))
-            rows = out.view(self.world_size, -1).cpu()
+            rows = self._ranks.all_gather(local)
             total, slowest = rows.sum(0), rows.max(0).values
         else:
             total = slowest = local

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cnr_torchrec.ckpt.config_loading import dataclass_from_mapping, read_mapping
+from cnr_torchrec.ckpt.config_loading import dataclass_with_overrides, read_mapping
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
 from cnr_torchrec.errors import ConfigError
 
@@ -415,14 +415,27 @@ class CheckpointConfig:
 def load_config(source: str | os.PathLike | Mapping[str, Any], **overrides: Any) -> CheckpointConfig:
     """Builds a :class:`CheckpointConfig` from a shipped config, a YAML file or a mapping.
 
+    Overrides are laid over the file's values by
+    :func:`~cnr_torchrec.ckpt.config_loading.merge_overrides`: a mapping given for a section
+    (``quantization``, ``keep``, ``compaction``, ``failure``, ``budget``) merges into the file's
+    section: ``load_config("consecutive", quantization={"bits": 8})`` keeps the file's method,
+    params, state_dtype and residual. To replace a section whole, pass its dataclass
+    (``quantization=QuantizationConfig(method="fp16")``); ``None`` turns an optional section off
+    (``compaction=None``). Any other value, a ``dict`` field such as ``quantization.params`` or
+    ``storage_options`` included, replaces the file's value whole.
+
     Args:
         source: the name of a config the package ships (``"consecutive"``, ``"full"``, ``"one_shot"``,
             ``"intermittent"``), the path of a YAML file, or a mapping with the same keys.
-        overrides: top-level keys that replace the file's values.
+        overrides: config keys laid over the source's values, as above.
+
+    Returns:
+        The config, every value checked.
 
     Raises:
         ConfigError: the file is missing or not YAML, a key is unknown, a value has the
-            wrong type or an inconsistent value. The message names the key.
+            wrong type or an inconsistent value. The message names the key, and the file
+            (``with overrides`` when there are some, since the key may come from them).
     """
     data, where = read_mapping(source, "config file")
-    return dataclass_from_mapping(CheckpointConfig, {**data, **overrides}, where)
+    return dataclass_with_overrides(CheckpointConfig, data, overrides, where)

@@ -11,6 +11,10 @@ A bare name (a ``str`` with no path separator that does not end in ``.yaml`` or 
 one of the configs the package ships, ``cnr_torchrec/configs/NAME.yaml``: ``load_config("consecutive")``
 works wherever the package is installed. Anything else is a path, relative to the working directory.
 
+Keyword overrides (``load_config("consecutive", quantization={"bits": 8})``) are laid over what the
+file gives by :func:`merge_overrides`: an override of a section merges into the file's section, key
+by key, and an instance of the section's dataclass replaces it whole.
+
 It knows nothing of checkpoints' fields: :func:`cnr_torchrec.ckpt.config.load_config` builds a
 :class:`~cnr_torchrec.ckpt.config.CheckpointConfig` with it, and the training job's config
 (``cnr_dlrm.config``) builds its sections with it, so both report errors alike.
@@ -34,7 +38,9 @@ from cnr_torchrec.errors import ConfigError
 __all__ = [
     "convert_value",
     "dataclass_from_mapping",
+    "dataclass_with_overrides",
     "is_config_name",
+    "merge_overrides",
     "read_mapping",
     "shipped_config_names",
     "shipped_config_path",
@@ -150,6 +156,106 @@ def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> An
         raise ConfigError(f"{where}: {e}") from None
 
 
+def _section_type(tp: Any) -> type | None:
+    """The config dataclass of a field typed ``tp`` (``X`` or ``X | None``); None for any other field."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        return sections[0] if len(sections) == 1 else None
+    return None
+
+
+def _section_items(value: Any) -> Mapping[str, Any] | None:
+    """A section's keys as given: a mapping as it is, a dataclass instance as its fields; None for anything else."""
+    if isinstance(value, Mapping):
+        return value
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    return None
+
+
+def merge_overrides(cls: type, base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """``base`` (a config's keys, as read from a file) with ``overrides`` laid over it, section by section.
+
+    An override of a section (a field of ``cls`` typed with a config dataclass, such as
+    ``quantization``, ``keep`` or ``compaction``) that is a mapping merges into the base's section,
+    recursively: the keys it names replace the base's, and the section's other keys keep the base's
+    values. Every other override replaces the base's value whole:
+
+    - an instance of the section's dataclass (``QuantizationConfig(method="fp16")``): the way to
+      replace a section whole, dropping every key of the base's section;
+    - None, which turns off an optional section (``compaction=None``);
+    - a value of a field that is not a section, a plain ``dict`` field included
+      (``quantization.params``, ``storage_options``, ``failure.bits_table``): its keys belong
+      together (codec parameters of one method, one bits table), so a new one is never mixed
+      with the base's.
+
+    Neither ``base`` nor ``overrides`` is modified. Keys that ``cls`` does not have are kept, for
+    :func:`dataclass_from_mapping` to name.
+
+    Args:
+        cls: the config dataclass the merged keys are for (its field types decide what merges).
+        base: the keys from the file or mapping.
+        overrides: the keys that replace or merge into them.
+
+    Returns:
+        A new mapping of the merged keys.
+    """
+    hints = typing.get_type_hints(cls) if dataclasses.is_dataclass(cls) else {}
+    merged = dict(base)
+    for key, value in overrides.items():
+        section = _section_type(hints[key]) if key in hints else None
+        below = _section_items(merged.get(key))
+        if section is not None and isinstance(value, Mapping) and below is not None:
+            merged[key] = merge_overrides(section, below, value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def dataclass_with_overrides(cls: type, data: Mapping[str, Any], overrides: Mapping[str, Any], where: str) -> Any:
+    """:func:`dataclass_from_mapping` of ``data`` with ``overrides`` merged over it (:func:`merge_overrides`).
+
+    Args:
+        cls: the config dataclass.
+        data: the keys from the file or mapping.
+        overrides: keys laid over them; none gives ``dataclass_from_mapping(cls, data, where)``.
+        where: how errors name the file; ``(with overrides [...])`` is added when there are some.
+
+    Returns:
+        An instance of ``cls``.
+
+    Raises:
+        ConfigError: as :func:`dataclass_from_mapping`. When an override of a section is sound alone
+            but not with the keys the file's section kept (``quantization={"method": "uniform_sym"}``
+            under the file's adaptive ``params``), the message also says how to replace the section whole.
+    """
+    if not overrides:
+        return dataclass_from_mapping(cls, data, where)
+    try:
+        return dataclass_from_mapping(cls, merge_overrides(cls, data, overrides), f"{where} (with overrides "
+                                      f"{sorted(overrides)})")
+    except ConfigError as e:
+        hints = typing.get_type_hints(cls)
+        for key, value in overrides.items():
+            section = _section_type(hints[key]) if key in hints else None
+            if section is None or not isinstance(value, Mapping) or _section_items(data.get(key)) is None:
+                continue  # not merged
+            if f": {key}" not in str(e):
+                continue
+            try:
+                dataclass_from_mapping(section, value, key)
+            except ConfigError:
+                continue  # the override's own keys are wrong, and the message says so already
+            raise ConfigError(
+                f"{e}. The override of {key} was merged into the {key} section of {where}, whose other keys "
+                f"were kept; to replace the section whole, pass {key}={section.__name__}(...), or override the "
+                "conflicting key too"
+            ) from None
+        raise
+
+
 def _describe(tp: Any) -> str:
     if tp is type(None):
         return "null"
@@ -163,16 +269,19 @@ def _required(f: dataclasses.Field) -> bool:
 
 
 def convert_value(tp: Any, value: Any, where: str) -> Any:
-    """``value`` as the annotated type ``tp``: a nested config dataclass, a Literal, a union, a dict, a
-    bool, int, float or str (an int is taken for a float, nothing else is coerced).
+    """``value`` as the annotated type ``tp``: a nested config dataclass (from a mapping, or an instance
+    of it, taken as it is), a Literal, a union, a dict, a bool, int, float or str (an int is taken
+    for a float, nothing else is coerced).
 
     Raises:
         ConfigError: ``value`` is not of ``tp``; the message starts with ``where``.
     """
     origin = typing.get_origin(tp)
     if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):  # built, and checked, by its own __post_init__
+            return value
         if not isinstance(value, Mapping):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping or a {tp.__name__}, got {value!r}")
         return dataclass_from_mapping(tp, value, where)
     if origin is Literal:
         choices = typing.get_args(tp)
