@@ -19,8 +19,8 @@ and 2 ranks:
   weighted EBC would silently pool with weight 1.
 * Mixed dims only for ``"ebc"``: an EmbeddingCollection needs one dim for all its tables.
 
-A model's routing depends on the world size: the input dist sends raw id ``x`` to rank
-``x // ceil(input_hash_size / world_size)``, and each rank's MC module owns its own slots (misses land
+A model's routing depends on the world size: the input dist sends raw id ``x < input_hash_size`` to rank
+``x // ceil(input_hash_size / world_size)`` (ids past that go by remainder), and each rank's MC module owns its own slots (misses land
 in the last slot of each rank's shard). A 1-rank and a 2-rank model start with equal weights and see the
 same global batches, but they do not train to the same values.
 """

@@ -307,12 +307,53 @@ def find_mc_tables(dmp: nn.Module, mark: Mark | None = None) -> tuple[dict[str, 
     return tables, undo
 
 
-def route(raw_ids: torch.Tensor, input_size: int, world_size: int) -> torch.Tensor:
-    """The rank each raw id is sent to under row-wise sharding on ``world_size`` ranks.
+def route(raw_ids: torch.Tensor, input_size: int, world_size: int, buckets: int | None = None, *,
+          by_position: bool | None = None) -> torch.Tensor:
+    """The rank TorchRec's row-wise input distribution sends each raw id to.
 
-    TorchRec's input distribution of a managed-collision table bucketizes ids into blocks of
-    ``ceil(input_size / buckets)``, one bucket per rank (``RwSparseFeaturesDist`` with the module's
-    ``input_size()`` and ``buckets()``).
+    TorchRec's sharded managed-collision collection builds one ``RwSparseFeaturesDist`` for its
+    tables, passing each table's ``input_size()`` and ``buckets()``; its sharder rebuilds every
+    module with ``buckets()`` equal to the table's number of row-wise shards, one per rank. The
+    ids ``[0, buckets * block)`` are cut into ``buckets`` blocks of ``block = ceil(input_size /
+    buckets)`` ids, and each rank takes a run of consecutive blocks: ``buckets // world_size``
+    each, and one more for each of the first ``buckets % world_size`` ranks. An id past the last
+    block (TorchRec does not check ids against ``input_size``) goes by its remainder: to
+    ``(id % buckets) // (buckets // world_size)``, or, where some table of the distribution has a
+    ``buckets`` that is not a multiple of the world size (``by_position``), to
+    ``id % world_size``.
+
+    Args:
+        raw_ids: int64 raw ids, non-negative, as the module holds them (after its input hash).
+        input_size: the module's ``input_size()``.
+        world_size: the number of ranks the table is sharded over.
+        buckets: the module's ``buckets()``; None for one per rank.
+        by_position: whether any table sharing the input distribution has a ``buckets()`` that is
+            not a multiple of ``world_size``; None for this table's own.
+
+    Returns:
+        int64, the rank of each id, shaped as ``raw_ids``.
+
+    Raises:
+        UnsupportedShardingError: fewer buckets than ranks, which TorchRec's input distribution
+            refuses too.
     """
-    block = -(-input_size // world_size)
-    return torch.clamp(raw_ids // block, max=world_size - 1)
+    buckets = world_size if buckets is None else int(buckets)
+    if buckets < world_size:
+        raise UnsupportedShardingError(
+            f"a managed-collision module with buckets() {buckets} on {world_size} ranks: TorchRec's input "
+            "distribution needs at least one bucket per rank. Shard the table over at most buckets() ranks")
+    if by_position is None:
+        by_position = buckets % world_size != 0
+    block = -(-input_size // buckets)
+    # The id each rank's run of blocks ends before; past int64 (an input size near it, TorchRec's default), none is.
+    ends, end = [], 0
+    for r in range(world_size):
+        end += (buckets // world_size + (r < buckets % world_size)) * block
+        ends.append(min(end, EMPTY))
+    ranks = torch.searchsorted(torch.tensor(ends, dtype=torch.int64, device=raw_ids.device), raw_ids, right=True)
+    past = raw_ids >= ends[-1]
+    if by_position:
+        beyond = raw_ids % world_size
+    else:
+        beyond = (raw_ids % buckets) // (buckets // world_size)
+    return torch.where(past, beyond, ranks)

@@ -1,9 +1,10 @@
 """Restoring a managed-collision table onto other slot ranges: its rows relocated by raw id.
 
 A sort-zch table's rows belong to raw ids, and TorchRec sends each raw id to the rank of
-its input block (:func:`~cnr_torchrec.track.managed_collision.route`). On another world
-size (or another split of the rows) an id's rank and slot change, so its row cannot be
-restored by global row as other tables' are. Each rank here:
+its input block (:func:`~cnr_torchrec.track.managed_collision.route`, with the live module's
+``input_size()`` and ``buckets()``). On another world size (or another split of the rows) an
+id's rank and slot change, so its row cannot be restored by global row as other tables' are.
+Each rank here:
 
 1. applies the chain to the whole table (:func:`~cnr_torchrec.ckpt.tools.offline.assemble_tables`:
    weights, optimizer states and by-row state, exactly as a restore would give them);
@@ -13,7 +14,10 @@ restored by global row as other tables' are. Each rank here:
    (LRU), or the highest count over distance (DistanceLFU); the rest are dropped and counted
    in the log;
 3. writes them into its first slots in raw-id order, with their weights, optimizer state and
-   metadata; the other slots are empty;
+   metadata; the other slots are empty. The last slot, which every id the module misses reads
+   and trains, takes the weights and optimizer state of the saved last slot of the saved rank
+   whose rows held its global row (the row itself where that was a last slot too, as a load by
+   global row such as TorchRec's own DCP load gives it);
 4. takes the eviction window's history of every saved rank, routed by raw id, and the
    iteration counters (equal on every rank).
 
@@ -23,6 +27,7 @@ Every rank reads the whole table: a reshard is rare, and this needs no collectiv
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -73,17 +78,41 @@ def relocate_tables(tables: set[str], chain: list[Manifest], storage: Storage, t
                 f"table '{table}': the checkpoint's managed-collision state has {data.mc.shape[1]} fields, the "
                 f"model's module {list(mc.fields)}; restore with the eviction policy it was saved with")
         runtime = _saved_runtime(chain[-1], storage, mc)
-        order = _ids_for_this_rank(table, data, mc, runtime, rank, world_size)
-        _write_rows(table, data, order, mc, tracker)
-        mc.load_runtime(_routed_runtime(runtime, mc, rank, world_size))
+        ranks = _router(mc, tracker, world_size)
+        order = _ids_for_this_rank(table, data, mc, runtime, rank, ranks)
+        _write_rows(table, data, order, _saved_miss_row(chain[-1], mc), mc, tracker)
+        mc.load_runtime(_routed_runtime(runtime, mc, rank, world_size, ranks))
+
+
+def _router(mc: McTable, tracker: DirtyRowTracker, world_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The rank of each raw id of ``mc``'s table on this world, as the live module's input distribution sends
+    it: by the module's ``input_size()`` and ``buckets()``, and laid out by position where a table that shares
+    the distribution (one sharded managed-collision module) has a bucket count that is not a multiple of the
+    world size."""
+    siblings = [t.mch.buckets() for t in tracker.mc_tables().values() if t.module is mc.module]
+    by_position = any(int(b) % world_size for b in siblings)
+    buckets = int(mc.mch.buckets())
+    return lambda raw_ids: route(raw_ids, mc.input_size, world_size, buckets, by_position=by_position)
+
+
+def _saved_miss_row(tip: Manifest, mc: McTable) -> int | None:
+    """The saved row that this rank's last slot (the one the module gives every id it misses) takes: the last
+    row of the saved rank whose rows held that slot's global row; None where no saved rank stored it."""
+    last = mc.start + mc.num_rows - 1
+    for report in tip.ranks:
+        for entry in report.tables.get(mc.table, ()):
+            if entry.rows[0] <= last < entry.rows[1]:
+                return entry.rows[1] - 1
+    return None
 
 
 def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[dict[str, Any]], rank: int,
-                       world_size: int) -> torch.Tensor:
-    """The saved rows whose raw ids this rank holds now, in raw-id order, those the policy keeps."""
+                       ranks: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The saved rows whose raw ids this rank holds now (``ranks`` routes them), in raw-id order, those the
+    policy keeps."""
     raw = data.mc[:, 0]
     held = torch.nonzero(raw != EMPTY).view(-1)
-    mine = held[route(raw[held], mc.input_size, world_size) == rank]
+    mine = held[ranks(raw[held]) == rank]
     capacity = mc.num_rows - 1  # the last slot takes the ids the module misses; the module never fills it
     if mine.numel() > capacity:
         current = max((int(r["current_iter"]) for r in runtime), default=0)
@@ -114,8 +143,10 @@ def _keep_scores(mc: McTable, state: torch.Tensor, current_iter: int) -> torch.T
         "a world size with more slots per rank")
 
 
-def _write_rows(table: str, data: TableData, order: torch.Tensor, mc: McTable, tracker: DirtyRowTracker) -> None:
-    """Saved rows ``order`` into this rank's first slots: weights, optimizer states and by-row state."""
+def _write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int | None, mc: McTable,
+                tracker: DirtyRowTracker) -> None:
+    """Saved rows ``order`` into this rank's first slots (weights, optimizer states and by-row state), and the
+    weights and optimizer states of saved row ``miss_row`` into its last slot."""
     (kernel, shard), = tracker.shards(table)
     n = order.numel()
     weights = kernel.tbe.split_embedding_weights()[shard.local_index]
@@ -131,6 +162,11 @@ def _write_rows(table: str, data: TableData, order: torch.Tensor, mc: McTable, t
         for live_state, saved in zip(states, data.states):
             moved = RowState(saved.rowwise, saved.values[order]).for_shard((0, n), cols)
             live_state.reshape(shard.num_rows, -1)[:n] = moved.reshape(n, -1).to(live_state)
+        if miss_row is not None:
+            weights[-1] = data.weights[miss_row, cols[0]:cols[1]].to(weights)
+            for live_state, saved in zip(states, data.states):
+                row = saved.for_shard((miss_row, miss_row + 1), cols)
+                live_state.reshape(shard.num_rows, -1)[-1] = row.reshape(-1).to(live_state)
     state = empty_state(mc.num_rows, len(mc.fields))
     state[:n] = data.mc[order]
     mc.load_by_row(state)
@@ -158,16 +194,17 @@ def _saved_runtime(tip: Manifest, storage: Storage, mc: McTable) -> list[dict[st
     return out
 
 
-def _routed_runtime(saved: list[dict[str, Any]], mc: McTable, rank: int, world_size: int) -> dict[str, Any]:
+def _routed_runtime(saved: list[dict[str, Any]], mc: McTable, rank: int, world_size: int,
+                    ranks: Callable[[torch.Tensor], torch.Tensor]) -> dict[str, Any]:
     """This rank's eviction window after a reshard: every saved rank's history entries whose raw ids route
-    here, in saved rank order, and the counters (every rank steps alike)."""
+    here (``ranks``), in saved rank order, and the counters (every rank steps alike)."""
     if not saved:
         return mc.runtime()
     first = saved[0]
     history, metadata = [], {k: [] for k in first["history_metadata"]}
     for r in saved:
         ids = r["history"]
-        here = route(ids, mc.input_size, world_size) == rank
+        here = ranks(ids) == rank
         history.append(ids[here])
         for k in metadata:
             metadata[k].append(r["history_metadata"][k][here])
