@@ -10,6 +10,7 @@
 
 #include <optional>
 #include <utility>
+#include <vector>
 
 namespace cnr::codecs {
 
@@ -175,6 +176,20 @@ inline void check_destinations(const int64_t* index, int64_t n, int64_t limit, c
   while (index[i] < limit) ++i;
   TORCH_CHECK_INDEX(false, "cnr::", op, ": ", what, " ", index[i], " at position ", i, " is outside out's ", limit,
                     " rows");
+}
+
+// Accumulating writes (dequantize_uniform_into_ with accumulate) add rows on
+// several threads at once: two source rows into one destination would race.
+inline void check_distinct_destinations(const int64_t* index, int64_t n, int64_t limit, const char* op) {
+  std::vector<bool> seen(static_cast<size_t>(limit), false);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t d = index[i];
+    if (d < 0) continue;
+    TORCH_CHECK_VALUE(!seen[d], "cnr::", op, ": accumulate=True needs distinct destination rows, but row ", d,
+                      " appears twice (the second time at position ", i, "); sum those rows first, or add them ",
+                      "in two calls");
+    seen[d] = true;
+  }
 }
 
 }  // namespace cnr::codecs

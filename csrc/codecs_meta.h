@@ -44,7 +44,7 @@ inline at::Tensor dequantize_uniform(const at::Tensor& payload, const at::Tensor
 
 inline void dequantize_uniform_into_(const at::Tensor& /*payload*/, const at::Tensor& /*scale*/,
                                      const std::optional<at::Tensor>& /*bias*/, int64_t /*bits*/,
-                                     const at::Tensor& /*rows*/, const at::Tensor& /*out*/) {}
+                                     const at::Tensor& /*rows*/, const at::Tensor& /*out*/, bool /*accumulate*/) {}
 
 inline std::tuple<at::Tensor, at::Tensor> search(const at::Tensor& rows) {
   return {at::empty_symint({rows.sym_size(0)}, rows.options()), at::empty_symint({rows.sym_size(0)}, rows.options())};

@@ -90,9 +90,11 @@ inline void define_ops(torch::Library& m) {
   m.def("dequantize_uniform(Tensor payload, Tensor scale, Tensor? bias, int bits, int dim) -> Tensor", tags);
   // Row r of dequantize_uniform's output, written to out[rows[r]] instead
   // (rows[r] < 0: skipped); out is float32 [M, dim] with contiguous columns.
+  // accumulate: added onto out[rows[r]] (a residual chain's restore), which then
+  // needs distinct destinations; the sum is out + decoded, rounded once.
   m.def(
-      "dequantize_uniform_into_(Tensor payload, Tensor scale, Tensor? bias, int bits, Tensor rows, Tensor(a!) out) "
-      "-> ()",
+      "dequantize_uniform_into_(Tensor payload, Tensor scale, Tensor? bias, int bits, Tensor rows, Tensor(a!) out, "
+      "bool accumulate=False) -> ()",
       tags);
   // Greedy clipping-range search of Check-N-Run plus least-squares refits: the
   // asymmetric grid (bias, scale) of each row, float32 [N]; NaN for bad rows.

@@ -257,6 +257,40 @@ def test_decode_into_writes_the_decoded_rows_where_rows_says(method, bits, out_d
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("method,bits", all_codecs())
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_decode_into_with_accumulate_adds_the_decoded_rows(method, bits, out_dtype):
+    # A residual chain's restore: each kept row's decoded value added onto its destination, rounded once, as
+    # torch's own addition of the decoded rows gives it; other rows and columns untouched.
+    codec = get_codec(method, bits)
+    enc = codec.encode(random_rows(300, 33, seed=bits or 1))
+    gen = torch.Generator().manual_seed(6)
+    rows = torch.randperm(1000, generator=gen)[:300]
+    rows[torch.rand(300, generator=gen) < 0.4] = -1  # skipped
+    base = torch.randn(1000, 50, generator=gen).to(out_dtype)
+    keep = rows >= 0
+    expected = base.clone()
+    expected[rows[keep], 10:43] = base[rows[keep], 10:43] + codec.decode(enc)[keep].to(out_dtype)
+    out = base.clone()
+    codec.decode_into(enc, out[:, 10:43], rows, accumulate=True)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("method,bits", [("adaptive", 4), ("uniform_sym", 8), ("kmeans", 3)])
+def test_decode_into_with_accumulate_refuses_a_destination_twice(method, bits):
+    codec = get_codec(method, bits)
+    enc = codec.encode(random_rows(10, 8))
+    out = torch.zeros(20, 8)
+    rows = torch.arange(10)
+    rows[7] = 2  # two rows would add onto row 2 at once
+    with pytest.raises(ValueError, match="distinct destination rows"):
+        codec.decode_into(enc, out, rows, accumulate=True)
+    assert not out.any()  # refused before anything was added
+    rows[7] = -1  # a skipped row is no destination
+    codec.decode_into(enc, out, rows, accumulate=True)
+    assert torch.equal(out[2], codec.decode(enc)[2])
+
+
 def test_decode_into_rejects_what_does_not_fit():
     codec = get_codec("adaptive", 4)
     enc = codec.encode(random_rows(10, 8))
@@ -516,6 +550,7 @@ def _op_samples():
         ("quantize_uniform", (rows, 3, False, torch.half, torch.float, lo, s)),
         ("dequantize_uniform", (payload, scale, bias, 3, 13)),
         ("dequantize_uniform_into_", (payload, scale, bias, 3, torch.arange(37) * 2 - 5, torch.zeros(80, 13))),
+        ("dequantize_uniform_into_", (payload, scale, bias, 3, torch.arange(37) * 2 - 5, torch.zeros(80, 13), True)),
         ("adaptive_search", (rows, 3, 10, 0.5, 1)),
         ("adaptive_quantize", (rows, 3, 10, 0.5, 1, torch.half, torch.float)),
         ("exhaustive_search", (rows, 2, 6)),

@@ -347,10 +347,11 @@ def test_dequantize_uniform_matches_cpu_on_any_payload(bits):
             rows = torch.randperm(60, generator=g)[:40]
             rows[::3] = -1  # skipped
             start = torch.randn(60, dim, generator=g)
-            outs = [start.clone(), start.clone()]
-            emu.dequantize_uniform_into_(payload, scale, bias, bits, rows, outs[0])
-            cpu.dequantize_uniform_into_(payload, scale, bias, bits, rows, outs[1])
-            assert_identical(outs[0], outs[1], f"dequantize_uniform_into_ dim {dim}")
+            for accumulate in (False, True):  # written, or added (a residual chain's restore)
+                outs = [start.clone(), start.clone()]
+                emu.dequantize_uniform_into_(payload, scale, bias, bits, rows, outs[0], accumulate)
+                cpu.dequantize_uniform_into_(payload, scale, bias, bits, rows, outs[1], accumulate)
+                assert_identical(outs[0], outs[1], f"dequantize_uniform_into_ dim {dim} accumulate {accumulate}")
 
 
 def test_float16_parameters_round_down_and_up_like_cpu():
@@ -498,6 +499,8 @@ BAD_CALLS = {
     "dequantize int scale": lambda o: o.dequantize_uniform(_PAY, _ONES.int(), _ZEROS, 3, 10),
     "dequantize_into rows past out": lambda o: o.dequantize_uniform_into_(
         _PAY, _ONES, _ZEROS, 3, torch.tensor([0, 1, 2, 9]), torch.zeros(4, 10)),
+    "dequantize_into a row twice, accumulating": lambda o: o.dequantize_uniform_into_(
+        _PAY, _ONES, _ZEROS, 3, torch.tensor([0, 1, 1, 3]), torch.zeros(4, 10), True),
     "dequantize_into float64 out": lambda o: o.dequantize_uniform_into_(
         _PAY, _ONES, _ZEROS, 3, torch.arange(4), torch.zeros(4, 10, dtype=torch.float64)),
     "adaptive no bins": lambda o: o.adaptive_search(_X, 4, 0, 0.5, 1),

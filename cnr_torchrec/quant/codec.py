@@ -141,21 +141,24 @@ class Codec(abc.ABC):
         with torch.no_grad():
             return self._decode(encoded)
 
-    def decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+    def decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, *,
+                    accumulate: bool = False) -> None:
         """Decodes row ``r`` into ``out[rows[r]]``, in place; ``rows[r] < 0`` skips row ``r``.
 
         What a restore does with a checkpoint's rows: uniform codecs decode straight into
         ``out`` (no gather, no float32 temporary); the others decode the kept rows and
-        copy them in.
+        copy them in. With ``accumulate`` each row is added onto its destination instead (a
+        residual chain's restore): the decoded value, then one rounded add, whichever path.
 
         Args:
             encoded: output of :meth:`encode`.
             out: ``[M, D]``, any float dtype; its columns must be contiguous.
             rows: int64 ``[N]``, one destination row (or a negative skip) per encoded row.
+            accumulate: add instead of write; the kept destinations must then be distinct.
 
         Raises:
             EncodingFormatError: as :meth:`decode`.
-            ValueError: ``out`` or ``rows`` do not fit ``encoded``.
+            ValueError: ``out`` or ``rows`` do not fit ``encoded``, or ``accumulate`` with a destination twice.
             IndexError: a destination is beyond ``out``'s rows; nothing is written then.
         """
         self.check(encoded)
@@ -166,15 +169,20 @@ class Codec(abc.ABC):
             raise ValueError(f"rows must be int64 [{encoded.num_rows}], one per encoded row, got {rows.dtype} "
                              f"{tuple(rows.shape)}")
         with torch.no_grad():
-            self._decode_into(encoded, out, rows)
+            self._decode_into(encoded, out, rows, accumulate)
 
-    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
         keep = (rows >= 0).nonzero().squeeze(1)
         dst = rows.index_select(0, keep)
         if dst.numel() and int(dst.max()) >= out.shape[0]:
             raise IndexError(f"rows reach row {int(dst.max())} of out, which has {out.shape[0]}")
+        if accumulate and dst.unique().numel() != dst.numel():
+            raise ValueError("accumulate=True needs distinct destination rows; sum the rows for one destination "
+                             "first, or add them in two calls")
         vals = self._decode(encoded.take(keep))
-        if out.device.type == "cpu" and out.dtype == vals.dtype:
+        if accumulate:
+            out.index_add_(0, dst.to(out.device), vals.to(device=out.device, dtype=out.dtype))
+        elif out.device.type == "cpu" and out.dtype == vals.dtype:
             cnr_ops.scatter_rows_(out, dst, vals)
         else:
             out.index_copy_(0, dst.to(out.device), vals.to(device=out.device, dtype=out.dtype))

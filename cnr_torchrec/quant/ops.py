@@ -103,14 +103,17 @@ def dequantize_uniform(
 
 def dequantize_uniform_into_(
     payload: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, bits: int, rows: torch.Tensor,
-    out: torch.Tensor,
+    out: torch.Tensor, accumulate: bool = False,
 ) -> None:
     """Writes row ``r`` of :func:`dequantize_uniform`'s output to ``out[rows[r]]``; ``rows[r] < 0`` skips it.
 
     ``out`` is float32 ``[M, dim]`` with contiguous columns (a column slice of a weight
-    works). Every index is checked before anything is written (IndexError).
+    works). Every index is checked before anything is written (IndexError). With
+    ``accumulate`` the row is added onto ``out[rows[r]]`` instead, bit for bit
+    ``out.index_add_(0, rows, dequantize_uniform(...))`` over the kept rows, and the kept
+    destinations must be distinct (ValueError otherwise).
     """
-    _ops.dequantize_uniform_into_(payload, scale, bias, bits, rows, out)
+    _ops.dequantize_uniform_into_(payload, scale, bias, bits, rows, out, accumulate)
 
 
 def adaptive_search(

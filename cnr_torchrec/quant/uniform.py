@@ -64,10 +64,10 @@ class _UniformCodec(Codec):
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
         return ops.dequantize_uniform(encoded.payload, encoded.scale, encoded.bias, self.bits, encoded.dim)
 
-    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor) -> None:
+    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
         if out.dtype != torch.float32:
-            return super()._decode_into(encoded, out, rows)
-        ops.dequantize_uniform_into_(encoded.payload, encoded.scale, encoded.bias, self.bits, rows, out)
+            return super()._decode_into(encoded, out, rows, accumulate)
+        ops.dequantize_uniform_into_(encoded.payload, encoded.scale, encoded.bias, self.bits, rows, out, accumulate)
 
     def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
         n, p = num_rows, params

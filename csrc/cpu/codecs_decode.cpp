@@ -30,6 +30,7 @@ struct DequantArgs {
   const int64_t* rows = nullptr;  // dequantize_uniform_into_: row r goes to out row rows[r] (< 0: skipped)
   int64_t out_stride = 0;         // floats between out rows; 0: dim
   bool stream = false;            // rows start on a cache line and fill whole lines: store them non-temporally
+  bool accumulate = false;        // add each decoded row onto its destination instead of writing it
 };
 
 // ---- decoding ----------------------------------------------------------------
@@ -200,6 +201,11 @@ CNR_INLINE void dequantize_rows_b(const DequantArgs& a, int64_t r0, int64_t r1) 
       block_codes<V, B>(in, c);
       if (stream) {
         for (int v = 0; v < K / W; ++v) vstream(out_r + j + v * W, lo + step * (c[v] - shift));
+      } else if (a.accumulate) {  // the decoded value first, then one rounded add: decode-then-add's bits
+        for (int v = 0; v < K / W; ++v) {
+          const V x = lo + step * (c[v] - shift);
+          vstore(out_r + j + v * W, vload<V>(out_r + j + v * W) + x);
+        }
       } else {
         for (int v = 0; v < K / W; ++v) vstore(out_r + j + v * W, lo + step * (c[v] - shift));
       }
@@ -211,7 +217,11 @@ CNR_INLINE void dequantize_rows_b(const DequantArgs& a, int64_t r0, int64_t r1) 
       block_codes<V, B>(tail, c);
       float t[K];
       for (int v = 0; v < K / W; ++v) vstore(t + v * W, lo + step * (c[v] - shift));
-      std::memcpy(out_r + j, t, (dim - j) * sizeof(float));
+      if (a.accumulate) {
+        for (int64_t l = 0; l < dim - j; ++l) out_r[j + l] += t[l];
+      } else {
+        std::memcpy(out_r + j, t, (dim - j) * sizeof(float));
+      }
     }
   }
   if (stream) stream_fence();
@@ -265,11 +275,12 @@ at::Tensor dequantize_uniform_cpu(const at::Tensor& payload, const at::Tensor& s
   return out;
 }
 
-// Decodes row r straight into out[rows[r]] (rows[r] < 0: skipped): restore's path,
-// with no gather of the needed rows and no float32 temporary to scatter.
+// Decodes row r straight into out[rows[r]] (rows[r] < 0: skipped), or adds it
+// there (accumulate: a residual chain): restore's path, with no gather of the
+// needed rows and no float32 temporary to scatter or add.
 void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& scale,
                                  const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
-                                 const at::Tensor& out) {
+                                 const at::Tensor& out, bool accumulate) {
   check_bits(bits, "dequantize_uniform_into_");
   check_into_out(out);
   const int64_t dim = out.size(1);
@@ -280,12 +291,14 @@ void dequantize_uniform_into_cpu(const at::Tensor& payload, const at::Tensor& sc
   const int64_t* ip = idx.data_ptr<int64_t>();
   const int64_t out_rows = out.size(0);
   check_destinations(ip, n, out_rows, "dequantize_uniform_into_", "row");
+  if (accumulate) check_distinct_destinations(ip, n, out_rows, "dequantize_uniform_into_");
   if (n == 0 || dim == 0) return;
   DequantArgs a = in.args(out.data_ptr<float>());
   a.rows = ip;
   a.out_stride = out.stride(0);
+  a.accumulate = accumulate;
   const int64_t line = kLineBytes / static_cast<int64_t>(sizeof(float));
-  a.stream = out_rows * a.out_stride * static_cast<int64_t>(sizeof(float)) >= kStreamBytes &&
+  a.stream = !accumulate && out_rows * a.out_stride * static_cast<int64_t>(sizeof(float)) >= kStreamBytes &&
              reinterpret_cast<uintptr_t>(a.out) % kLineBytes == 0 && a.out_stride % line == 0 && dim % line == 0;
   at::parallel_for(0, n, row_grain(dim),
                    [&](int64_t r0, int64_t r1) { CNR_LANE_DISPATCH(dequantize_rows, (a, r0, r1)); });

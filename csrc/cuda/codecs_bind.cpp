@@ -101,7 +101,7 @@ at::Tensor kept_positions(const at::Tensor& host_index, c10::Device device) {
 // decoded into a temporary that index_copy_ scatters (memory-bound on the GPU anyway).
 void dequantize_uniform_into_cuda(const at::Tensor& payload, const at::Tensor& scale,
                                   const std::optional<at::Tensor>& bias, int64_t bits, const at::Tensor& rows,
-                                  const at::Tensor& out) {
+                                  const at::Tensor& out, bool accumulate) {
   check_bits(bits, "dequantize_uniform_into_");
   check_into_out(out);
   const device::Guard guard(out.device());
@@ -113,11 +113,19 @@ void dequantize_uniform_into_cuda(const at::Tensor& payload, const at::Tensor& s
   check_into_rows(rows, n);
   const auto host_rows = (rows.is_cpu() ? rows : device::to_host(rows)).contiguous();
   check_destinations(host_rows.data_ptr<int64_t>(), n, out.size(0), "dequantize_uniform_into_", "row");
+  if (accumulate) {
+    check_distinct_destinations(host_rows.data_ptr<int64_t>(), n, out.size(0), "dequantize_uniform_into_");
+  }
   const auto keep = kept_positions(host_rows, dev);
   const auto decoded = dequantize_uniform_cuda(
       p.index_select(0, keep), s.index_select(0, keep),
       bias ? std::optional<at::Tensor>(b.index_select(0, keep)) : std::nullopt, bits, out.size(1));
-  const_cast<at::Tensor&>(out).index_copy_(0, host_rows.to(dev).index_select(0, keep), decoded);
+  const auto dst = host_rows.to(dev).index_select(0, keep);
+  if (accumulate) {
+    const_cast<at::Tensor&>(out).index_add_(0, dst, decoded);  // distinct rows: one rounded add each, as on CPU
+  } else {
+    const_cast<at::Tensor&>(out).index_copy_(0, dst, decoded);
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> adaptive_search_cuda(const at::Tensor& rows, int64_t bits, int64_t num_bins,

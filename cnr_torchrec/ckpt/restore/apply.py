@@ -280,12 +280,14 @@ class Applier:
         target, segs, cols = claim.target, claim.segs, entry.cols
         shard = target.shard
         with torch.no_grad():
-            if not self.additive and encoded is not None and len(segs) == 1 and segs[0] == cols:
-                # One segment spanning the stored columns (the usual case): decode straight into place.
-                codec_for(encoded).decode_into(encoded, target.columns(target.weights, segs[0]), maps[0])
+            if encoded is not None and len(segs) == 1 and segs[0] == cols:
+                # One segment spanning the stored columns (the usual case): decode straight into place, or onto
+                # it in an additive chain (the decoded row, then one rounded add: the bits of the path below).
+                codec_for(encoded).decode_into(encoded, target.columns(target.weights, segs[0]), maps[0],
+                                               accumulate=self.additive)
             else:
-                # Some segments of the stored columns, or an additive chain: decode the rows any segment
-                # needs, once, then write (or add) them.
+                # Some segments of the stored columns: decode the rows any segment needs, once, then write (or
+                # add) them.
                 needed = maps[0] >= 0
                 for mp in maps[1:]:
                     needed |= mp >= 0
