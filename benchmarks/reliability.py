@@ -291,8 +291,9 @@ def spy_restored() -> dict[str, int]:
     def spy(manifests, **kw):
         seen["ids"].append(manifests[-1].id)
         seen["ok"].append(False)
-        real(manifests, **kw)
+        staged = real(manifests, **kw)  # the staged shards, which the restorer commits once every rank agrees
         seen["ok"][-1] = True
+        return staged
 
     restorer_mod.restore_chain = spy
     return seen

@@ -42,11 +42,14 @@ class Position:
         self.at = int(state["at"])
 
 
-def _config(root: str, **kw):
+PLAIN = {"method": "none", "residual": False}  # fp32 rows: a restore is bit-exact
+RESIDUAL = {"method": "adaptive", "bits": 4, "residual": True}  # the default coding: the chain adds up
+
+
+def _config(root: str, quantization: dict | None = None, **kw):
     from cnr_torchrec import load_config
 
-    # fp32 rows: a restore is bit-exact, so "changed" and "unchanged" are exact statements.
-    return load_config({"root": root, "policy": "consecutive", "quantization": {"method": "none", "residual": False},
+    return load_config({"root": root, "policy": "consecutive", "quantization": quantization or PLAIN,
                         "keep": {"chains": 4}, **kw})
 
 
@@ -66,12 +69,12 @@ def _keyed_model(seed: int):
     return dmp, KeyedOptimizerWrapper(dense, lambda params: torch.optim.Adam(params, lr=0.01))
 
 
-def _save_chain(root: str, rank: int) -> None:
+def _save_chain(root: str, rank: int, quantization: dict) -> None:
     """A baseline and a delta of a trained model, written by the real Checkpointer."""
     from cnr_torchrec import Checkpointer
 
     dmp, opt = _keyed_model(seed=0)
-    with Checkpointer(dmp, _config(root), dense_optimizer=opt, extra_state={"pos": Position(5)}) as ck:
+    with Checkpointer(dmp, _config(root, quantization), dense_optimizer=opt, extra_state={"pos": Position(5)}) as ck:
         for step in (1, 2):
             _train(dmp, opt, rank, range(step * 10, step * 10 + 2))
             ck.save(step).wait()
@@ -99,10 +102,10 @@ def _any_rank(flag: bool) -> bool:
     return int(t) > 0
 
 
-def _failed_restore_worker(rank: int, world_size: int, root: str) -> None:
+def _failed_restore_worker(rank: int, world_size: int, root: str, quantization: dict) -> None:
     from cnr_torchrec import Checkpointer, CheckpointNotFoundError, RestoreFailedError
 
-    _save_chain(root, rank)
+    _save_chain(root, rank, quantization)
     # Rank 1's files are damaged throughout; rank 0's are sound, so rank 0 applies its whole chain before the
     # ranks compare outcomes, then falls back to the baseline alone, which fails the same way: none restores.
     for ckpt in (0, 1):
@@ -116,7 +119,7 @@ def _failed_restore_worker(rank: int, world_size: int, root: str) -> None:
             _train(dmp, opt, rank, range(50, 53))
         pos = Position(99)
         before = M.local_state(dmp, opt)
-        ck = Checkpointer(dmp, _config(root, restore_rollback=rollback), dense_optimizer=opt,
+        ck = Checkpointer(dmp, _config(root, quantization, restore_rollback=rollback), dense_optimizer=opt,
                           extra_state={"pos": pos})
         with pytest.raises(RestoreFailedError, match="none could be restored") as err:
             ck.restore()
@@ -147,8 +150,11 @@ def _failed_restore_worker(rank: int, world_size: int, root: str) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_restore_that_fails_leaves_the_model_as_it_was(tmp_path):
-    run_ranks(_failed_restore_worker, 2, timeout=280, args=(str(tmp_path),))
+@pytest.mark.parametrize("quantization", [PLAIN, RESIDUAL], ids=["fp32", "residual"])
+def test_a_restore_that_fails_leaves_the_model_as_it_was(tmp_path, quantization):
+    # Float32 host shards are restored into staged copies that reach the model only once every rank succeeded
+    # (a residual chain's start from zero); their optimizer states and the rest are put back from a copy.
+    run_ranks(_failed_restore_worker, 2, timeout=280, args=(str(tmp_path), quantization))
 
 
 def _global_rngs() -> tuple[torch.Tensor, object, tuple]:

@@ -25,6 +25,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
+from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.retention import Retention
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
@@ -386,8 +387,11 @@ class Checkpointer:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
         chain, bad = self._restorer.run(step, per_rank_state)
+        restored = self._restorer.take_restored_rows()  # the staged shards: the reconstruction's, or dropped here
         if self._committer.reconstruction is not None:
-            self._committer.reconstruction.reset(self.tracker)  # residuals are coded against what was restored
+            with timed(self._restorer.stats, "reconstruction_ms"):  # residuals are coded against what was restored
+                self._committer.reconstruction.reset(self.tracker, restored)
+        del restored
         m = chain[-1]
         self.tracker.reset(baseline=True)
         self._continue_chain(chain)

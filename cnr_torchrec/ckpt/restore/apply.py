@@ -41,7 +41,7 @@ from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, deco
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import McTable
 
-__all__ = ["Applier", "EntryPlan"]
+__all__ = ["Applier", "EntryPlan", "StagedWeights", "can_stage"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
 
@@ -61,8 +61,9 @@ class _Target:
     """
 
     def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False,
-                 mc: McTable | None = None) -> None:
+                 mc: McTable | None = None, stage: bool = False) -> None:
         self.kernel, self.shard = kernel, shard
+        self.key = (shard.table, tuple(shard.rows), tuple(shard.cols))
         c0, c1 = shard.cols
         edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
         self.segments = list(zip(edges[:-1], edges[1:]))
@@ -73,7 +74,14 @@ class _Target:
         self.state_follows_weights = len(self.segments) == 1 and not additive
         self.state_filled = (next(iter(self.filled.values())) if self.state_follows_weights
                              else torch.zeros(shard.num_rows, dtype=torch.bool))
-        self.weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+        weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+        # Staged: the rows are restored into a host copy, and reach the live weights only at commit (restore
+        # puts them there once every rank has succeeded). An additive chain starts the copy from zero.
+        self.live = weights if stage and can_stage(weights) else None
+        if self.live is None:
+            self.weights = weights
+        else:
+            self.weights = torch.zeros_like(weights) if additive else weights.clone()
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
         self.states = list(live[shard.local_index]) if live else []
         self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
@@ -133,7 +141,8 @@ class Applier:
     """
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
-                 stats: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset()) -> None:
+                 stats: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset(),
+                 stage: bool = False) -> None:
         self._stats = stats  # gets minimal_bytes: the stored bytes of the rows that are applied
         breaks: dict[str, set[int]] = {}
         for m in manifests:
@@ -144,7 +153,8 @@ class Applier:
         # plus every newer residual, so the weights start from zero and every entry adds to them.
         self.additive = any(e.residual for m in manifests for _, _, e in m.entries())
         self.targets = {
-            table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table)) for k, s in tracker.shards(table)]
+            table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage)
+                    for k, s in tracker.shards(table)]
             for table, cuts in breaks.items() if table not in exclude
         }
         # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
@@ -153,7 +163,8 @@ class Applier:
         if self.additive:
             with torch.no_grad():
                 for t in (t for ts in self.targets.values() for t in ts):
-                    t.weights.zero_()
+                    if t.live is None:  # a staged copy starts from zero already
+                        t.weights.zero_()
 
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
@@ -366,11 +377,43 @@ class Applier:
                     t.refresh()
 
 
-    def finish(self) -> None:
-        """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt)."""
+    def finish(self) -> StagedWeights:
+        """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt).
+        Returns the weights restored into host copies (``stage``), which reach the shards at their commit."""
         for t in (t for ts in self.targets.values() for t in ts):
             if t.mc is not None:
                 t.mc.load_by_row(t.mc_state)
+        return StagedWeights([(t.key, t.live, t.weights) for ts in self.targets.values() for t in ts
+                              if t.live is not None])
+
+
+def can_stage(weights: torch.Tensor) -> bool:
+    """Whether a shard's weights are restored into a host copy first when a restore stages (float32 on the
+    host: the copy is the residual reconstruction's too). Others are written in place, and a restore that
+    must be able to fail without a trace copies them beforehand instead (restore/rollback.py)."""
+    return weights.device.type == "cpu" and weights.dtype == torch.float32
+
+
+class StagedWeights:
+    """Shard weights a restore wrote into host copies: nothing reaches the model until :meth:`commit`.
+
+    Attributes:
+        entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
+    """
+
+    def __init__(self, entries: list[tuple[tuple[str, tuple[int, int], tuple[int, int]], torch.Tensor,
+                                           torch.Tensor]]) -> None:
+        self.entries = entries
+
+    def commit(self) -> None:
+        """Copies every restored shard into the live weights."""
+        with torch.no_grad():
+            for _, live, rows in self.entries:
+                live.copy_(rows)
+
+    def by_key(self) -> dict[tuple[str, tuple[int, int], tuple[int, int]], torch.Tensor]:
+        """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
+        return {key: rows for key, _, rows in self.entries}
 
 
 def _all(mask: torch.Tensor) -> bool:

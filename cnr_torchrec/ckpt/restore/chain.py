@@ -27,7 +27,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.apply import Applier
+from cnr_torchrec.ckpt.restore.apply import Applier, StagedWeights
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -56,7 +56,8 @@ def restore_chain(
     pool: IOPool | None = None,
     threads: int = 1,
     rng: bool = False,
-) -> None:
+    stage: bool = False,
+) -> StagedWeights:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
     Args:
@@ -69,12 +70,19 @@ def restore_chain(
             and its entries are decoded as their chunks land.
         threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
         rng: also set the global RNG states to this rank's saved ones (config ``restore_rng``).
+        stage: restore the shards whose weights can be staged (:func:`~.apply.can_stage`) into host copies,
+            and leave their live weights as they are until the caller commits them (every rank succeeded).
+
+    Returns:
+        The staged weights: committed already unless ``stage``.
     """
     target = manifests[-1]
     check_compatible(target, tracker)
     relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
     with wider_pool(threads):
-        read = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated)
+        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated, stage)
+        if not stage:
+            staged.commit()
         if relocated:
             with timed(stats, "relocate_ms"):
                 relocate_tables(relocated, manifests, storage, tracker, rank, world_size)
@@ -94,18 +102,20 @@ def restore_chain(
                 "state are resharded; per-rank state (%s, RNG) is not restored",
                 target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
             )
-            return
+            return staged
         _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state, rng)
+    return staged
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
-                 stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str]) -> dict[int, RowReader]:
+                 stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str],
+                 stage: bool) -> tuple[dict[int, RowReader], StagedWeights]:
     """The chain's entries onto this rank's shards (but those of the ``relocated`` tables), newest checkpoint
-    first, each row read, decoded and copied once. Returns the readers of the tip's files, by rank (dense and
-    per-rank state are there too)."""
+    first, each row read, decoded and copied once (into host copies where ``stage``). Returns the readers of the
+    tip's files, by rank (dense and per-rank state are there too), and the staged weights."""
     target = manifests[-1]
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated)
+        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage)
     tip: dict[int, RowReader] = {}
     try:
         for m in reversed(manifests):
@@ -131,12 +141,12 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
                 for load, plan in work:
                     applier.apply(plan, load.rows(plan.entry, plan.sel))
                 applier.finish_checkpoint()
-        applier.finish()
+        staged = applier.finish()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
         # are stale now (even after a failure part way, when the rows are a mix).
         invalidate_caches(tracker.tbes())
-    return tip
+    return tip, staged
 
 
 def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,

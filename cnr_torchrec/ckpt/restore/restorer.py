@@ -44,6 +44,7 @@ class Restorer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
         self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
+        self.restored_rows: dict[Any, Any] = {}  # the last restore's staged shards, float32 on the host, by key
 
     def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
         """Picks, applies and agrees on a chain (collective). Returns it, and the checkpoints skipped as unsound
@@ -51,6 +52,7 @@ class Restorer:
         the model is as it was (``restore_rollback``)."""
         self.stats = {}
         self._snapshot = None
+        self.restored_rows = {}
         try:
             return self._run(step, per_rank_state)
         except BaseException:
@@ -78,13 +80,22 @@ class Restorer:
                     raise self._none_restores(step, bad)
                 raise CheckpointNotFoundError(self.not_found(step))
             ids = pick["chain"]
-            status, own, chain = self._attempt(ids, chain, model_tables, per_rank_state)
+            status, own, chain, staged = self._attempt(ids, chain, model_tables, per_rank_state)
             with timed(self.stats, "agree_ms"):
                 failed = self._ranks.failures(status)
             if not failed:
                 break
-            self._after_failed_attempt(failed, own, ids, bad)
+            self._after_failed_attempt(failed, own, ids, bad)  # a staged attempt's rows never reached the model
+        with timed(self.stats, "commit_ms"):
+            staged.commit()  # every rank succeeded: the staged shards go into the model
+        self.restored_rows = staged.by_key()
         return chain, bad
+
+    def take_restored_rows(self) -> dict[Any, Any]:
+        """The last restore's staged shards (float32 host rows by ``(table, rows, cols)``), handed over once: the
+        Restorer keeps no reference, so they live only as long as the caller keeps them."""
+        rows, self.restored_rows = self.restored_rows, {}
+        return rows
 
     def _none_restores(self, step: int | None, bad: dict[int, str]) -> RestoreFailedError:
         """The error for a root whose checkpoints (of ``step``) exist but none of which restores."""
@@ -100,8 +111,9 @@ class Restorer:
             "treat it as a fresh start", skipped=bad)
 
     def _attempt(self, ids: list[int], chain: list[Manifest] | None, model_tables: dict[str, list[int]],
-                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[Manifest] | None]:
-        """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain)."""
+                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[Manifest] | None, Any]:
+        """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain,
+        the staged weights to commit once every rank succeeded)."""
         try:
             if chain is None:
                 with timed(self.stats, "manifests_ms"):
@@ -121,16 +133,17 @@ class Restorer:
                     self._snapshot = Snapshot.take(model=self.model, tracker=self.tracker,
                                                    dense_optimizer=self.dense_optimizer,
                                                    extra_state=self.extra_state, rng=self.config.restore_rng)
-            restore_chain(  # every chunk is checked against its xxh3 as it lands
+            staged = restore_chain(  # every chunk is checked against its xxh3 as it lands
                 chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
                 stats=self.stats, threads=decode_threads(self.config.restore_threads), rng=self.config.restore_rng,
+                stage=self.config.restore_rollback,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
-            return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain
-        return None, None, chain
+            return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain, None
+        return None, None, chain, staged
 
     def _after_failed_attempt(self, failed: list[Failure], own: Exception | None, ids: list[int],
                               bad: dict[int, str]) -> None:

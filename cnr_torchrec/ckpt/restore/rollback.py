@@ -1,14 +1,17 @@
 """What a restore may overwrite, copied to host memory first, so that a failed restore can put it back.
 
-A restore writes rows into the tables as their bytes land, then the dense parameters, the
-optimizers and per-rank state; a file that fails its checks half way (or a storage error)
-would otherwise leave the model a mix of what it was and what the checkpoint holds. A
-:class:`Snapshot` is taken before the first attempt and put back if no attempt succeeds, so
-that a failed :meth:`~cnr_torchrec.ckpt.Checkpointer.restore` leaves every table, optimizer
-state, dense parameter, eviction window and stateful object exactly as it found them.
+A restore writes the optimizer states of the rows as their bytes land, then the dense
+parameters, the optimizers and per-rank state; a file that fails its checks half way (or a
+storage error) would otherwise leave the model a mix of what it was and what the checkpoint
+holds. A :class:`Snapshot` is taken before the first attempt and put back if no attempt
+succeeds, so that a failed :meth:`~cnr_torchrec.ckpt.Checkpointer.restore` leaves every table,
+optimizer state, dense parameter, eviction window and stateful object exactly as it found them.
 
-It costs one host copy of this rank's shards and their optimizer state for the length of the
-restore (``restore_rollback: false`` in the config does without it).
+Float32 host weights are not copied: the restore writes them into host copies of its own and
+commits them only once every rank has succeeded (:class:`~cnr_torchrec.ckpt.restore.apply.StagedWeights`;
+with residual coding that copy becomes the reconstruction, so it costs nothing extra). The
+rest (fused optimizer states, weights on a GPU or of another dtype) costs one host copy for
+the length of the restore (``restore_rollback: false`` in the config does without both).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state, state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
+from cnr_torchrec.ckpt.restore.apply import can_stage
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import flush_caches, invalidate_caches
 
@@ -62,7 +66,8 @@ class Snapshot:
         snap = cls(tbes=list(tracker.tbes()))
         flush_caches(snap.tbes)  # the cache's rows are the newest: copy them, not the stale weights behind them
         for tbe in snap.tbes:
-            views = list(tbe.split_embedding_weights())
+            # Weights a staged restore writes into host copies never change before its commit: no copy needed.
+            views = [w for w in tbe.split_embedding_weights() if not can_stage(w)]
             if hasattr(tbe, "split_optimizer_states"):
                 views += [s for states in tbe.split_optimizer_states() for s in states]
             it = getattr(tbe, "iter", None)

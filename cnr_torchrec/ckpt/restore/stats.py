@@ -12,7 +12,10 @@
   shards, of which ``read_wait_ms``: waiting for reads still in flight;
 * ``relocate_ms``: managed-collision tables whose slots moved, restored by raw id (only when there are);
 * ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
-* ``agree_ms``: the ranks' exchange of their outcome.
+* ``agree_ms``: the ranks' exchange of their outcome, then ``commit_ms``: the staged shards copied
+  into the model (``restore_rollback``);
+* ``reconstruction_ms``: with residual coding, the float32 copy of what was restored that the next
+  deltas code against (after the ranks agreed).
 
 ``bytes_read`` and ``reads`` count what was read from storage (from a mapped local file: the
 bytes copied out of it, and one read per file mapped); ``minimal_bytes`` is what
@@ -30,7 +33,7 @@ from contextlib import contextmanager
 __all__ = ["PHASES", "timed"]
 
 PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms",
-          "state_ms", "agree_ms", "rollback_ms")
+          "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms")
 
 
 @contextmanager

@@ -105,12 +105,23 @@ class Reconstruction:
         self._pending.clear()
         self._fold = None
 
-    def reset(self, tracker: Any) -> None:
-        """Every local shard's reconstruction becomes its current weights (called after a restore)."""
+    def reset(self, tracker: Any, restored: dict[Key, torch.Tensor] | None = None) -> None:
+        """Every local shard's reconstruction becomes its current weights (called after a restore).
+
+        Args:
+            tracker: the shards.
+            restored: float32 host rows a restore staged and committed into the weights, by shard key; taken
+                as they are (they equal the weights), so that those shards need no second copy.
+        """
         self._pending.clear()
         self._fold = None
         self._rows = {}
+        restored = restored or {}
         for table in tracker.tables():
             for kernel, shard in tracker.shards(table):
+                key = (table, tuple(shard.rows), tuple(shard.cols))
+                if key in restored:
+                    self._rows[key] = restored[key]
+                    continue
                 weights = kernel.tbe.split_embedding_weights()[shard.local_index]
-                self._rows[(table, tuple(shard.rows), tuple(shard.cols))] = weights.detach().float().cpu().clone()
+                self._rows[key] = weights.detach().float().cpu().clone()
