@@ -76,12 +76,14 @@ class _Target:
                              else torch.zeros(shard.num_rows, dtype=torch.bool))
         weights = kernel.tbe.split_embedding_weights()[shard.local_index]
         # Staged: the rows are restored into a host copy, and reach the live weights only at commit (restore
-        # puts them there once every rank has succeeded). An additive chain starts the copy from zero.
+        # puts them there once every rank has succeeded). An additive chain starts the copy from zero; another
+        # leaves it unwritten, and the rows no entry restored are taken from the live weights at the end.
         self.live = weights if stage and can_stage(weights) else None
+        self.additive = additive
         if self.live is None:
             self.weights = weights
         else:
-            self.weights = torch.zeros_like(weights) if additive else weights.clone()
+            self.weights = torch.zeros_like(weights) if additive else torch.empty_like(weights)
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
         self.states = list(live[shard.local_index]) if live else []
         self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
@@ -100,6 +102,17 @@ class _Target:
         """
         self.done = (all(_all(f) for f in self.filled.values()) and (not self.has_rowwise or _all(self.state_filled))
                      and (self.mc is None or _all(self.mc_filled)))
+
+    def fill_staged(self) -> None:
+        """The rows of a staged copy that no entry restored, from the live weights (not in an additive
+        chain, whose copy holds what the chain adds up from zero, as the live weights would)."""
+        if self.live is None or self.additive:
+            return
+        with torch.no_grad():
+            for seg, mask in self.filled.items():
+                rows = _nonzero(~mask)
+                if rows.numel():
+                    self.columns(self.weights, seg)[rows] = self.columns(self.live, seg)[rows]
 
     def columns(self, live: torch.Tensor, seg: tuple[int, int]) -> torch.Tensor:
         """The columns ``seg`` (global) of ``live``, a [rows, shard columns] view."""
@@ -383,6 +396,7 @@ class Applier:
         for t in (t for ts in self.targets.values() for t in ts):
             if t.mc is not None:
                 t.mc.load_by_row(t.mc_state)
+            t.fill_staged()
         return StagedWeights([(t.key, t.live, t.weights) for ts in self.targets.values() for t in ts
                               if t.live is not None])
 
