@@ -333,7 +333,8 @@ class Checkpointer:
     def restore(self, step: int | None = None, *, per_rank_state: str = "strict") -> int:
         """Restores the newest committed checkpoint (or the newest one of ``step``). Returns its step.
 
-        Every rank calls it at once. Rank 0 picks the newest checkpoint whose chain is sound
+        Every rank calls it at once. Rank 0 picks the newest checkpoint (by commit, not by step:
+        a job that went on from an older step restores its own branch) whose chain is sound
         as far as the manifests tell (they load and match their checksums, the chain is
         complete, every rank file exists with the size its manifest gives); every rank then
         applies what its shards need, checking each file it reads against the manifest's
