@@ -128,6 +128,9 @@ LAYERS = {
     # The offline tools read roots; compaction (cnr compact included) is built on them, not under them.
     "cnr_torchrec.ckpt.tools": ("cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
     "cnr_torchrec.ckpt.compact": ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+    # A restore sits on the format (the whole-table assembly included), never on the tools or compaction.
+    "cnr_torchrec.ckpt.restore": ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.compact",
+                                  "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
 }
 
 

@@ -4,7 +4,7 @@ In a residual chain (``quantization.residual``) a row restores as its newest who
 every newer residual, so no checkpoint's stored bytes hold the row and the lossless merge of
 :mod:`~cnr_torchrec.ckpt.compact.merge` cannot keep them. The fold adds them up instead, newest
 checkpoint first and in the order a restore adds them
-(:func:`~cnr_torchrec.ckpt.tools.offline.assemble_regions`), and writes each region's sums with
+(:func:`~cnr_torchrec.ckpt.format.tables.assemble_regions`), and writes each region's sums with
 the optimizer state the chain stores. Data-parallel tables, which saves store exact, stay float32.
 A background compaction writes the other sums with
 :data:`FOLDED_CODEC`, adaptive 8-bit, so its folded baseline restores each row's sum within an
@@ -37,7 +37,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.writer import encode_in_blocks
-from cnr_torchrec.ckpt.tools.offline import assemble_regions
+from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.quant import EncodedRows, get_codec
 
 __all__ = ["FOLDED_CODEC", "LOSSLESS_CODEC", "Key", "fold_rank", "is_residual"]

@@ -3,7 +3,7 @@ writes to the same root.
 
 It is lossless by default: it keeps every row's stored bytes (:mod:`cnr_torchrec.ckpt.compact.merge`,
 which the background compaction uses too), in the tip's own layout. Given a codec it decodes the chain
-with the chain assembly of :mod:`cnr_torchrec.ckpt.tools.offline` and encodes the rows again.
+with the chain assembly of :mod:`cnr_torchrec.ckpt.format.tables` and encodes the rows again.
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
 from cnr_torchrec.ckpt.format.layout import regions_of_layout
-from cnr_torchrec.ckpt.tools.offline import Progress, TableData, assemble_tables, load_chain
+from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
+from cnr_torchrec.ckpt.tools.offline import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec

@@ -6,7 +6,7 @@ its input block (:func:`~cnr_torchrec.track.managed_collision.route`, with the l
 id's rank and slot change, so its row cannot be restored by global row as other tables' are.
 Each rank here:
 
-1. applies the chain to the whole table (:func:`~cnr_torchrec.ckpt.tools.offline.assemble_tables`:
+1. applies the chain to the whole table (:func:`~cnr_torchrec.ckpt.format.tables.assemble_tables`:
    weights, optimizer states and by-row state, exactly as a restore would give them);
 2. takes the held raw ids that now route to it. Where they outnumber its slots (all but
    the last, which takes the ids the module misses and is never filled), the module's
@@ -36,7 +36,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.tools.offline import RowState, TableData, assemble_tables
+from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_tables
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import EMPTY, McTable, empty_state, route

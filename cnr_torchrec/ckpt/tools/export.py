@@ -1,6 +1,6 @@
 """``cnr export --format torch``: a checkpoint as a plain, unsharded, full-precision state_dict.
 
-It decodes the chain with the chain assembly of :mod:`cnr_torchrec.ckpt.tools.offline`, in one
+It decodes the chain with the chain assembly of :mod:`cnr_torchrec.ckpt.format.tables`, in one
 process, with no model and no process group. (``--format dcp`` is :mod:`cnr_torchrec.ckpt.tools.dcp`.)
 """
 
@@ -11,7 +11,8 @@ import torch
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.tools.offline import Progress, assemble_tables, load_chain
+from cnr_torchrec.ckpt.format.tables import Progress, assemble_tables
+from cnr_torchrec.ckpt.tools.offline import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 

@@ -18,7 +18,7 @@ from cnr_torchrec.ckpt.save.staging import StagedShard
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, STEP_PATHS, _column_shards
 from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
 from cnr_torchrec.ckpt.tools.dcp.mc import MC_KEY, by_row, fields_of, fresh_window
-from cnr_torchrec.ckpt.tools.offline import Progress
+from cnr_torchrec.ckpt.format.tables import Progress
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
 
 __all__ = ["import_dcp"]

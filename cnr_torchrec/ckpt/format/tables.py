@@ -1,0 +1,274 @@
+"""A chain applied to whole, unsharded tables in memory: the offline form of what a restore does to shards.
+
+Every entry carries its global row and column range, and its rows carry offsets into that
+range, so a chain's entries can be applied to whole tables, newest checkpoint first and reading
+only the rows no newer checkpoint stored, as a restore reads them (a residual entry adds onto what
+is below it). The result feeds relocation of managed-collision tables on restore
+(:mod:`cnr_torchrec.ckpt.restore.relocate`), ``cnr compact`` and the background fold
+(:mod:`cnr_torchrec.ckpt.compact`) and ``cnr export`` (:mod:`cnr_torchrec.ckpt.tools`); it reads
+manifests and payloads only, and knows nothing of models, trackers or the tools that call it.
+
+Row-wise optimizer state is one value per row of a column shard. It is kept here
+expanded to one value per row and column (every column of a shard holds the shard's
+value), so that it can be cut again along any column range: exactly the saved value
+when the range is one saved shard, the width-weighted mean otherwise (which is what a
+restore onto such a shard computes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from cnr_torchrec.ckpt.format.layout import Region
+from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
+from cnr_torchrec.ckpt.format.rows import RowReader
+from cnr_torchrec.ckpt.format.state import stored_offsets
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.errors import CorruptCheckpointError
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
+
+__all__ = ["Progress", "RowState", "TableData", "assemble_regions", "assemble_tables"]
+
+Progress = Callable[[int], Any]
+"""Called with the number of entries just processed (``tqdm.update`` fits)."""
+
+
+@dataclass
+class RowState:
+    """One optimizer state of a whole table (momentum, row-wise Adagrad sum...).
+
+    Attributes:
+        rowwise: one value per row of each shard (row-wise Adagrad) rather than one per element.
+        values: float32 ``[rows, dim]``; for row-wise state, every column of a shard holds
+            that shard's value.
+        dtype: the dtype the checkpoint stored it in (the ``state_dtype`` of the job).
+    """
+
+    rowwise: bool
+    values: torch.Tensor
+    dtype: torch.dtype = torch.float32
+
+    def for_shard(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+        """The state as a shard with these global ranges stores it: ``[rows]`` if row-wise, else ``[rows, cols]``."""
+        block = self.values[rows[0] : rows[1], cols[0] : cols[1]]
+        if not self.rowwise:
+            return block.contiguous()
+        return _row_mean(block)
+
+    def per_row(self) -> torch.Tensor:
+        """Row-wise state of the unsharded table (``[rows]``): the column-width-weighted mean over its shards."""
+        if not self.rowwise:
+            raise ValueError("per_row() is for row-wise state")
+        return _row_mean(self.values)
+
+
+def _row_mean(block: torch.Tensor) -> torch.Tensor:
+    # Exact when every column holds the same value (one saved shard), the width-weighted mean otherwise.
+    first = block[:, :1]
+    if bool((block == first).all()):
+        return first[:, 0].clone()
+    return block.double().mean(dim=1).float()
+
+
+class TableData(NamedTuple):
+    """A whole table after applying a chain: fp32 weights ``[rows, dim]``, its optimizer states, and for a
+    managed-collision table its by-row state (int64 ``[rows, fields]``, :class:`~.manifest.McRows`)."""
+
+    weights: torch.Tensor
+    states: list[RowState]
+    mc: torch.Tensor | None = None
+    mc_fields: tuple[str, ...] = ()
+
+    def mc_rows(self, rows: tuple[int, int]) -> tuple[torch.Tensor, tuple[str, ...]] | None:
+        """The by-row state of rows ``[rows)`` with its fields, as :func:`~.rows.write_rows` takes it."""
+        return None if self.mc is None else (self.mc[rows[0] : rows[1]].contiguous(), self.mc_fields)
+
+
+def _entry_rows(table: str, entry: TableEntry, load: RowReader, file: str) -> torch.Tensor:
+    """The global row of each row ``entry`` stores, from its ids."""
+    offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
+    return torch.arange(entry.rows[0], entry.rows[1], dtype=torch.int64) if offsets is None else offsets + entry.rows[0]
+
+
+def assemble_tables(
+    storage: Storage, chain: list[Manifest], progress: Progress | None = None,
+    tables: Collection[str] | None = None,
+) -> dict[str, TableData]:
+    """Applies the entries of ``chain`` (baseline first) to whole tables, by global row and column range.
+
+    As a restore does, the chain is read newest checkpoint first, and of each entry only the
+    rows that no newer checkpoint stored for its columns (their byte ranges, checked against
+    their CRCs; :class:`~cnr_torchrec.ckpt.format.rows.RowReader`). A residual entry
+    (``quantization.residual``) adds to the rows of the older entries instead of replacing them,
+    in the order a restore adds them, so that the sums are a restore's to the bit.
+
+    Replicated (data_parallel) tables come from the tip, as in a restore; they have no
+    row states (the dense optimizer holds theirs).
+
+    Args:
+        tables: only these tables (default: every one).
+
+    Raises:
+        CorruptCheckpointError: an entry does not decode, or the chain leaves part of a table unwritten.
+    """
+    tip = chain[-1]
+    shapes = {t: s for t, s in tip.tables.items() if tables is None or t in tables}
+    whole = [Region(t, (0, int(rows)), (0, int(dim))) for t, (rows, dim) in shapes.items()]
+    return {region.table: data for region, data in assemble_regions(storage, chain, whole, progress).items()}
+
+
+def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collection[Region],
+                     progress: Progress | None = None) -> dict[Region, TableData]:
+    """Applies the entries of ``chain`` to blocks of tables (:func:`assemble_tables` for whole tables):
+    each region gets float32 weights ``[its rows, its columns]`` and its optimizer states, from the rows
+    and columns of the entries that overlap it.
+
+    Raises:
+        CorruptCheckpointError: an entry does not decode, or the chain leaves part of a region unwritten.
+    """
+    tip = chain[-1]
+    for region in regions:
+        if region.table not in tip.tables:
+            raise CorruptCheckpointError(f"table '{region.table}' is not among the tables of checkpoint {tip.id}",
+                                         path=manifest_path(tip.id))
+    replicated = {g for g in regions if g.table in tip.replicated}
+    sharded: dict[str, list[Region]] = {}
+    for g in regions:
+        if g not in replicated:
+            sharded.setdefault(g.table, []).append(g)
+    out: dict[Region, TableData] = {}
+    covered: dict[Region, _Covered] = {}
+    for g in (g for gs in sharded.values() for g in gs):
+        shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
+        out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])
+        covered[g] = _Covered(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool),
+                              torch.zeros(shape[0], dtype=torch.bool))
+    for m in reversed(chain):
+        for report in m.ranks:
+            file = report.file
+            load = RowReader(storage, report.payload)
+            for table, entries in report.tables.items():
+                if table not in tip.tables:
+                    raise CorruptCheckpointError(
+                        f"{file}: table '{table}' is not among the tables of checkpoint {tip.id}", path=file
+                    )
+                for entry in entries:
+                    _check_inside(entry, table, tip.tables[table], file)
+                    for g in sharded.get(table, ()):
+                        out[g] = _apply_entry(out[g], covered[g], g, table, entry, load, file)
+                    if progress is not None:
+                        progress(1)
+    out.update(_replicated_tables(storage, tip, replicated))
+    _check_covered(chain, {g: c.weights for g, c in covered.items()})
+    return out
+
+
+class _Covered(NamedTuple):
+    """The cells of a region that newer entries gave: its weights (by whole entries), its states (by any), and
+    the rows whose managed-collision state they gave."""
+
+    weights: torch.Tensor
+    states: torch.Tensor
+    mc: torch.Tensor
+
+
+def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: str) -> None:
+    """An entry lies inside its own checkpoint's table (the schema), but the tip's may differ."""
+    (r0, r1), (c0, c1) = entry.rows, entry.cols
+    if not (r1 <= shape[0] and c1 <= shape[1]):
+        raise CorruptCheckpointError(
+            f"{file}: an entry of table '{table}' spans rows [{r0}, {r1}) x cols [{c0}, {c1}), "
+            f"outside the table's {shape[0]} x {shape[1]}",
+            path=file,
+        )
+
+
+def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str, entry: TableEntry,
+                 load: RowReader, file: str) -> TableData:
+    """Adds the rows and columns one entry holds of ``region`` to the cells no newer whole entry gave, and
+    sets the optimizer states no newer entry gave; reads only those rows."""
+    (w0, w1), (v0, v1) = region.rows, region.cols
+    (c0, c1) = entry.cols
+    a0, a1 = max(c0, v0), min(c1, v1)  # the columns the entry holds of the region
+    if max(entry.rows[0], w0) >= min(entry.rows[1], w1) or a0 >= a1:
+        return data
+    stored = _entry_rows(table, entry, load, file)
+    lo, hi = (int(i) for i in torch.searchsorted(stored, torch.tensor([w0, w1])))
+    local = stored[lo:hi] - w0  # the region row of stored rows lo..hi-1
+    mine, theirs = slice(a0 - v0, a1 - v0), slice(a0 - c0, a1 - c0)  # the columns in the region, in the entry
+    open_w = ~covered.weights[local, mine]
+    open_s = ~covered.states[local, mine]
+    open_mc = ~covered.mc[local] if entry.mc is not None else torch.zeros(local.numel(), dtype=torch.bool)
+    pick = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False) | open_mc).view(-1)
+    if not pick.numel():
+        return data
+    parts = load.rows(entry, pick + lo)
+    keys = sorted(entry.weights.blobs)
+    try:
+        encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
+                                     path=file) from None
+    weights = decode(encoded)
+    if weights.shape[1] != c1 - c0:
+        raise CorruptCheckpointError(
+            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
+    g, open_w, open_s = local[pick], open_w[pick], open_s[pick]
+    data.weights[g, mine] += torch.where(open_w, weights.float()[:, theirs], 0.0)
+    if not entry.residual:  # quantization.residual: added to what the older entries give, so it covers nothing
+        covered.weights[g, mine] = True
+    n_rows, n_cols = data.weights.shape
+    for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
+        if j == len(data.states):
+            data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, n_cols, dtype=torch.float32), t.dtype))
+        state = data.states[j]
+        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)[:, theirs]
+        state.values[g, mine] = torch.where(open_s, vals, state.values[g, mine])
+    if entry.states:
+        covered.states[g, mine] = True
+    if entry.mc is not None:
+        if data.mc is None:
+            data = data._replace(mc=torch.zeros(n_rows, len(entry.mc.fields), dtype=torch.int64),
+                                 mc_fields=entry.mc.fields)
+        elif data.mc.shape[1] != len(entry.mc.fields):
+            raise CorruptCheckpointError(f"{file}: table '{table}' stores managed-collision state with fields "
+                                         f"{list(entry.mc.fields)} and, in a newer entry, {data.mc.shape[1]} fields",
+                                         path=file)
+        take = open_mc[pick]
+        data.mc[g[take]] = parts[-1][take]
+        covered.mc[g[take]] = True
+    return data
+
+
+def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Region]) -> dict[Region, TableData]:
+    """Blocks of the data_parallel tables, from rank 0's report of the tip (as a restore takes them)."""
+    first = tip.ranks[0]
+    load0 = RowReader(storage, first.payload) if regions else None
+    out = {}
+    for g in sorted(regions, key=lambda g: (g.table, g.rows, g.cols)):
+        if g.table not in first.replicated_tables:
+            raise CorruptCheckpointError(
+                f"{first.file}: replicated table '{g.table}' is not stored by rank 0", path=first.file
+            )
+        whole = load0(first.replicated_tables[g.table])
+        out[g] = TableData(whole[g.rows[0] : g.rows[1], g.cols[0] : g.cols[1]].float().clone(), [])
+    return out
+
+
+def _check_covered(chain: list[Manifest], covered: Mapping[Region, torch.Tensor]) -> None:
+    """Every row and column of the sharded ``regions`` was written by some entry of the chain."""
+    for g, cells in covered.items():
+        if not bool(cells.all()):
+            base = manifest_path(chain[0].id)
+            missing = int((~cells).any(dim=1).sum())
+            what = f"table '{g.table}'" if g.rows[0] == 0 and g.cols[0] == 0 and missing == cells.shape[0] else (
+                f"rows [{g.rows[0]}, {g.rows[1]}) x cols [{g.cols[0]}, {g.cols[1]}) of table '{g.table}'")
+            raise CorruptCheckpointError(
+                f"the chain {[m.id for m in chain]} leaves {missing} rows of {what} unwritten; "
+                f"its baseline ({base}) is incomplete",
+                path=base,
+            )
