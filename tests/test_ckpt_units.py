@@ -772,7 +772,7 @@ def _adam_after_a_step(model):
 
 
 def test_dense_optimizer_state_follows_parameter_names():
-    from cnr_torchrec.ckpt.format.dense_optim import load_named_state, named_state
+    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state
 
     torch.manual_seed(0)
     saved_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -791,7 +791,7 @@ def test_dense_optimizer_state_follows_parameter_names():
 
 
 def test_dense_optimizer_state_errors_are_named():
-    from cnr_torchrec.ckpt.format.dense_optim import load_named_state, named_state, param_names
+    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state, param_names
 
     model = torch.nn.Linear(3, 4)
     saved = named_state(model, _adam_after_a_step(model))

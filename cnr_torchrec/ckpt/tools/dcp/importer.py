@@ -9,7 +9,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from cnr_torchrec.ckpt.format.dense_optim import TORCH_OPTIM, SavedDenseOptimizer, from_fqn
+from cnr_torchrec.ckpt.format.dense_optim import TORCH_OPTIM, SavedDenseOptimizer
+from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage

@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from cnr_torchrec.ckpt.format.dense_optim import (
     TORCH_OPTIM,
     SavedDenseOptimizer,
-    from_fqn,
     load_dense_state,
     state_to_save,
 )
+from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
 from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError,
                                  IncompatibleCheckpointError, UnsafeCheckpointError)
