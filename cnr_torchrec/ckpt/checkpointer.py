@@ -387,8 +387,7 @@ class Checkpointer:
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
-        chain, bad = self._restorer.run(step, per_rank_state)
-        restored = self._restorer.take_restored_rows()  # the staged shards: the reconstruction's, or dropped here
+        chain, bad, restored = self._restorer.run(step, per_rank_state)  # restored: the staged shards
         if self._committer.reconstruction is not None:
             with timed(self._restorer.stats, "reconstruction_ms"):  # residuals are coded against what was restored
                 self._committer.reconstruction.reset(self.tracker, restored)

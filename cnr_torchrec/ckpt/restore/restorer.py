@@ -44,15 +44,14 @@ class Restorer:
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
         self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
-        self.restored_rows: dict[Any, Any] = {}  # the last restore's staged shards, float32 on the host, by key
 
-    def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
-        """Picks, applies and agrees on a chain (collective). Returns it, and the checkpoints skipped as unsound
-        (id -> why), the same on every rank. Raises what :meth:`Checkpointer.restore` documents; when it raises,
-        the model is as it was (``restore_rollback``)."""
+    def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
+        """Picks, applies and agrees on a chain (collective). Returns it, the checkpoints skipped as unsound
+        (id -> why), the same on every rank, and the shards it staged (float32 host rows by ``(table, rows,
+        cols)``, equal to the weights now: what a residual reconstruction starts from). Raises what
+        :meth:`Checkpointer.restore` documents; when it raises, the model is as it was (``restore_rollback``)."""
         self.stats = {}
         self._snapshot = None
-        self.restored_rows = {}
         try:
             return self._run(step, per_rank_state)
         except BaseException:
@@ -65,7 +64,7 @@ class Restorer:
         finally:
             self._snapshot = None  # its host copy is freed here
 
-    def _run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str]]:
+    def _run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
         model_tables = self._model_tables()
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
@@ -88,14 +87,7 @@ class Restorer:
             self._after_failed_attempt(failed, own, ids, bad)  # a staged attempt's rows never reached the model
         with timed(self.stats, "commit_ms"):
             staged.commit()  # every rank succeeded: the staged shards go into the model
-        self.restored_rows = staged.by_key()
-        return chain, bad
-
-    def take_restored_rows(self) -> dict[Any, Any]:
-        """The last restore's staged shards (float32 host rows by ``(table, rows, cols)``), handed over once: the
-        Restorer keeps no reference, so they live only as long as the caller keeps them."""
-        rows, self.restored_rows = self.restored_rows, {}
-        return rows
+        return chain, bad, staged.by_key()
 
     def _none_restores(self, step: int | None, bad: dict[int, str]) -> RestoreFailedError:
         """The error for a root whose checkpoints (of ``step``) exist but none of which restores."""
