@@ -387,10 +387,19 @@ class Checkpointer:
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("the restore")
-        chain, bad, restored = self._restorer.run(step, per_rank_state)  # restored: the staged shards
-        if self._committer.reconstruction is not None:
+        reconstruction = self._committer.reconstruction
+        # The restore stages into the reconstruction's rows (no new memory), which it then becomes again.
+        buffers = reconstruction.release() if reconstruction is not None else {}
+        try:
+            chain, bad, restored = self._restorer.run(step, per_rank_state, buffers)  # restored: the staged shards
+        except BaseException:
+            if buffers:  # the reconstruction's rows went into a failed attempt: the next save codes no residual
+                self._force_baseline = "a restore failed after taking the residual reconstruction's rows"
+            raise
+        del buffers
+        if reconstruction is not None:
             with timed(self._restorer.stats, "reconstruction_ms"):  # residuals are coded against what was restored
-                self._committer.reconstruction.reset(self.tracker, restored)
+                reconstruction.reset(self.tracker, restored)
         del restored
         m = chain[-1]
         self.tracker.reset(baseline=True)
@@ -443,6 +452,8 @@ class Checkpointer:
                 self._settle(self._inflight)
             self._compactor.drop("close()")
         finally:
+            if self._committer.reconstruction is not None:
+                self._committer.reconstruction.release()  # a closed Checkpointer saves nothing: free its copy
             self._executor.shutdown(wait=True)
             self._io.close()
             self._committer.close()

@@ -20,8 +20,8 @@ import torch.distributed as dist
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "reconstruction_bytes",
-           "shard_states"]
+__all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "host_uses", "reconstruction_bytes",
+           "shard_states", "short_of_memory", "staging_bytes"]
 
 
 def reconstruction_bytes(tracker: Any) -> int:
@@ -40,6 +40,19 @@ def shard_states(tracker: Any) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
                 asked[id(tbe)] = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
             states = asked[id(tbe)]
             yield table, shard, list(states[shard.local_index]) if states else []
+
+
+def staging_bytes(tracker: Any) -> int:
+    """Bytes a baseline copies to host memory before it writes (:mod:`~cnr_torchrec.ckpt.save.staging`): every
+    local shard's weights and fused optimizer state, as they are stored."""
+    total = 0
+    for table, shard, states in shard_states(tracker):
+        total += sum(s.numel() * s.element_size() for s in states)
+    for table in tracker.tables():
+        for kernel, shard in tracker.shards(table):
+            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+            total += weights.numel() * weights.element_size()
+    return total
 
 
 def fold_bytes(tracker: Any) -> int:
@@ -76,14 +89,11 @@ class HostUse(NamedTuple):
     available: int | None
 
 
-def check_host_memory(needed: int, *, distributed: bool, what: str = "a float32 copy of each rank's shards") -> HostUse:
-    """Every rank's ``needed`` bytes, summed per host, against what each host has available. Collective.
+def host_uses(needed: int, *, distributed: bool) -> tuple[HostUse, list[HostUse]]:
+    """Every rank's ``needed`` bytes, summed per host, beside what each host has available. Collective.
 
     Returns:
-        This rank's host: its name, ranks, the bytes they keep and the bytes available.
-
-    Raises:
-        ConfigError: on every rank, when the ranks of some host would keep more than it has available.
+        This rank's host, and every host (sorted by name).
     """
     mine = (socket.gethostname(), int(needed), host_available_bytes())
     every = [mine]
@@ -95,10 +105,29 @@ def check_host_memory(needed: int, *, distributed: bool, what: str = "a float32 
         entry = hosts.setdefault(host, [host, 0, 0, available])
         entry[1] += 1
         entry[2] += n
-    for host, ranks, total, available in sorted(hosts.values()):
-        if available is not None and total > available:
-            raise ConfigError(
-                f"quantization.residual keeps {what} in host memory: "
-                f"{total / 1e9:.2f} GB for the {ranks} rank(s) on host {host}, which has {available / 1e9:.2f} GB "
-                "available. Set quantization.residual: false, or run on more hosts so that each holds fewer rows")
-    return HostUse(*hosts[mine[0]])
+    return HostUse(*hosts[mine[0]]), [HostUse(*h) for h in sorted(hosts.values())]
+
+
+def short_of_memory(hosts: list[HostUse]) -> HostUse | None:
+    """The first host whose ranks need more than it has available (unknown: never short), or None."""
+    return next((h for h in hosts if h.available is not None and h.needed > h.available), None)
+
+
+def check_host_memory(needed: int, *, distributed: bool, what: str = "a float32 copy of each rank's shards") -> HostUse:
+    """Every rank's ``needed`` bytes, summed per host, against what each host has available. Collective.
+
+    Returns:
+        This rank's host: its name, ranks, the bytes they keep and the bytes available.
+
+    Raises:
+        ConfigError: on every rank, when the ranks of some host would keep more than it has available.
+    """
+    mine, hosts = host_uses(needed, distributed=distributed)
+    short = short_of_memory(hosts)
+    if short is not None:
+        raise ConfigError(
+            f"quantization.residual keeps {what} in host memory: "
+            f"{short.needed / 1e9:.2f} GB for the {short.ranks} rank(s) on host {short.host}, which has "
+            f"{short.available / 1e9:.2f} GB available. Set quantization.residual: false, or run on more hosts so "
+            "that each holds fewer rows")
+    return mine

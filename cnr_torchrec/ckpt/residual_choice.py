@@ -7,8 +7,8 @@ aside, with a warning that says why, where it cannot:
 * policies other than ``consecutive`` and methods that do not quantize (decided by the config);
 * an optimizer that keeps state per column (EXACT_ADAGRAD): a residual delta would have to code
   that state too, and it stores it whole;
-* hosts without the memory for the float32 copy of their ranks' shards (and, with compaction,
-  the fold's largest shard on top).
+* hosts without the memory for the float32 copy of their ranks' shards beside what a baseline
+  stages to host memory (and, with compaction, the fold's largest shard on top), with 10% headroom.
 
 ``true`` refuses each of these with a ConfigError instead, and ``false`` keeps plain coding. The
 choice is made when the Checkpointer is built, before anything is opened, and is the same on every
@@ -23,7 +23,13 @@ from typing import Any
 
 from cnr_torchrec.ckpt._collective import Ranks
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.host_memory import check_host_memory, fold_bytes, reconstruction_bytes, shard_states
+from cnr_torchrec.ckpt.host_memory import (
+    check_host_memory,
+    fold_bytes,
+    reconstruction_bytes,
+    shard_states,
+    staging_bytes,
+)
 from cnr_torchrec.ckpt.save.staging import is_rowwise
 from cnr_torchrec.errors import ConfigError
 
@@ -38,19 +44,31 @@ def per_column_state_tables(tracker: Any) -> list[str]:
                    if not all(is_rowwise(s, shard.num_rows) for s in states)})
 
 
+HEADROOM = 1.1
+"""What residual coding budgets, over the bytes it counts: allocator slack, decode temporaries, the bytes a
+restore reads."""
+
+
 def _memory(tracker: Any, distributed: bool, compaction: bool) -> None:
-    """Logs the host memory residual coding keeps; ConfigError, on every rank, where a host does not have it."""
+    """Logs the host memory residual coding keeps; ConfigError, on every rank, where a host does not have it.
+
+    Besides the copy itself (which a restore stages into, and a baseline replaces as it writes), the job will
+    hold a baseline's copy of its shards to host memory (any job does, but not yet when the Checkpointer is
+    built) and, with compaction, a fold's working set: a host must have room for all of it, with headroom.
+    """
     copy = reconstruction_bytes(tracker)
+    staging = staging_bytes(tracker)
     fold = fold_bytes(tracker) if compaction else 0
-    what = "a float32 copy of each rank's shards" + (", and while compaction folds the chain its largest "
-                                                      "shard's float32 sums and state and the 8-bit folded rows"
-                                                      if fold else "")
-    use = check_host_memory(copy + fold, distributed=distributed, what=what)
+    what = ("a float32 copy of each rank's shards, beside what a baseline copies to host memory"
+            + (", and while compaction folds the chain its largest shard's float32 sums and state and the 8-bit "
+               "folded rows" if fold else "") + f", with {HEADROOM - 1:.0%} headroom")
+    use = check_host_memory(round((copy + staging + fold) * HEADROOM), distributed=distributed, what=what)
     available = "unknown" if use.available is None else f"{use.available / 1e6:,.0f} MB"
     more = f", and {fold / 1e6:,.1f} MB more while a compaction folds the chain" if fold else ""
-    log.info("quantization.residual keeps a float32 copy of this rank's shards: %s MB of host memory%s (host %s: "
-             "%s MB for its %d rank(s), %s available)", f"{copy / 1e6:,.1f}", more, use.host,
-             f"{use.needed / 1e6:,.1f}", use.ranks, available)
+    log.info("quantization.residual keeps a float32 copy of this rank's shards: %s MB of host memory%s, beside a "
+             "baseline's %s MB staged to host (host %s: %s MB with headroom for its %d rank(s), %s available)",
+             f"{copy / 1e6:,.1f}", more, f"{staging / 1e6:,.1f}", use.host, f"{use.needed / 1e6:,.1f}", use.ranks,
+             available)
 
 
 def choose_residual(config: CheckpointConfig, tracker: Any, ranks: Ranks) -> CheckpointConfig:

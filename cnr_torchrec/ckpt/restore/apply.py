@@ -26,7 +26,7 @@ other ranges relocates by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.reloc
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,9 +41,12 @@ from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, deco
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import McTable
 
-__all__ = ["Applier", "EntryPlan", "StagedWeights", "can_stage"]
+__all__ = ["Applier", "EntryPlan", "Key", "StagedWeights", "can_stage", "fits", "stageable_weights"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
+
+Key = tuple[str, tuple[int, int], tuple[int, int]]
+"""A shard: (table, global rows, global columns)."""
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -61,7 +64,7 @@ class _Target:
     """
 
     def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False,
-                 mc: McTable | None = None, stage: bool = False) -> None:
+                 mc: McTable | None = None, stage: bool = False, buffer: torch.Tensor | None = None) -> None:
         self.kernel, self.shard = kernel, shard
         self.key = (shard.table, tuple(shard.rows), tuple(shard.cols))
         c0, c1 = shard.cols
@@ -76,14 +79,21 @@ class _Target:
                              else torch.zeros(shard.num_rows, dtype=torch.bool))
         weights = kernel.tbe.split_embedding_weights()[shard.local_index]
         # Staged: the rows are restored into a host copy, and reach the live weights only at commit (restore
-        # puts them there once every rank has succeeded). An additive chain starts the copy from zero; another
-        # leaves it unwritten, and the rows no entry restored are taken from the live weights at the end.
+        # puts them there once every rank has succeeded). The copy is ``buffer`` where it fits (the residual
+        # reconstruction's rows, given up for the restore: memory the process holds already) or new. An additive
+        # chain starts from zero; another leaves the copy as it is, and the rows no entry restored are taken
+        # from the live weights at the end.
         self.live = weights if stage and can_stage(weights) else None
         self.additive = additive
         if self.live is None:
             self.weights = weights
+        elif fits(buffer, weights):
+            self.weights = buffer
         else:
-            self.weights = torch.zeros_like(weights) if additive else torch.empty_like(weights)
+            self.weights = torch.empty_like(weights)
+        if additive:
+            with torch.no_grad():
+                self.weights.zero_()
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
         self.states = list(live[shard.local_index]) if live else []
         self.has_rowwise = False  # row-wise state is tracked apart (per-column state follows the weights)
@@ -155,7 +165,7 @@ class Applier:
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
                  stats: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-                 stage: bool = False) -> None:
+                 stage: bool = False, buffers: Mapping[Key, torch.Tensor] | None = None) -> None:
         self._stats = stats  # gets minimal_bytes: the stored bytes of the rows that are applied
         breaks: dict[str, set[int]] = {}
         for m in manifests:
@@ -165,19 +175,16 @@ class Applier:
         # A chain with residual entries (quantization.residual) adds up: a row is its newest whole entry
         # plus every newer residual, so the weights start from zero and every entry adds to them.
         self.additive = any(e.residual for m in manifests for _, _, e in m.entries())
+        buffers = buffers or {}
         self.targets = {
-            table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage)
+            table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage,
+                            buffers.get((table, tuple(s.rows), tuple(s.cols))))
                     for k, s in tracker.shards(table)]
             for table, cuts in breaks.items() if table not in exclude
         }
         # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
         # column weight)]).
         self._rowwise: dict[int, tuple[_Target, list[tuple[int, torch.Tensor, torch.Tensor, float]]]] = {}
-        if self.additive:
-            with torch.no_grad():
-                for t in (t for ts in self.targets.values() for t in ts):
-                    if t.live is None:  # a staged copy starts from zero already
-                        t.weights.zero_()
 
     def done(self) -> bool:
         return all(t.done for ts in self.targets.values() for t in ts)
@@ -408,6 +415,21 @@ def can_stage(weights: torch.Tensor) -> bool:
     return weights.device.type == "cpu" and weights.dtype == torch.float32
 
 
+def fits(buffer: torch.Tensor | None, weights: torch.Tensor) -> bool:
+    """Whether ``buffer`` can hold a staged copy of ``weights``."""
+    return (buffer is not None and buffer.shape == weights.shape and buffer.dtype == weights.dtype
+            and buffer.device == weights.device and buffer.is_contiguous())
+
+
+def stageable_weights(tracker: DirtyRowTracker) -> Iterator[tuple[Key, torch.Tensor]]:
+    """(key, weights) of every local shard a staged restore copies to the host first (:func:`can_stage`)."""
+    for table in tracker.tables():
+        for kernel, shard in tracker.shards(table):
+            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+            if can_stage(weights):
+                yield (table, tuple(shard.rows), tuple(shard.cols)), weights
+
+
 class StagedWeights:
     """Shard weights a restore wrote into host copies: nothing reaches the model until :meth:`commit`.
 
@@ -415,8 +437,7 @@ class StagedWeights:
         entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
     """
 
-    def __init__(self, entries: list[tuple[tuple[str, tuple[int, int], tuple[int, int]], torch.Tensor,
-                                           torch.Tensor]]) -> None:
+    def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
         self.entries = entries
 
     def commit(self) -> None:
@@ -425,7 +446,7 @@ class StagedWeights:
             for _, live, rows in self.entries:
                 live.copy_(rows)
 
-    def by_key(self) -> dict[tuple[str, tuple[int, int], tuple[int, int]], torch.Tensor]:
+    def by_key(self) -> dict[Key, torch.Tensor]:
         """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
         return {key: rows for key, _, rows in self.entries}
 

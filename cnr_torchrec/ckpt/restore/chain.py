@@ -27,7 +27,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.apply import Applier, StagedWeights
+from cnr_torchrec.ckpt.restore.apply import Applier, Key, StagedWeights
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -57,6 +57,7 @@ def restore_chain(
     threads: int = 1,
     rng: bool = False,
     stage: bool = False,
+    buffers: Mapping[Key, torch.Tensor] | None = None,
 ) -> StagedWeights:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
@@ -72,6 +73,8 @@ def restore_chain(
         rng: also set the global RNG states to this rank's saved ones (config ``restore_rng``).
         stage: restore the shards whose weights can be staged (:func:`~.apply.can_stage`) into host copies,
             and leave their live weights as they are until the caller commits them (every rank succeeded).
+        buffers: float32 host tensors to stage into, by shard key (a residual reconstruction's rows, which the
+            restore may overwrite); a shard without one of its shape gets a new copy.
 
     Returns:
         The staged weights: committed already unless ``stage``.
@@ -80,7 +83,7 @@ def restore_chain(
     check_compatible(target, tracker)
     relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
     with wider_pool(threads):
-        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated, stage)
+        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated, stage, buffers)
         if not stage:
             staged.commit()
         if relocated:
@@ -109,13 +112,13 @@ def restore_chain(
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
                  stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str],
-                 stage: bool) -> tuple[dict[int, RowReader], StagedWeights]:
+                 stage: bool, buffers: Mapping[Key, torch.Tensor] | None) -> tuple[dict[int, RowReader], StagedWeights]:
     """The chain's entries onto this rank's shards (but those of the ``relocated`` tables), newest checkpoint
     first, each row read, decoded and copied once (into host copies where ``stage``). Returns the readers of the
     tip's files, by rank (dense and per-rank state are there too), and the staged weights."""
     target = manifests[-1]
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage)
+        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers)
     tip: dict[int, RowReader] = {}
     try:
         for m in reversed(manifests):

@@ -8,13 +8,18 @@ newest older chain.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Any
+
+import torch
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
+from cnr_torchrec.ckpt.restore.apply import Key, fits, stageable_weights
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
@@ -45,15 +50,22 @@ class Restorer:
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
         self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
 
-    def run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
+    def run(self, step: int | None, per_rank_state: str, buffers: Mapping[Key, torch.Tensor] | None = None
+            ) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
         """Picks, applies and agrees on a chain (collective). Returns it, the checkpoints skipped as unsound
         (id -> why), the same on every rank, and the shards it staged (float32 host rows by ``(table, rows,
         cols)``, equal to the weights now: what a residual reconstruction starts from). Raises what
-        :meth:`Checkpointer.restore` documents; when it raises, the model is as it was (``restore_rollback``)."""
+        :meth:`Checkpointer.restore` documents; when it raises, the model is as it was (``restore_rollback``).
+
+        Args:
+            buffers: float32 host tensors by shard key that the restore may stage into and overwrite (a
+                residual reconstruction's rows); other shards are staged into new host memory, where every host
+                has it (else their weights are written in place, with a warning, and cannot be rolled back).
+        """
         self.stats = {}
         self._snapshot = None
         try:
-            return self._run(step, per_rank_state)
+            return self._run(step, per_rank_state, buffers or {})
         except BaseException:
             if self._snapshot is not None:
                 with timed(self.stats, "rollback_ms"):
@@ -64,8 +76,10 @@ class Restorer:
         finally:
             self._snapshot = None  # its host copy is freed here
 
-    def _run(self, step: int | None, per_rank_state: str) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
+    def _run(self, step: int | None, per_rank_state: str, buffers: Mapping[Key, torch.Tensor]
+             ) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
         model_tables = self._model_tables()
+        stage = self.config.restore_rollback and self._room_to_stage(buffers)
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
             with timed(self.stats, "resolve_ms"):
@@ -79,7 +93,7 @@ class Restorer:
                     raise self._none_restores(step, bad)
                 raise CheckpointNotFoundError(self.not_found(step))
             ids = pick["chain"]
-            status, own, chain, staged = self._attempt(ids, chain, model_tables, per_rank_state)
+            status, own, chain, staged = self._attempt(ids, chain, model_tables, per_rank_state, stage, buffers)
             with timed(self.stats, "agree_ms"):
                 failed = self._ranks.failures(status)
             if not failed:
@@ -102,8 +116,27 @@ class Restorer:
             "checkpoint, or move the root aside to start afresh. This is not CheckpointNotFoundError: do not "
             "treat it as a fresh start", skipped=bad)
 
+    def _room_to_stage(self, buffers: Mapping[Key, torch.Tensor]) -> bool:
+        """Whether every host has the memory to stage its ranks' shards that ``buffers`` do not hold. Collective.
+        Where one does not, every rank warns and writes its weights in place (``restore_rollback`` then puts back
+        everything but them)."""
+        with timed(self.stats, "snapshot_ms"):
+            needed = sum(w.numel() * w.element_size() for key, w in stageable_weights(self.tracker)
+                         if not fits(buffers.get(key), w))
+            _, hosts = host_uses(needed, distributed=self._ranks.distributed)
+        short = short_of_memory(hosts)
+        if short is None:
+            return True
+        log.warning("restore_rollback steps aside for the embedding weights: staging them needs %.2f GB on host %s "
+                    "(%d rank(s)), which has %.2f GB available, so they are written in place, and a restore that "
+                    "fails now leaves them partly overwritten (restore again before training then). Everything "
+                    "else is still put back on a failure", short.needed / 1e9, short.host, short.ranks,
+                    short.available / 1e9)
+        return False
+
     def _attempt(self, ids: list[int], chain: list[Manifest] | None, model_tables: dict[str, list[int]],
-                 per_rank_state: str) -> tuple[Failure | None, Exception | None, list[Manifest] | None, Any]:
+                 per_rank_state: str, stage: bool, buffers: Mapping[Key, torch.Tensor]
+                 ) -> tuple[Failure | None, Exception | None, list[Manifest] | None, Any]:
         """Applies the chain ``ids`` on this rank. Returns (failure for the other ranks, own exception, chain,
         the staged weights to commit once every rank succeeded)."""
         try:
@@ -130,7 +163,7 @@ class Restorer:
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
                 stats=self.stats, threads=decode_threads(self.config.restore_threads), rng=self.config.restore_rng,
-                stage=self.config.restore_rollback,
+                stage=stage, buffers=buffers,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.

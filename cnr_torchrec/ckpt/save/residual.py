@@ -70,6 +70,7 @@ class Reconstruction:
         """
         if ids is None and num_rows is not None and rows.shape[0] != num_rows:
             raise ValueError(f"shard {key}: {rows.shape[0]} rows staged for a shard of {num_rows}")
+        # A float32 ``rows`` is kept as it is: the caller made it for this (a decoded or summed row block).
         self._pending.append((key, None if ids is None else ids.to(torch.long), rows.float()))
 
     def after_commit(self, key: Key) -> torch.Tensor | None:
@@ -95,7 +96,7 @@ class Reconstruction:
             self._fold = None
         for key, ids, rows in self._pending:
             if ids is None:
-                self._rows[key] = rows.clone()
+                self._rows[key] = rows  # staged rows are this object's own (stage made them): no copy
             elif key in self._rows:
                 self._rows[key].index_copy_(0, ids, rows)
         self._pending.clear()
@@ -104,6 +105,15 @@ class Reconstruction:
         """Drops what a failed save staged. The next save is a baseline, so no delta hangs on the fold."""
         self._pending.clear()
         self._fold = None
+
+    def release(self) -> dict[Key, torch.Tensor]:
+        """Gives up every shard's rows and returns them, by key (a restore stages into them, so that it needs no
+        fresh memory: :meth:`reset` takes them back). Until then the reconstruction knows no row, and a save
+        that codes against it must be a baseline."""
+        rows, self._rows = self._rows, {}
+        self._pending.clear()
+        self._fold = None
+        return rows
 
     def reset(self, tracker: Any, restored: dict[Key, torch.Tensor] | None = None) -> None:
         """Every local shard's reconstruction becomes its current weights (called after a restore).

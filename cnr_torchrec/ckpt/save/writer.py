@@ -86,6 +86,10 @@ def write_rank(
     """
     t0 = time.perf_counter()
     d = staged.decision
+    if reconstruction is not None and d.kind == "baseline":
+        # A baseline writes every row whole, so it needs no reference, and should it fail the next save is a
+        # baseline too: the old rows go now, and the new ones take their place rather than join them.
+        reconstruction.release()
     blobs = PayloadWriter(storage, rank_file(d.ckpt_id, staged.rank), chunk_bytes, pool)
     tables: dict[str, list[dict[str, Any]]] = {}
     rows_written = residual_entries = 0
