@@ -37,6 +37,7 @@ from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
+from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
 from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -127,7 +128,7 @@ def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_
     """Every entry of the chain by table, newest checkpoint first. Nothing is read yet: blobs are
     range-read as needed (a rank needs a few of each file)."""
     out: dict[str, list[_Stored]] = {}
-    for m in reversed(chain):
+    for m in newest_first(chain):
         for report in m.ranks:
             load = RowReader(storage, report.payload)
             for table, entry in m.rows_of(report):
@@ -142,40 +143,41 @@ def _stored_entries(chain: list[Manifest], storage: Storage) -> dict[str, list[_
 
 
 def _survivors(region: Region, stored: list[_Stored]) -> list[tuple[_Stored, torch.Tensor, torch.Tensor]]:
-    """The pieces ``region`` writes: (entry, positions in it, global rows), the newest per row and segment.
+    """The pieces ``region`` writes: (entry, positions in it, global rows), the newest per row and segment, by
+    the chain's rule (:mod:`~cnr_torchrec.ckpt.format.precedence`; a merged chain holds whole copies only).
 
     Raises:
         CompactionError: a piece is partly superseded (a newer piece covers some of its column
             segments only), which no lossless merge can write.
     """
     r0, r1 = region.rows
-    edges = sorted({c for s in stored for c in s.cols})
-    segments = list(zip(edges[:-1], edges[1:]))
-    claimer = torch.full((r1 - r0, len(segments)), -1, dtype=torch.int64)  # checkpoint that holds each
+    segments = segments_of((0, max(s.cols[1] for s in stored)) if stored else (0, 0), [c for s in stored for c in s.cols])
+    coverage = Coverage(r1 - r0, segments)
+    source = torch.full((r1 - r0, len(segments)), -1, dtype=torch.int64)  # the checkpoint each row and segment keeps
     out = []
     for s in stored:  # newest checkpoint first
         if s.rows[1] <= r0 or r1 <= s.rows[0]:
             continue
         rows = s.global_rows()
-        positions = torch.from_numpy(np.flatnonzero(((rows >= r0) & (rows < r1)).numpy()))
+        cover = [k for k, (a, b) in enumerate(segments) if s.cols[0] <= a and b <= s.cols[1]]
+        at = (max(s.rows[0], r0) - s.rows[0], min(s.rows[1], r1) - s.rows[0], s.rows[0] - r0)
+        taken = torch.stack([coverage.claim(segments[k], rows - s.rows[0], rows.numel(), *at, closes=closes(s.entry))
+                             >= 0 for k in cover], 1)  # the row was open in that segment, and this piece took it
+        inside = (rows >= r0) & (rows < r1)
+        partly = inside & taken.any(1) & ~taken.all(1)
+        if bool(partly.any()):
+            i = int(torch.nonzero(partly)[0])
+            row = int(rows[i])
+            _partly_superseded(s, row, sorted(set(source[row - r0, cover].tolist()) - {-1}))
+        positions = torch.from_numpy(np.flatnonzero((inside & taken.all(1)).numpy()))
         if not positions.numel():
             continue
         local = rows.index_select(0, positions) - r0
-        cover = torch.tensor([k for k, (a, b) in enumerate(segments) if s.cols[0] <= a and b <= s.cols[1]],
-                             dtype=torch.int64)
-        held = claimer.index_select(0, local).index_select(1, cover)
-        taken = held >= 0
-        partly = taken.any(1) & ~taken.all(1)
-        if bool(partly.any()):
-            i = int(torch.nonzero(partly)[0])
-            _partly_superseded(s, int(local[i]) + r0, sorted(set(held[i].tolist()) - {-1}))
-        fresh = ~taken.any(1)
-        keep = local[fresh]
-        claimer[keep.unsqueeze(1), cover] = s.ckpt
-        if region.cols[0] <= s.cols[0] < region.cols[1] and keep.numel():
-            out.append((s, positions[fresh], keep + r0))
+        source[local.unsqueeze(1), torch.tensor(cover, dtype=torch.int64)] = s.ckpt
+        if region.cols[0] <= s.cols[0] < region.cols[1]:
+            out.append((s, positions, local + r0))
     if any(st.rowwise for s in stored for st in s.entry.states):
-        _check_one_source(region, claimer)
+        _check_one_source(region, source)
     return out
 
 

@@ -21,10 +21,13 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+import numpy as np
 import torch
 
+from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
+from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
@@ -88,12 +91,6 @@ class TableData(NamedTuple):
         return None if self.mc is None else (self.mc[rows[0] : rows[1]].contiguous(), self.mc_fields)
 
 
-def _entry_rows(table: str, entry: TableEntry, load: RowReader, file: str) -> torch.Tensor:
-    """The global row of each row ``entry`` stores, from its ids."""
-    offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
-    return torch.arange(entry.rows[0], entry.rows[1], dtype=torch.int64) if offsets is None else offsets + entry.rows[0]
-
-
 def assemble_tables(
     storage: Storage, chain: list[Manifest], progress: Progress | None = None,
     tables: Collection[str] | None = None,
@@ -140,14 +137,18 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
     for g in regions:
         if g not in replicated:
             sharded.setdefault(g.table, []).append(g)
+    breaks: dict[str, set[int]] = {}
+    for m in chain:
+        for _, table, entry in m.entries():
+            breaks.setdefault(table, set()).update(entry.cols)
     out: dict[Region, TableData] = {}
     covered: dict[Region, _Covered] = {}
     for g in (g for gs in sharded.values() for g in gs):
         shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
-        out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])
-        covered[g] = _Covered(torch.zeros(shape, dtype=torch.bool), torch.zeros(shape, dtype=torch.bool),
-                              torch.zeros(shape[0], dtype=torch.bool))
-    for m in reversed(chain):
+        out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])  # sums start from zero (the rule)
+        segs = segments_of(g.cols, sorted(breaks.get(g.table, ())))
+        covered[g] = _Covered(Coverage(shape[0], segs), Coverage(shape[0], segs), Coverage(shape[0], [g.cols]))
+    for m in newest_first(chain):
         for report in m.ranks:
             file = report.file
             load = RowReader(storage, report.payload)
@@ -168,12 +169,12 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
 
 
 class _Covered(NamedTuple):
-    """The cells of a region that newer entries gave: its weights (by whole entries), its states (by any), and
-    the rows whose managed-collision state they gave."""
+    """What newer entries gave of a region (:mod:`~cnr_torchrec.ckpt.format.precedence`): its weights (closed by
+    whole entries), its states (by any) and its managed-collision state (by any, one segment)."""
 
-    weights: torch.Tensor
-    states: torch.Tensor
-    mc: torch.Tensor
+    weights: Coverage
+    states: Coverage
+    mc: Coverage
 
 
 def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: str) -> None:
@@ -189,24 +190,27 @@ def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: s
 
 def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str, entry: TableEntry,
                  load: RowReader, file: str) -> TableData:
-    """Adds the rows and columns one entry holds of ``region`` to the cells no newer whole entry gave, and
-    sets the optimizer states no newer entry gave; reads only those rows."""
+    """Applies the rows and columns one entry holds of ``region`` by the chain's rule (a whole copy to the open
+    rows, a residual added onto them) and sets the optimizer states no newer entry gave; reads only those rows."""
     (w0, w1), (v0, v1) = region.rows, region.cols
-    (c0, c1) = entry.cols
+    (r0, r1), (c0, c1) = entry.rows, entry.cols
     a0, a1 = max(c0, v0), min(c1, v1)  # the columns the entry holds of the region
-    if max(entry.rows[0], w0) >= min(entry.rows[1], w1) or a0 >= a1:
+    if max(r0, w0) >= min(r1, w1) or a0 >= a1:
         return data
-    stored = _entry_rows(table, entry, load, file)
-    lo, hi = (int(i) for i in torch.searchsorted(stored, torch.tensor([w0, w1])))
-    local = stored[lo:hi] - w0  # the region row of stored rows lo..hi-1
-    mine, theirs = slice(a0 - v0, a1 - v0), slice(a0 - c0, a1 - c0)  # the columns in the region, in the entry
-    open_w = ~covered.weights[local, mine]
-    open_s = ~covered.states[local, mine]
-    open_mc = ~covered.mc[local] if entry.mc is not None else torch.zeros(local.numel(), dtype=torch.bool)
-    pick = torch.nonzero(open_w.any(dim=1) | (open_s.any(dim=1) if entry.states else False) | open_mc).view(-1)
+    offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
+    n = entry.num_stored
+    at = (max(r0, w0) - r0, min(r1, w1) - r0, r0 - w0)  # entry rows [lo, hi) land on region row o + shift
+    segs = [seg for seg in covered.weights.filled if a0 <= seg[0] and seg[1] <= a1]
+    maps = [covered.weights.claim(seg, offsets, n, *at, closes=closes(entry)) for seg in segs]
+    state_maps = [covered.states.claim(seg, offsets, n, *at, closes=True) for seg in segs] if entry.states else []
+    mc_map = covered.mc.claim(region.cols, offsets, n, *at, closes=True) if entry.mc is not None else None
+    needed = torch.zeros(n, dtype=torch.bool)
+    for mp in (*maps, *state_maps, *([mc_map] if mc_map is not None else [])):
+        needed |= mp >= 0
+    pick = torch.from_numpy(np.flatnonzero(needed.numpy()))
     if not pick.numel():
         return data
-    parts = load.rows(entry, pick + lo)
+    parts = load.rows(entry, pick)
     keys = sorted(entry.weights.blobs)
     try:
         encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
@@ -217,20 +221,18 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
     if weights.shape[1] != c1 - c0:
         raise CorruptCheckpointError(
             f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
-    g, open_w, open_s = local[pick], open_w[pick], open_s[pick]
-    data.weights[g, mine] += torch.where(open_w, weights.float()[:, theirs], 0.0)
-    if not entry.residual:  # quantization.residual: added to what the older entries give, so it covers nothing
-        covered.weights[g, mine] = True
+    for seg, mp in zip(segs, maps):
+        src, dst = _kept(mp.index_select(0, pick))
+        data.weights[dst, seg[0] - v0 : seg[1] - v0] += weights[src, seg[0] - c0 : seg[1] - c0]
     n_rows, n_cols = data.weights.shape
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
             data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, n_cols, dtype=torch.float32), t.dtype))
-        state = data.states[j]
-        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)[:, theirs]
-        state.values[g, mine] = torch.where(open_s, vals, state.values[g, mine])
-    if entry.states:
-        covered.states[g, mine] = True
-    if entry.mc is not None:
+        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)
+        for seg, mp in zip(segs, state_maps):
+            src, dst = _kept(mp.index_select(0, pick))
+            data.states[j].values[dst, seg[0] - v0 : seg[1] - v0] = vals[src, seg[0] - c0 : seg[1] - c0]
+    if mc_map is not None:
         if data.mc is None:
             data = data._replace(mc=torch.zeros(n_rows, len(entry.mc.fields), dtype=torch.int64),
                                  mc_fields=entry.mc.fields)
@@ -238,10 +240,15 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
             raise CorruptCheckpointError(f"{file}: table '{table}' stores managed-collision state with fields "
                                          f"{list(entry.mc.fields)} and, in a newer entry, {data.mc.shape[1]} fields",
                                          path=file)
-        take = open_mc[pick]
-        data.mc[g[take]] = parts[-1][take]
-        covered.mc[g[take]] = True
+        src, dst = _kept(mc_map.index_select(0, pick))
+        data.mc[dst] = parts[-1][src]
     return data
+
+
+def _kept(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions, destinations) of the entries of a claim map that land somewhere (>= 0)."""
+    src = torch.from_numpy(np.flatnonzero((index >= 0).numpy()))
+    return src, index.index_select(0, src)
 
 
 def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Region]) -> dict[Region, TableData]:
@@ -259,13 +266,16 @@ def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Regi
     return out
 
 
-def _check_covered(chain: list[Manifest], covered: Mapping[Region, torch.Tensor]) -> None:
-    """Every row and column of the sharded ``regions`` was written by some entry of the chain."""
-    for g, cells in covered.items():
-        if not bool(cells.all()):
+def _check_covered(chain: list[Manifest], covered: Mapping[Region, Coverage]) -> None:
+    """Every row and column of the sharded ``regions`` was written by a whole copy in the chain."""
+    for g, cov in covered.items():
+        if not cov.complete():
             base = manifest_path(chain[0].id)
-            missing = int((~cells).any(dim=1).sum())
-            what = f"table '{g.table}'" if g.rows[0] == 0 and g.cols[0] == 0 and missing == cells.shape[0] else (
+            open_rows = torch.zeros(cov.num_rows, dtype=torch.bool)
+            for mask in cov.filled.values():
+                open_rows |= ~mask
+            missing = int(open_rows.sum())
+            what = f"table '{g.table}'" if g.rows[0] == 0 and g.cols[0] == 0 and missing == cov.num_rows else (
                 f"rows [{g.rows[0]}, {g.rows[1]}) x cols [{g.cols[0]}, {g.cols[1]}) of table '{g.table}'")
             raise CorruptCheckpointError(
                 f"the chain {[m.id for m in chain]} leaves {missing} rows of {what} unwritten; "

@@ -4,8 +4,9 @@ Every stored entry carries the global row range and column range of the shard th
 it, and its rows carry offsets into that range. So an entry is applied to whatever shards
 overlap it now, whatever the plan was at save time: its overlapping rows and columns are
 decoded in place, or written by ``torch.ops.cnr.scatter_rows_`` (added, in a residual chain).
-A row already restored from a newer checkpoint is skipped (``torch.ops.cnr.claim_rows_``),
-so each row is read, decoded and written once.
+Which stored copy of a row wins, and how residuals add up, is the chain's one rule
+(:mod:`~cnr_torchrec.ckpt.format.precedence`): a row closed by a newer whole copy is skipped, so each
+row is read, decoded and written once (added, in a residual chain, once per copy above its whole one).
 
 Each entry is applied in two steps: :meth:`Applier.plan` reads its row ids and claims the
 rows this rank still needs, which names the stored rows to read (``EntryPlan.sel``); once a
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
+from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
@@ -67,10 +69,9 @@ class _Target:
                  mc: McTable | None = None, stage: bool = False, buffer: torch.Tensor | None = None) -> None:
         self.kernel, self.shard = kernel, shard
         self.key = (shard.table, tuple(shard.rows), tuple(shard.cols))
-        c0, c1 = shard.cols
-        edges = sorted({c0, c1, *(b for b in breaks if c0 < b < c1)})
-        self.segments = list(zip(edges[:-1], edges[1:]))
-        self.filled = {seg: torch.zeros(shard.num_rows, dtype=torch.bool) for seg in self.segments}
+        self.coverage = Coverage(shard.num_rows, segments_of(tuple(shard.cols), breaks))  # which copy wins
+        self.segments = list(self.coverage.filled)
+        self.filled = self.coverage.filled
         # Row-wise state comes with the weights of entries that span the shard's columns, and with
         # one segment every overlapping entry does: its rows are then restored exactly when the weights are.
         # (Not in an additive chain: there a residual's state is claimed while its weights are not.)
@@ -240,9 +241,7 @@ class Applier:
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
         segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]
-        # A residual adds to the rows no newer whole entry restored, and claims none of them.
-        maps = [claim_rows_(target.filled[seg].clone() if entry.residual else target.filled[seg], offsets, n_stored,
-                            lo, hi, shift) for seg in segs]
+        maps = [target.coverage.claim(seg, offsets, n_stored, lo, hi, shift, closes=closes(entry)) for seg in segs]
         with_states = bool(entry.states)
         if with_states and len(target.states) != len(entry.states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",

@@ -25,6 +25,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
+from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.apply import Applier, Key, StagedWeights
@@ -121,7 +122,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
         applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers)
     tip: dict[int, RowReader] = {}
     try:
-        for m in reversed(manifests):
+        for m in newest_first(manifests):
             if applier.done():
                 break
             work = []
