@@ -291,6 +291,22 @@ def test_decode_into_with_accumulate_refuses_a_destination_twice(method, bits):
     assert torch.equal(out[2], codec.decode(enc)[2])
 
 
+@pytest.mark.parametrize("method", ["uniform_asym", "uniform_sym", "adaptive"])
+def test_decode_into_sends_the_encoded_rows_to_the_destination_device(method, monkeypatch):
+    """A restore onto a CUDA table ships its 2-8-bit codes to the device and decodes there (the kernel's CUDA
+    twin is checked against the CPU one under the emulation, tests/test_cuda_emulation.py). Here the destination
+    is on the meta device, which this CPU-only machine has: every argument the kernel gets must be there."""
+    from cnr_torchrec.quant import ops
+
+    seen = []
+    monkeypatch.setattr(ops, "dequantize_uniform_into_", lambda *args: seen.append(
+        [a.device.type for a in args if isinstance(a, torch.Tensor)]))
+    codec = get_codec(method, 4)
+    out = torch.empty(20, 8, device="meta")
+    codec.decode_into(codec.encode(random_rows(10, 8)), out, torch.arange(10), accumulate=True)
+    assert seen and all(d == "meta" for d in seen[0]), seen
+
+
 def test_decode_into_rejects_what_does_not_fit():
     codec = get_codec("adaptive", 4)
     enc = codec.encode(random_rows(10, 8))

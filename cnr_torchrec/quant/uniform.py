@@ -67,7 +67,12 @@ class _UniformCodec(Codec):
     def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
         if out.dtype != torch.float32:
             return super()._decode_into(encoded, out, rows, accumulate)
-        ops.dequantize_uniform_into_(encoded.payload, encoded.scale, encoded.bias, self.bits, rows, out, accumulate)
+        # The encoded rows go to ``out``'s device and are decoded there (a CUDA table gets its 2-8-bit codes, not
+        # 32-bit floats decoded on the host); nothing moves when they are on it already.
+        device = out.device
+        bias = None if encoded.bias is None else encoded.bias.to(device)
+        ops.dequantize_uniform_into_(encoded.payload.to(device), encoded.scale.to(device), bias, self.bits,
+                                     rows.to(device), out, accumulate)
 
     def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
         n, p = num_rows, params
