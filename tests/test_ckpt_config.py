@@ -75,7 +75,12 @@ def test_defaults():
     assert cfg == CheckpointConfig(root="/ckpt")
     assert (cfg.policy, cfg.retention, cfg.on_busy, cfg.full_shard_fraction, cfg.save_timeout_s) == (
         "consecutive", KeepConfig(checkpoints=2), "wait", 0.5, 600.0)
-    assert cfg.compaction is None
+    assert cfg.compaction == CompactionConfig(max_chain=8)  # a consecutive chain is bounded by default
+    assert load_config({"root": "/ckpt", "policy": "full"}).compaction is None  # and no other policy is
+    assert load_config({"root": "/ckpt", "budget": {"max_rows_fraction": 0.5}}).compaction is None
+    assert load_config({"root": "/ckpt", "compaction": None}).compaction is None
+    with pytest.raises(ConfigError, match="compaction needs policy consecutive"):  # asked for, it is refused
+        load_config({"root": "/ckpt", "policy": "full", "compaction": {"max_chain": 16}})
     assert cfg.quantization == QuantizationConfig(method="adaptive", bits=4, params={})
     assert cfg.storage_options == {}
 

@@ -25,6 +25,7 @@ __all__ = [
     "BudgetConfig",
     "CheckpointConfig",
     "CompactionConfig",
+    "DEFAULT_COMPACTION",
     "FailureConfig",
     "KeepConfig",
     "QuantizationConfig",
@@ -276,6 +277,12 @@ class CompactionConfig:
         return ""
 
 
+DEFAULT_COMPACTION = CompactionConfig(max_chain=8)
+"""The compaction a consecutive chain gets unless its config says otherwise: a fold every 8 deltas
+(docs/compaction.md has the restore times and fold costs it was chosen from). Other policies, and a
+job with ``budget.max_rows_fraction``, get none by default."""
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Everything a :class:`~cnr_torchrec.ckpt.Checkpointer` needs to know.
@@ -291,7 +298,8 @@ class CheckpointConfig:
         keep_last: the newest N checkpoints stay restorable after a commit (with what their
             chains need); a shorthand for ``keep: {checkpoints: N}``. Default 2.
         keep: retention by checkpoints, bytes and chains (see :class:`KeepConfig`).
-        compaction: background compaction of the chain (see :class:`CompactionConfig`); None: off.
+        compaction: background compaction of the chain (see :class:`CompactionConfig`); None: off. By
+            default, :data:`DEFAULT_COMPACTION` under policy consecutive (without a row budget), off otherwise.
         on_busy: what ``save`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this save (the dirty rows carry over to the next one).
         full_shard_fraction: when at least this share of a table's rows is dirty, its
@@ -331,7 +339,7 @@ class CheckpointConfig:
     quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     keep_last: int | None = None
     keep: KeepConfig | None = None
-    compaction: CompactionConfig | None = None
+    compaction: CompactionConfig | None = DEFAULT_COMPACTION
     on_busy: Literal["wait", "skip"] = "wait"
     full_shard_fraction: float = 0.5
     save_timeout_s: float = 600.0
@@ -361,6 +369,9 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last: must be at least 1 (the checkpoint being written), got {self.keep_last}")
         if self.keep_last is not None and self.keep is not None:
             raise ConfigError("give keep_last or keep, not both: keep_last: N is keep: {checkpoints: N}")
+        if self.compaction is DEFAULT_COMPACTION and (self.policy != "consecutive"
+                                                      or self.budget.max_rows_fraction is not None):
+            object.__setattr__(self, "compaction", None)  # the default is for the chains it fits, not a request
         if self.compaction is not None and self.policy != "consecutive":
             raise ConfigError(
                 f"compaction needs policy consecutive, not {self.policy!r}: under full every checkpoint is a baseline "
