@@ -19,6 +19,10 @@ import pytest
 import torch
 from _toy import build_dmp, train
 
+from cnr_torchrec.ckpt.format.precedence import Coverage
+
+_TRUE_CLAIM = Coverage.claim  # the rule as written, which the broken ones below call
+
 
 def _specs():
     from examples.toy import TableSpec
@@ -137,7 +141,3 @@ def test_every_reader_follows_the_rule_and_a_broken_rule_shows_in_each(group, tm
                              (r_restored, r_exported, folded)):
         assert not _equal(broken, right)
 
-
-from cnr_torchrec.ckpt.format.precedence import Coverage  # noqa: E402
-
-_TRUE_CLAIM = Coverage.claim

@@ -151,7 +151,8 @@ def _survivors(region: Region, stored: list[_Stored]) -> list[tuple[_Stored, tor
             segments only), which no lossless merge can write.
     """
     r0, r1 = region.rows
-    segments = segments_of((0, max(s.cols[1] for s in stored)) if stored else (0, 0), [c for s in stored for c in s.cols])
+    width = max((s.cols[1] for s in stored), default=0)
+    segments = segments_of((0, width), [c for s in stored for c in s.cols])
     coverage = Coverage(r1 - r0, segments)
     source = torch.full((r1 - r0, len(segments)), -1, dtype=torch.int64)  # the checkpoint each row and segment keeps
     out = []

@@ -55,7 +55,8 @@ class Coverage:
     """Which rows of a block the chain has given so far, per column segment.
 
     Attributes:
-        open: per segment, a bool ``[rows]`` mask of the rows a whole copy has closed (True: closed).
+        num_rows: the block's rows.
+        filled: per segment, a bool ``[rows]`` mask of the rows a whole copy has closed (True: closed).
     """
 
     def __init__(self, num_rows: int, segments: Sequence[tuple[int, int]]) -> None:
