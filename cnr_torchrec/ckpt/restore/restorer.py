@@ -24,6 +24,7 @@ from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.ckpt.restore.stats import timed
+from cnr_torchrec.track.tbe_cache import flush_caches
 from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.ckpt.restore.rollback import Snapshot
 from cnr_torchrec.errors import (
@@ -79,6 +80,10 @@ class Restorer:
     def _run(self, step: int | None, per_rank_state: str, buffers: Mapping[Key, torch.Tensor]
              ) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
         model_tables = self._model_tables()
+        if self.config.restore_rollback:
+            # fused_uvm_caching: the cache's rows are the newest; written back once, before any weight is read
+            # (sized here, copied by the rollback's snapshot), never after.
+            flush_caches(self.tracker.tbes())
         stage = self.config.restore_rollback and self._room_to_stage(buffers)
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:

@@ -29,7 +29,7 @@ from cnr_torchrec.ckpt.format.dense_optim import load_dense_state, state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
 from cnr_torchrec.ckpt.restore.apply import can_stage
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.track.tbe_cache import flush_caches, invalidate_caches
+from cnr_torchrec.track.tbe_cache import invalidate_caches
 
 __all__ = ["Snapshot"]
 
@@ -64,7 +64,7 @@ class Snapshot:
             rng: also copy the global RNG states (the restore sets them).
         """
         snap = cls(tbes=list(tracker.tbes()))
-        flush_caches(snap.tbes)  # the cache's rows are the newest: copy them, not the stale weights behind them
+        # The caller wrote every cache back first (Restorer.run): the rows copied here are the newest.
         for tbe in snap.tbes:
             # Weights a staged restore writes into host copies never change before its commit: no copy needed.
             views = [w for w in tbe.split_embedding_weights() if not can_stage(w)]
