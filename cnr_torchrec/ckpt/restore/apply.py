@@ -27,7 +27,7 @@ other ranges relocates by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.reloc
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,18 +37,17 @@ import torch
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.state import stored_offsets
+from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, host_copy
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import McTable
 
-__all__ = ["Applier", "EntryPlan", "Key", "StagedWeights", "can_stage", "fits", "stageable_weights"]
+__all__ = ["Applier", "EntryPlan"]
 
 log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
 
-Key = tuple[str, tuple[int, int], tuple[int, int]]
-"""A shard: (table, global rows, global columns)."""
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int] | None:
@@ -86,12 +85,7 @@ class _Target:
         # from the live weights at the end.
         self.live = weights if stage and can_stage(weights) else None
         self.additive = additive
-        if self.live is None:
-            self.weights = weights
-        elif fits(buffer, weights):
-            self.weights = buffer
-        else:
-            self.weights = torch.empty_like(weights)
+        self.weights = weights if self.live is None else host_copy(weights, buffer)
         if additive:
             with torch.no_grad():
                 self.weights.zero_()
@@ -405,49 +399,6 @@ class Applier:
             t.fill_staged()
         return StagedWeights([(t.key, t.live, t.weights) for ts in self.targets.values() for t in ts
                               if t.live is not None])
-
-
-def can_stage(weights: torch.Tensor) -> bool:
-    """Whether a shard's weights are restored into a host copy first when a restore stages (float32 on the
-    host: the copy is the residual reconstruction's too). Others are written in place, and a restore that
-    must be able to fail without a trace copies them beforehand instead (restore/rollback.py)."""
-    return weights.device.type == "cpu" and weights.dtype == torch.float32
-
-
-def fits(buffer: torch.Tensor | None, weights: torch.Tensor) -> bool:
-    """Whether ``buffer`` can hold a staged copy of ``weights``."""
-    return (buffer is not None and buffer.shape == weights.shape and buffer.dtype == weights.dtype
-            and buffer.device == weights.device and buffer.is_contiguous())
-
-
-def stageable_weights(tracker: DirtyRowTracker) -> Iterator[tuple[Key, torch.Tensor]]:
-    """(key, weights) of every local shard a staged restore copies to the host first (:func:`can_stage`)."""
-    for table in tracker.tables():
-        for kernel, shard in tracker.shards(table):
-            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
-            if can_stage(weights):
-                yield (table, tuple(shard.rows), tuple(shard.cols)), weights
-
-
-class StagedWeights:
-    """Shard weights a restore wrote into host copies: nothing reaches the model until :meth:`commit`.
-
-    Attributes:
-        entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
-    """
-
-    def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
-        self.entries = entries
-
-    def commit(self) -> None:
-        """Copies every restored shard into the live weights."""
-        with torch.no_grad():
-            for _, live, rows in self.entries:
-                live.copy_(rows)
-
-    def by_key(self) -> dict[Key, torch.Tensor]:
-        """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
-        return {key: rows for key, _, rows in self.entries}
 
 
 def _all(mask: torch.Tensor) -> bool:

@@ -28,7 +28,8 @@ from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.apply import Applier, Key, StagedWeights
+from cnr_torchrec.ckpt.restore.apply import Applier
+from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed

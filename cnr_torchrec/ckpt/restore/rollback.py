@@ -27,7 +27,7 @@ from torch import nn
 
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state, state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
-from cnr_torchrec.ckpt.restore.apply import can_stage
+from cnr_torchrec.ckpt.restore.host_copies import can_stage
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
 

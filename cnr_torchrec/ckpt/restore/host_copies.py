@@ -1,0 +1,71 @@
+"""The host copies a restore writes float32 host shards into, which reach the model only at its commit.
+
+A restore that must be able to fail without a trace (``restore_rollback``) restores each float32 host
+shard into a copy, and copies it into the live weights once every rank has succeeded
+(:meth:`StagedWeights.commit`). The copy is new memory, or the rows a residual job keeps anyway (its
+reconstruction, which the restore borrows and which becomes the restored rows again): the caller
+passes those as buffers by shard key. Other shards (on a GPU, of another dtype) are written in place,
+and the rollback's snapshot copies them beforehand instead (:mod:`.rollback`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from cnr_torchrec.track import DirtyRowTracker
+
+__all__ = ["Key", "StagedWeights", "can_stage", "fits", "host_copy", "stageable_weights"]
+
+Key = tuple[str, tuple[int, int], tuple[int, int]]
+"""A shard: (table, global rows, global columns)."""
+
+
+def can_stage(weights: torch.Tensor) -> bool:
+    """Whether a shard's weights are restored into a host copy first when a restore stages (float32 on the
+    host: the copy is the residual reconstruction's too). Others are written in place, and a restore that
+    must be able to fail without a trace copies them beforehand instead (restore/rollback.py)."""
+    return weights.device.type == "cpu" and weights.dtype == torch.float32
+
+
+def host_copy(weights: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
+    """The copy a staged restore writes ``weights``' rows into: ``buffer`` where it fits, else new memory
+    (unwritten: the restore writes or zeroes what it needs)."""
+    return buffer if fits(buffer, weights) else torch.empty_like(weights)
+
+
+def fits(buffer: torch.Tensor | None, weights: torch.Tensor) -> bool:
+    """Whether ``buffer`` can hold a staged copy of ``weights``."""
+    return (buffer is not None and buffer.shape == weights.shape and buffer.dtype == weights.dtype
+            and buffer.device == weights.device and buffer.is_contiguous())
+
+
+def stageable_weights(tracker: DirtyRowTracker) -> Iterator[tuple[Key, torch.Tensor]]:
+    """(key, weights) of every local shard a staged restore copies to the host first (:func:`can_stage`)."""
+    for table in tracker.tables():
+        for kernel, shard in tracker.shards(table):
+            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
+            if can_stage(weights):
+                yield (table, tuple(shard.rows), tuple(shard.cols)), weights
+
+
+class StagedWeights:
+    """Shard weights a restore wrote into host copies: nothing reaches the model until :meth:`commit`.
+
+    Attributes:
+        entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
+    """
+
+    def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
+        self.entries = entries
+
+    def commit(self) -> None:
+        """Copies every restored shard into the live weights."""
+        with torch.no_grad():
+            for _, live, rows in self.entries:
+                live.copy_(rows)
+
+    def by_key(self) -> dict[Key, torch.Tensor]:
+        """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
+        return {key: rows for key, _, rows in self.entries}
