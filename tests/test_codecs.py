@@ -240,17 +240,23 @@ def test_round_trip_through_plain_tensors_and_json(method, bits, dim):
     assert rel_mse(rows, out) <= bound
 
 
+def _scattered(method, bits, out_dtype, seed):
+    """300 encoded rows of 33 values, each sent to a distinct row of a [1000, 50] block (40% skipped, -1), whose
+    columns 10:43 receive them. Returns (codec, encoded, rows, kept, block)."""
+    codec = get_codec(method, bits)
+    enc = codec.encode(random_rows(300, 33, seed=bits or 1))
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randperm(1000, generator=gen)[:300]
+    rows[torch.rand(300, generator=gen) < 0.4] = -1  # skipped
+    base = torch.randn(1000, 50, generator=gen).to(out_dtype)
+    return codec, enc, rows, rows >= 0, base
+
+
 @pytest.mark.parametrize("method,bits", all_codecs())
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
 def test_decode_into_writes_the_decoded_rows_where_rows_says(method, bits, out_dtype):
-    codec = get_codec(method, bits)
-    enc = codec.encode(random_rows(300, 33, seed=bits or 1))
-    gen = torch.Generator().manual_seed(5)
-    rows = torch.randperm(1000, generator=gen)[:300]
-    rows[torch.rand(300, generator=gen) < 0.4] = -1  # skipped
-    base = torch.rand(1000, 50, generator=gen).to(out_dtype)
+    codec, enc, rows, keep, base = _scattered(method, bits, out_dtype, seed=5)
     expected = base.clone()
-    keep = rows >= 0
     expected[rows[keep], 10:43] = codec.decode(enc)[keep].to(out_dtype)
     out = base.clone()
     codec.decode_into(enc, out[:, 10:43], rows)
@@ -262,13 +268,7 @@ def test_decode_into_writes_the_decoded_rows_where_rows_says(method, bits, out_d
 def test_decode_into_with_accumulate_adds_the_decoded_rows(method, bits, out_dtype):
     # A residual chain's restore: each kept row's decoded value added onto its destination, rounded once, as
     # torch's own addition of the decoded rows gives it; other rows and columns untouched.
-    codec = get_codec(method, bits)
-    enc = codec.encode(random_rows(300, 33, seed=bits or 1))
-    gen = torch.Generator().manual_seed(6)
-    rows = torch.randperm(1000, generator=gen)[:300]
-    rows[torch.rand(300, generator=gen) < 0.4] = -1  # skipped
-    base = torch.randn(1000, 50, generator=gen).to(out_dtype)
-    keep = rows >= 0
+    codec, enc, rows, keep, base = _scattered(method, bits, out_dtype, seed=6)
     expected = base.clone()
     expected[rows[keep], 10:43] = base[rows[keep], 10:43] + codec.decode(enc)[keep].to(out_dtype)
     out = base.clone()

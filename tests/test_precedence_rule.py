@@ -68,21 +68,19 @@ def _readers(root, quantization):
             ck.restore(step=step)
         return _weights(dmp)
 
-    def exported():
+    def on_storage(use):
         storage = Storage(root)
         try:
-            state = export_state_dict(storage)
+            return use(storage)
         finally:
             storage.close()
+
+    def exported():
+        state = on_storage(export_state_dict)
         return {t: state[next(k for k in state if k.endswith(f".{t}.weight"))] for t in ("t0", "t1")}
 
     def compacted():
-        storage = Storage(root)
-        try:
-            body = compact(storage)
-        finally:
-            storage.close()
-        return restored(body.step)
+        return restored(on_storage(compact).step)
 
     out = []
     for reader in (restored, exported, compacted):
