@@ -45,14 +45,14 @@ def shard_states(tracker: Any) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
 def staging_bytes(tracker: Any) -> int:
     """Bytes a baseline copies to host memory before it writes (:mod:`~cnr_torchrec.ckpt.save.staging`): every
     local shard's weights and fused optimizer state, as they are stored."""
+    weights: dict[int, list[torch.Tensor]] = {}  # each TBE's split weights, asked once
     total = 0
-    for table, shard, states in shard_states(tracker):
-        total += sum(s.numel() * s.element_size() for s in states)
     for table in tracker.tables():
         for kernel, shard in tracker.shards(table):
-            weights = kernel.tbe.split_embedding_weights()[shard.local_index]
-            total += weights.numel() * weights.element_size()
-    return total
+            tbe = kernel.tbe
+            w = weights.setdefault(id(tbe), tbe.split_embedding_weights())[shard.local_index]
+            total += w.numel() * w.element_size()
+    return total + sum(s.numel() * s.element_size() for _, _, states in shard_states(tracker) for s in states)
 
 
 def fold_bytes(tracker: Any) -> int:

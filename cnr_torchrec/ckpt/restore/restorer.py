@@ -19,20 +19,20 @@ from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
-from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
+from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
-from cnr_torchrec.ckpt.restore.stats import timed
-from cnr_torchrec.track.tbe_cache import flush_caches
-from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.ckpt.restore.rollback import Snapshot
+from cnr_torchrec.ckpt.restore.stats import timed
+from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
     RestoreFailedError,
 )
+from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["Restorer"]
 
