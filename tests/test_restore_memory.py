@@ -8,7 +8,10 @@ row-wise and a table-wise table, TorchRec's EXACT_ROWWISE_ADAGRAD):
 - a restore in a job that holds a reconstruction reuses its rows (the same storage before and
   after) and gives the bits a restore into a freshly built model gives (which has no rows to reuse);
 - a restore that fails after taking those rows leaves the next save a baseline;
-- a host without the memory to stage restores in place, with a warning, and still bit-exactly.
+- a host without the memory to stage restores in place, with a warning, and still bit-exactly;
+- TorchRec's TestSparseNN (shared tables, weighted features, every EBC sharding type) and its mixed
+  EmbeddingCollection model, on 2 ranks: the restore reuses the reconstruction, and every table shard,
+  optimizer state and dense parameter is what a freshly built model's restore gives.
 """
 
 from __future__ import annotations
@@ -117,3 +120,43 @@ def test_a_host_without_room_to_stage_restores_in_place_with_a_warning(group, tm
     assert "restore_rollback steps aside for the embedding weights" in caplog.text
     for k, w in _weights(dmp).items():
         assert torch.equal(w, saved[k]), k  # float32 rows: bit-exact, staged or not
+
+
+def _torchrec_reuse_worker(rank, world_size, root, model):
+    """TorchRec's own test model on 2 ranks under plan A, residual-coded: the in-job restore stages into the
+    reconstruction's rows, and gives what a freshly built model's restore gives, state for state."""
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = M.build_dmp(model, "A", seed=0)
+    config = _config(root)
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        for step in (1, 2, 3):
+            for s in range(2):
+                M.train_step(dmp, opt, M.make_batch(model, seed=100 * rank + 10 * step + s))
+            ck.save(step).wait()
+        M.train_step(dmp, opt, M.make_batch(model, seed=999 + rank))
+        before = M.local_state(dmp, opt)
+        rec = ck._committer.reconstruction
+        tracker = dmp.dirty_tracker  # its sharded tables (a data_parallel one is stored whole, not coded)
+        keys = [(t, tuple(s.rows), tuple(s.cols)) for t in tracker.tables() if not tracker.is_data_parallel(t)
+                for _, s in tracker.shards(t)]
+        held = {k: rec.reference(k, None).data_ptr() for k in keys}
+        ck.restore()
+        assert {k: rec.reference(k, None).data_ptr() for k in keys} == held  # the same memory, overwritten
+        restored = M.local_state(dmp, opt)
+    assert any(not torch.equal(restored[k], v) for k, v in before.items() if torch.is_tensor(v))
+    fresh, fresh_opt = M.build_dmp(model, "A", seed=5)
+    with Checkpointer(fresh, config, dense_optimizer=fresh_opt) as ck:
+        ck.restore()
+    M.assert_same(M.local_state(fresh, fresh_opt), restored, f"rank {rank}: a fresh model's restore vs the job's")
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("model", ["sparse_nn", "mixed"], ids=["ebc_shared_weighted", "ec"])
+def test_torchrecs_models_restore_into_the_reconstruction_as_a_fresh_model_does(tmp_path, model):
+    from _dist import run_ranks
+
+    run_ranks(_torchrec_reuse_worker, 2, timeout=280, args=(str(tmp_path / "root"), model))
