@@ -5,6 +5,9 @@ On GPUs:         torchrun --standalone --nproc_per_node N benchmarks/scale.py --
                  which DCP's async_save needs; the model on cuda:LOCAL_RANK; docs/gpu.md has one H200's figures)
 Quick run:       ... benchmarks/scale.py --sizes 1 --dirty 0.01,0.27   (31 s wall on the 2-core dev VM;
                  --sizes 10 with the default dirty fractions: 2 minutes)
+Beside a peer:   ... benchmarks/scale.py --sizes 10,25 --dirty 0.27 --peer '{"quantization": {"residual": false}}'
+                 runs each cell again with those keys over --config and prints both restores against the
+                 same DCP load (the default config beside a plain chain)
 Checkpoints go under --out-dir (default /tmp/cnr_bench_scale), one directory per cell, deleted
 when the cell is done (and the whole directory at the end unless --keep).
 
@@ -382,7 +385,7 @@ def train_interval(dmp, opt, specs, frac: float, interval: int, pooling: int, ar
 
 
 def make_config(root: str, args, notes: dict, compaction: dict | None = None):
-    over = {"root": root, "on_busy": "wait", "compaction": compaction}
+    over = {**(args.overrides or {}), "root": root, "on_busy": "wait", "compaction": compaction}
     fields = {f.name for f in dataclasses.fields(CheckpointConfig)}
     for key, value in (("chunk_bytes", args.chunk_bytes), ("io_threads", args.io_threads)):
         if value is None:
@@ -831,6 +834,18 @@ HEADER = (f"{'size':>5s}{'rows/tbl':>10s}{'dirty':>7s}{'real':>7s}{'base MB':>9s
           f"{'rst warm':>9s}{'rst cold':>9s}{'wait ms':>8s}")
 
 
+def side_by_side(size: float, cells: list[dict], peer: dict, args) -> str:
+    """Each cell's restore under --config and with --peer's keys, over this size's DCP load (the same run)."""
+    warm, cold = peer["dcp_load"]["warm_ms"], peer["dcp_load"]["cold_ms"]
+    lines = [f"x{size:g} restores against DCP load (warm {warm:.0f} ms, cold {cold:.0f} ms), the same run:"]
+    for c in cells:
+        for name, cell in ((os.path.basename(args.config), c), (json.dumps(args.peer), c["peer_config"])):
+            w, k = cell["restore_warm_ms"], cell["restore_cold_ms"]
+            lines.append(f"  dirty {c['dirty_target']:g} {name:<40s} warm {w:7.0f} ms "
+                         f"({w / warm:.2f}x), cold {k:7.0f} ms ({k / cold:.2f}x)")
+    return "\n".join(lines)
+
+
 def row(c: dict) -> str:
     r = c["baseline_peak_over_staged"]
     return (f"{c['size']:>5g}{c['rows_per_table']:>10,d}{c['dirty_target']:>7.1%}{c['dirty_real']:>7.1%}"
@@ -868,6 +883,10 @@ def main() -> None:
     parser.add_argument("--min-pooling", type=int, default=1, help="ids per sample at least (more if the set needs)")
     parser.add_argument("--reps", type=int, default=3, help="rounds of each restore, load and peer save")
     parser.add_argument("--config", type=str, default=os.path.join(REPO, "configs", "consecutive.yaml"))
+    parser.add_argument("--peer", type=json.loads, default=None, metavar="JSON",
+                        help="also run every cell under --config with these keys laid over it (load_config's "
+                             "overrides; '{\"quantization\": {\"residual\": false}}' for a plain chain), right after "
+                             "the cell itself, and print both restores side by side against the same DCP load")
     parser.add_argument("--chunk-bytes", type=int, default=None, help="config chunk_bytes, if the config has it")
     parser.add_argument("--io-threads", type=int, default=None, help="config io_threads, if the config has it")
     parser.add_argument("--dcp-stager", choices=["auto", "default", "blocking", "shards"], default="auto",
@@ -881,6 +900,9 @@ def main() -> None:
     parser.add_argument("--json", type=str, default=None)
     add_device_argument(parser)
     args = parser.parse_args()
+    args.overrides = None  # the keys the cells in progress lay over --config (--peer's, for its cells)
+    if args.peer is not None and not isinstance(args.peer, dict):
+        parser.error("--peer takes a JSON object of config keys, such as '{\"quantization\": {\"residual\": false}}'")
     if args.deltas < 1 or args.reps < 1 or not args.sizes or not args.dirty:
         parser.error("--deltas and --reps must be at least 1, and --sizes and --dirty non-empty")
     if not all(0.0 < f <= 1.0 for f in args.dirty) or not all(s > 0 for s in args.sizes):
@@ -922,6 +944,14 @@ def main() -> None:
                     printed_header = True
                 print(row(cell), flush=True)
                 print(f"      warm restore: {breakdown_line(cell['restore_breakdown'])}", flush=True)
+            if args.peer:
+                progress(f"cell x{size:g}, dirty {frac:g}, with {json.dumps(args.peer)}")
+                other = run_cell(dmp, opt, specs, size, frac, argparse.Namespace(**{**vars(args),
+                                 "overrides": args.peer}), rank, world, staged, notes)
+                cell["peer_config"] = other
+                if rank == 0:
+                    print(f"      with {json.dumps(args.peer)}: {row(other)}", flush=True)
+                    print(f"      its warm restore: {breakdown_line(other['restore_breakdown'])}", flush=True)
         if args.compaction_cycle:
             frac = max(args.dirty)
             progress(f"cell x{size:g}, dirty {frac:g}, compaction max_chain {args.compaction_cycle}")
@@ -935,6 +965,8 @@ def main() -> None:
         peer[size] = peers(dmp, args, rank, size, stagers)
         if rank == 0:
             print(peer_line(size, peer[size]), flush=True)
+            if args.peer:
+                print(side_by_side(size, [c for c in cells if c["size"] == size], peer[size], args), flush=True)
         del dmp, opt
         settle_memory()
         dist.barrier()
