@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,9 +27,10 @@ from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.retention import Retention
+from cnr_torchrec.ckpt.save.chain_book import ChainBook
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
-from cnr_torchrec.ckpt.save.planner import ChainState, Decision, decide
+from cnr_torchrec.ckpt.save.planner import Decision, decide
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
 from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
@@ -184,10 +184,7 @@ class Checkpointer:
         )
         self._store = self._make_store(token)
         self._token = token
-        self._state = ChainState(next_id=next_id)
-        self._force_baseline = ""
-        self._state_if_failed = self._state
-        self._lock = threading.Lock()
+        self._book = ChainBook(next_id)  # what the next save hangs on
         self._timer = IntervalTimer()
         self._plan: IntervalPlan | None = None
         self._last_stall_s = 0.0
@@ -254,7 +251,7 @@ class Checkpointer:
         if self._inflight is not None:
             self._settle(self._inflight)
         prev, base, held, (step_s, last_stall_s), (compacted, committed) = counts
-        self._state, hang_on_compacted = self._compactor.step(self._state, compacted, committed)
+        self._book.state, hang_on_compacted = self._compactor.step(self._book.state, compacted, committed)
         reconstruction = self._committer.reconstruction
         if hang_on_compacted and reconstruction is not None:
             reconstruction.hang_on(self._compactor.take_folded())  # the delta codes against the folded rows
@@ -263,11 +260,11 @@ class Checkpointer:
                                        world_size=self.world_size)
             log.info("next save at step %d: %s", self._plan.next_step, self._plan.why)
         decision = decide(
-            policy=self.config.policy, state=self._state, step=step, dirty_since_previous=prev,
+            policy=self.config.policy, state=self._book.state, step=step, dirty_since_previous=prev,
             dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
-            force_baseline=self._force_baseline, since_view=hang_on_compacted,
+            force_baseline=self._book.force_baseline, since_view=hang_on_compacted,
         )
-        tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._state)
+        tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._book.state)
         if tip:
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction", tip=True)
         staged, stage_error = self._stage(decision)
@@ -276,9 +273,7 @@ class Checkpointer:
             # (A rank that could not stage keeps every row dirty: the next save is a baseline anyway.)
             # A compaction's tip restarts the "since baseline" view: the rows dirty since the tip.
             self.tracker.reset(baseline=decision.kind == "baseline" or tip, keep=staged.left_out)
-        self._force_baseline = ""
-        # Until the outcome is known, assume failure: the interval's rows are gone from the tracker.
-        self._state_if_failed = self._state.failed(decision)
+        self._book.decided(decision)  # until the outcome is known, assume failure: the rows are gone from the tracker
         stall = (time.perf_counter() - t0) * 1e3
         if staged is not None:
             staged.stall_ms = stall
@@ -394,7 +389,7 @@ class Checkpointer:
             chain, bad, restored = self._restorer.run(step, per_rank_state, buffers)  # restored: the staged shards
         except BaseException:
             if buffers:  # the reconstruction's rows went into a failed attempt: the next save codes no residual
-                self._force_baseline = "a restore failed after taking the residual reconstruction's rows"
+                self._book.rebase("a restore failed after taking the residual reconstruction's rows")
             raise
         del buffers
         if reconstruction is not None:
@@ -509,15 +504,7 @@ class Checkpointer:
         except SaveFailedError as e:
             info = None
             log.warning("%s", e)
-        with self._lock:
-            if getattr(handle, "_settled", False):
-                return
-            handle._settled = True  # type: ignore[attr-defined]
-            if info is None:
-                self._state = self._state_if_failed
-                self._force_baseline = f"previous save {handle.decision.ckpt_id} failed"
-            else:
-                self._state = self._state.committed(handle.decision, info.nbytes)
+        self._book.settle(handle.decision, None if info is None else info.nbytes)
 
     def _start_compaction(self, new_id: int, chain: tuple[int, ...]) -> Compaction:
         return Compaction(
@@ -601,13 +588,8 @@ class Checkpointer:
         m = chain[-1]
         next_id = self._ranks.from_rank0(lambda: self._next_id(m.id),
                                          what=f"listing the checkpoints under {self.config.root}")
-        if self.config.policy == "consecutive":
-            self._state = ChainState(next_id, tuple(c.id for c in chain), chain[0].nbytes,
-                                     tuple(c.nbytes for c in chain[1:]))
-        else:
-            # The rows dirty between the baseline and this point are not in the tracker any more.
-            self._state = ChainState(next_id)
-            self._force_baseline = "after restore"
+        self._book.after_restore([(c.id, c.nbytes) for c in chain], next_id,
+                                 goes_on=self.config.policy == "consecutive")
 
     def _count_restore(self, manifest: Manifest) -> None:
         """After a restore: one more restore for this job, and maybe wider codes (bits: auto)."""
