@@ -172,7 +172,9 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
     """Trains a fresh model and checkpoints it with one policy (None: the config's defaults, quantization
     included). Returns (dmp, opt, config, per-checkpoint rows)."""
     dmp, opt = build(specs, world, device)
-    config = load_config({"root": root} if policy is None else {"root": root, "policy": policy, "quantization": quant})
+    # A named row is its policy alone (compaction off); the default row is what a user gets, its fold included.
+    config = load_config({"root": root} if policy is None else {"root": root, "policy": policy, "quantization": quant,
+                                                                "compaction": None})
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
     handles, dirty = [], []

@@ -101,7 +101,7 @@ def run(scenario: str, args, stream, out_dir: str) -> dict:
     # Plain coding, as in the committed figures (docs/cpr.md); residual: auto would code residuals.
     quant = {"method": args.method, "bits": None if args.method in ("none", "fp16", "bf16") else args.bits,
              "residual": False}
-    config = {"root": root, "policy": "consecutive", "quantization": quant,
+    config = {"root": root, "policy": "consecutive", "quantization": quant, "compaction": None,
               "failure": {"recovery": "full" if scenario == "full" else "partial"}}
     if scenario == "partial_ssu":
         config["budget"] = {"max_rows_fraction": args.budget, "priority": "ssu", "ssu_rate": args.ssu_rate}

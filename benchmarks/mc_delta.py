@@ -95,7 +95,7 @@ def run(name: str, quantization: dict, rows: int, dim: int, where: str) -> dict:
     gen = torch.Generator().manual_seed(1)
     fill = torch.randint(0, 1 << 40, (rows * 2,), generator=gen)
     root = os.path.join(where, name)
-    config = load_config({"root": root, "policy": "consecutive", "quantization": quantization})
+    config = load_config({"root": root, "policy": "consecutive", "quantization": quantization, "compaction": None})
     with Checkpointer(dmp, config) as ck:
         for i in range(INTERVAL):  # the eviction at step 5 fills the table
             step(dmp, fill[i * len(fill) // INTERVAL:(i + 1) * len(fill) // INTERVAL])

@@ -139,6 +139,7 @@ def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any
     quant["residual"] = policy == "residual"  # plain coding elsewhere, which the group's reference follows
     if policy in ("compacting", "residual"):
         policy, kw = "consecutive", {"compaction": {"max_chain": 2}, **kw}
+    kw = {"compaction": None, **kw}  # the plain scenarios keep one chain, as they were measured
     return load_config({"root": root, "policy": policy, "quantization": quant, "save_timeout_s": 60, **keep, **kw})
 
 

@@ -131,9 +131,8 @@ class Job:
         self.name, self.specs, self.args, self.root = name, specs, args, root
         self.dmp, self.opt = build(specs, dist.get_world_size())
         quant = {**QUANT, "residual": compaction and args.residual}
-        config = {"root": root, "policy": "consecutive", "quantization": quant, "keep": {"checkpoints": 1}}
-        if compaction:
-            config["compaction"] = {"max_chain": args.max_chain}
+        config = {"root": root, "policy": "consecutive", "quantization": quant, "keep": {"checkpoints": 1},
+                  "compaction": {"max_chain": args.max_chain} if compaction else None}  # None: not the default's
         self.config = load_config(config)
         self.ck = Checkpointer(self.dmp, self.config, dense_optimizer=self.opt)
         self.gen = torch.Generator().manual_seed(1000 + dist.get_rank())  # the same batches in both jobs
