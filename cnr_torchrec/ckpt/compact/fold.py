@@ -36,7 +36,7 @@ from cnr_torchrec.ckpt.format.layout import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.save.writer import encode_in_blocks
+from cnr_torchrec.ckpt.save.coding import encode_in_blocks
 from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.quant import EncodedRows, get_codec
 

@@ -60,8 +60,8 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-# 5: a CRC-32C per stored row (range reads check what they read); 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1: sha256)
-VERSION = 5
+# 6: a residual entry may store some rows whole (its "whole" bitmap); 5: a CRC-32C per stored row (range reads check what they read); 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1: sha256)
+VERSION = 6
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -150,7 +150,7 @@ def read_body(storage: Storage, ckpt_id: int) -> dict[str, Any]:
     return body
 
 
-_READABLE = (2, 3, 4, VERSION)
+_READABLE = (2, 3, 4, 5, VERSION)
 
 
 def _links_from_chain(body: dict[str, Any], path: str) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "Payload",
     "RankReport",
     "RowIds",
+    "RowModes",
     "StateRef",
     "TableEntry",
     "Weights",
@@ -144,6 +145,15 @@ class McRows:
 
 
 @dataclass(frozen=True)
+class RowModes:
+    """Which stored rows of a residual entry are stored whole (format 6): ``count`` of them, marked in the
+    packed bitmap in blob ``blob`` (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`)."""
+
+    count: int
+    blob: str
+
+
+@dataclass(frozen=True)
 class RowChecks:
     """One CRC-32C (int32, in blob ``blob``) for each group of ``rows`` stored rows of an entry, the last
     group shorter when the rows do not divide evenly."""
@@ -159,7 +169,8 @@ class TableEntry:
     Without ``ids`` the entry stores every row of its range, in order. ``checks`` (format 5):
     the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.rows`). ``mc``: the
     rows' managed-collision state, for a sort-zch table. A ``residual`` entry
-    adds to the rows the chain restored before it (``quantization.residual``). ``replicated``
+    adds to the rows the chain restored before it (``quantization.residual``), except the rows its ``whole``
+    bitmap marks (format 6), which it stores whole, as a plain entry does. ``replicated``
     is never stored: it names the blob of a whole float32 table (a data_parallel table, which
     rank 0 stores whole), which restore reads as an entry spanning the table.
     """
@@ -174,6 +185,7 @@ class TableEntry:
     replicated: str | None = None
     checks: RowChecks | None = None
     mc: McRows | None = None
+    whole: RowModes | None = None
 
     @property
     def row_blobs(self) -> list[str]:

@@ -7,7 +7,9 @@ is *open* until a whole copy of it has been applied:
 * a whole copy (a baseline's row, a plain delta's row, a folded or merged row) is applied to the
   open rows it holds and closes them: older copies of those rows are never read;
 * a residual copy (``quantization.residual``) is added onto the open rows it holds and closes none:
-  the row is the sum of every residual above its newest whole copy, and that copy;
+  the row is the sum of every residual above its newest whole copy, and that copy. A residual
+  entry may store some rows whole (format 6: its ``whole`` bitmap, the rows that coded closer
+  whole than as a residual); those are whole copies, and close;
 * the sum is taken in the order the chain is read, newest first, starting from zero, one rounded
   float32 add per copy: ``((0 + r_n) + r_n-1) + ... + whole``. Every reader adds in this order, so
   every path gives the same bits for the same chain.
@@ -23,11 +25,12 @@ through :func:`newest_first`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
+from cnr_torchrec.ckpt.format.state import stored_modes
 from cnr_torchrec.ops import claim_rows_
 
 __all__ = ["Coverage", "closes", "newest_first", "segments_of"]
@@ -38,9 +41,23 @@ def newest_first(chain: Sequence[Manifest]) -> Iterator[Manifest]:
     return reversed(list(chain))
 
 
-def closes(entry: TableEntry) -> bool:
-    """Whether ``entry``'s rows close the rows they land on (a whole copy) or add onto them (a residual)."""
-    return not entry.residual
+def closes(entry: TableEntry, blob: Callable[[str], torch.Tensor] | None = None, where: str = "",
+           path: str = "") -> bool | torch.Tensor:
+    """Which of ``entry``'s stored rows close the rows they land on (whole copies) rather than add onto them
+    (residuals): True for every row of a plain entry, False for every row of a residual entry that marks
+    none whole, else a bool ``[num_stored]`` read from its bitmap through ``blob``.
+
+    Raises:
+        CorruptCheckpointError: the bitmap does not match the entry
+            (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`).
+    """
+    if not entry.residual:
+        return True
+    if entry.whole is None:
+        return False
+    if blob is None:
+        raise ValueError("a residual entry with rows stored whole: pass a reader of its blobs")
+    return stored_modes(entry, blob, where, path)
 
 
 def segments_of(cols: tuple[int, int], breaks: Sequence[int]) -> list[tuple[int, int]]:
@@ -64,15 +81,21 @@ class Coverage:
         self.filled = {seg: torch.zeros(num_rows, dtype=torch.bool) for seg in segments}
 
     def claim(self, seg: tuple[int, int], offsets: torch.Tensor | None, count: int, lo: int, hi: int, shift: int,
-              *, closes: bool) -> torch.Tensor:
+              *, closes: bool | torch.Tensor) -> torch.Tensor:
         """The block row each stored row of an entry goes to in segment ``seg`` (-1: none), by the rule.
 
         The entry stores ``count`` rows at entry rows ``offsets`` (None: ``0 .. count-1``); stored
         row ``p`` at entry row ``o`` lands on block row ``o + shift`` when ``lo <= o < hi`` and that row is
-        open. ``closes``: a whole copy (:func:`closes`), which closes the rows it takes.
+        open. ``closes``: whether the stored rows are whole copies, which close the rows they take (all
+        or none, or a bool per stored row: :func:`closes`).
         """
         mask = self.filled[seg]
-        return claim_rows_(mask if closes else mask.clone(), offsets, count, lo, hi, shift)
+        if isinstance(closes, bool):
+            return claim_rows_(mask if closes else mask.clone(), offsets, count, lo, hi, shift)
+        taken = claim_rows_(mask.clone(), offsets, count, lo, hi, shift)
+        shut = taken[closes]  # an entry stores a row once, so the rows it takes are distinct
+        mask[shut[shut >= 0]] = True
+        return taken
 
     def complete(self) -> bool:
         """Whether every row of every segment is closed."""

@@ -35,6 +35,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     RankReport,
     RowChecks,
     RowIds,
+    RowModes,
     StateRef,
     TableEntry,
     Weights,
@@ -363,8 +364,19 @@ def _check_entry(f: _Fields, entry: Any, where: str, shape: tuple[int, int], blo
         if blobs[raw["blob"]].dtype != "int64":
             f.fail(f"{where}.mc.blob", f"names a blob of {blobs[raw['blob']].dtype}, where int64 is needed")
         mc = McRows(blob=raw["blob"], fields=tuple(raw["fields"]))
+    whole = None
+    if "whole" in entry:  # format 6: the rows of a residual entry stored whole
+        raw = entry["whole"]
+        f.record(raw, f"{where}.whole", {"count": _int(1, n), "blob": _type(str)})
+        if not entry.get("residual"):
+            f.fail(f"{where}.whole", "marks rows stored whole in an entry that is not residual (whose rows are "
+                                     "all stored whole)")
+        _blob_shape(f, blobs, raw["blob"], f"{where}.whole.blob", ((n + 7) // 8,))
+        if blobs[raw["blob"]].dtype != "uint8":
+            f.fail(f"{where}.whole.blob", f"names a blob of {blobs[raw['blob']].dtype}, where uint8 is needed")
+        whole = RowModes(count=raw["count"], blob=raw["blob"])
     return TableEntry(rows=(r0, r1), cols=(c0, c1), encoding=entry["encoding"], weights=weights, ids=ids,
-                      states=tuple(refs), residual=bool(entry.get("residual")), checks=checks, mc=mc)
+                      states=tuple(refs), residual=bool(entry.get("residual")), checks=checks, mc=mc, whole=whole)
 
 
 def _check_weights(f: _Fields, weights: Any, where: str, n: int, dim: int, blobs: Mapping[str, Blob]) -> Weights:

@@ -1,4 +1,4 @@
-"""Records both sides of the format agree on: packed row ids, RNG state, the names of the dense state.
+"""Records both sides of the format agree on: packed row ids and row modes, RNG state, the names of the dense state.
 
 The save side writes them and the restore side and the offline tools read them back,
 so they live here rather than with either side.
@@ -17,8 +17,8 @@ from torch import nn
 from cnr_torchrec import ops
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["decode_ids", "dense_named_state", "encode_ids", "non_persistent_buffers", "rng_state", "set_rng_state",
-           "stored_offsets"]
+__all__ = ["decode_ids", "dense_named_state", "encode_ids", "encode_modes", "non_persistent_buffers", "rng_state",
+           "set_rng_state", "stored_modes", "stored_offsets"]
 
 
 def encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
@@ -67,6 +67,42 @@ def stored_offsets(entry: Any, blob: Callable[[str], torch.Tensor], where: str =
             f"{where}row ids do not match the entry they describe: {offsets.numel()} ids up to offset {last}, for "
             f"{ids.count} stored rows of {entry.num_rows}; run `cnr verify` on the checkpoint", path=path)
     return offsets
+
+
+def encode_modes(whole: torch.Tensor) -> torch.Tensor:
+    """A residual entry's row modes (format 6): bit ``p`` (LSB first) of the uint8 bitmap is set when stored
+    row ``p`` is stored whole rather than as a residual; the bits past the last row are 0."""
+    return torch.from_numpy(np.packbits(whole.numpy(), bitorder="little"))
+
+
+def stored_modes(entry: Any, blob: Callable[[str], torch.Tensor], where: str = "",
+                 path: str = "") -> torch.Tensor | None:
+    """Which stored rows of a residual :class:`~cnr_torchrec.ckpt.format.manifest.TableEntry` are stored whole: a
+    bool ``[num_stored]``; None when the entry marks none (every row a residual, as before format 6).
+    ``blob``: reads a blob by name.
+
+    Raises:
+        CorruptCheckpointError: the bitmap does not hold the entry's count of set bits, or sets a bit past
+            its last row; ``where`` (a file, a table) starts the message and ``path`` names the file.
+    """
+    modes = entry.whole
+    if modes is None:
+        return None
+    n = entry.num_stored
+    packed = blob(modes.blob).reshape(-1)
+    if packed.dtype != torch.uint8 or packed.numel() != (n + 7) // 8:
+        raise CorruptCheckpointError(
+            f"{where}the row-mode bitmap is {packed.numel()} values of {packed.dtype}, where {(n + 7) // 8} bytes "
+            f"are needed for {n} stored rows; run `cnr verify` on the checkpoint", path=path)
+    bits = np.unpackbits(packed.numpy(), bitorder="little")
+    whole = torch.from_numpy(bits[:n].astype(bool))
+    got = int(bits.sum())
+    if got != modes.count or bits[n:].any():
+        raise CorruptCheckpointError(
+            f"{where}the row-mode bitmap sets {got} bits, {int(bits[n:].sum())} of them past the last of {n} "
+            f"stored rows, where the entry says {modes.count} rows are stored whole; run `cnr verify` on the "
+            "checkpoint", path=path)
+    return whole
 
 
 def dense_named_state(model: nn.Module, sharded_modules: Iterable[str]) -> dict[str, torch.Tensor]:

@@ -198,10 +198,11 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
     if max(r0, w0) >= min(r1, w1) or a0 >= a1:
         return data
     offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
+    whole = closes(entry, load, f"{file}: table '{table}': ", file)
     n = entry.num_stored
     at = (max(r0, w0) - r0, min(r1, w1) - r0, r0 - w0)  # entry rows [lo, hi) land on region row o + shift
     segs = [seg for seg in covered.weights.filled if a0 <= seg[0] and seg[1] <= a1]
-    maps = [covered.weights.claim(seg, offsets, n, *at, closes=closes(entry)) for seg in segs]
+    maps = [covered.weights.claim(seg, offsets, n, *at, closes=whole) for seg in segs]
     state_maps = [covered.states.claim(seg, offsets, n, *at, closes=True) for seg in segs] if entry.states else []
     mc_map = covered.mc.claim(region.cols, offsets, n, *at, closes=True) if entry.mc is not None else None
     needed = torch.zeros(n, dtype=torch.bool)

@@ -203,12 +203,14 @@ class Applier:
         if not hits:
             return None
         n_stored = entry.num_stored
-        offsets = stored_offsets(entry, load, f"{load.payload.file}: table '{table}': ", load.payload.file)
+        where = f"{load.payload.file}: table '{table}': "
+        offsets = stored_offsets(entry, load, where, load.payload.file)
         if entry.residual and any(not s.rowwise for s in entry.states):
             raise IncompatibleCheckpointError(
                 f"table '{table}': a residual entry with per-column optimizer state; residual coding supports "
                 "row-wise optimizer state only (EXACT_ROWWISE_ADAGRAD, SGD)")
-        claims = [self._claim(table, entry, t, r, c, offsets, n_stored) for t, r, c in hits]
+        whole = closes(entry, load, where, load.payload.file)
+        claims = [self._claim(table, entry, t, r, c, offsets, n_stored, whole) for t, r, c in hits]
         needed = torch.zeros(n_stored, dtype=torch.bool)
         for claim in claims:
             for m in (*claim.maps, claim.state_map, claim.mc_map):
@@ -228,14 +230,16 @@ class Applier:
         return sum(blobs[n].nbytes for n in names) / n_stored
 
     def _claim(self, table: str, entry: TableEntry, target: _Target, row_ov: tuple[int, int],
-               col_ov: tuple[int, int], offsets: torch.Tensor | None, n_stored: int) -> _Claim:
-        """Claims, for one shard ``entry`` overlaps, the rows of each column segment and of its row-wise state."""
+               col_ov: tuple[int, int], offsets: torch.Tensor | None, n_stored: int,
+               whole: bool | torch.Tensor) -> _Claim:
+        """Claims, for one shard ``entry`` overlaps, the rows of each column segment and of its row-wise state.
+        ``whole``: which stored rows are whole copies (:func:`~cnr_torchrec.ckpt.format.precedence.closes`)."""
         shard = target.shard
         rows = entry.rows
         # Stored rows at entry rows [lo, hi) overlap the shard; entry row o is shard row o + shift.
         lo, hi, shift = row_ov[0] - rows[0], row_ov[1] - rows[0], rows[0] - shard.rows[0]
         segs = [seg for seg in target.segments if col_ov[0] <= seg[0] and seg[1] <= col_ov[1]]
-        maps = [target.coverage.claim(seg, offsets, n_stored, lo, hi, shift, closes=closes(entry)) for seg in segs]
+        maps = [target.coverage.claim(seg, offsets, n_stored, lo, hi, shift, closes=whole) for seg in segs]
         with_states = bool(entry.states)
         if with_states and len(target.states) != len(entry.states):
             log.warning("table '%s': checkpoint has %d optimizer states, the model %d; states not restored",

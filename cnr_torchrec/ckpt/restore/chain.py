@@ -134,7 +134,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
                     if m is target:
                         tip[report.rank] = load
                     todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
-                    load.fetch_blobs([e.ids.blob for _, e in todo if e.ids is not None])
+                    load.fetch_blobs([b.blob for _, e in todo for b in (e.ids, e.whole) if b is not None])
                     wanted.append((load, todo))
                 for load, todo in wanted:
                     for table, entry in todo:

@@ -2,13 +2,15 @@
 
 With ``quantization.residual``, a delta stores each row it writes as the codec's image of
 ``x - r``, where ``r`` is what the chain restores for that row so far, and the row's
-reconstruction becomes ``r + decode(encode(x - r))``. A row's error is then the quantization
-error of its last change, not of the whole row, and restores stop compounding the codec's
-error (docs/accuracy.md measures it). The writer needs ``r`` for the rows it writes, so each
-rank keeps the reconstruction of its shards here, in float32:
+reconstruction becomes ``r + decode(encode(x - r))``; or, where that restores the row
+closer, whole, as ``decode(encode(x))`` (:mod:`~cnr_torchrec.ckpt.save.coding` picks per row).
+A row's error is then the quantization error of its last change (or of the row), not a sum over
+its history, and restores stop compounding the codec's error (docs/accuracy.md measures it).
+The writer needs ``r`` for the rows it writes, so each rank keeps the reconstruction of its
+shards here, in float32:
 
 * a baseline sets every row it writes to its decoded value;
-* a residual delta adds the decoded difference to the rows it writes;
+* a residual delta sets the rows it writes to what they restore in their modes;
 * a restore sets every row to what it restored (:meth:`Reconstruction.reset`);
 * the delta that hangs on a background compaction's fold sets every row to the folded value first
   (:meth:`Reconstruction.hang_on`).

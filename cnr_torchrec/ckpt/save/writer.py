@@ -1,15 +1,13 @@
 """The background half of a save: encodes the staged rows and streams the rank's payload out in chunks.
 
-Each shard is encoded in row blocks of about :data:`ENCODE_BLOCK_BYTES`, so the codec's
-temporaries stay a block's size whatever the shard's; the blocks' codes land in one
-tensor per field. Blobs go to a :class:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter`,
+Each shard is coded in row blocks (:mod:`~cnr_torchrec.ckpt.save.coding`: whole, or in a residual
+chain each row whole or as a residual). Blobs go to a :class:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter`,
 which writes full chunks on the I/O threads while the next shard is encoded. The
 function returns the rank's report, which rank 0 folds into the manifest.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -19,41 +17,22 @@ from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.rows import write_rows
-from cnr_torchrec.ckpt.format.state import encode_ids
+from cnr_torchrec.ckpt.format.state import encode_ids, encode_modes
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.save.coding import code_residual, encode_in_blocks
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.quant import Codec, EncodedRows
 
-__all__ = ["ENCODE_BLOCK_BYTES", "encode_in_blocks", "write_rank"]
-
-ENCODE_BLOCK_BYTES = 16 << 20  # fp32 input per codec call
-
-
-def encode_in_blocks(codec: Codec, rows: torch.Tensor, block_bytes: int = ENCODE_BLOCK_BYTES) -> EncodedRows:
-    """``codec.encode(rows.float())``, a block of rows at a time (every codec's output is per row).
-
-    Raises:
-        The codec's errors (NaN rows, say), for the first block that has them.
-    """
-    n = rows.shape[0]
-    block = max(1, block_bytes // max(1, 4 * rows.shape[1]))
-    first = codec.encode(rows[:block].float())
-    if n <= block:
-        return first
-    out = {k: torch.empty((n, *v.shape[1:]), dtype=v.dtype) for k, v in first.to_tensors().items()}
-    for lo in range(0, n, block):
-        part = first if lo == 0 else codec.encode(rows[lo : lo + block].float())
-        for k, v in part.to_tensors().items():
-            out[k][lo : lo + v.shape[0]] = v
-    return dataclasses.replace(first, **out)
+__all__ = ["write_rank"]
 
 
 def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Reconstruction | None
-                  ) -> tuple[EncodedRows, bool]:
-    """The shard's encoded rows, and whether they are residuals (see :mod:`.residual`).
+                  ) -> tuple[EncodedRows, torch.Tensor | None]:
+    """The shard's encoded rows and, for residual rows (see :mod:`.residual`), which rows are coded whole
+    (:mod:`.coding`; None: the rows are not residuals).
 
     A delta's residuals are coded against what its parent's chain restores: the previous checkpoint's,
     or, for the delta that hangs on a compacted baseline (``since`` the baseline: the rows dirty since the
@@ -61,16 +40,20 @@ def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Rec
     a delta with no reference to code against.
     """
     if reconstruction is None:
-        return encode_in_blocks(codec, s.weights), False
+        return encode_in_blocks(codec, s.weights), None
     if any(not rowwise for _, rowwise in s.states):
         raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
                           "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
     key = (s.table, tuple(s.rows), tuple(s.cols))
     ref = reconstruction.reference(key, s.ids, on_fold=d.since == "baseline") if d.kind == "delta" else None
-    encoded = encode_in_blocks(codec, s.weights if ref is None else s.weights.float() - ref)
-    decoded = codec.decode(encoded)
-    reconstruction.stage(key, s.ids, decoded if ref is None else ref + decoded, s.rows[1] - s.rows[0])
-    return encoded, ref is not None
+    if ref is None:
+        encoded = encode_in_blocks(codec, s.weights)
+        reconstruction.stage(key, s.ids, codec.decode(encoded), s.rows[1] - s.rows[0])
+        return encoded, None
+    coded = code_residual(codec, s.weights, ref)
+    del ref
+    reconstruction.stage(key, s.ids, coded.restored, s.rows[1] - s.rows[0])
+    return coded.encoded, coded.whole
 
 
 def write_rank(
@@ -100,10 +83,12 @@ def write_rank(
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
             entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
-        encoded, residual = _encode_shard(codec, s, d, reconstruction)
-        if residual:
+        encoded, whole = _encode_shard(codec, s, d, reconstruction)
+        if whole is not None and not bool(whole.all()):  # a delta whose rows all coded whole is a plain one
             entry["residual"] = True
             residual_entries += 1
+            if bool(whole.any()):
+                entry["whole"] = {"count": int(whole.sum()), "blob": blobs.add(f"{prefix}/whole", encode_modes(whole))}
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
         entry.update(write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields)))
         rows_written += encoded.num_rows

@@ -36,7 +36,7 @@ from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.rows import as_rows
-from cnr_torchrec.ckpt.format.state import stored_offsets
+from cnr_torchrec.ckpt.format.state import stored_modes, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
@@ -232,6 +232,11 @@ class _Entries:
         if ids is not None and ids.blob in self.sound:
             try:
                 stored_offsets(entry, self.tensor, f"{where}: ")
+            except CorruptCheckpointError as e:
+                self.problem(str(e))
+        if entry.whole is not None and entry.whole.blob in self.sound:  # format 6: which rows are stored whole
+            try:
+                stored_modes(entry, self.tensor, f"{where}: ")
             except CorruptCheckpointError as e:
                 self.problem(str(e))
         names = entry.weights.blobs
