@@ -284,6 +284,26 @@ def _ids_blob(body):
     return f"{at}.ids.blob"
 
 
+def _whole_on_a_plain_entry(body):
+    at, _, e = _entry(body, "whole")
+    del e["residual"]
+    return f"{at}.whole"
+
+
+def _whole_blob(body):
+    at, _, e = _entry(body, "whole")
+    blob = _blob_of(body, e["whole"]["blob"])
+    blob["shape"][0] += 1
+    blob["nbytes"] += 1
+    return f"{at}.whole.blob"
+
+
+def _whole_count(body):
+    at, _, e = _entry(body, "whole")
+    e["whole"]["count"] = (e["ids"]["count"] if "ids" in e else e["rows"][1] - e["rows"][0]) + 1
+    return f"{at}.whole.count"
+
+
 def _meta(key, delta):
     def mutate(body):
         at, _, e = _entry(body, "ids")
@@ -404,6 +424,10 @@ CHECKS = {  # the check: (which body, the mutation that only it catches; it retu
     "an entry's residual flag": (1, lambda b: _entry(b, "ids")[2].update(residual=False)
                                  or f"{_entry(b, 'ids')[0]}.residual"),
     "an entry's id count": (1, _ids_count),
+    "a row-mode bitmap on a plain entry": (1, _whole_on_a_plain_entry),
+    "a row-mode bitmap's size": (1, _whole_blob),
+    "the rows a row-mode bitmap marks": (1, _whole_count),
+    "the rows the bitmaps mark": (1, _set_key(("ranks", 0, "whole_rows"), lambda v: v + 1)),
     "an entry's id blob": (1, _ids_blob),
     "the rows the codec stores": (1, _meta("num_rows", 1)),
     "the columns the codec stores": (1, _meta("dim", 1)),

@@ -232,6 +232,12 @@ def _check_rank(f: _Fields, report: Any, where: str, index: int,
         if report["residual_entries"] != residual:
             f.fail(f"{where}.residual_entries", f"is {report['residual_entries']}, but {residual} entries are "
                    "marked residual")
+    if "whole_rows" in report:  # format 6: the rows residual entries store whole
+        whole = sum(e.whole.count for es in tables.values() for e in es if e.whole is not None)
+        f.value(report["whole_rows"], f"{where}.whole_rows", _int())
+        if report["whole_rows"] != whole:
+            f.fail(f"{where}.whole_rows", f"is {report['whole_rows']}, but the entries' row-mode bitmaps mark "
+                   f"{whole} rows")
     for table, blob in report["replicated_tables"].items():
         field = f"{where}.replicated_tables[{table!r}]"
         if table not in shapes:

@@ -75,7 +75,7 @@ def write_rank(
         reconstruction.release()
     blobs = PayloadWriter(storage, rank_file(d.ckpt_id, staged.rank), chunk_bytes, pool)
     tables: dict[str, list[dict[str, Any]]] = {}
-    rows_written = residual_entries = 0
+    rows_written = residual_entries = whole_rows = 0
     for i, s in enumerate(staged.shards):
         prefix = f"s{i}"
         n_rows = s.rows[1] - s.rows[0]
@@ -89,6 +89,7 @@ def write_rank(
             residual_entries += 1
             if bool(whole.any()):
                 entry["whole"] = {"count": int(whole.sum()), "blob": blobs.add(f"{prefix}/whole", encode_modes(whole))}
+                whole_rows += entry["whole"]["count"]
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
         entry.update(write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields)))
         rows_written += encoded.num_rows
@@ -120,6 +121,7 @@ def write_rank(
         "rows_written": rows_written,
         # Cross-checked with the entries' flags: a manifest that drops one is refused, not restored as whole rows.
         **({"residual_entries": residual_entries} if residual_entries else {}),
+        **({"whole_rows": whole_rows} if whole_rows else {}),  # cross-checked with the bitmaps' counts likewise
         "stall_ms": round(staged.stall_ms, 3),
         "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
     }
