@@ -197,7 +197,28 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
             "stall_ms": info.stall_ms, "write_ms": info.write_ms, "rows_written": info.rows_written,
             "dirty_fraction": info.rows_written / total_rows, "dirty_since_previous_fraction": d / total_rows,
         })
+        if rank == 0:
+            rows[-1]["stored_whole"], rows[-1]["row_mode_bytes"] = row_modes(root, info.id)
     return dmp, opt, config, rows
+
+
+def row_modes(root: str, ckpt_id: int) -> tuple[float, int]:
+    """Of checkpoint ``ckpt_id``: the share of the rows it wrote that it stores whole (every row of a plain entry,
+    the rows a residual entry's row-mode bitmap marks), and the bytes of those bitmaps."""
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(root)
+    try:
+        m = load_manifest(storage, ckpt_id)
+    finally:
+        storage.close()
+    entries = [e for _, _, e in m.entries()]
+    stored = sum(e.num_stored for e in entries)
+    whole = sum(e.num_stored if not e.residual else e.whole.count if e.whole is not None else 0 for e in entries)
+    bitmaps = sum(r.blobs[e.whole.blob].nbytes for r in m.ranks for es in r.tables.values() for e in es
+                  if e.whole is not None)
+    return (whole / stored if stored else 1.0), bitmaps
 
 
 def bytes_breakdown(root: str) -> dict[str, int]:
@@ -211,13 +232,13 @@ def bytes_breakdown(root: str) -> dict[str, int]:
         m = load_manifest(storage, cid)
     finally:
         storage.close()
-    out = {"id": cid, "ids": 0, "row_crcs": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0,
+    out = {"id": cid, "ids": 0, "row_crcs": 0, "row_modes": 0, "weights_payload": 0, "weights_scale_bias_codebook": 0,
            "optimizer_state": 0, "replicated_tables": 0, "dense": 0, "dense_optimizer": 0, "rng_and_extra": 0}
     for r in m.ranks:
         for name, blob in r.blobs.items():
             head, _, rest = name.partition("/")
             if head.startswith("s") and head[1:].isdigit():
-                key = ("ids" if rest == "ids" else "row_crcs" if rest == "crc32c"
+                key = ("ids" if rest == "ids" else "row_crcs" if rest == "crc32c" else "row_modes" if rest == "whole"
                        else "weights_payload" if rest == "w/payload"
                        else "weights_scale_bias_codebook" if rest.startswith("w/") else "optimizer_state")
             else:
@@ -427,10 +448,12 @@ def main() -> None:
         if rank == 0:
             print(f"\npolicy {label} ({config.policy}, {config.quantization})")
             print(f"{'policy':<18s}{'id':>4s}{'step':>6s}  {'kind':<9s}{'bytes':>13s}{'stall ms':>10s}"
-                  f"{'write ms':>10s}{'dirty':>8s}")
+                  f"{'write ms':>10s}{'dirty':>8s}{'whole':>8s}")
             for r in rows:
                 print(f"{label:<18s}{r['id']:>4d}{r['step']:>6d}  {r['kind']:<9s}{r['nbytes']:>13,d}"
-                      f"{r['stall_ms']:>10.1f}{r['write_ms']:>10.1f}{r['dirty_fraction']:>8.2%}", flush=True)
+                      f"{r['stall_ms']:>10.1f}{r['write_ms']:>10.1f}{r['dirty_fraction']:>8.2%}"
+                      f"{r['stored_whole']:>8.1%}", flush=True)
+            print("whole: the share of the rows written that are stored whole (the rest: residuals)")
         if label == REFERENCE:
             peer = peers(dmp, opt, config, args, rank, args.out_dir)
             restores[label] = peer["ours_restore"]["restore_ms"]
@@ -501,17 +524,23 @@ def main() -> None:
               f"median stall {f['median_stall_ms']:.1f} ms)")
         print(f"dirty fraction per interval ({REFERENCE}): "
               + ", ".join(f"{r['dirty_fraction']:.1%}" for r in runs[REFERENCE][1:]))
-        parts = ["ids", "row_crcs", "weights_payload", "weights_scale_bias_codebook", "optimizer_state",
+        deltas = [r for r in runs.get("default", ()) if r["kind"] == "delta"]
+        if deltas:  # the default codes residuals: each row whole or as a residual
+            modes, delta_bytes = sum(r["row_mode_bytes"] for r in deltas), sum(r["nbytes"] for r in deltas)
+            print("rows stored whole per interval (default): "
+                  + ", ".join(f"{r['stored_whole']:.1%}" for r in deltas)
+                  + f"; row-mode bitmaps {modes:,d} of the deltas' {delta_bytes:,d} bytes ({modes / delta_bytes:.2%})")
+        parts = ["ids", "row_crcs", "row_modes", "weights_payload", "weights_scale_bias_codebook", "optimizer_state",
                  "replicated_tables", "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
         print("\nbytes of each policy's latest checkpoint, by part (payload files; the manifest is written besides):")
-        heads = ["ids", "row crcs", "w payload", "w params", "opt state", "replicated", "dense", "dense opt",
+        heads = ["ids", "row crcs", "row modes", "w payload", "w params", "opt state", "replicated", "dense", "dense opt",
                  "rng+extra", "manifest"]
         print(f"{'policy':<18s}{'id':>4s}" + "".join(f"{h:>12s}" for h in heads))
         for label, b in breakdowns.items():
             print(f"{label:<18s}{b['id']:>4d}" + "".join(f"{b[p]:>12,d}" for p in parts))
         print("w params: per-row scale and bias (or codebook) of the quantized rows; opt state: the fused "
               "optimizer's per-row state; row crcs: one CRC-32C per group of about 512 bytes of stored rows "
-              "(format 5)")
+              "(format 5); row modes: which rows of a residual entry are stored whole, 1 bit a row (format 6)")
         print("\nwhere each policy's restore goes (ms, each phase's slowest rank, median of the reps):")
         for label, b in restore_breakdowns.items():
             print(f"{label:<18s} {breakdown_line(b)}")

@@ -9,8 +9,9 @@ table, TorchRec's EXACT_ROWWISE_ADAGRAD) writes two chains with the real Checkpo
 - residual 4-bit rows: the restore, the export and the folded baseline give the same bits.
 
 Then the rule is broken, as a bug in it would be, and each reader's result is seen to change:
-an older copy winning (no copy closes a row), and residuals overwriting instead of adding
-(every copy closes).
+an older copy winning (no copy closes a row), residuals overwriting instead of adding
+(every copy closes), and a residual entry's row modes ignored (its rows stored whole add onto
+older copies instead of closing them).
 """
 
 from __future__ import annotations
@@ -110,6 +111,23 @@ def _residuals_overwrite(self, seg, offsets, count, lo, hi, shift, *, closes):
     return _TRUE_CLAIM(self, seg, offsets, count, lo, hi, shift, closes=True)
 
 
+def _modes_ignored(self, seg, offsets, count, lo, hi, shift, *, closes):
+    return _TRUE_CLAIM(self, seg, offsets, count, lo, hi, shift, closes=closes if isinstance(closes, bool) else False)
+
+
+def _whole_rows(root):
+    """The rows the residual entries of ``root``'s checkpoints store whole, and the rows they store."""
+    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(root)
+    try:
+        entries = [e for i in committed_ids(storage) for _, _, e in load_manifest(storage, i).entries() if e.residual]
+    finally:
+        storage.close()
+    return sum(e.whole.count for e in entries if e.whole is not None), sum(e.num_stored for e in entries)
+
+
 def _fresh(root, tmp_path, name):
     """A copy of ``root`` (``cnr compact`` adds a checkpoint to the root it compacts)."""
     import shutil
@@ -136,6 +154,14 @@ def test_every_reader_follows_the_rule_and_a_broken_rule_shows_in_each(group, tm
     # Residuals overwriting instead of adding: the residual chain's readers give other sums.
     monkeypatch.setattr(Coverage, "claim", _residuals_overwrite)
     for broken, right in zip(_readers(str(_fresh(residual, tmp_path, "r2")), RESIDUAL),
+                             (r_restored, r_exported, folded)):
+        assert not _equal(broken, right)
+
+    # The rows a residual entry stores whole added onto older copies: the readers give other sums.
+    whole, stored = _whole_rows(str(residual))
+    assert 0 < whole < stored, (whole, stored)  # the chain holds rows of both modes
+    monkeypatch.setattr(Coverage, "claim", _modes_ignored)
+    for broken, right in zip(_readers(str(_fresh(residual, tmp_path, "r3")), RESIDUAL),
                              (r_restored, r_exported, folded)):
         assert not _equal(broken, right)
 
