@@ -558,7 +558,7 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 5 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 6 and doc["body"] == BODY
     # The checksum covers the body's text as it stands in the file, between '"body": ' and the closing brace.
     text = raw[raw.index(b'"body": ') + len(b'"body": ') : raw.rindex(b"}")]
     assert json.loads(text) == BODY
@@ -625,16 +625,22 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [1, 6, 0, None, "2"])
+@pytest.mark.parametrize("version", [1, 7, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 5" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 6" in str(e.value)
     assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
+
+
+@pytest.mark.parametrize("version", [3, 4, 5])
+def test_older_manifests_still_load(storage, version):
+    storage.write(manifest_path(3), seal(BODY, version=version))
+    assert read_body(storage, 3) == BODY
 
 
 def test_missing_manifest(storage):

@@ -74,6 +74,8 @@ def checkpoint_row(m: Manifest) -> dict[str, Any]:
         "reason": m.reason,
         "compacted_from": list(m.compacted_from) if m.compacted_from else None,
         "residual": any(e.residual for _, _, e in m.entries()),
+        # Of the rows its residual entries store, those stored whole (the rest are residuals).
+        "whole_rows": sum(e.whole.count for _, _, e in m.entries() if e.whole is not None),
         "dense_optimizer": dense_optimizer_info(m),
         "files": {c.path: c.nbytes for r in m.ranks for c in r.payload.chunks},
     }
