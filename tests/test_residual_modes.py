@@ -46,9 +46,10 @@ def _every_row_residual(on: bool):
     """Codes every row of a residual delta as a residual (as before the mode), while in the block and ``on``."""
     import cnr_torchrec.ckpt.save.coding as coding
 
-    def residual_only(codec, x, r):
+    def residual_only(codec, x, r, restored):
         encoded = codec.encode(x - r)
-        return encoded, torch.zeros(x.shape[0], dtype=torch.bool), r + codec.decode(encoded)
+        torch.add(r, codec.decode(encoded), out=restored)
+        return encoded, torch.zeros(x.shape[0], dtype=torch.bool)
 
     real = coding._closer
     coding._closer = residual_only if on else real

@@ -71,29 +71,35 @@ def code_residual(codec: Codec, rows: torch.Tensor, reference: torch.Tensor,
     whole = torch.empty(n, dtype=torch.bool)
 
     def block(c: Codec, lo: int, hi: int) -> EncodedRows:
-        encoded, whole[lo:hi], restored[lo:hi] = _closer(c, rows[lo:hi].float(), reference[lo:hi])
+        encoded, whole[lo:hi] = _closer(c, rows[lo:hi].float(), reference[lo:hi], restored[lo:hi])
         return encoded
 
     encoded = _in_blocks(codec, n, dim, block_bytes, block)
     return ResidualRows(encoded, whole, restored)
 
 
-def _closer(codec: Codec, x: torch.Tensor, r: torch.Tensor) -> tuple[EncodedRows, torch.Tensor, torch.Tensor]:
-    """One block: (codes, whole, restored), each row in the mode that restores it closer to ``x``."""
-    as_residual, as_whole = codec.encode(x - r), codec.encode(x)
+def _closer(codec: Codec, x: torch.Tensor, r: torch.Tensor, restored: torch.Tensor) -> tuple[EncodedRows, torch.Tensor]:
+    """One block: the codes and which rows are whole, each row in the mode that restores it closer to ``x``;
+    what each row restores goes to ``restored``."""
+    change = x - r
+    as_residual, as_whole = codec.encode(change), codec.encode(x)
     if dict(as_residual.params) != dict(as_whole.params):  # one mode needed wider parameters: both take them
         codec = codec_for(as_residual if dict(as_residual.params) != codec.params else as_whole)
-        as_residual, as_whole = codec.encode(x - r), codec.encode(x)
-    from_residual = r + codec.decode(as_residual)
+        as_residual, as_whole = codec.encode(change), codec.encode(x)
+    torch.add(r, codec.decode(as_residual), out=restored)  # each row as a residual restores
     from_whole = codec.decode(as_whole)
-    whole = _max_error(from_whole, x) < _max_error(from_residual, x)
-    restored = torch.where(whole.unsqueeze(1), from_whole, from_residual)
-    return _pick(whole, as_whole, as_residual), whole, restored
+    scratch = torch.sub(restored, x, out=change)
+    err_residual = _max_abs(scratch)
+    err_whole = _max_abs(torch.sub(from_whole, x, out=scratch))
+    whole = err_whole < err_residual
+    keep = whole.nonzero().squeeze(1)
+    restored.index_copy_(0, keep, from_whole.index_select(0, keep))
+    return _pick(whole, as_whole, as_residual), whole
 
 
-def _max_error(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
-    """Per row, the largest absolute error over its columns (0 for rows of no columns)."""
-    return (got - want).abs().amax(1) if got.shape[1] else torch.zeros(got.shape[0])
+def _max_abs(diff: torch.Tensor) -> torch.Tensor:
+    """Per row, the largest absolute value over its columns (0 for rows of no columns); ``diff`` is overwritten."""
+    return diff.abs_().amax(1) if diff.shape[1] else torch.zeros(diff.shape[0])
 
 
 def _pick(mask: torch.Tensor, a: EncodedRows, b: EncodedRows) -> EncodedRows:
