@@ -59,8 +59,8 @@ def combine_seeds(studies: list[dict[str, Any]], controls_from: list[dict[str, A
     (``--no-controls`` saves them in the other seeds), and the floors from the combined controls.
 
     ``controls_from``: studies of another arm of the same task whose controls stand in. The controls
-    (fp32, fp16 and bf16 restores, another init) use neither residual coding nor compaction, so an arm
-    that differs only in those runs the very same control runs.
+    (fp32, fp16 and bf16 restores, another init) use neither residual coding nor compaction nor the grid's
+    widths, so an arm that differs only in those runs the very same control runs.
     """
     configs = [{**_DEFAULTS, **s["_study"]["config"]} for s in studies]
     seeds = [c["seed"] for c in configs]
@@ -79,7 +79,7 @@ def combine_seeds(studies: list[dict[str, Any]], controls_from: list[dict[str, A
     with_controls = [(s, seed) for s, seed in zip(studies, seeds) if s["_study"]["controls"]]
     for other in controls_from:
         cfg = {**_DEFAULTS, **other["_study"]["config"]}
-        arm = ("residual", "compaction")
+        arm = ("residual", "compaction", "bits")
         mismatch = sorted(k for k in set(same) | set(cfg)
                           if k not in _RUN_ONLY and k not in arm and same.get(k) != cfg.get(k))
         if mismatch:

@@ -70,10 +70,10 @@ def _roundtrip(x, bits=4):
 
 def _coded(before, x, bits=4):
     """What a residual delta restores for rows ``x`` that the chain restored as ``before``: each row as a residual,
-    before + _roundtrip(x - before), or whole, _roundtrip(x), whichever lands closer to ``x`` (by its largest
-    absolute error; a tie keeps the residual)."""
+    before + _roundtrip(x - before), or whole, _roundtrip(x), whichever lands closer to ``x`` (by its sum of
+    squared errors, which adaptive's grid search minimizes; a tie keeps the residual)."""
     as_residual, as_whole = before + _roundtrip(x - before, bits), _roundtrip(x, bits)
-    closer = (as_whole - x).abs().amax(1) < (as_residual - x).abs().amax(1)
+    closer = (as_whole - x).square().sum(1) < (as_residual - x).square().sum(1)
     return torch.where(closer.unsqueeze(1), as_whole, as_residual)
 
 

@@ -6,8 +6,9 @@ look up (the squared embeddings), so a row's change between saves outgrows the r
 every two steps on 2 ranks under plan A, with residual coding, and restored onto the same plan and
 onto plan B on 1 rank. Every restored row, per column piece the save stored, is compared with the
 live row at the last save, against the error of coding that row whole with the codec's own
-``encode``/``decode`` (what plain coding restores; for ``uniform_asym`` at 8 bits also against
-1/255 of the row's range, from the codec's definition). With every row forced to a residual
+``encode``/``decode`` (what plain coding restores), by the measure the codec fits its grid to (the
+largest absolute error for ``uniform_asym``, at 8 bits also against 1/255 of the row's range from the
+codec's definition; the sum of squared errors for ``adaptive`` and ``kmeans``). With every row forced to a residual
 (today's coding before the mode) the same check fails: the scenario bites.
 """
 
@@ -98,11 +99,18 @@ def _pieces(model):
     return out
 
 
+def _error(method, got, want):
+    """Per row, the error by the measure ``method`` fits its grid to: the largest absolute error for uniform_asym's
+    grid over [min, max], the sum of squared errors for adaptive's least-squares search and k-means."""
+    diff = got - want
+    return diff.abs().amax(1) if method == "uniform_asym" else diff.square().sum(1)
+
+
 def _beyond(restored, live, pieces, method, bits):
-    """Rows (per stored column piece) whose restored error exceeds what coding them whole gives. Returns (count,
-    the worst error over that bound, and for uniform_asym the worst error / row range over the rows whose
-    whole coding is within 1/(2**bits - 1) of their range: the codec's bound, which float16 scales miss for
-    rows of a few 1e-6)."""
+    """Rows (per stored column piece) whose restored error exceeds what coding them whole gives, by the codec's
+    measure. Returns (count, the worst error over that bound, and for uniform_asym the worst largest error /
+    row range over the rows whose whole coding is within 1/(2**bits - 1) of their range: the codec's bound,
+    which float16 scales miss for rows of a few 1e-6)."""
     from cnr_torchrec.quant import get_codec
 
     codec = get_codec(method, bits)
@@ -113,9 +121,10 @@ def _beyond(restored, live, pieces, method, bits):
             continue
         for c0, c1 in cuts:
             x, got = live[table][:, c0:c1].contiguous(), restored[table][:, c0:c1]
-            err = (got - x).abs().amax(1)
-            plain = (codec.decode(codec.encode(x)) - x).abs().amax(1)
-            bound = plain + 1e-6 * x.abs().amax(1) + 1e-9  # float32 sums in another order
+            err = _error(method, got, x)
+            plain = _error(method, codec.decode(codec.encode(x)), x)
+            ulps = 1e-6 * x.abs().amax(1) + 1e-9  # float32 sums in another order
+            bound = plain + (ulps if method == "uniform_asym" else 2 * plain.sqrt() * ulps + ulps**2 * (c1 - c0))
             count += int((err > bound).sum())
             worst = max(worst, float((err / bound).max()))
             if method == "uniform_asym":

@@ -208,6 +208,13 @@ class Codec(abc.ABC):
                 got = None if t is None else (t.dtype, tuple(t.shape))
                 raise EncodingFormatError(f"{self!r}: tensor {name!r} should be {want}, got {got}")
 
+    def row_error(self, diff: torch.Tensor) -> torch.Tensor:
+        """Per row, the size of the errors ``diff`` (``[N, D]``, decoded minus original rows) by the measure this
+        codec's grid keeps small: here the largest absolute error, which a grid over each row's [min, max]
+        bounds by half a step; the codecs that fit their grid by least squares (``adaptive``, ``kmeans``)
+        measure the sum of squared errors. 0 for rows of no columns."""
+        return diff.abs().amax(1) if diff.shape[1] else torch.zeros(diff.shape[0])
+
     @abc.abstractmethod
     def bytes_per_row(self, dim: int) -> int:
         """Bytes written per row of ``dim`` values, parameters included."""

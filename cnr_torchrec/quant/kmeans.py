@@ -45,6 +45,10 @@ class KMeansCodec(Codec):
         "codebook_dtype": _dtype_param("float16"),
     }
 
+    def row_error(self, diff: torch.Tensor) -> torch.Tensor:
+        """The sum of squared errors per row: what Lloyd's iterations minimize."""
+        return diff.square().sum(1)
+
     def _centroids(self, dim: int) -> int:
         return min(1 << self.bits, dim)
 

@@ -199,6 +199,10 @@ class AdaptiveCodec(_UniformCodec):
         "bias_dtype": _dtype_param("float32"),
     }
 
+    def row_error(self, diff: torch.Tensor) -> torch.Tensor:
+        """The sum of squared errors per row: what the search and the refits minimize."""
+        return diff.square().sum(1)
+
     def _quantize(self, rows: torch.Tensor, params: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         return ops.adaptive_quantize(
             rows,

@@ -10,9 +10,11 @@ what the chain restores for the row so far. Coded as a residual (``x - r``), the
 it restores as ``decode(encode(x))``, and the grid spans the row itself. A row that changed a lot
 and is now small (a hot row shrinking under its optimizer) restores closer whole: on a residual's
 grid its error can be many times the codec's bound relative to the row's own range. So each row
-is coded both ways and kept in the mode whose restored row is closer to ``x`` (the largest
-absolute error over its columns; a tie keeps the residual), as a video codec picks intra or inter
-coding per block. The restore reads which rows are whole from the entry's bitmap
+is coded both ways and kept in the mode whose restored row is closer to ``x``, by the measure the
+codec's grid keeps small (:meth:`~cnr_torchrec.quant.Codec.row_error`: the largest absolute error
+for a grid over [min, max], the sum of squared errors for the least-squares fits of ``adaptive``
+and ``kmeans``; a tie keeps the residual), as a video codec picks intra or inter coding per block.
+Either way no row restores worse, by that measure, than plain coding would restore it. The restore reads which rows are whole from the entry's bitmap
 (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`).
 
 A codec may widen its parameters for some rows (float32 scales for a row beyond float16's range);
@@ -89,17 +91,11 @@ def _closer(codec: Codec, x: torch.Tensor, r: torch.Tensor, restored: torch.Tens
     torch.add(r, codec.decode(as_residual), out=restored)  # each row as a residual restores
     from_whole = codec.decode(as_whole)
     scratch = torch.sub(restored, x, out=change)
-    err_residual = _max_abs(scratch)
-    err_whole = _max_abs(torch.sub(from_whole, x, out=scratch))
-    whole = err_whole < err_residual
+    err_residual = codec.row_error(scratch)
+    whole = codec.row_error(torch.sub(from_whole, x, out=scratch)) < err_residual
     keep = whole.nonzero().squeeze(1)
     restored.index_copy_(0, keep, from_whole.index_select(0, keep))
     return _pick(whole, as_whole, as_residual), whole
-
-
-def _max_abs(diff: torch.Tensor) -> torch.Tensor:
-    """Per row, the largest absolute value over its columns (0 for rows of no columns); ``diff`` is overwritten."""
-    return diff.abs_().amax(1) if diff.shape[1] else torch.zeros(diff.shape[0])
 
 
 def _pick(mask: torch.Tensor, a: EncodedRows, b: EncodedRows) -> EncodedRows:
