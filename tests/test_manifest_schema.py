@@ -219,6 +219,35 @@ def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(gr
     assert any(p.path == manifest_path(info.id) and field in p.message for p in problems), problems
 
 
+def test_a_row_mode_count_the_bitmap_does_not_hold_is_refused_by_restore_and_verify(group, tmp_path):
+    """A count the schema accepts (within the entry, the report's whole_rows moved with it) but that the bitmap
+    does not hold: the restore refuses it naming the rank file, and `cnr verify` names it too."""
+    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
+    from cnr_torchrec.ckpt.tools.verify import verify_root
+    from cnr_torchrec.errors import CorruptCheckpointError
+
+    root = str(tmp_path / "root")
+    ck, dmp, specs, opt = _checkpointer(root, 0)
+    gen = torch.Generator().manual_seed(0)
+    for step in (1, 2):
+        train(dmp, specs, opt, 2, gen)
+        info = ck.save(step).wait()
+    ck.close()
+    path = os.path.join(root, manifest_path(info.id))
+    body = json.loads(open(path, "rb").read())["body"]
+    at, _, entry = _entry(body, "whole")
+    step = -1 if entry["whole"]["count"] > 1 else 1
+    entry["whole"]["count"] += step
+    body["ranks"][0]["whole_rows"] += step
+    with open(path, "wb") as f:
+        f.write(seal(body))
+    restorer, *_ = _checkpointer(root, 1)
+    with pytest.raises(CorruptCheckpointError, match=r"rank-00000\.bin: table '\w+': the row-mode bitmap sets"):
+        restorer.restore()
+    problems = verify_root(root)
+    assert any("row-mode bitmap sets" in p.message for p in problems), problems
+
+
 # ---------------------------------------------------------------------- one check at a time
 
 

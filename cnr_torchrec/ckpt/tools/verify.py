@@ -208,7 +208,8 @@ def _blob_problems(blobs: Mapping[str, Blob], data: bytes) -> list[str]:
 
 class _Entries:
     """Checks what a rank's entries decode to, from the bytes of its sound blobs: row ids that match their
-    count and range, encoded rows their codec accepts, and rows that match their CRC-32C."""
+    count and range, row-mode bitmaps that match their entry, encoded rows their codec accepts, and rows that
+    match their CRC-32C."""
 
     def __init__(self, ckpt_id: int, report: RankReport, data: bytes, sound: set[str],
                  problems: list[Problem]) -> None:
