@@ -33,6 +33,7 @@ from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import Decision, decide
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
+from cnr_torchrec.ckpt.save.vote import SaveVote
 from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
 
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
@@ -244,24 +245,25 @@ class Checkpointer:
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
             self._settle(self._inflight)
         busy = self._inflight is not None and not self._inflight.done()
-        counts = self._gather_counts(busy)
-        if counts is None:
+        vote = self._vote(busy)
+        if vote.busy:
             log.info("save at step %d skipped: the previous save is still writing (on_busy: skip)", step)
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
-        prev, base, held, (step_s, last_stall_s), (compacted, committed) = counts
-        self._book.state, hang_on_compacted = self._compactor.step(self._book.state, compacted, committed)
+        self._book.state, hang_on_compacted = self._compactor.step(self._book.state, vote.compaction_finished,
+                                                                   vote.compaction_committed)
         reconstruction = self._committer.reconstruction
         if hang_on_compacted and reconstruction is not None:
             reconstruction.hang_on(self._compactor.take_folded())  # the delta codes against the folded rows
         if self.config.interval is not None:
-            self._plan = plan_interval(self.config, step=step, step_s=step_s, save_cost_s=last_stall_s,
+            self._plan = plan_interval(self.config, step=step, step_s=vote.step_s, save_cost_s=vote.stall_s,
                                        world_size=self.world_size)
             log.info("next save at step %d: %s", self._plan.next_step, self._plan.why)
         decision = decide(
-            policy=self.config.policy, state=self._book.state, step=step, dirty_since_previous=prev,
-            dirty_since_baseline=base, held_rows=held, full_shard_fraction=self.config.full_shard_fraction,
+            policy=self.config.policy, state=self._book.state, step=step, dirty_since_previous=vote.dirty_since_previous,
+            dirty_since_baseline=vote.dirty_since_baseline, held_rows=vote.held_rows,
+            full_shard_fraction=self.config.full_shard_fraction,
             force_baseline=self._book.force_baseline, since_view=hang_on_compacted,
         )
         tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._book.state)
@@ -541,33 +543,17 @@ class Checkpointer:
             failure, cause = Failure.of(e, self.rank, "checking the lookups tracked since the last save"), e
         self._ranks.raise_any(failure, cause)
 
-    def _gather_counts(self, busy: bool):
-        """All-gathers per-table dirty counts, and the slowest rank's step time and last stall.
-
-        Returns (dirty since previous, dirty since baseline, rows held, (step s, stall s), (whether
-        every rank's part of the compaction in flight is over, and whether every rank saw it
-        commit)), or None if any rank is still writing (skip this save).
-        """
+    def _vote(self, busy: bool) -> SaveVote:
+        """Every rank's vote on this save (:mod:`~cnr_torchrec.ckpt.save.vote`), in one all-gather."""
         tables = self.tracker.tables()
         prev = self.tracker.dirty_counts()
         base = self.tracker.dirty_counts(since_baseline=True) if self.tracker.has_baseline_view else prev
         held = {t: sum(r1 - r0 for (r0, r1) in {rows for rows, _ in self.tracker.shard_ranges(t)}) for t in tables}
-        timing = [round(self._timer.step_s * 1e6), round(self._last_stall_s * 1e6)]  # microseconds
-        row = ([prev[t] for t in tables] + [base[t] for t in tables] + [held[t] for t in tables] + timing
-               + self._compactor.flags() + [int(busy)])
-        local = torch.tensor(row, dtype=torch.int64)
-        if self._dist:
-            rows = self._ranks.all_gather(local)
-            total, slowest = rows.sum(0), rows.max(0).values
-        else:
-            total = slowest = local
-        if int(total[-1]) > 0:
-            return None
-        n = len(tables)
-        split = [dict(zip(tables, total[i * n : (i + 1) * n].tolist())) for i in range(3)]
-        step_us, stall_us = slowest[3 * n : 3 * n + 2].tolist()
-        everywhere = (int(total[-3]) == self.world_size, int(total[-2]) == self.world_size)
-        return split[0], split[1], split[2], (step_us / 1e6, stall_us / 1e6), everywhere
+        finished, committed = self._compactor.flags()
+        mine = SaveVote(dirty_since_previous=prev, dirty_since_baseline=base, held_rows=held,
+                        step_s=self._timer.step_s, stall_s=self._last_stall_s, compaction_finished=finished,
+                        compaction_committed=committed, busy=busy)
+        return mine.gather(tables, self._ranks.all_gather)
 
     def _pick_codec(self):
         """The codec for the next saves: configured bits, or ``bits: auto`` from the restores expected and done."""

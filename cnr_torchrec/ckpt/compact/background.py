@@ -271,10 +271,10 @@ class Compactor:
         self.running: Compaction | None = None
         self.folded: dict[fold.Key, Any] | None = None  # the folded rows of the compaction the next delta hangs on
 
-    def flags(self) -> list[int]:
-        """This rank's part of the all-gather: its part of the compaction is over; and it heard it commit."""
+    def flags(self) -> tuple[bool, bool]:
+        """This rank's part of the save's vote: its part of the compaction is over; and it heard it commit."""
         finished = self.running is not None and self.running.finished()
-        return [int(finished), int(finished and self.running.outcome().ok)]  # at hand once finished
+        return finished, finished and self.running.outcome().ok  # at hand once finished
 
     def step(self, state: ChainState, finished: bool, committed: bool) -> tuple[ChainState, bool]:
         """At a save, before its decision: folds a compaction every rank has ``finished``, or starts one
