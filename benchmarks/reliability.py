@@ -1024,7 +1024,7 @@ def corruption_matrix(rank: int, world_size: int, work: str, positions: int = 4)
 
     seen = spy_restored()
     capture = _Capture()
-    logging.getLogger("cnr_torchrec.ckpt.checkpointer").addHandler(capture)
+    logging.getLogger("cnr_torchrec.ckpt").addHandler(capture)
     cases = corruption_cases(base, positions)
     results = []
     for n, case in enumerate(cases):
@@ -1081,7 +1081,7 @@ def corruption_matrix(rank: int, world_size: int, work: str, positions: int = 4)
         if rank == 0:
             shutil.rmtree(root)
         results.append(res)
-    logging.getLogger("cnr_torchrec.ckpt.checkpointer").removeHandler(capture)
+    logging.getLogger("cnr_torchrec.ckpt").removeHandler(capture)
     return {"cases": results, "verify_available": verify_root is not None}
 
 

@@ -80,7 +80,7 @@ def _branch_warnings(caplog):
 def test_a_job_that_goes_back_keeps_its_branch_and_restores_it(group, tmp_path, caplog, policy, keep):
     from cnr_torchrec import Checkpointer
 
-    caplog.set_level(logging.INFO, logger="cnr_torchrec.ckpt.checkpointer")
+    caplog.set_level(logging.INFO, logger="cnr_torchrec")
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()
     gen = torch.Generator().manual_seed(1)
@@ -120,7 +120,7 @@ def test_a_fresh_job_into_a_used_root_warns_at_its_first_commit_and_keeps_its_ch
     """The first commit of a Checkpointer loads the catalog from the root (the new checkpoint in it)."""
     from cnr_torchrec import Checkpointer
 
-    caplog.set_level(logging.INFO, logger="cnr_torchrec.ckpt.checkpointer")
+    caplog.set_level(logging.INFO, logger="cnr_torchrec")
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()
     gen = torch.Generator().manual_seed(3)
@@ -158,7 +158,7 @@ def test_retention_and_restore_take_the_same_newest_on_a_compacted_root(group, t
     from cnr_torchrec.ckpt.retention import Catalog
     from cnr_torchrec.ckpt.tools.root import resolve_id
 
-    caplog.set_level(logging.INFO, logger="cnr_torchrec.ckpt.checkpointer")
+    caplog.set_level(logging.INFO, logger="cnr_torchrec")
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()
     gen = torch.Generator().manual_seed(2)

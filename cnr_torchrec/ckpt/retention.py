@@ -35,7 +35,7 @@ from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError,
 
 __all__ = ["Catalog", "Entry", "Retention"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from cnr_torchrec.track.layout import ShardLayout
 
 __all__ = ["LookupCounters", "TbeCounts"]
 
-log = logging.getLogger("cnr_torchrec.track.tracker")  # part of the tracker's log
+log = logging.getLogger(__name__)
 
 _COUNT_MODES = ("mfu", "ssu")
 _OFF = "lookup counters are off: construct the tracker with count_updates=True or call enable_counting()"

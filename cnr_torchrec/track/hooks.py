@@ -28,7 +28,7 @@ from cnr_torchrec.track.layout import ShardLayout
 
 __all__ = ["LookupHooks"]
 
-log = logging.getLogger("cnr_torchrec.track.tracker")  # part of the tracker's log
+log = logging.getLogger(__name__)
 
 
 class _KernelState:

@@ -48,7 +48,7 @@ from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # the save thread may hold the store client in a long wait: never block on it here
 

@@ -46,7 +46,7 @@ from cnr_torchrec.track.managed_collision import McTable
 
 __all__ = ["Applier", "EntryPlan"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
+log = logging.getLogger(__name__)
 
 
 

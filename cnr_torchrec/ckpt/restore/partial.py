@@ -34,7 +34,7 @@ from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Recovery", "RecoveryInfo", "replicated_tensors", "sync_from_survivor"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+log = logging.getLogger(__name__)
 
 
 def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any) -> list[tuple[str, Any]]:

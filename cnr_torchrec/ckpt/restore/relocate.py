@@ -43,7 +43,7 @@ from cnr_torchrec.track.managed_collision import EMPTY, McTable, empty_state, ro
 
 __all__ = ["needs_relocation", "relocate_tables"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
+log = logging.getLogger(__name__)
 
 
 def needs_relocation(chain: list[Manifest], tracker: DirtyRowTracker, rank: int, world_size: int) -> set[str]:

@@ -26,7 +26,7 @@ from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError,
 
 __all__ = ["resolve_chain"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # its messages belong to restore's log
+log = logging.getLogger(__name__)
 
 
 def resolve_chain(

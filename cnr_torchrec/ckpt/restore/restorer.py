@@ -36,7 +36,7 @@ from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["Restorer"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+log = logging.getLogger(__name__)
 
 
 class Restorer:

@@ -33,7 +33,7 @@ from cnr_torchrec.track.tbe_cache import invalidate_caches
 
 __all__ = ["Snapshot"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of restore's log
+log = logging.getLogger(__name__)
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["decode_threads", "wider_pool"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.restore.chain")  # part of restore's log
+log = logging.getLogger(__name__)
 
 
 def decode_threads(configured: int | None = None) -> int:

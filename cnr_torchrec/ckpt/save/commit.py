@@ -34,7 +34,7 @@ from cnr_torchrec.quant import Codec
 
 __all__ = ["CheckpointInfo", "Committer", "manifest_body"]
 
-log = logging.getLogger("cnr_torchrec.ckpt.checkpointer")  # part of the Checkpointer's log
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
