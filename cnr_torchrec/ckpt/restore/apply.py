@@ -44,9 +44,12 @@ from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, deco
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import McTable
 
-__all__ = ["Applier", "EntryPlan"]
+__all__ = ["Applier", "EntryPlan", "READ_ALL_FRACTION"]
 
 log = logging.getLogger(__name__)
+
+READ_ALL_FRACTION = 0.75
+"""An entry of which a restore needs at least this share of the stored rows is read whole."""
 
 
 
@@ -219,6 +222,10 @@ class Applier:
         sel = _nonzero(needed)
         if not sel.numel():
             return None
+        if sel.numel() >= READ_ALL_FRACTION * n_stored:
+            # Most rows: read them all as they lie (their groups of rows are read anyway) rather than gather
+            # them; the maps skip the others (-1).
+            sel = torch.arange(n_stored)
         return EntryPlan(table, entry, claims, sel, self._row_bytes(entry, load.payload.blobs, n_stored))
 
     def _row_bytes(self, entry: TableEntry, blobs: Mapping[str, Blob], n_stored: int) -> float:
