@@ -311,7 +311,7 @@ def _decoded(storage, report):
     from cnr_torchrec.ckpt.format.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.schema import check_payload
     from cnr_torchrec.ckpt.format.state import decode_ids
-    from cnr_torchrec.quant import EncodedRows, decode
+    from cnr_torchrec.quant import decode, rebuild
 
     load = PayloadReader(storage, check_payload(report, "merged"))
     out = []
@@ -319,8 +319,7 @@ def _decoded(storage, report):
         (r0, r1), cols = e["rows"], tuple(e["cols"])
         rows = torch.arange(r0, r1) if "ids" not in e else decode_ids(
             e["ids"]["kind"], load(e["ids"]["blob"]), r1 - r0) + r0
-        encoded = EncodedRows.from_tensors({k: load(b) for k, b in e["weights"]["blobs"].items()},
-                                           e["weights"]["meta"])
+        encoded = rebuild({k: load(b) for k, b in e["weights"]["blobs"].items()}, e["weights"]["meta"])
         out.append((cols, rows.tolist(), decode(encoded), load(e["states"][0]["blob"]), encoded.payload))
     return out
 

@@ -8,7 +8,16 @@ turns them back. Methods: ``none``, ``fp16``, ``bf16``, ``uniform_sym``,
 The kernels are ``torch.ops.cnr`` ops (see :mod:`cnr_torchrec.quant.ops`).
 """
 
-from cnr_torchrec.quant.codecs import METHODS, QUANT_BITS, Codec, available_codecs, codec_for, decode, get_codec
+from cnr_torchrec.quant.codecs import (
+    METHODS,
+    QUANT_BITS,
+    Codec,
+    available_codecs,
+    codec_for,
+    decode,
+    get_codec,
+    rebuild,
+)
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import (
     EncodingFormatError,
@@ -27,6 +36,7 @@ __all__ = [
     "codec_for",
     "decode",
     "get_codec",
+    "rebuild",
     "EncodingFormatError",
     "InvalidRowsError",
     "NonFiniteRowsError",

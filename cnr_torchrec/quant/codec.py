@@ -66,7 +66,7 @@ class Codec(abc.ABC):
         0. ``codec = get_codec(method, bits, **params)``;
         1. ``encoded = codec.encode(rows)``: rows are float32 ``[N, D]``, N may be 0;
         2. store ``encoded.to_tensors()`` and ``encoded.metadata()`` (no pickle needed);
-        3. ``encoded = EncodedRows.from_tensors(tensors, metadata)``;
+        3. ``encoded = cnr_torchrec.quant.rebuild(tensors, metadata)`` (checked against the codec's layout);
         4. ``rows_hat = codec.decode(encoded)``, or ``cnr_torchrec.quant.decode(encoded)``,
            which rebuilds the codec from the metadata.
 

@@ -6,6 +6,7 @@ Each family is a module of its own (:mod:`~cnr_torchrec.quant.floats`, :mod:`~cn
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -71,6 +72,19 @@ def codec_for(encoded: EncodedRows) -> Codec:
         return get_codec(encoded.method, encoded.bits, **encoded.params)
     except UnknownCodecError as e:
         raise EncodingFormatError(f"encoded rows name no valid codec: {e}") from e
+
+
+def rebuild(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> EncodedRows:
+    """Encoded rows from stored ``to_tensors()`` and ``metadata()``, checked against the layout of the codec
+    the metadata names (:meth:`EncodedRows.from_tensors` checks their structure alone).
+
+    Raises:
+        EncodingFormatError: the metadata is not ours, names a newer version or no valid codec, or a tensor is
+            missing, unexpected, or of another shape or dtype than the codec writes.
+    """
+    encoded = EncodedRows.from_tensors(tensors, metadata)
+    codec_for(encoded).check(encoded)
+    return encoded
 
 
 def decode(encoded: EncodedRows) -> torch.Tensor:

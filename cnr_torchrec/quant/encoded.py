@@ -22,7 +22,8 @@ class EncodedRows:
 
     Everything is a plain tensor or a JSON-able value, so a checkpointer can store it
     without pickling: ``to_tensors()`` gives the tensors, ``metadata()`` the rest, and
-    ``from_tensors(tensors, metadata)`` rebuilds it (checking that the two agree).
+    ``from_tensors(tensors, metadata)`` rebuilds it (checking that the two agree;
+    ``cnr_torchrec.quant.rebuild`` also checks them against the codec's layout).
     Decode with the codec that wrote it, or with ``cnr_torchrec.quant.decode``.
 
     Attributes:
@@ -104,18 +105,18 @@ class EncodedRows:
 
     @classmethod
     def from_tensors(cls, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> EncodedRows:
-        """Rebuilds encoded rows from ``to_tensors()`` and ``metadata()`` output.
+        """Rebuilds encoded rows from ``to_tensors()`` and ``metadata()`` output, checking their structure: the
+        metadata's format, version and keys, the tensors' names, one entry per row, the row count. Rows read from
+        storage go through ``cnr_torchrec.quant.rebuild``, which also checks every tensor's shape and dtype
+        against the layout of the codec the metadata names.
 
         Args:
             tensors: the stored tensors by name.
             metadata: the stored metadata.
 
-        Returns:
-            The encoded rows, checked against the codec the metadata names.
-
         Raises:
-            EncodingFormatError: the metadata is not ours or names a newer version, a
-                tensor is missing, unexpected or of the wrong shape or dtype.
+            EncodingFormatError: the metadata is not ours or names a newer version, a tensor is missing or
+                unexpected, or the row counts disagree.
         """
         if metadata.get("format") != cls.FORMAT:
             raise EncodingFormatError(f"metadata format is {metadata.get('format')!r}, expected {cls.FORMAT!r}")
@@ -143,9 +144,6 @@ class EncodedRows:
             raise EncodingFormatError(
                 f"metadata says {metadata['num_rows']} rows, the payload holds {encoded.num_rows}"
             )
-        from cnr_torchrec.quant.codecs import codec_for  # the codecs module imports this one
-
-        codec_for(encoded).check(encoded)
         return encoded
 
     def to(self, device: torch.device | str) -> EncodedRows:

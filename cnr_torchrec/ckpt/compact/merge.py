@@ -42,7 +42,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
-from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec, rebuild
 
 __all__ = ["compacted_report", "copy_blob", "copy_blob_tree", "copy_state", "merge_rank", "none_rows"]
 
@@ -114,7 +114,7 @@ class _Stored:
         wanted, back = torch.unique(positions, return_inverse=True)  # sorted, as a RowReader reads them
         rows = [t.index_select(0, back) for t in self.load.rows(self.entry, wanted)]
         try:
-            encoded = EncodedRows.from_tensors(dict(zip(keys, rows)),
+            encoded = rebuild(dict(zip(keys, rows)),
                                                {**self.entry.weights.meta, "num_rows": positions.numel()})
         except EncodingFormatError as e:
             raise self.corrupt(f"encoded rows are inconsistent: {e}") from None

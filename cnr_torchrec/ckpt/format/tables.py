@@ -32,7 +32,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
-from cnr_torchrec.quant import EncodedRows, EncodingFormatError, decode
+from cnr_torchrec.quant import EncodingFormatError, decode, rebuild
 
 __all__ = ["Progress", "RowState", "TableData", "assemble_regions", "assemble_tables"]
 
@@ -214,7 +214,7 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
     parts = load.rows(entry, pick)
     keys = sorted(entry.weights.blobs)
     try:
-        encoded = EncodedRows.from_tensors(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
+        encoded = rebuild(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
     except EncodingFormatError as e:
         raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
                                      path=file) from None

@@ -40,7 +40,7 @@ from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, host_copy
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
-from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode, rebuild
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import McTable
 
@@ -286,7 +286,7 @@ class Applier:
         else:
             keys = sorted(entry.weights.blobs)
             try:
-                encoded = EncodedRows.from_tensors(dict(zip(keys, rows)), {**entry.weights.meta, "num_rows": m})
+                encoded = rebuild(dict(zip(keys, rows)), {**entry.weights.meta, "num_rows": m})
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{plan.table}' are inconsistent: {e}") from None
             saved_states = rows[len(keys):len(keys) + len(entry.states)]

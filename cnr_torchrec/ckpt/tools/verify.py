@@ -41,7 +41,7 @@ from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.ops import row_crc32c
-from cnr_torchrec.quant import EncodedRows
+from cnr_torchrec.quant import rebuild
 
 __all__ = ["Problem", "verify_checkpoint", "verify_root"]
 
@@ -243,7 +243,7 @@ class _Entries:
         names = entry.weights.blobs
         if all(n in self.sound for n in names.values()):
             try:
-                EncodedRows.from_tensors({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
+                rebuild({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
             except CnrError as e:
                 self.problem(f"{where}: encoded rows are inconsistent ({e})")
         checks = entry.checks
