@@ -22,7 +22,8 @@ from cnr_torchrec.quant.errors import (
     UnknownCodecError,
 )
 
-__all__ = ["Codec", "Layout", "QUANT_BITS"]
+__all__ = ["PARAM_DTYPES", "QUANT_BITS", "Codec", "Layout", "Param", "check_status", "dtype_param", "fraction_param",
+           "int_param", "overflow_rows"]
 
 QUANT_BITS: tuple[int, ...] = (2, 3, 4, 8)
 """Bit widths of the quantizing methods."""
@@ -30,33 +31,39 @@ QUANT_BITS: tuple[int, ...] = (2, 3, 4, 8)
 Layout = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 """The tensors of an encoding: ``{name: (dtype, shape)}``."""
 
-_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+PARAM_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+"""The dtypes a codec's per-row parameters may be stored as, by the name its params give."""
 _MAX_REPORTED_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class _Param:
+class Param:
+    """One parameter a codec family takes: its default, what accepts a value, and what a valid value looks like."""
+
     default: Any
     valid: Callable[[Any], bool]
     expect: str  # what a valid value looks like, for error messages
 
 
-def _dtype_param(default: str) -> _Param:
-    return _Param(default, lambda v: v in _DTYPES, "'float16' or 'float32'")
+def dtype_param(default: str) -> Param:
+    """A parameter naming a dtype of :data:`PARAM_DTYPES`."""
+    return Param(default, lambda v: v in PARAM_DTYPES, "'float16' or 'float32'")
 
 
-def _int_param(default: int, lo: int, hi: int) -> _Param:
+def int_param(default: int, lo: int, hi: int) -> Param:
+    """An int parameter in ``[lo, hi]``."""
     def valid(v: Any) -> bool:
         return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
 
-    return _Param(default, valid, f"an int in [{lo}, {hi}]")
+    return Param(default, valid, f"an int in [{lo}, {hi}]")
 
 
-def _fraction_param(default: float) -> _Param:
+def fraction_param(default: float) -> Param:
+    """A number parameter in ``(0, 1]``."""
     def valid(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
 
-    return _Param(default, valid, "a number in (0, 1]")
+    return Param(default, valid, "a number in (0, 1]")
 
 
 class Codec(abc.ABC):
@@ -76,7 +83,7 @@ class Codec(abc.ABC):
 
     method: ClassVar[str]
     bit_choices: ClassVar[tuple[int, ...]]
-    param_specs: ClassVar[dict[str, _Param]] = {}
+    param_specs: ClassVar[dict[str, Param]] = {}
 
     def __init__(self, bits: int, params: Mapping[str, Any]) -> None:
         self._bits = bits
@@ -241,8 +248,9 @@ class Codec(abc.ABC):
         return f"{type(self).__name__}(method={self.method!r}, bits={self.bits}{', ' if args else ''}{args})"
 
 
-def _check_status(status: torch.Tensor) -> bool:
-    """Raises NonFiniteRowsError for rows flagged non-finite; returns whether any row overflowed."""
+def check_status(status: torch.Tensor) -> bool:
+    """Reads a quantize kernel's per-row status: raises NonFiniteRowsError for rows flagged non-finite; returns
+    whether any row overflowed."""
     if status.numel() == 0 or int(status.max()) == 0:
         return False
     bad = ((status & ops.STATUS_NON_FINITE) != 0).nonzero().flatten()
@@ -251,6 +259,7 @@ def _check_status(status: torch.Tensor) -> bool:
     return True
 
 
-def _overflow_rows(status: torch.Tensor) -> tuple[int, list[int]]:
+def overflow_rows(status: torch.Tensor) -> tuple[int, list[int]]:
+    """How many rows a kernel's status flags as overflowing, and the first few of them (for RowOverflowError)."""
     rows = ((status & ops.STATUS_OVERFLOW) != 0).nonzero().flatten()
     return rows.numel(), rows[:_MAX_REPORTED_ROWS].tolist()

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from cnr_torchrec.quant import ops
-from cnr_torchrec.quant.codec import Codec, Layout, _check_status, _overflow_rows
+from cnr_torchrec.quant.codec import Codec, Layout, check_status, overflow_rows
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import RowOverflowError
 
@@ -25,10 +25,10 @@ class _FloatCodec(Codec):
 
     def _encode(self, rows: torch.Tensor) -> EncodedRows:
         payload, status = ops.cast_rows(rows, self.dtype)
-        if _check_status(status):
+        if check_status(status):
             limit = torch.finfo(self.dtype).max
             hint = f"{self.method} holds at most ±{limit:g}; use bf16 or none"
-            raise RowOverflowError(*_overflow_rows(status), hint=hint)
+            raise RowOverflowError(*overflow_rows(status), hint=hint)
         return self._encoded(self._params, rows.shape[1], payload=payload)
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:

@@ -9,15 +9,15 @@ import torch
 
 from cnr_torchrec.quant import ops
 from cnr_torchrec.quant.codec import (
-    _DTYPES,
+    PARAM_DTYPES,
     QUANT_BITS,
     Codec,
     Layout,
-    _check_status,
-    _dtype_param,
-    _int_param,
-    _overflow_rows,
-    _Param,
+    check_status,
+    dtype_param,
+    int_param,
+    overflow_rows,
+    Param,
 )
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import RowOverflowError
@@ -40,9 +40,9 @@ class KMeansCodec(Codec):
     method = "kmeans"
     bit_choices = QUANT_BITS
     param_specs = {
-        "iters": _int_param(10, 0, 1000),
-        "init": _Param("adaptive", lambda v: v in ("adaptive", "minmax"), "'adaptive' or 'minmax'"),
-        "codebook_dtype": _dtype_param("float16"),
+        "iters": int_param(10, 0, 1000),
+        "init": Param("adaptive", lambda v: v in ("adaptive", "minmax"), "'adaptive' or 'minmax'"),
+        "codebook_dtype": dtype_param("float16"),
     }
 
     def row_error(self, diff: torch.Tensor) -> torch.Tensor:
@@ -53,7 +53,7 @@ class KMeansCodec(Codec):
         return min(1 << self.bits, dim)
 
     def bytes_per_row(self, dim: int) -> int:
-        cb = _DTYPES[self._params["codebook_dtype"]].itemsize
+        cb = PARAM_DTYPES[self._params["codebook_dtype"]].itemsize
         return ops.packed_bytes(dim, self.bits) + 4 + cb * (self._centroids(dim) - 1)
 
     def _encode(self, rows: torch.Tensor) -> EncodedRows:
@@ -66,13 +66,13 @@ class KMeansCodec(Codec):
             )
         for attempt in range(2):
             payload, bias, codebook, status = ops.kmeans_quantize(
-                rows, self.bits, params["iters"], _DTYPES[params["codebook_dtype"]], *grid
+                rows, self.bits, params["iters"], PARAM_DTYPES[params["codebook_dtype"]], *grid
             )
-            if not _check_status(status):
+            if not check_status(status):
                 return self._encoded(params, rows.shape[1], payload=payload, bias=bias, codebook=codebook)
             if attempt == 0 and params["codebook_dtype"] != "float32":
                 params = {**params, "codebook_dtype": "float32"}
-        raise RowOverflowError(*_overflow_rows(status), hint="their range exceeds float32; rescale the table")
+        raise RowOverflowError(*overflow_rows(status), hint="their range exceeds float32; rescale the table")
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
         return ops.dequantize_codebook(encoded.payload, encoded.bias, encoded.codebook, self.bits, encoded.dim)
@@ -82,5 +82,5 @@ class KMeansCodec(Codec):
         return {
             "payload": (torch.uint8, (n, ops.packed_bytes(d, self.bits))),
             "bias": (torch.float32, (n,)),
-            "codebook": (_DTYPES[params.get("codebook_dtype", "float16")], (n, self._centroids(d) - 1)),
+            "codebook": (PARAM_DTYPES[params.get("codebook_dtype", "float16")], (n, self._centroids(d) - 1)),
         }

@@ -9,17 +9,17 @@ import torch
 
 from cnr_torchrec.quant import ops
 from cnr_torchrec.quant.codec import (
-    _DTYPES,
+    PARAM_DTYPES,
     _MAX_REPORTED_ROWS,
     QUANT_BITS,
     Codec,
     Layout,
-    _check_status,
-    _dtype_param,
-    _fraction_param,
-    _int_param,
-    _overflow_rows,
-    _Param,
+    check_status,
+    dtype_param,
+    fraction_param,
+    int_param,
+    overflow_rows,
+    Param,
 )
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import NonFiniteRowsError, RowOverflowError, UnknownCodecError
@@ -33,29 +33,29 @@ class _UniformCodec(Codec):
     symmetric: ClassVar[bool] = False
 
     def bytes_per_row(self, dim: int) -> int:
-        n = ops.packed_bytes(dim, self.bits) + _DTYPES[self._params["scale_dtype"]].itemsize
-        return n if self.symmetric else n + _DTYPES[self._params["bias_dtype"]].itemsize
+        n = ops.packed_bytes(dim, self.bits) + PARAM_DTYPES[self._params["scale_dtype"]].itemsize
+        return n if self.symmetric else n + PARAM_DTYPES[self._params["bias_dtype"]].itemsize
 
     def _quantize(self, rows: torch.Tensor, params: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
         return ops.quantize_uniform(
             rows,
             self.bits,
             symmetric=self.symmetric,
-            scale_dtype=_DTYPES[params["scale_dtype"]],
-            bias_dtype=_DTYPES[params.get("bias_dtype", "float32")],
+            scale_dtype=PARAM_DTYPES[params["scale_dtype"]],
+            bias_dtype=PARAM_DTYPES[params.get("bias_dtype", "float32")],
         )
 
     def _encode(self, rows: torch.Tensor) -> EncodedRows:
         params = self._params
         for attempt in range(2):
             payload, scale, bias, status = self._quantize(rows, params)
-            if not _check_status(status):
+            if not check_status(status):
                 bias = None if self.symmetric else bias
                 return self._encoded(params, rows.shape[1], payload=payload, scale=scale, bias=bias)
             # A row's range does not fit the float16 parameters: this batch keeps float32 ones.
             if attempt == 0 and not self._all_float32(params):
                 params = {**params, "scale_dtype": "float32", **({} if self.symmetric else {"bias_dtype": "float32"})}
-        raise RowOverflowError(*_overflow_rows(status), hint="their range exceeds float32; rescale the table")
+        raise RowOverflowError(*overflow_rows(status), hint="their range exceeds float32; rescale the table")
 
     @staticmethod
     def _all_float32(params: Mapping[str, Any]) -> bool:
@@ -78,10 +78,10 @@ class _UniformCodec(Codec):
         n, p = num_rows, params
         out = {
             "payload": (torch.uint8, (n, ops.packed_bytes(dim, self.bits))),
-            "scale": (_DTYPES[p.get("scale_dtype", "float32")], (n,)),
+            "scale": (PARAM_DTYPES[p.get("scale_dtype", "float32")], (n,)),
         }
         if not self.symmetric:
-            out["bias"] = (_DTYPES[p.get("bias_dtype", "float32")], (n,))
+            out["bias"] = (PARAM_DTYPES[p.get("bias_dtype", "float32")], (n,))
         return out
 
 
@@ -95,7 +95,7 @@ class UniformSymCodec(_UniformCodec):
     method = "uniform_sym"
     bit_choices = QUANT_BITS
     symmetric = True
-    param_specs = {"scale_dtype": _dtype_param("float32")}
+    param_specs = {"scale_dtype": dtype_param("float32")}
 
 
 class UniformAsymCodec(_UniformCodec):
@@ -115,9 +115,9 @@ class UniformAsymCodec(_UniformCodec):
     method = "uniform_asym"
     bit_choices = QUANT_BITS
     param_specs = {
-        "scale_dtype": _dtype_param("float16"),
-        "bias_dtype": _dtype_param("float32"),
-        "backend": _Param("cnr", lambda v: v in ("cnr", "fbgemm"), "'cnr' or 'fbgemm'"),
+        "scale_dtype": dtype_param("float16"),
+        "bias_dtype": dtype_param("float32"),
+        "backend": Param("cnr", lambda v: v in ("cnr", "fbgemm"), "'cnr' or 'fbgemm'"),
     }
 
     def _fbgemm_kind(self, dim: int | None) -> str | None:
@@ -192,11 +192,11 @@ class AdaptiveCodec(_UniformCodec):
     method = "adaptive"
     bit_choices = QUANT_BITS
     param_specs = {
-        "num_bins": _int_param(25, 1, 1 << 16),
-        "ratio": _fraction_param(0.6),
-        "refit_iters": _int_param(3, 0, 64),
-        "scale_dtype": _dtype_param("float16"),
-        "bias_dtype": _dtype_param("float32"),
+        "num_bins": int_param(25, 1, 1 << 16),
+        "ratio": fraction_param(0.6),
+        "refit_iters": int_param(3, 0, 64),
+        "scale_dtype": dtype_param("float16"),
+        "bias_dtype": dtype_param("float32"),
     }
 
     def row_error(self, diff: torch.Tensor) -> torch.Tensor:
@@ -210,8 +210,8 @@ class AdaptiveCodec(_UniformCodec):
             params["num_bins"],
             float(params["ratio"]),
             params["refit_iters"],
-            scale_dtype=_DTYPES[params["scale_dtype"]],
-            bias_dtype=_DTYPES[params["bias_dtype"]],
+            scale_dtype=PARAM_DTYPES[params["scale_dtype"]],
+            bias_dtype=PARAM_DTYPES[params["bias_dtype"]],
         )
 
 
