@@ -111,7 +111,7 @@ def codec_digest() -> str:
     import torch
 
     from cnr_torchrec.quant import get_codec
-    from cnr_torchrec.quant.codecs import METHODS
+    from cnr_torchrec.quant.registry import METHODS
 
     g = torch.Generator().manual_seed(7)
     # 45 and 64 columns: a partial last block and whole cache lines; a zero row and a constant row.

@@ -392,7 +392,7 @@ def test_same_bytes_whatever_the_thread_count(trained_rows):
 _DIGEST = """
 import hashlib, torch
 from cnr_torchrec.quant import get_codec
-from cnr_torchrec.quant.codecs import METHODS
+from cnr_torchrec.quant.registry import METHODS
 g = torch.Generator().manual_seed(1)
 rows = torch.randn(77, 45, generator=g) * torch.rand(77, 1, generator=g)
 h = hashlib.sha256()

@@ -8,7 +8,7 @@ turns them back. Methods: ``none``, ``fp16``, ``bf16``, ``uniform_sym``,
 The kernels are ``torch.ops.cnr`` ops (see :mod:`cnr_torchrec.quant.ops`).
 """
 
-from cnr_torchrec.quant.codecs import (
+from cnr_torchrec.quant.registry import (
     METHODS,
     QUANT_BITS,
     Codec,

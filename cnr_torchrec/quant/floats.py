@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from cnr_torchrec.quant import ops
-from cnr_torchrec.quant.codec import Codec, Layout, check_status, overflow_rows
+from cnr_torchrec.quant.base import Codec, Layout, check_status, overflow_rows
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import RowOverflowError
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.quant import ops
-from cnr_torchrec.quant.codec import (
+from cnr_torchrec.quant.base import (
     PARAM_DTYPES,
     QUANT_BITS,
     Codec,

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 
 from cnr_torchrec.quant import ops
-from cnr_torchrec.quant.codec import (
+from cnr_torchrec.quant.base import (
     PARAM_DTYPES,
     _MAX_REPORTED_ROWS,
     QUANT_BITS,

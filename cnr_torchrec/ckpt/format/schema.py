@@ -45,7 +45,7 @@ from cnr_torchrec.ckpt.format.manifest import (
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
-from cnr_torchrec.quant.codecs import METHODS
+from cnr_torchrec.quant.registry import METHODS
 
 __all__ = ["check_manifest", "check_payload"]
 

@@ -1,6 +1,6 @@
 """The row-codec interface (:class:`Codec`) and what its families share: parameter specs and status checks.
 
-The families live one to a module (``floats``, ``uniform``, ``kmeans``); ``codecs`` is their registry.
+The families live one to a module (``floats``, ``uniform``, ``kmeans``); ``registry`` names them by method.
 """
 
 from __future__ import annotations

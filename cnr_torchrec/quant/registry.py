@@ -1,7 +1,7 @@
 """The codec registry: every method by name, and how to get the codec of a method or of encoded rows.
 
 Each family is a module of its own (:mod:`~cnr_torchrec.quant.floats`, :mod:`~cnr_torchrec.quant.uniform`,
-:mod:`~cnr_torchrec.quant.kmeans`) behind the interface of :mod:`~cnr_torchrec.quant.codec`.
+:mod:`~cnr_torchrec.quant.kmeans`) behind the interface of :mod:`~cnr_torchrec.quant.base`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.quant.codec import QUANT_BITS, Codec
+from cnr_torchrec.quant.base import QUANT_BITS, Codec
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import EncodingFormatError, UnknownCodecError
 from cnr_torchrec.quant.floats import Bf16Codec, Fp16Codec, NoneCodec
