@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
-from cnr_torchrec.ckpt.failure import lost_fraction
+from cnr_torchrec.ckpt.failure_rates import lost_fraction
 
 # The repository root, for the example job and models (cnr_dlrm, examples), which are not in the installed package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -175,7 +175,7 @@ def main() -> None:
     parser.add_argument("--interval", type=int, default=None,
                         help="steps between checkpoints (default: from --target-lost-fraction)")
     parser.add_argument("--target-lost-fraction", type=float, default=0.05,
-                        help="partial recovery's target share of lost updates; sets the interval (failure.py rule)")
+                        help="partial recovery's target share of lost updates; sets the interval (failure_rates.py rule)")
     parser.add_argument("--fail-at", type=int, nargs="+", default=[75, 155, 215], help="steps at which rank 1 fails")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--scale", type=float, default=0.003, help="Criteo cardinalities x this")
@@ -200,7 +200,7 @@ def main() -> None:
     _count_reads()
     world = dist.get_world_size()
     mtbf_steps = args.steps / len(args.fail_at)
-    if args.interval is None:  # T = 2 * MTBF * world_size * target, in steps (cnr_torchrec.ckpt.failure)
+    if args.interval is None:  # T = 2 * MTBF * world_size * target, in steps (cnr_torchrec.ckpt.failure_rates)
         args.interval = max(1, round(2 * mtbf_steps * world * args.target_lost_fraction))
     predicted = lost_fraction(args.interval, mtbf_steps, world)
     stream = SyntheticCriteo(DataConfig(scale=args.scale, min_rows=64, batch_size=args.batch_size, signal=2.0))

@@ -14,7 +14,7 @@ quantized codec; consecutive with background compaction, plain and residual), ea
 restores whatever is committed, checks the restored state against a reference, saves
 once more (that save must commit, and it must clean up the torn directories of the
 crash before), then trains with a save after every step or two until one rank is
-killed, either at a named fault point (``CNR_FAULT``, see cnr_torchrec/ckpt/faults.py)
+killed, either at a named fault point (``CNR_FAULT``, see cnr_torchrec/ckpt/fault_injection.py)
 or by the harness at a random moment. The harness then reaps the survivor the way
 torchrun does (SIGTERM, a grace period, SIGKILL: it may be blocked in a collective or a
 store wait) and starts the next phase on the same root. References: at stage time each
@@ -411,7 +411,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple,
     for noisy in ("torch", "torchrec", "fbgemm_gpu", "botocore", "aiobotocore"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    from cnr_torchrec.ckpt import faults
+    from cnr_torchrec.ckpt import fault_injection as faults
 
     faults.configure("")  # nothing armed unless the scenario arms it
     try:
@@ -505,7 +505,7 @@ def reap(procs, grace: float = 2.0, notice: float = 0.0) -> list[int | None]:
 def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, Any]:
     """One incarnation of the job: restore and check, one save that must commit, then train until killed."""
     from cnr_torchrec import Checkpointer, CheckpointNotFoundError, SaveFailedError
-    from cnr_torchrec.ckpt import faults
+    from cnr_torchrec.ckpt import fault_injection as faults
 
     side, pdir = p["side"], p["phase_dir"]
     dmp, specs, opt = build(world_size, seed=p["seed"])

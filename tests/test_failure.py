@@ -10,7 +10,7 @@ import torch.distributed as dist
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from cnr_torchrec import ConfigError, load_config
-from cnr_torchrec.ckpt.failure import bits_for_job, interval_seconds, lost_fraction, plan_interval
+from cnr_torchrec.ckpt.failure_rates import bits_for_job, interval_seconds, lost_fraction, plan_interval
 from tests._dist import run_ranks
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt import fault_injection as faults
 from cnr_torchrec.errors import ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.failure import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
+from cnr_torchrec.ckpt.failure_rates import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
@@ -209,7 +209,7 @@ class Checkpointer:
 
         With ``interval: auto`` the first call says yes (the baseline), and each save then
         plans the next from the slowest rank's step time and save stall, agreed in the save's
-        all-gather, so every rank answers alike (see :mod:`cnr_torchrec.ckpt.failure`).
+        all-gather, so every rank answers alike (see :mod:`cnr_torchrec.ckpt.failure_rates`).
 
         Raises:
             ConfigError: the config has no ``interval``.

@@ -35,7 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.config import CompactionConfig
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
@@ -129,7 +129,7 @@ class Compaction:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
             report = self._merge(storage, chain, regions)
-            faults.hit("compact.after_write")
+            fault_injection.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
             report, chain = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}, []
@@ -197,9 +197,9 @@ class Compaction:
                                       self.world_size, (time.perf_counter() - t0) * 1e3,
                                       folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
                 manifest = check_manifest(body, manifest_path(self.new_id))
-                faults.hit("compact.before_manifest")
+                fault_injection.hit("compact.before_manifest")
                 storage.write_atomic(manifest_path(self.new_id), seal(body))
-                faults.hit("compact.after_manifest")
+                fault_injection.hit("compact.after_manifest")
                 out = Outcome(True, manifest.nbytes)
         except Exception as e:
             log.error("compaction %d: rank 0 could not commit", self.new_id, exc_info=True)

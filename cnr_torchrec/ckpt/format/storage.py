@@ -27,7 +27,7 @@ from typing import Any
 import xxhash
 from torchsnapshot.io_types import ReadIO, WriteIO
 
-from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.format.plugins import S3Plugin, is_missing, make_plugin
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -95,11 +95,11 @@ class Storage:
         """
         rel = check_relative(path)
         parts = [memoryview(p) for p in data] if isinstance(data, (list, tuple)) else [memoryview(data)]
-        if faults.armed("write.mid") and sum(p.nbytes for p in parts) > 1:
+        if fault_injection.armed("write.mid") and sum(p.nbytes for p in parts) > 1:
             # A torn write for kill tests: the first half lands, then the process may die here.
             whole = memoryview(b"".join(parts))
             self._run(self._plugin.write(WriteIO(path=rel, buf=whole[: whole.nbytes // 2])))
-            faults.hit("write.mid")
+            fault_injection.hit("write.mid")
         if self.local_dir is not None:
             final = os.path.join(self.local_dir, rel)
             os.makedirs(os.path.dirname(final), exist_ok=True)
@@ -254,9 +254,9 @@ class Storage:
         for i, f in enumerate(files):
             self.delete(f)
             if i == 0:
-                faults.hit("gc.mid")
+                fault_injection.hit("gc.mid")
         if not files:
-            faults.hit("gc.mid")
+            fault_injection.hit("gc.mid")
         if self.local_dir is not None:
             shutil.rmtree(os.path.join(self.local_dir, rel), ignore_errors=True)
         elif isinstance(self._plugin, S3Plugin):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt import faults
+from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
 from cnr_torchrec.ckpt.format.manifest import Manifest
@@ -144,7 +144,7 @@ class Committer:
                 report = write_rank(staged, codec, storage, state_dtype=self._state_dtype,
                                     chunk_bytes=self.config.chunk_bytes, pool=self._io,
                                     reconstruction=self.reconstruction)
-                faults.hit("write.after")
+                fault_injection.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
                 report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
@@ -219,16 +219,16 @@ class Committer:
             else:
                 body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
                 manifest = check_manifest(body, manifest_path(d.ckpt_id))  # a body the schema refuses never commits
-                faults.hit("commit.before_manifest")
+                fault_injection.hit("commit.before_manifest")
                 storage.write_atomic(manifest_path(d.ckpt_id), seal(body))
-                faults.hit("commit.after_manifest")
+                fault_injection.hit("commit.after_manifest")
                 result = {"ok": True, "manifest": manifest}
         except Exception as e:
             log.error("save %d: rank 0 could not commit", d.ckpt_id, exc_info=True)
             result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
         result = self._publish(d, result)
         if result["ok"]:
-            faults.hit("gc.before")
+            fault_injection.hit("gc.before")
             self._on_commit(result["manifest"], storage)
         return result
 
