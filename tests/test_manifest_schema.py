@@ -139,11 +139,10 @@ def crafted_outcomes(body, path, restore, state, want, fields):
     return outcomes, problems
 
 
-@pytest.mark.timeout(600)
-def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
+def _delta_manifest(root):
+    """A baseline and a delta of the toy model under ``root``. Returns the delta's manifest path and raw bytes."""
     from cnr_torchrec.ckpt.format.commits import manifest_path
 
-    root = str(tmp_path / "root")
     ck, dmp, specs, opt = _checkpointer(root, 0)
     gen = torch.Generator().manual_seed(0)
     for step in (1, 2):
@@ -151,7 +150,13 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
         info = ck.save(step).wait()
     ck.close()
     path = os.path.join(root, manifest_path(info.id))
-    raw = open(path, "rb").read()
+    return path, open(path, "rb").read()
+
+
+@pytest.mark.timeout(600)
+def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
+    root = str(tmp_path / "root")
+    path, raw = _delta_manifest(root)
     body = json.loads(raw)["body"]
     assert body["kind"] == "delta" and any("ids" in e for r in body["ranks"] for es in r["tables"].values()
                                            for e in es)
@@ -222,19 +227,13 @@ def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(gr
 def test_a_row_mode_count_the_bitmap_does_not_hold_is_refused_by_restore_and_verify(group, tmp_path):
     """A count the schema accepts (within the entry, the report's whole_rows moved with it) but that the bitmap
     does not hold: the restore refuses it naming the rank file, and `cnr verify` names it too."""
-    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import seal
     from cnr_torchrec.ckpt.tools.verify import verify_root
     from cnr_torchrec.errors import CorruptCheckpointError
 
     root = str(tmp_path / "root")
-    ck, dmp, specs, opt = _checkpointer(root, 0)
-    gen = torch.Generator().manual_seed(0)
-    for step in (1, 2):
-        train(dmp, specs, opt, 2, gen)
-        info = ck.save(step).wait()
-    ck.close()
-    path = os.path.join(root, manifest_path(info.id))
-    body = json.loads(open(path, "rb").read())["body"]
+    path, raw = _delta_manifest(root)
+    body = json.loads(raw)["body"]
     at, _, entry = _entry(body, "whole")
     step = -1 if entry["whole"]["count"] > 1 else 1
     entry["whole"]["count"] += step
