@@ -40,6 +40,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import statistics
 import sys
 import time
@@ -137,6 +138,48 @@ def replayed_ms(dmp, opt, batch, repeats: int = 20) -> tuple[float, float]:
     return mark, (time.perf_counter() - t0) * 1e3 / repeats
 
 
+def profile_step(dmp, opt, batch, set_tracking, path: str) -> dict:
+    """One step of the CheckNRunDMP model with its hooks off, then on, under ``torch.profiler``.
+
+    Writes both Chrome traces beside ``path`` and returns where the tracked step's extra time goes:
+    the device time of the marking kernels, the host time of the ``cnr`` ops (dispatch and launch),
+    and the kernels and host time each step takes in all.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_initialized() else [])
+    out = {}
+    for kind in ("cnr_off", "cnr"):
+        set_tracking(dmp, kind)
+        step(dmp, opt, batch)  # the fresh tracker's first step, outside the trace
+        sync()
+        with profile(activities=activities, with_stack=True) as prof:
+            t0 = time.perf_counter()
+            step(dmp, opt, batch)
+            sync()
+            wall = (time.perf_counter() - t0) * 1e3
+        prof.export_chrome_trace(f"{path}.{kind}.json")
+        with open(f"{path}.{kind}.json") as f:
+            trace = json.load(f)["traceEvents"]
+        # The tracker's hooks on each TBE (Python, the cnr op calls inside them included).
+        hooks = [e for e in trace if e.get("cat") == "python_function"
+                 and re.search(r"track/hooks\.py\(\d+\): (hook|post_hook)$", e["name"])]
+        events = prof.events()
+        kernels = [e for e in events if e.device_type.name == "CUDA"]
+        cnr_ops = [e for e in events if e.device_type.name == "CPU" and e.name.startswith("cnr::")]
+        out[kind] = {
+            "wall_ms": wall,
+            "kernels": len(kernels),
+            "kernel_ms": sum(e.device_time_total for e in kernels) / 1e3 if kernels else 0.0,
+            "mark_kernel_ms": sum(e.device_time_total for e in kernels if "mark" in e.name) / 1e3,
+            "cnr_ops": len(cnr_ops),
+            "cnr_op_host_ms": sum(e.cpu_time_total for e in cnr_ops) / 1e3,
+            "hook_calls": len(hooks),
+            "hook_host_ms": sum(e["dur"] for e in hooks) / 1e3,
+        }
+    return out
+
+
 def slowest(value: float) -> float:
     t = torch.tensor([value], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -162,6 +205,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="batches per round, each timed once per configuration")
     parser.add_argument("--extractions", type=int, default=10, help="timed extractions per tracker")
     parser.add_argument("--json", type=str, default=None)
+    parser.add_argument("--profile", type=str, default=None,
+                        help="also profile one step with the hooks off and on (torch.profiler); Chrome traces "
+                             "go to PROFILE.cnr_off.json and PROFILE.cnr.json on rank 0")
     add_device_argument(parser)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -258,6 +304,8 @@ def main() -> None:
 
     cnr_dmp, _, cnr_opt = models["cnr"]
     mark_ms, fbgemm_check_ms = (slowest(x) for x in replayed_ms(cnr_dmp, cnr_opt, batches[0]))
+    traced = profile_step(cnr_dmp, cnr_opt, batches[0], set_tracking, f"{args.profile}.rank{rank}") \
+        if args.profile else None
     # The check that the marking pass makes redundant, where it takes it over (CPU); on CUDA FBGEMM's stays on.
     skipped_ms = fbgemm_check_ms if cnr_dmp.dirty_tracker.fused_bounds_check else 0.0
     res = {
@@ -287,6 +335,7 @@ def main() -> None:
         "extract_ms_mdt": statistics.median(extract_ms["mdt"]),
         "paired_steps": int(wall.shape[0] * wall.shape[1]),
         "device": args.device,
+        "profile": traced,
     }
 
     def quartiles(k: str, ref: str) -> tuple[float, float]:
@@ -323,6 +372,13 @@ def main() -> None:
               f"{fbgemm_check_ms:.3f} ms ({kept}): net {res['overhead_cnr_attributed']:.2%} "
               "of a step")
         print(f"cnr bits per row: {res['bits_per_row_cnr']:.3f}")
+        if traced:
+            off, on = traced["cnr_off"], traced["cnr"]
+            print(f"profiled step, hooks off / on: wall {off['wall_ms']:.2f} / {on['wall_ms']:.2f} ms, "
+                  f"{off['kernels']} / {on['kernels']} kernels taking {off['kernel_ms']:.3f} / {on['kernel_ms']:.3f} "
+                  f"ms of device time; tracked: {on['hook_calls']} hook calls taking {on['hook_host_ms']:.3f} ms of host "
+                  f"time, {on['cnr_op_host_ms']:.3f} ms of it in {on['cnr_ops']} cnr ops; marking kernels "
+                  f"{on['mark_kernel_ms']:.3f} ms on the device (Python tracing on: host times are inflated)")
         print(f"extract_ms_cnr / extract_ms_mdt = {res['extract_ms_cnr'] / res['extract_ms_mdt']:.4f}")
         if args.json:
             with open(args.json, "w") as f:

@@ -206,7 +206,7 @@ def _sharders(kind: str, optimizer: str) -> list:
     return [ManagedCollisionEmbeddingCollectionSharder(EmbeddingCollectionSharder(fused_params=fused))]
 
 
-def _plan(module: MCSparseModel, mc_fqn: str, sharder, world_size: int):
+def _plan(module: MCSparseModel, mc_fqn: str, sharder, world_size: int, device_type: str):
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
 
@@ -214,7 +214,7 @@ def _plan(module: MCSparseModel, mc_fqn: str, sharder, world_size: int):
     configs = sub._managed_collision_collection.embedding_configs()
     module_plan = construct_module_sharding_plan(
         sub, {c.name: row_wise(compute_kernel="fused") for c in configs}, sharder=sharder,
-        local_size=world_size, world_size=world_size, device_type="cpu",
+        local_size=world_size, world_size=world_size, device_type=device_type,
     )
     return ShardingPlan({mc_fqn: module_plan})
 
@@ -262,7 +262,7 @@ def build_mc_model(kind: str, world_size: int, *, policy: str = "lfu", optimizer
     mc_fqn = "mc_ebc" if kind == "ebc" else "mc_ec"
     sharders = _sharders(kind, optimizer)
     dmp = dmp_cls(module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
-                  plan=_plan(module, mc_fqn, sharders[0], world_size), sharders=sharders)
+                  plan=_plan(module, mc_fqn, sharders[0], world_size, device.type), sharders=sharders)
     copy_initial_weights(dmp, initial)
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
     return MCModel(dmp=dmp, kind=kind, mc_fqn=mc_fqn, tables=tables, dense_optimizer=torch.optim.SGD(dense, lr=LR),

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import traceback
 import warnings
 
 import pytest
@@ -544,16 +545,24 @@ def test_fp32_restore_of_a_cuda_model_is_exact_on_cuda_and_on_cpu(tmp_path, kern
 # ============================================================================ the sync-free hot path
 
 
-def _host_syncs(step) -> int:
-    """How many times ``step()`` makes the host wait for the device, as torch's sync debug mode counts them."""
-    with warnings.catch_warnings(record=True) as caught:
+def _host_syncs(step) -> list[str]:
+    """Where ``step()`` makes the host wait for the device, as torch's sync debug mode reports it: the
+    Python stack (its last frames) at each sync, one string per sync."""
+    seen = []
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        if "synchroniz" in str(message):
+            seen.append("".join(traceback.format_stack(limit=8)[:-1]))
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = record
         torch.cuda.set_sync_debug_mode("warn")
         try:
             step()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchroniz" in str(w.message) for w in caught)
+    return seen
 
 
 @contextlib.contextmanager
@@ -599,7 +608,9 @@ def _sync_free_worker() -> None:
     tracker.remove()
     untracked = _host_syncs(lambda: M.train_step(dmp, opt, batch))
     # Tracking adds no host sync anywhere in the step (forward, backward, fused and dense updates).
-    assert tracked == untracked, (tracked, untracked)
+    extra = [s for s in tracked if s not in untracked]
+    assert len(tracked) == len(untracked), (f"{len(tracked)} host syncs in a tracked step, {len(untracked)} "
+                                            "untracked; where only the tracked step syncs:\n" + "\n".join(extra))
 
 
 @pytest.mark.timeout(300)
