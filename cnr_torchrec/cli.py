@@ -239,7 +239,7 @@ def _id_ranges(ids: list[int]) -> str:
 
 def _cmd_compact(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.compact.offline import compact
-    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
+    from cnr_torchrec.ckpt.tools.checked_chain import count_entries, load_chain
     from cnr_torchrec.ckpt.tools.root import resolve_id
     from cnr_torchrec.errors import ConfigError
     from cnr_torchrec.quant import get_codec
@@ -285,7 +285,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
     from cnr_torchrec.ckpt.tools.export import export_state_dict
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
-    from cnr_torchrec.ckpt.tools.offline import count_entries, load_chain
+    from cnr_torchrec.ckpt.tools.checked_chain import count_entries, load_chain
     from cnr_torchrec.ckpt.tools.root import resolve_id
 
     _check_out(args.out, "directory" if args.format == "dcp" else "file")

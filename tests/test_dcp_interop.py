@@ -241,7 +241,7 @@ def test_export_loads_into_another_plan_and_world_size_and_import_restores(train
 @pytest.mark.timeout(240)
 def test_export_streams_one_table_at_a_time_and_import_verifies(trained, tmp_path):
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
-    from cnr_torchrec.ckpt.tools.offline import load_chain
+    from cnr_torchrec.ckpt.tools.checked_chain import load_chain
     from cnr_torchrec.ckpt.tools.root import open_storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 

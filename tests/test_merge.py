@@ -326,7 +326,7 @@ def _decoded(storage, report):
 
 @pytest.mark.timeout(30)
 def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_bytes(tmp_path):
-    from cnr_torchrec.ckpt.format.layout import Region
+    from cnr_torchrec.ckpt.format.blocks import Region
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(str(tmp_path))
@@ -363,7 +363,7 @@ def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_
 @pytest.mark.timeout(30)
 def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_nothing(tmp_path):
     from cnr_torchrec.ckpt.format.commits import rank_file
-    from cnr_torchrec.ckpt.format.layout import Region
+    from cnr_torchrec.ckpt.format.blocks import Region
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import CheckpointError, CompactionError
 
@@ -389,7 +389,7 @@ def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_no
 
 @pytest.mark.timeout(30)
 def test_regions_of_a_layout_must_tile_every_table():
-    from cnr_torchrec.ckpt.format.layout import Region, regions_of_layout
+    from cnr_torchrec.ckpt.format.blocks import Region, regions_of_layout
     from cnr_torchrec.errors import CorruptCheckpointError
 
     def tip(blocks):

@@ -254,7 +254,7 @@ def test_offline_tables_read_around_rows_a_newer_checkpoint_stores(group, tmp_pa
     from cnr_torchrec.ckpt.format.commits import committed_ids
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.format.tables import assemble_tables
-    from cnr_torchrec.ckpt.tools.offline import load_chain
+    from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 
     path = str(tmp_path / "ck")
     _chain(path)
@@ -334,7 +334,7 @@ def test_ids_that_disagree_with_their_count_are_named_by_every_reader(group, tmp
     from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path
     from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.format.tables import assemble_tables
-    from cnr_torchrec.ckpt.tools.offline import load_chain
+    from cnr_torchrec.ckpt.tools.checked_chain import load_chain
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     path = str(tmp_path / "ck")

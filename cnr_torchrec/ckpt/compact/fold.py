@@ -32,7 +32,7 @@ from typing import Any
 from cnr_torchrec.ckpt.compact.merge import compacted_report
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
-from cnr_torchrec.ckpt.format.layout import Region
+from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage

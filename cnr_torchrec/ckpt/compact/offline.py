@@ -32,9 +32,9 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
-from cnr_torchrec.ckpt.format.layout import regions_of_layout
+from cnr_torchrec.ckpt.format.blocks import regions_of_layout
 from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
-from cnr_torchrec.ckpt.tools.offline import load_chain
+from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import get_codec

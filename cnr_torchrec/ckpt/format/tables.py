@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.commits import manifest_path
-from cnr_torchrec.ckpt.format.layout import Region
+from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
 from cnr_torchrec.ckpt.format.rows import RowReader

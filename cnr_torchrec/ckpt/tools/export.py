@@ -12,7 +12,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress, assemble_tables
-from cnr_torchrec.ckpt.tools.offline import load_chain
+from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
 

@@ -16,7 +16,7 @@ from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.save.baseline import write_baseline
 from cnr_torchrec.ckpt.save.staging import StagedShard
-from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, STEP_PATHS, _column_shards
+from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, LEGACY_MODEL, OPTIM, STEP_PATHS, _column_shards
 from cnr_torchrec.ckpt.tools.dcp.load import _empty, _metadata, _path, _read, _read_tree
 from cnr_torchrec.ckpt.tools.dcp.mc import MC_KEY, by_row, fields_of, fresh_window
 from cnr_torchrec.ckpt.format.tables import Progress

@@ -30,7 +30,7 @@ from cnr_torchrec.ckpt.format.dense_optim import (
     state_to_save,
 )
 from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
-from cnr_torchrec.ckpt.tools.dcp.layout import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
+from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
 from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError,
                                  IncompatibleCheckpointError, UnsafeCheckpointError)
 
