@@ -22,6 +22,7 @@ from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -98,7 +99,13 @@ def _enable_views(tracker: Any, config: CheckpointConfig) -> None:
 
 
 class SaveHandle:
-    """A save in flight. ``wait()`` returns once it is committed (or raises SaveFailedError)."""
+    """A save in flight. ``wait()`` returns once it is committed (or raises SaveFailedError).
+
+    Attributes:
+        step: the training step the save was called at.
+        decision: what the ranks decided to write (None for a save ``on_busy: skip`` dropped).
+        stall_ms: how long ``save()`` held the training thread.
+    """
 
     def __init__(self, step: int, decision: Decision | None, future: Future | None, stall_ms: float) -> None:
         self.step = step
@@ -244,13 +251,25 @@ class Checkpointer:
         self._check_lookups()
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
             self._settle(self._inflight)
-        busy = self._inflight is not None and not self._inflight.done()
-        vote = self._vote(busy)
+        vote = self._vote(busy=self._inflight is not None and not self._inflight.done())
         if vote.busy:
             log.info("save at step %d skipped: the previous save is still writing (on_busy: skip)", step)
             return SaveHandle(step, None, None, (time.perf_counter() - t0) * 1e3)
         if self._inflight is not None:
             self._settle(self._inflight)
+        decision, tip = self._decide(step, vote)
+        staged, stage_error = self._stage(decision)
+        if staged is not None:
+            # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
+            # (A rank that could not stage keeps every row dirty: the next save is a baseline anyway.)
+            # A compaction's tip restarts the "since baseline" view: the rows dirty since the tip.
+            self.tracker.reset(baseline=decision.kind == "baseline" or tip, keep=staged.left_out)
+        self._book.decided(decision)  # until the outcome is known, assume failure: the rows are gone from the tracker
+        return self._submit(step, decision, staged, stage_error, t0)
+
+    def _decide(self, step: int, vote: SaveVote) -> tuple[Decision, bool]:
+        """The save's decision from the ranks' ``vote`` (the same on every rank), after folding in a background
+        compaction's outcome. Returns it and whether it is the tip of the next compaction."""
         self._book.state, hang_on_compacted = self._compactor.step(self._book.state, vote.compaction_finished,
                                                                    vote.compaction_committed)
         reconstruction = self._committer.reconstruction
@@ -269,13 +288,11 @@ class Checkpointer:
         tip = not hang_on_compacted and self._compactor.mark_tip(decision, self._book.state)
         if tip:
             decision = dataclasses.replace(decision, reason=f"{decision.reason}; tip of the next compaction", tip=True)
-        staged, stage_error = self._stage(decision)
-        if staged is not None:
-            # Rows a budget-limited delta left out stay dirty (with their counts) for a later save.
-            # (A rank that could not stage keeps every row dirty: the next save is a baseline anyway.)
-            # A compaction's tip restarts the "since baseline" view: the rows dirty since the tip.
-            self.tracker.reset(baseline=decision.kind == "baseline" or tip, keep=staged.left_out)
-        self._book.decided(decision)  # until the outcome is known, assume failure: the rows are gone from the tracker
+        return decision, tip
+
+    def _submit(self, step: int, decision: Decision, staged: Staged | None, stage_error: str,
+                t0: float) -> SaveHandle:
+        """Hands the staged save to the background writer (the stall ends here) and returns its handle."""
         stall = (time.perf_counter() - t0) * 1e3
         if staged is not None:
             staged.stall_ms = stall
@@ -469,13 +486,12 @@ class Checkpointer:
             raise CheckpointerClosedError(f"rank {self.rank}: {what}() on a closed Checkpointer (close() released its "
                                           "storage); make a new Checkpointer for the same root instead")
 
-    def _manifest_fields(self) -> dict[str, Any]:
+    def _manifest_fields(self) -> JobFields:
         """The manifest's fields that describe the job rather than the save, as they are now."""
         q = self.config.quantization
-        return {"policy": self.config.policy, "world_size": self.world_size, "restores": self._restores,
-                "codec": {"method": q.method, "bits": self.codec.bits, "bits_setting": q.bits,
-                          "params": self.codec.params if hasattr(self.codec, "params") else {}},
-                "table_fqns": self._table_fqns}
+        codec = codec_description(q.method, self.codec.bits, getattr(self.codec, "params", {}), q.bits)
+        return JobFields(policy=self.config.policy, world_size=self.world_size, codec=codec,
+                         restores=self._restores, table_fqns=self._table_fqns)
 
     def _stage(self, decision: Decision) -> tuple[Staged | None, str]:
         """``stage()`` of ``decision``: (staged, "") or, if this rank failed, (None, why).

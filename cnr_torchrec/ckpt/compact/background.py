@@ -43,6 +43,7 @@ from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
 from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
@@ -229,29 +230,30 @@ def _folds(chain: list[Manifest], residual_job: bool) -> bool:
 
 
 def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id: int, world_size: int,
-                   write_ms: float, *, folded: dict[str, Any] | None) -> dict[str, Any]:
-    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks (``folded``: the
-    codec fold.py wrote the sums with; None: a lossless merge)."""
+                   write_ms: float, *, folded: dict[str, Any] | None, recoded: dict[str, Any] | None = None,
+                   by: str = "") -> dict[str, Any]:
+    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks.
+
+    Args:
+        folded: the codec fold.py wrote the sums with; None: a lossless merge.
+        recoded: the codec every row was encoded again with, whole, in the tip's layout, which then stores the
+            tip's replicated tables as entries (``cnr compact --method``); None: not re-encoded.
+        by: who compacted it, for the manifest's reason (such as " by cnr compact").
+    """
     tip = chain[-1]
     for r in reports:
         r["write_ms"] = round(write_ms, 3)
-    if folded is not None:  # the sums, written whole (fold.py)
-        fields = {"codec": dict(folded), "encodings": {t: "full" for t in tip.tables},
-                  "reason": f"folded from chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"}
-    else:
-        fields = {}
-    return {
-        "id": new_id, "step": tip.step, "kind": "baseline", "since": None, "parent": None, "base": new_id,
-        "depth": 0, "encodings": {t: "rows" for t in tip.tables},
-        "reason": f"compacted from chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)",
-        "policy": tip.policy, "world_size": world_size, "codec": dict(tip.codec), "restores": tip.restores,
-        "tables": {t: list(shape) for t, shape in tip.tables.items()}, "table_fqns": dict(tip.table_fqns),
-        "replicated": [], "nbytes": sum(int(r["nbytes"]) for r in reports), "created_unix": time.time(),
-        "equals": tip.id, "compacted_from": [chain[0].id, tip.id],
-        "per_rank_state": all(r.get("rng") is not None for r in reports),
-        "ranks": reports,
-        **fields,
-    }
+    span = f"chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"
+    whole = folded is not None or recoded is not None  # every row written whole (fold.py, or re-encoded)
+    reason = f"folded from {span}{by}" if folded is not None else f"compacted from {span}{by}"
+    links = ChainLinks.baseline(new_id, tip.step, {t: "full" if whole else "rows" for t in tip.tables}, reason)
+    codec = recoded if recoded is not None else folded if folded is not None else tip.codec
+    job = JobFields(policy=tip.policy, world_size=world_size, codec=dict(codec), restores=tip.restores,
+                    table_fqns=tip.table_fqns)
+    replicated = list(tip.replicated) if recoded is not None else []
+    return manifest_body(links, job, tables=tip.tables, reports=reports, replicated=replicated, equals=tip.id,
+                         compacted_from=(chain[0].id, tip.id),
+                         per_rank_state=all(r.get("rng") is not None for r in reports))
 
 
 class Compactor:

@@ -36,15 +36,16 @@ from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import codec_description, table_entry
 from cnr_torchrec.ckpt.save.coding import encode_in_blocks
 from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.quant import EncodedRows, get_codec
 
 __all__ = ["FOLDED_CODEC", "LOSSLESS_CODEC", "Key", "fold_rank", "is_residual"]
 
-FOLDED_CODEC = {"method": "adaptive", "bits": 8, "params": {}}
+FOLDED_CODEC = codec_description("adaptive", 8, {}, with_setting=False)
 """The codec a background compaction writes a folded checkpoint's rows with (its manifest names it)."""
-LOSSLESS_CODEC = {"method": "none", "bits": None, "params": {}}
+LOSSLESS_CODEC = codec_description("none", None, {}, with_setting=False)
 """float32 sums: ``cnr compact``'s fold, which restores bit for bit what the chain restores."""
 
 Key = tuple[str, tuple[int, int], tuple[int, int]]
@@ -90,9 +91,9 @@ def fold_rank(
         data = assemble_regions(storage, chain, [region])[region]
         whole = ((0, region.rows[1] - region.rows[0]), (0, region.cols[1] - region.cols[0]))  # the region's own
         states = [(s.for_shard(*whole).to(s.dtype), s.rowwise) for s in data.states]
-        entry: dict[str, Any] = {"rows": list(region.rows), "cols": list(region.cols), "encoding": "full"}
         encoded = encode_in_blocks(exact if region.table in replicated else encoder, data.weights)
-        entry.update(write_rows(blobs, f"f{i}", encoded, states, data.mc_rows(whole[0])))
+        entry = table_entry(region.rows, region.cols, "full",
+                            write_rows(blobs, f"f{i}", encoded, states, data.mc_rows(whole[0])))
         if keep is not None:
             keep((region.table, tuple(region.rows), tuple(region.cols)), encoded)
         tables.setdefault(region.table, []).append(entry)

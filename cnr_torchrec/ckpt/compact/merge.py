@@ -41,6 +41,7 @@ from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, 
 from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import rank_report, table_entry
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec, rebuild
 
@@ -233,15 +234,15 @@ def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefi
     rows_all = rows_all[order]
     merged = _concat(encoded).take(order)
     lo, hi = int(rows_all[0]), int(rows_all[-1]) + 1
-    entry: dict[str, Any] = {"rows": [lo, hi], "cols": list(pieces[0][0].cols), "encoding": "full"}
+    ids = None
     if rows_all.numel() != hi - lo:  # not one contiguous range: which rows, as save writes them
         kind, packed = encode_ids(rows_all - lo, hi - lo)
-        entry["encoding"] = "rows"
-        entry["ids"] = {"kind": kind, "count": int(rows_all.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
+        ids = (kind, int(rows_all.numel()), blobs.add(f"{prefix}/ids", packed))
     fields = pieces[0][0].entry.mc.fields if mc[0] is not None else ()
-    entry.update(write_rows(blobs, prefix, merged, [
+    stored = write_rows(blobs, prefix, merged, [
         (torch.cat([st[j][1] for st in states]).index_select(0, order), states[0][j][0]) for j in range(len(states[0]))
-    ], (torch.cat(mc).index_select(0, order), fields) if mc[0] is not None else None))
+    ], (torch.cat(mc).index_select(0, order), fields) if mc[0] is not None else None)
+    entry = table_entry((lo, hi), pieces[0][0].cols, "full" if ids is None else "rows", stored, ids=ids)
     return entry, int(rows_all.numel())
 
 
@@ -336,11 +337,9 @@ def compacted_report(storage: Storage, chain: list[Manifest], rank: int, tables:
     """A compacted rank file's report, once its ``tables`` are written: the tip's state copied (see
     :func:`copy_state`), the payload finished."""
     copied = copy_state(storage, rank_state, dense_state, blobs)
-    return {
-        "rank": rank, "ok": True, **blobs.finish(), "tables": tables, "replicated_tables": {}, "dense": copied["dense"],
-        "dense_optimizer": copied["dense_optimizer"], "extra": copied["extra"], "rng": copied["rng"],
-        **({"mc_runtime": copied["mc_runtime"]} if copied["mc_runtime"] else {}),
-        "tbe_iter": max(r.tbe_iter for r in chain[-1].ranks),
-        "table_shapes": {t: list(s) for t, s in chain[-1].tables.items()}, "rows_written": rows_written,
-        "stall_ms": 0.0, "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }
+    return rank_report(
+        rank, blobs.finish(), tables=tables, table_shapes=chain[-1].tables, rows_written=rows_written,
+        tbe_iter=max(r.tbe_iter for r in chain[-1].ranks), dense=copied["dense"],
+        dense_optimizer=copied["dense_optimizer"], extra=copied["extra"], rng=copied["rng"],
+        mc_runtime=copied["mc_runtime"], write_ms=(time.perf_counter() - t0) * 1e3,
+    )

@@ -29,6 +29,7 @@ from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import codec_description, rank_report, table_entry
 from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
@@ -90,7 +91,7 @@ def compact(
             for report in tip.ranks:
                 reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
                 written += _files(reports[-1])
-        codec_desc = None if codec is None else {"method": method, "bits": bits, "params": codec.params}
+        codec_desc = None if codec is None else codec_description(method, bits, codec.params, with_setting=False)
         body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
         manifest = check_manifest(body, manifest_path(new_id))
         storage.write_atomic(manifest_path(new_id), seal(body))
@@ -133,13 +134,8 @@ def _compacted_body(chain: list[Manifest], new_id: int, reports: list[dict[str, 
     (:func:`~cnr_torchrec.ckpt.compact.background.compacted_body`, which owns the chain keys), plus what
     ``cnr compact`` does differently. ``codec``: the re-encoding codec's description (None: lossless,
     which keeps the tip's codec and stores replicated tables as entries)."""
-    tip = chain[-1]
-    body = compacted_body(chain, reports, new_id, tip.world_size, write_ms,
-                          folded=LOSSLESS_CODEC if is_residual(chain) else None)
-    body["reason"] += " by cnr compact"
-    if codec is not None:  # the re-encoded rows, written whole in the tip's layout
-        body.update(codec=codec, encodings={t: "full" for t in tip.tables}, replicated=list(tip.replicated))
-    return body
+    return compacted_body(chain, reports, new_id, chain[-1].world_size, write_ms,
+                          folded=LOSSLESS_CODEC if is_residual(chain) else None, recoded=codec, by=" by cnr compact")
 
 
 def _write_compacted_rank(
@@ -162,7 +158,6 @@ def _write_compacted_rank(
             prefix = f"s{i}"
             i += 1
             encoded = codec.encode(data.weights[rows[0] : rows[1], cols[0] : cols[1]].contiguous())
-            out: dict[str, Any] = {"rows": list(rows), "cols": list(cols), "encoding": "full"}
             states = []
             for j, s in enumerate(entry.states):
                 if j >= len(data.states):
@@ -173,9 +168,9 @@ def _write_compacted_rank(
                     )
                 state = data.states[j]
                 states.append((state.for_shard(rows, cols).to(DTYPES[report.blobs[s.blob].dtype]), state.rowwise))
-            out.update(write_rows(blobs, prefix, encoded, states, data.mc_rows(rows)))
+            stored = write_rows(blobs, prefix, encoded, states, data.mc_rows(rows))
             rows_written += encoded.num_rows
-            out_tables.setdefault(table, []).append(out)
+            out_tables.setdefault(table, []).append(table_entry(rows, cols, "full", stored))
             if progress is not None:
                 progress(1)
     replicated = {t: copy_blob(name, load, blobs) for t, name in report.replicated_tables.items()}
@@ -186,20 +181,8 @@ def _write_compacted_rank(
     extra = {n: copy_blob_tree(tree, load, blobs) for n, tree in report.extra.items()}
     rng = copy_blob_tree(report.rng, load, blobs)
     mc_runtime = {t: copy_blob_tree(tree, load, blobs) for t, tree in report.mc_runtime.items()}
-    return {
-        "rank": report.rank,
-        "ok": True,
-        **blobs.finish(),
-        "tables": out_tables,
-        "replicated_tables": replicated,
-        "dense": dense,
-        "dense_optimizer": dense_opt,
-        "extra": extra,
-        "rng": rng,
-        **({"mc_runtime": mc_runtime} if mc_runtime else {}),
-        "tbe_iter": report.tbe_iter,
-        "table_shapes": dict(report.table_shapes),
-        "rows_written": rows_written,
-        "stall_ms": 0.0,
-        "write_ms": 0.0,
-    }
+    return rank_report(
+        report.rank, blobs.finish(), tables=out_tables, table_shapes=report.table_shapes, rows_written=rows_written,
+        tbe_iter=report.tbe_iter, replicated_tables=replicated, dense=dense, dense_optimizer=dense_opt, extra=extra,
+        rng=rng, mc_runtime=mc_runtime,
+    )

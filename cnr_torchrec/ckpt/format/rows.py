@@ -43,6 +43,7 @@ from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, covering, lan
 from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter, read_blob
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import row_keys
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.ops import row_crc32c
 from cnr_torchrec.quant import EncodedRows
@@ -73,15 +74,15 @@ def write_rows(blobs: BlobWriter, prefix: str, encoded: EncodedRows,
     Returns the entry's ``weights``, ``states``, ``checks`` (and ``mc``) keys."""
     tensors = encoded.to_tensors()
     names = {k: blobs.add(f"{prefix}/w/{k}", v) for k, v in tensors.items()}
-    refs = [{"rowwise": rowwise, "blob": blobs.add(f"{prefix}/state{j}", t)} for j, (t, rowwise) in enumerate(states)]
+    refs = [(rowwise, blobs.add(f"{prefix}/state{j}", t)) for j, (t, rowwise) in enumerate(states)]
     parts = [as_rows(tensors[k]) for k in sorted(tensors)] + [as_rows(t) for t, _ in states]
-    out: dict[str, Any] = {"weights": {"meta": encoded.metadata(), "blobs": names}, "states": refs}
+    mc_ref = None
     if mc is not None:
-        out["mc"] = {"blob": blobs.add(f"{prefix}/mc", mc[0]), "fields": list(mc[1])}
+        mc_ref = (blobs.add(f"{prefix}/mc", mc[0]), list(mc[1]))
         parts.append(as_rows(mc[0]))
     rows = max(1, CHECK_BYTES // max(1, sum(p.shape[1] for p in parts)))
-    out["checks"] = {"blob": blobs.add(f"{prefix}/crc32c", row_crc32c(parts, rows)), "rows": rows}
-    return out
+    checks = (blobs.add(f"{prefix}/crc32c", row_crc32c(parts, rows)), rows)
+    return row_keys(encoded.metadata(), names, refs, checks, mc_ref)
 
 
 class _Fetch:

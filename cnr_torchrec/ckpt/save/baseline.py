@@ -20,6 +20,7 @@ from cnr_torchrec.ckpt.format.commits import (
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.save.commit import manifest_body
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.staging import Staged, StagedShard
@@ -63,9 +64,9 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
     try:
         report = write_rank(staged, codec, storage, chunk_bytes=chunk_bytes)  # consumes the shards lazily
         report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
-        fields = {"policy": None, "world_size": 1, "restores": 0, "table_fqns": dict(table_fqns),
-                  "codec": {"method": "none", "bits": codec.bits, "bits_setting": None, "params": codec.params}}
-        body = {**manifest_body(decision, [report], fields, tables), "per_rank_state": False}
+        job = JobFields(policy=None, world_size=1, restores=0, table_fqns=dict(table_fqns),
+                        codec=codec_description("none", codec.bits, codec.params))
+        body = manifest_body(decision, [report], job, tables, per_rank_state=False)
         manifest = check_manifest(body, manifest_path(new_id))
         storage.write_atomic(manifest_path(new_id), seal(body))
     except BaseException:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from collections.abc import Callable, Mapping
@@ -24,7 +23,9 @@ from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
+from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import JobFields
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
@@ -65,10 +66,10 @@ class CheckpointInfo:
 
 
 
-def manifest_body(d: Decision, reports: list[dict[str, Any]], fields: Mapping[str, Any],
-                  tables: list[str]) -> dict[str, Any]:
-    """The manifest of save ``d`` from its rank reports (ordered by rank) and the job-level ``fields``
-    (policy, world_size, codec, restores, table_fqns). ``tables``: every table of the model.
+def manifest_body(d: Decision, reports: list[dict[str, Any]], job: JobFields, tables: list[str],
+                  per_rank_state: bool | None = None) -> dict[str, Any]:
+    """The manifest of save ``d`` from its rank reports (ordered by rank) and the ``job``'s fields.
+    ``tables``: every table of the model, whose shapes the reports give.
 
     Raises:
         CheckpointError: no report gives the shape of some table.
@@ -79,19 +80,7 @@ def manifest_body(d: Decision, reports: list[dict[str, Any]], fields: Mapping[st
     missing = sorted(set(tables) - set(shapes))
     if missing:
         raise CheckpointError(f"no rank reported the shape of tables {missing}")
-    return {
-        **d.to_json(),
-        "policy": fields["policy"],
-        "world_size": fields["world_size"],
-        "codec": fields["codec"],
-        "restores": fields["restores"],
-        "tables": shapes,
-        "table_fqns": fields["table_fqns"],
-        "replicated": sorted({t for r in reports for t in r.get("replicated_tables", {})}),
-        "nbytes": sum(r["nbytes"] for r in reports),
-        "created_unix": time.time(),
-        "ranks": reports,
-    }
+    return writing.manifest_body(d.links(), job, tables=shapes, reports=reports, per_rank_state=per_rank_state)
 
 
 class Committer:
@@ -124,7 +113,7 @@ class Committer:
             self._storage = None
 
     def write(self, d: Decision, staged: Staged | None, stage_error: str, codec: Codec,
-              fields: dict[str, Any]) -> CheckpointInfo:
+              fields: JobFields) -> CheckpointInfo:
         """Writes this rank's payload (``staged``; None if staging failed with ``stage_error``) and commits.
 
         ``codec`` encodes the rows; ``fields`` are the manifest's job-level fields (policy, world
@@ -137,7 +126,7 @@ class Committer:
         """
         storage: Storage | None = None
         if staged is None:
-            report = {"rank": self.rank, "ok": False, "error": stage_error}
+            report = writing.failed_report(self.rank, stage_error)
         else:
             try:
                 storage = self._background_storage()
@@ -147,7 +136,7 @@ class Committer:
                 fault_injection.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
-                report = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}
+                report = writing.failed_report(self.rank, f"{type(e).__name__}: {e}")
             finally:
                 self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
         if self.rank == 0:
@@ -201,11 +190,11 @@ class Committer:
             self._store.wait(keys, timeout)
         except Exception as e:
             missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
-            return reports + [{"rank": r, "ok": False, "error": f"no report within {timeout} ({e})"} for r in missing]
+            return reports + [writing.failed_report(r, f"no report within {timeout} ({e})") for r in missing]
         return reports + [json.loads(self._store.get(k)) for k in keys]
 
     def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None,
-                fields: dict[str, Any]) -> dict[str, Any]:
+                fields: JobFields) -> dict[str, Any]:
         """Rank 0: gathers the reports, writes the manifest if all are good, and publishes the outcome.
 
         Never raises: whatever fails here (the manifest write, the store) becomes the

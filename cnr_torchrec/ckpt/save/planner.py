@@ -12,6 +12,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cnr_torchrec.ckpt.format.writing import ChainLinks
+
 __all__ = ["ChainState", "Decision", "decide", "intermittent_wants_baseline"]
 
 log = logging.getLogger(__name__)
@@ -71,13 +73,14 @@ class Decision:
     reason: str = ""
     tip: bool = False  # the next background compaction folds the chain up to this checkpoint
 
+    def links(self) -> ChainLinks:
+        """The manifest's chain keys for this decision: the chain as links (its length would grow with it)."""
+        return ChainLinks(self.ckpt_id, self.step, self.kind, self.since, self.parent, self.chain[0],
+                          len(self.chain) - 1, dict(self.encodings), self.reason)
+
     def to_json(self) -> dict[str, Any]:
-        """The manifest's fields for this decision: the chain as links (its length would grow with it)."""
-        return {
-            "id": self.ckpt_id, "step": self.step, "kind": self.kind, "since": self.since, "parent": self.parent,
-            "base": self.chain[0], "depth": len(self.chain) - 1, "encodings": dict(self.encodings),
-            "reason": self.reason,
-        }
+        """:meth:`links` as the manifest writes them."""
+        return self.links().to_json()
 
 
 def intermittent_wants_baseline(baseline_bytes: int, delta_bytes: tuple[int, ...], predicted: float) -> tuple[bool, str]:

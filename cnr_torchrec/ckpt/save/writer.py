@@ -19,6 +19,7 @@ from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, encode_modes
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.writing import rank_report, table_entry
 from cnr_torchrec.ckpt.save.coding import code_residual, encode_in_blocks
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
@@ -79,21 +80,22 @@ def write_rank(
     for i, s in enumerate(staged.shards):
         prefix = f"s{i}"
         n_rows = s.rows[1] - s.rows[0]
-        entry: dict[str, Any] = {"rows": list(s.rows), "cols": list(s.cols), "encoding": s.encoding}
+        ids = None
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
-            entry["ids"] = {"kind": kind, "count": int(s.ids.numel()), "blob": blobs.add(f"{prefix}/ids", packed)}
+            ids = (kind, int(s.ids.numel()), blobs.add(f"{prefix}/ids", packed))
         encoded, whole = _encode_shard(codec, s, d, reconstruction)
-        if whole is not None and not bool(whole.all()):  # a delta whose rows all coded whole is a plain one
-            entry["residual"] = True
-            residual_entries += 1
-            if bool(whole.any()):
-                entry["whole"] = {"count": int(whole.sum()), "blob": blobs.add(f"{prefix}/whole", encode_modes(whole))}
-                whole_rows += entry["whole"]["count"]
+        residual = whole is not None and not bool(whole.all())  # a delta whose rows all coded whole is a plain one
+        whole_ref = None
+        if residual and bool(whole.any()):
+            whole_ref = (int(whole.sum()), blobs.add(f"{prefix}/whole", encode_modes(whole)))
+            whole_rows += whole_ref[0]
+        residual_entries += residual
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
-        entry.update(write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields)))
+        stored = write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields))
         rows_written += encoded.num_rows
-        tables.setdefault(s.table, []).append(entry)
+        tables.setdefault(s.table, []).append(
+            table_entry(s.rows, s.cols, s.encoding, stored, ids=ids, residual=residual, whole=whole_ref))
     replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}
     dense = {name: blobs.add(f"dense/{name}", t) for name, t in staged.dense.items()}
     where = f"rank {staged.rank}"
@@ -105,23 +107,9 @@ def write_rank(
     mc_runtime = {t: flatten_state(v, f"mc/{t}", blobs, f"{where}: managed collision of '{t}'")
                   for t, v in staged.mc_runtime.items()}
 
-    return {
-        "rank": staged.rank,
-        "ok": True,
-        **blobs.finish(),
-        "tables": tables,
-        "replicated_tables": replicated,
-        "dense": dense,
-        "dense_optimizer": dense_opt,
-        "extra": extra,
-        "rng": rng,
-        **({"mc_runtime": mc_runtime} if mc_runtime else {}),
-        "tbe_iter": staged.tbe_iter,
-        "table_shapes": staged.table_shapes,
-        "rows_written": rows_written,
-        # Cross-checked with the entries' flags: a manifest that drops one is refused, not restored as whole rows.
-        **({"residual_entries": residual_entries} if residual_entries else {}),
-        **({"whole_rows": whole_rows} if whole_rows else {}),  # cross-checked with the bitmaps' counts likewise
-        "stall_ms": round(staged.stall_ms, 3),
-        "write_ms": round((time.perf_counter() - t0) * 1e3, 3),
-    }
+    return rank_report(
+        staged.rank, blobs.finish(), tables=tables, table_shapes=staged.table_shapes, rows_written=rows_written,
+        tbe_iter=staged.tbe_iter, replicated_tables=replicated, dense=dense, dense_optimizer=dense_opt, extra=extra,
+        rng=rng, mc_runtime=mc_runtime, residual_entries=residual_entries, whole_rows=whole_rows,
+        stall_ms=staged.stall_ms, write_ms=(time.perf_counter() - t0) * 1e3,
+    )

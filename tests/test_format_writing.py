@@ -1,0 +1,53 @@
+"""The format's writer (cnr_torchrec/ckpt/format/writing.py): its conditional keys, and bodies the schema accepts.
+
+End to end, every writer of the format goes through it (a save, the merge, the fold, cnr compact, the DCP
+import), and their tests restore what it wrote; here, the keys it leaves out or refuses.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from cnr_torchrec.ckpt.format import writing
+from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields
+
+_STORED = writing.row_keys({"method": "none"}, {"payload": "s0/w/payload"}, [(True, "s0/state0")], ("s0/crc32c", 8))
+
+
+def test_an_entry_carries_ids_modes_and_residual_only_where_given():
+    plain = writing.table_entry((0, 10), (0, 4), "full", _STORED)
+    assert {"ids", "residual", "whole"}.isdisjoint(plain)
+    assert plain["rows"] == [0, 10] and plain["checks"] == {"blob": "s0/crc32c", "rows": 8}
+    delta = writing.table_entry((0, 10), (0, 4), "rows", _STORED, ids=("list", 3, "s0/ids"), residual=True,
+                                whole=(1, "s0/whole"))
+    assert delta["ids"] == {"kind": "list", "count": 3, "blob": "s0/ids"}
+    assert delta["residual"] is True and delta["whole"] == {"count": 1, "blob": "s0/whole"}
+    with pytest.raises(ValueError, match="only a residual entry"):
+        writing.table_entry((0, 10), (0, 4), "rows", _STORED, whole=(1, "s0/whole"))
+
+
+def test_a_report_leaves_out_zero_counts_and_an_empty_mc_runtime():
+    payload = {"file": "f", "nbytes": 0, "chunk_bytes": 1, "chunks": [], "blobs": {}}
+    bare = writing.rank_report(1, payload, tables={}, table_shapes={"t": (4, 2)}, rows_written=0, tbe_iter=3)
+    assert {"residual_entries", "whole_rows", "mc_runtime"}.isdisjoint(bare)
+    assert bare["table_shapes"] == {"t": [4, 2]} and bare["ok"] is True and bare["file"] == "f"
+    full = writing.rank_report(1, payload, tables={}, table_shapes={}, rows_written=5, tbe_iter=3,
+                               residual_entries=2, whole_rows=4, mc_runtime={"t": {"x": 1}})
+    assert (full["residual_entries"], full["whole_rows"], full["mc_runtime"]) == (2, 4, {"t": {"x": 1}})
+    assert writing.failed_report(2, "why") == {"rank": 2, "ok": False, "error": "why"}
+
+
+def test_a_body_takes_replicated_tables_from_its_reports_unless_told():
+    reports = [{"rank": 0, "nbytes": 5, "replicated_tables": {"b": "rep/b"}},
+               {"rank": 1, "nbytes": 7, "replicated_tables": {"a": "rep/a"}}]
+    links = ChainLinks(3, 30, "delta", "previous", 2, 0, 3, {"a": "rows"}, "why")
+    job = JobFields(policy="consecutive", world_size=2, codec=writing.codec_description("none", None, {}), restores=1)
+    body = writing.manifest_body(links, job, tables={"a": (4, 2), "b": (2, 2)}, reports=reports)
+    assert body["replicated"] == ["a", "b"] and body["nbytes"] == 12 and body["depth"] == 3
+    assert {"equals", "compacted_from", "per_rank_state"}.isdisjoint(body)
+    compacted = writing.manifest_body(ChainLinks.baseline(4, 30, {"a": "full"}, "folded"), job, tables={},
+                                      reports=reports, replicated=[], equals=3, compacted_from=(0, 3),
+                                      per_rank_state=False)
+    assert compacted["replicated"] == [] and compacted["compacted_from"] == [0, 3] and compacted["equals"] == 3
+    assert (compacted["kind"], compacted["parent"], compacted["base"]) == ("baseline", None, 4)
+    assert compacted["per_rank_state"] is False
