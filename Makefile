@@ -10,7 +10,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_ARGS ?=
 
-.PHONY: install test demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
+.PHONY: install test lint demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -62,8 +62,12 @@ $(CUDA_DEPS): requirements.txt requirements-torchrec.txt requirements-test.txt s
 cuda-check: $(CUDA_DEPS) $(TEST_DEPS)
 	CPU_VENV=$(VENV) bash scripts/cuda_check.sh $(CUDA_VENV) .cuda-build $(PYTEST_ARGS)
 
-test: $(EMU) $(TEST_DEPS) nvcc-check
+test: lint $(EMU) $(TEST_DEPS) nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The linter over the library (config in pyproject.toml).
+lint: $(TEST_DEPS)
+	$(VENV)/bin/ruff check cnr_torchrec
 
 # The example job (cnr_dlrm/, beside the library, not in its wheel): torchrun's `-m` workers start in this
 # directory, which is how they find it. `python -m cnr_dlrm.report /tmp/cnr_demo --out plots/` plots the run

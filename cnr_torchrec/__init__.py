@@ -2,30 +2,34 @@
 
 from cnr_torchrec import ops  # noqa: F401  (registers torch.ops.cnr)
 from cnr_torchrec.ckpt import (
-    Checkpointer,
+    BudgetConfig,
     CheckpointConfig,
+    Checkpointer,
     CheckpointInfo,
+    CompactionConfig,
+    FailureConfig,
+    KeepConfig,
     QuantizationConfig,
     SaveHandle,
     load_config,
 )
 from cnr_torchrec.dmp import CheckNRunDMP
 from cnr_torchrec.errors import (
+    CheckpointerClosedError,
     CheckpointError,
     CheckpointNotFoundError,
-    CheckpointerClosedError,
     CnrError,
     ConfigError,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    MalformedLookupError,
     RestoreFailedError,
+    RowIdOutOfRangeError,
     SaveFailedError,
     StorageError,
-    UnsafeCheckpointError,
-    MalformedLookupError,
-    RowIdOutOfRangeError,
     TrackingNotEnabledError,
     UnknownTableError,
+    UnsafeCheckpointError,
     UnsupportedShardingError,
 )
 from cnr_torchrec.track import DirtyRowTracker
@@ -36,6 +40,10 @@ __all__ = [
     "CheckpointConfig",
     "CheckpointInfo",
     "QuantizationConfig",
+    "BudgetConfig",
+    "CompactionConfig",
+    "FailureConfig",
+    "KeepConfig",
     "SaveHandle",
     "load_config",
     "CheckpointError",

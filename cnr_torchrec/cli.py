@@ -173,8 +173,8 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.ckpt.tools.root import not_found_hint
+    from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.errors import CheckpointNotFoundError
 
     storage = _open(args)
@@ -283,9 +283,9 @@ def _check_out(out: str, what: str) -> None:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from cnr_torchrec.ckpt.tools.export import export_state_dict
-    from cnr_torchrec.ckpt.tools.dcp import export_dcp
     from cnr_torchrec.ckpt.tools.checked_chain import count_entries, load_chain
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp
+    from cnr_torchrec.ckpt.tools.export import export_state_dict
     from cnr_torchrec.ckpt.tools.root import resolve_id
 
     _check_out(args.out, "directory" if args.format == "dcp" else "file")

@@ -188,3 +188,18 @@ def test_the_example_job_and_models_are_not_in_the_library():
 ])
 def test_the_rule_on_known_cases(importer, target, allowed):
     assert (violations([Import("x.py:1", importer, target)]) == []) == allowed
+
+
+def test_the_package_exports_every_config_section():
+    """A user who builds a config in code reaches every section from ``cnr_torchrec`` itself."""
+    import dataclasses
+
+    import cnr_torchrec
+    from cnr_torchrec.ckpt import config
+
+    sections = [name for name, obj in vars(config).items()
+                if dataclasses.is_dataclass(obj) and isinstance(obj, type) and name.endswith("Config")
+                and obj.__module__ == config.__name__]
+    assert "KeepConfig" in sections
+    missing = [name for name in sections if name not in cnr_torchrec.__all__ or not hasattr(cnr_torchrec, name)]
+    assert not missing, f"config sections not exported by cnr_torchrec: {missing}"

@@ -1,13 +1,26 @@
 """Differential, quantized checkpoints of a CheckNRunDMP (Check-N-Run), on torchsnapshot's storage plugins."""
 
 from cnr_torchrec.ckpt.checkpointer import Checkpointer, CheckpointInfo, SaveHandle
-from cnr_torchrec.ckpt.config import POLICIES, CheckpointConfig, QuantizationConfig, load_config
+from cnr_torchrec.ckpt.config import (
+    POLICIES,
+    BudgetConfig,
+    CheckpointConfig,
+    CompactionConfig,
+    FailureConfig,
+    KeepConfig,
+    QuantizationConfig,
+    load_config,
+)
 
 __all__ = [
     "POLICIES",
+    "BudgetConfig",
     "Checkpointer",
     "CheckpointConfig",
     "CheckpointInfo",
+    "CompactionConfig",
+    "FailureConfig",
+    "KeepConfig",
     "QuantizationConfig",
     "SaveHandle",
     "load_config",

@@ -15,22 +15,22 @@ import torch.distributed as dist
 
 from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
+from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.failure_rates import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
+from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
+from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.stats import timed
-from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.retention import Retention
 from cnr_torchrec.ckpt.save.chain_book import ChainBook
 from cnr_torchrec.ckpt.save.commit import CheckpointInfo, Committer
-from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.save.planner import Decision, decide
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
@@ -280,8 +280,9 @@ class Checkpointer:
                                        world_size=self.world_size)
             log.info("next save at step %d: %s", self._plan.next_step, self._plan.why)
         decision = decide(
-            policy=self.config.policy, state=self._book.state, step=step, dirty_since_previous=vote.dirty_since_previous,
-            dirty_since_baseline=vote.dirty_since_baseline, held_rows=vote.held_rows,
+            policy=self.config.policy, state=self._book.state, step=step,
+            dirty_since_previous=vote.dirty_since_previous, dirty_since_baseline=vote.dirty_since_baseline,
+            held_rows=vote.held_rows,
             full_shard_fraction=self.config.full_shard_fraction,
             force_baseline=self._book.force_baseline, since_view=hang_on_compacted,
         )

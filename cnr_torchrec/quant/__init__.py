@@ -8,6 +8,14 @@ turns them back. Methods: ``none``, ``fp16``, ``bf16``, ``uniform_sym``,
 The kernels are ``torch.ops.cnr`` ops (see :mod:`cnr_torchrec.quant.ops`).
 """
 
+from cnr_torchrec.quant.encoded import EncodedRows
+from cnr_torchrec.quant.errors import (
+    EncodingFormatError,
+    InvalidRowsError,
+    NonFiniteRowsError,
+    RowOverflowError,
+    UnknownCodecError,
+)
 from cnr_torchrec.quant.registry import (
     METHODS,
     QUANT_BITS,
@@ -17,14 +25,6 @@ from cnr_torchrec.quant.registry import (
     decode,
     get_codec,
     rebuild,
-)
-from cnr_torchrec.quant.encoded import EncodedRows
-from cnr_torchrec.quant.errors import (
-    EncodingFormatError,
-    InvalidRowsError,
-    NonFiniteRowsError,
-    RowOverflowError,
-    UnknownCodecError,
 )
 
 __all__ = [

@@ -13,11 +13,11 @@ from cnr_torchrec.quant.base import (
     QUANT_BITS,
     Codec,
     Layout,
+    Param,
     check_status,
     dtype_param,
     int_param,
     overflow_rows,
-    Param,
 )
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import RowOverflowError

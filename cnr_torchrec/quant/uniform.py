@@ -9,17 +9,17 @@ import torch
 
 from cnr_torchrec.quant import ops
 from cnr_torchrec.quant.base import (
-    PARAM_DTYPES,
     _MAX_REPORTED_ROWS,
+    PARAM_DTYPES,
     QUANT_BITS,
     Codec,
     Layout,
+    Param,
     check_status,
     dtype_param,
     fraction_param,
     int_param,
     overflow_rows,
-    Param,
 )
 from cnr_torchrec.quant.encoded import EncodedRows
 from cnr_torchrec.quant.errors import NonFiniteRowsError, RowOverflowError, UnknownCodecError

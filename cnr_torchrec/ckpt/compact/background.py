@@ -36,15 +36,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt import fault_injection
+from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.config import CompactionConfig
+from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
-from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
-from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]

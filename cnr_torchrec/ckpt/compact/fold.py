@@ -30,15 +30,15 @@ from collections.abc import Callable
 from typing import Any
 
 from cnr_torchrec.ckpt.compact.merge import compacted_report
+from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
-from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.ckpt.format.writing import codec_description, table_entry
 from cnr_torchrec.ckpt.save.coding import encode_in_blocks
-from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.quant import EncodedRows, get_codec
 
 __all__ = ["FOLDED_CODEC", "LOSSLESS_CODEC", "Key", "fold_rank", "is_residual"]

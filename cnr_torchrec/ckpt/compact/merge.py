@@ -32,9 +32,9 @@ from typing import Any, NoReturn
 import numpy as np
 import torch
 
+from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
-from cnr_torchrec.ckpt.format.blocks import Region
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of

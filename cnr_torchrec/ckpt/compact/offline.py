@@ -13,7 +13,11 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-
+from cnr_torchrec.ckpt.compact.background import compacted_body
+from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
+from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
+from cnr_torchrec.ckpt.format.blocks import regions_of_layout
+from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import (
     ckpt_dir,
     committed_ids,
@@ -23,18 +27,13 @@ from cnr_torchrec.ckpt.format.commits import (
     seal,
     write_index,
 )
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.rows import write_rows
+from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.format.writing import codec_description, rank_report, table_entry
-from cnr_torchrec.ckpt.compact.background import compacted_body
-from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
-from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
-from cnr_torchrec.ckpt.format.blocks import regions_of_layout
 from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
+from cnr_torchrec.ckpt.format.writing import codec_description, rank_report, table_entry
 from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
@@ -110,8 +109,9 @@ def _files(report: dict[str, Any]) -> list[str]:
 
 def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: list[str],
                  progress: Progress | None) -> list[dict[str, Any]]:
-    """The lossless path: every rank file of the tip's layout merged (a residual chain: folded) in turn (``written`` collects the files,
-    for the caller's clean-up). Each rank copies its own per-rank state, and rank 0 the dense state."""
+    """The lossless path: every rank file of the tip's layout merged (a residual chain: folded) in turn
+    (``written`` collects the files, for the caller's clean-up). Each rank copies its own per-rank state, and
+    rank 0 the dense state."""
     tip = chain[-1]
     regions = regions_of_layout(tip)
     reports = []

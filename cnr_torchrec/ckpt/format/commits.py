@@ -60,7 +60,9 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-# 6: a residual entry may store some rows whole (its "whole" bitmap); 5: a CRC-32C per stored row (range reads check what they read); 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain lists; 2: XXH3 checksums (1: sha256)
+# 6: a residual entry may store some rows whole (its "whole" bitmap); 5: a CRC-32C per stored row (range
+# reads check what they read); 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain
+# lists; 2: XXH3 checksums (1: sha256)
 VERSION = 6
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")

@@ -111,8 +111,9 @@ def load_keyed(optimizer: Any, saved: Mapping[str, Any], where: str) -> None:
         raise
     except (KeyError, TypeError, ValueError, IndexError, RuntimeError) as e:
         _set_present(optimizer, before)
-        raise IncompatibleCheckpointError(f"{where}: {type(optimizer).__name__}.load_state_dict() refused the "
-                                          f"saved dense optimizer state ({type(e).__name__}: {e}); {RESTORE_FIX}") from None
+        raise IncompatibleCheckpointError(
+            f"{where}: {type(optimizer).__name__}.load_state_dict() refused the saved dense optimizer state "
+            f"({type(e).__name__}: {e}); {RESTORE_FIX}") from None
     key_of = {id(p): k for k, p in params.items()}
     for group in optimizer.param_groups:
         hyper = next((saved_group[key_of[id(p)]] for p in group["params"] if key_of[id(p)] in saved_group), {})

@@ -415,7 +415,8 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
         _blob_shape(f, blobs, names[key], f"{where}.blobs[{key!r}]", None)
         got = [blobs[names[key]].dtype, list(blobs[names[key]].shape)]
         if got != want:
-            f.fail(f"{where}.blobs[{key!r}]", f"names a blob of {got[0]} {got[1]}; the codec writes {want[0]} {want[1]}")
+            f.fail(f"{where}.blobs[{key!r}]",
+                   f"names a blob of {got[0]} {got[1]}; the codec writes {want[0]} {want[1]}")
 
 
 def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any]) -> None:

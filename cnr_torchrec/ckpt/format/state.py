@@ -158,6 +158,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
     py = state["python"]
     random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
     nps = state["numpy"]
-    np.random.set_state((nps["name"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["gauss"]))
+    keys = nps["keys"].numpy().astype(np.uint32)
+    np.random.set_state((nps["name"], keys, nps["pos"], nps["has_gauss"], nps["gauss"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(list(state["cuda"]))

@@ -24,8 +24,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
 from cnr_torchrec.ckpt.format.rows import RowReader

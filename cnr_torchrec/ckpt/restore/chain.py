@@ -21,16 +21,16 @@ import torch
 from torch import nn
 
 from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.precedence import newest_first
+from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.apply import Applier
-from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights
 from cnr_torchrec.ckpt.restore.compat import check_compatible
+from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights
 from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.restore.threads import wider_pool

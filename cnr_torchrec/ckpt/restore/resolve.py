@@ -37,8 +37,9 @@ def resolve_chain(
 
     Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
     links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
-    file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in ``bad`` (and chains through them) are skipped;
-    unless ``fail`` (``on_corrupt: fail``), corrupt ones found here are added to it.
+    file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in
+    ``bad`` (and chains through them) are skipped; unless ``fail`` (``on_corrupt: fail``), corrupt ones found
+    here are added to it.
     ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's). ``stats``: adds the
     time spent reading and checking manifests (``manifests_ms``).
 

@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from cnr_torchrec.ckpt import fault_injection
+from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields
 from cnr_torchrec.ckpt.save.planner import Decision

@@ -83,7 +83,8 @@ class Decision:
         return self.links().to_json()
 
 
-def intermittent_wants_baseline(baseline_bytes: int, delta_bytes: tuple[int, ...], predicted: float) -> tuple[bool, str]:
+def intermittent_wants_baseline(baseline_bytes: int, delta_bytes: tuple[int, ...],
+                                predicted: float) -> tuple[bool, str]:
     """The intermittent rule: restart the chain once the next delta would raise its average cost.
 
     A chain that has written a baseline of ``B`` bytes and deltas ``d_1..d_k`` has cost

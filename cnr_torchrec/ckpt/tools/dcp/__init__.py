@@ -19,9 +19,9 @@ manifest. DCP's metadata pickle is read through an allow-list, other values with
 ``torch.load(weights_only=True)``.
 """
 
+from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, OPTIM, TRAIN_STATE
 from cnr_torchrec.ckpt.tools.dcp.export import export_dcp
 from cnr_torchrec.ckpt.tools.dcp.importer import import_dcp
-from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, OPTIM, TRAIN_STATE
 from cnr_torchrec.ckpt.tools.dcp.load import DMPLoadPlanner, dense_optimizer_state_dict, load_dense_optimizer
 
 __all__ = ["OPTIM", "DENSE_OPTIM", "TRAIN_STATE", "DMPLoadPlanner", "dense_optimizer_state_dict", "export_dcp",

@@ -13,21 +13,26 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from cnr_torchrec.ckpt.format.blocks import regions_of_layout
 from cnr_torchrec.ckpt.format.chunks import PayloadReader
 from cnr_torchrec.ckpt.format.dense_optim import SavedDenseOptimizer
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.format.blocks import regions_of_layout
+from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
+from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, OPTIM, TRAIN_STATE, check_model_keys
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call
 from cnr_torchrec.ckpt.tools.dcp.mc import SEGMENTS, buffer_of, mc_prefix
-from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
-from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import ConfigError, CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track.managed_collision import sort_order

@@ -18,8 +18,8 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import (DefaultLoadPlanner, create_default_local_load_plan)
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata)
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
@@ -31,8 +31,14 @@ from cnr_torchrec.ckpt.format.dense_optim import (
 )
 from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
-from cnr_torchrec.errors import (CheckpointNotFoundError, CnrError, ConfigError, CorruptCheckpointError,
-                                 IncompatibleCheckpointError, UnsafeCheckpointError)
+from cnr_torchrec.errors import (
+    CheckpointNotFoundError,
+    CnrError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    UnsafeCheckpointError,
+)
 
 __all__ = ["DMPLoadPlanner", "dense_optimizer_state_dict", "load_dense_optimizer"]
 
