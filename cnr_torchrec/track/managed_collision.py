@@ -114,6 +114,27 @@ class McTable:
     def input_size(self) -> int:
         return int(self.mch._input_hash_size)
 
+    @property
+    def policy_name(self) -> str:
+        """The class name of the module's eviction policy."""
+        return type(self.mch._eviction_policy).__name__
+
+    def keep_scores(self, state: torch.Tensor, current_iter: int) -> torch.Tensor | None:
+        """The score the module's eviction policy gives each slot of ``state`` (by-row state, as :meth:`by_row`
+        gives it; higher is kept) at iteration ``current_iter``; None for a policy this library cannot rank
+        ids by (other than LFU, LRU and DistanceLFU)."""
+        from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy
+
+        policy = self.mch._eviction_policy
+        col = {name: state[:, j].double() for j, name in enumerate(self.fields)}
+        if isinstance(policy, DistanceLFU_EvictionPolicy):
+            return col["counts"] / torch.pow(current_iter - col["last_access_iter"] + 1, policy._decay_exponent)
+        if isinstance(policy, LRU_EvictionPolicy):
+            return col["last_access_iter"]
+        if isinstance(policy, LFU_EvictionPolicy):
+            return col["counts"]
+        return None
+
     # ---------------------------------------------------------------- by-row state
 
     def by_row(self, rows: torch.Tensor | None = None) -> torch.Tensor:

@@ -116,31 +116,18 @@ def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[d
     capacity = mc.num_rows - 1  # the last slot takes the ids the module misses; the module never fills it
     if mine.numel() > capacity:
         current = max((int(r["current_iter"]) for r in runtime), default=0)
-        scores = _keep_scores(mc, data.mc[mine], current)
+        scores = mc.keep_scores(data.mc[mine], current)
+        if scores is None:
+            raise IncompatibleCheckpointError(
+                f"table '{mc.table}': more held raw ids route to this rank than it has slots, and its eviction "
+                f"policy {mc.policy_name} is not one this library can rank ids by (LFU, LRU, DistanceLFU). "
+                "Restore onto a world size with more slots per rank")
         kept = mine[torch.argsort(scores, descending=True, stable=True)[:capacity]]
         log.warning("table '%s': %d held raw ids route to rank %d, which has %d slots for them; its eviction "
                     "policy (%s) kept %d and dropped %d", table, mine.numel(), rank, capacity,
-                    type(mc.mch._eviction_policy).__name__, capacity, mine.numel() - capacity)
+                    mc.policy_name, capacity, mine.numel() - capacity)
         mine = kept
     return mine[torch.argsort(raw[mine])]
-
-
-def _keep_scores(mc: McTable, state: torch.Tensor, current_iter: int) -> torch.Tensor:
-    """The eviction score the module's policy gives each held id (higher is kept), from its metadata."""
-    from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, LFU_EvictionPolicy, LRU_EvictionPolicy
-
-    policy = mc.mch._eviction_policy
-    col = {name: state[:, j].double() for j, name in enumerate(mc.fields)}
-    if isinstance(policy, DistanceLFU_EvictionPolicy):
-        return col["counts"] / torch.pow(current_iter - col["last_access_iter"] + 1, policy._decay_exponent)
-    if isinstance(policy, LRU_EvictionPolicy):
-        return col["last_access_iter"]
-    if isinstance(policy, LFU_EvictionPolicy):
-        return col["counts"]
-    raise IncompatibleCheckpointError(
-        f"table '{mc.table}': more held raw ids route to this rank than it has slots, and its eviction policy "
-        f"{type(policy).__name__} is not one this library can rank ids by (LFU, LRU, DistanceLFU). Restore onto "
-        "a world size with more slots per rank")
 
 
 def _write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int | None, mc: McTable,
