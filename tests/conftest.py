@@ -39,3 +39,13 @@ def group(tmp_path_factory):
     dist.init_process_group("gloo", store=store, rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+@pytest.fixture
+def storage(tmp_path):
+    """A Storage over a fresh root under ``tmp_path``, closed after the test."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    s = Storage(str(tmp_path / "root"))
+    yield s
+    s.close()

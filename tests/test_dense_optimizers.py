@@ -21,6 +21,8 @@ import torch
 from _dist import run_ranks
 from _toy import build_dmp, local_state
 
+from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
+
 pytestmark = pytest.mark.timeout(120)
 
 KEYED_WRAPPER = "torchrec.optim.keyed.KeyedOptimizerWrapper"
@@ -349,3 +351,46 @@ def test_dcp_export_carries_a_keyed_optimizer_by_name_and_leaves_an_opaque_one_o
     keys = dcp.FileSystemReader(str(tmp_path / "opaque.dcp")).read_metadata().state_dict_metadata
     assert keys and not any(k.startswith(f"{DENSE_OPTIM}.") for k in keys)
     assert "opaque (test_dense_optimizers.HeavyBall)" in caplog.text and "leaves it out" in caplog.text
+
+
+# ---- the dense optimizer's saved form, by parameter name (format/dense_optim.py)
+
+def _adam_after_a_step(model):
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    return opt
+
+
+def test_dense_optimizer_state_follows_parameter_names():
+    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state
+
+    torch.manual_seed(0)
+    saved_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    saved = named_state(saved_model, _adam_after_a_step(saved_model))
+    assert saved["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    # The same parameters in another order, and one the checkpoint does not know.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    model.extra = torch.nn.Parameter(torch.zeros(5))
+    opt = torch.optim.Adam([model[1].weight, model.extra, model[0].bias, model[0].weight, model[1].bias], lr=0.5)
+    load_named_state(model, opt, saved, "checkpoint 1")
+    by_name = dict(zip(saved["param_names"], range(4)))
+    for name, p in [("1.weight", model[1].weight), ("0.bias", model[0].bias), ("0.weight", model[0].weight)]:
+        assert torch.equal(opt.state[p]["exp_avg"], saved["state"][by_name[name]]["exp_avg"]), name
+    assert model.extra not in opt.state  # fresh
+    assert opt.param_groups[0]["lr"] == 0.01  # the saved group's hyperparameters
+
+
+def test_dense_optimizer_state_errors_are_named():
+    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state, param_names
+
+    model = torch.nn.Linear(3, 4)
+    saved = named_state(model, _adam_after_a_step(model))
+    other = torch.nn.Linear(3, 5)  # same names, other shapes
+    with pytest.raises(IncompatibleCheckpointError, match="'weight' is \\[4, 3\\] in the checkpoint"):
+        load_named_state(other, torch.optim.Adam(other.parameters()), saved, "checkpoint 1")
+    positional = {k: v for k, v in saved.items() if k != "param_names"}  # a checkpoint written before the names
+    with pytest.raises(IncompatibleCheckpointError, match="does not match the one saved"):
+        load_named_state(other, torch.optim.Adam([other.weight]), positional, "checkpoint 1")
+    with pytest.raises(ConfigError, match="not in the model"):
+        param_names(model, torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))

@@ -132,3 +132,25 @@ def _worker(rank, world_size, root):
 def test_partial_recovery_reloads_only_the_failed_rank(tmp_path):
     run_ranks(_worker, world_size=2, timeout=150, args=(str(tmp_path),))
 
+
+# ---- recover() refuses failed ranks that leave nothing to recover from (one process)
+
+@pytest.mark.parametrize("failed, why", [
+    ([], "give the ranks that failed"),
+    ([1], "give the ranks that failed"),  # outside a world of one rank
+    ([-1], "give the ranks that failed"),
+    ([0], "every rank failed"),
+])
+def test_recover_refuses_failed_ranks_that_leave_nothing_to_recover_from(group, tmp_path, failed, why):
+    from _toy import build_dmp
+
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.errors import ConfigError
+    from examples.toy import TableSpec
+
+    dmp, opt = build_dmp([TableSpec("t0", 40, 4, "table_wise", "ebc")])
+    with Checkpointer(dmp, load_config({"root": str(tmp_path)}), dense_optimizer=opt) as ck:
+        ck.save(1).wait()
+        with pytest.raises(ConfigError, match=why):
+            ck.recover(failed)
+        assert ck.list()[-1].step == 1  # nothing was touched
