@@ -174,8 +174,8 @@ def test_retention_and_restore_take_the_same_newest_on_a_compacted_root(group, t
         catalog = Catalog.load(storage)
         assert catalog.newest_first() == [3, 2, 4, 1, 0]
         assert catalog.retained(KeepConfig(checkpoints=1)) == {0, 1, 2, 3}  # step 40's chain, not 4
-        assert resolve_chain(storage, None, {}, fail=True)[0]["chain"] == [0, 1, 2, 3]
-        assert resolve_chain(storage, 20, {}, fail=True)[0]["chain"] == [4]  # of its step: the shorter chain
+        assert resolve_chain(storage, None, {}, fail=True)[0].chain == (0, 1, 2, 3)
+        assert resolve_chain(storage, 20, {}, fail=True)[0].chain == (4,)  # of its step: the shorter chain
         assert resolve_id(storage) == 3  # what `cnr export` and `cnr compact` take with no id: restore's newest
     finally:
         storage.close()

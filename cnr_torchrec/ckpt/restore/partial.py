@@ -162,16 +162,16 @@ class Recovery:
         survivor = min(r for r in range(world) if r not in failed)
         # Rank 0 resolves; the survivors read nothing else, and the failed ranks load the pick's manifests below.
         pick, chain = self._restorer.agree_on_pick(step, {}, local=False)
-        if not pick["chain"]:
+        if not pick.chain:
             raise CheckpointNotFoundError(self._restorer.not_found(step))
         stats: dict[str, int] = {}
         failure, cause = None, None
         try:
-            chain = chain or [load_manifest(self._storage, i) for i in pick["chain"]]
+            chain = chain or [load_manifest(self._storage, i) for i in pick.chain]
             if rank in failed:
                 self._reload(chain, stats)
         except Exception as e:  # the other ranks must hear of it before any broadcast
-            failure, cause = Failure.of(e, rank, f"recovering from checkpoint {pick['chain'][-1]}"), e
+            failure, cause = Failure.of(e, rank, f"recovering from checkpoint {pick.chain[-1]}"), e
         self._ranks.raise_any(failure, cause)
         sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivor)
         if rank in failed:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt.format.commits import (
@@ -24,7 +25,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["resolve_chain"]
+__all__ = ["Pick", "resolve_chain"]
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 def resolve_chain(
     storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False,
     stats: dict[str, float] | None = None,
-) -> tuple[dict[str, Any], list[Manifest] | None]:
+) -> tuple[Pick, list[Manifest] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
     Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
@@ -47,8 +48,7 @@ def resolve_chain(
     raises what it raises on every rank.
 
     Returns:
-        ``({"chain": ids, "skipped": ...}, manifests)`` for the pick;
-        ``({"chain": [], "skipped": ...}, None)`` when none is left.
+        ``(Pick, manifests)`` for the pick; ``(Pick with an empty chain, None)`` when none is left.
 
     Raises:
         CorruptCheckpointError: under ``on_corrupt: fail``, a checkpoint it looks at is unsound
@@ -58,6 +58,26 @@ def resolve_chain(
             an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
     return _Resolver(storage, bad, fail, quiet, stats).pick(step)
+
+
+@dataclass(frozen=True)
+class Pick:
+    """The checkpoint a restore takes, as rank 0 chose it and every rank hears it.
+
+    Attributes:
+        chain: the ids to apply, baseline first; empty when no checkpoint is left to restore.
+        skipped: ``(id, why)`` of each checkpoint found unsound on the way (each rank logs them).
+    """
+
+    chain: tuple[int, ...] = ()
+    skipped: tuple[tuple[int, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"chain": list(self.chain), "skipped": [[i, why] for i, why in self.skipped]}
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> Pick:
+        return cls(tuple(int(i) for i in doc["chain"]), tuple((int(i), str(why)) for i, why in doc["skipped"]))
 
 
 class _Through(Exception):
@@ -70,21 +90,21 @@ class _Resolver:
     def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool,
                  stats: dict[str, float] | None = None) -> None:
         self.storage, self.bad, self.fail, self.quiet, self.stats = storage, bad, fail, quiet, stats
-        self.skipped: list[list[Any]] = []  # [id, why] found unsound in this call, for the other ranks' logs
+        self.skipped: list[tuple[int, str]] = []  # (id, why) found unsound in this call, for the other ranks' logs
         self._loaded: dict[int, Manifest] = {}
 
-    def pick(self, step: int | None) -> tuple[dict[str, Any], list[Manifest] | None]:
+    def pick(self, step: int | None) -> tuple[Pick, list[Manifest] | None]:
         for m in self._candidates():
             if step is not None and m.step != step:
                 continue
             chain = self._sound_chain_or_skip(m)
             if chain is not None:
-                return {"chain": [c.id for c in chain], "skipped": self.skipped}, chain
-        return {"chain": [], "skipped": self.skipped}, None
+                return Pick(tuple(c.id for c in chain), tuple(self.skipped)), chain
+        return Pick((), tuple(self.skipped)), None
 
     def _skip(self, cid: int, why: str) -> None:
         self.bad[cid] = why
-        self.skipped.append([cid, why])
+        self.skipped.append((cid, why))
         if not self.quiet:
             log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", cid, why)
 

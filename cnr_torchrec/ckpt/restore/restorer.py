@@ -22,7 +22,7 @@ from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
-from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.ckpt.restore.resolve import Pick, resolve_chain
 from cnr_torchrec.ckpt.restore.rollback import Snapshot
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.ckpt.restore.threads import decode_threads
@@ -89,15 +89,15 @@ class Restorer:
         while True:
             with timed(self.stats, "resolve_ms"):
                 pick, chain = self.agree_on_pick(step, bad, local=True)
-            for i, why in pick["skipped"]:
+            for i, why in pick.skipped:
                 if self.rank != 0:  # rank 0 logged them as it found them; every rank's log should say
                     log.warning("restore: skipping checkpoint %d: %s (on_corrupt: fallback)", i, why)
                 bad[i] = why
-            if not pick["chain"]:
+            if not pick.chain:
                 if bad:
                     raise self._none_restores(step, bad)
                 raise CheckpointNotFoundError(self.not_found(step))
-            ids = pick["chain"]
+            ids = list(pick.chain)
             status, own, chain, staged = self._attempt(ids, chain, model_tables, per_rank_state, stage, buffers)
             with timed(self.stats, "agree_ms"):
                 failed = self._ranks.failures(status)
@@ -213,14 +213,14 @@ class Restorer:
 
     def _resolve(
         self, step: int | None, bad: dict[int, str], quiet: bool = False
-    ) -> tuple[dict[str, Any], list[Manifest] | None]:
+    ) -> tuple[Pick, list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet,
                              stats=self.stats)
 
     def agree_on_pick(
         self, step: int | None, bad: dict[int, str], *, local: bool
-    ) -> tuple[dict[str, Any], list[Manifest] | None]:
+    ) -> tuple[Pick, list[Manifest] | None]:
         """Rank 0's pick for a restore, on every rank, and the pick's manifests where this rank has them.
 
         Collective. Rank 0 resolves (and adds what it finds unsound to ``bad``); if it
@@ -229,20 +229,20 @@ class Restorer:
         touching ``bad``: only a speed-up, so that a rank whose pick matches rank 0's keeps
         the manifests it has loaded; its own failures are rank 0's to report.
         """
-        mine: dict[str, Any] = {}
+        mine: Pick | None = None
         chain: list[Manifest] | None = None
         if local and self.rank != 0:
             try:
                 mine, chain = self._resolve(step, dict(bad), quiet=True)
             except Exception:  # noqa: BLE001 - rank 0's pick decides, and rank 0 reports its own failures
-                mine, chain = {}, None
+                mine, chain = None, None
 
         def resolve_on_rank0() -> dict[str, Any]:
             nonlocal mine, chain
             mine, chain = self._resolve(step, bad)
-            return mine
+            return mine.to_json()  # it reaches the other ranks as JSON
 
-        pick = self._ranks.from_rank0(resolve_on_rank0, what="choosing the checkpoint to restore")
-        if mine.get("chain") != pick["chain"]:
+        pick = Pick.from_json(self._ranks.from_rank0(resolve_on_rank0, what="choosing the checkpoint to restore"))
+        if mine is None or mine.chain != pick.chain:
             chain = None
         return pick, chain
