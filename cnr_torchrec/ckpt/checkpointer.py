@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
 import logging
 import os
@@ -36,13 +37,14 @@ from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
 from cnr_torchrec.ckpt.save.vote import SaveVote
 from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
+from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
 
 log = logging.getLogger(__name__)
 
 
-def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
+def _table_fqns(model: torch.nn.Module, tracker: DirtyRowTracker) -> dict[str, str]:
     """Each table's weight name in the unsharded model ("ebc.embedding_bags.t0.weight"), for exports."""
     out = {}
     names = [n.removeprefix("module.") for n, _ in model.named_parameters()]
@@ -53,7 +55,7 @@ def _table_fqns(model: torch.nn.Module, tracker: Any) -> dict[str, str]:
     return out
 
 
-def _check_arguments(model: torch.nn.Module, config: Any, dense_optimizer: Any,
+def _check_arguments(model: torch.nn.Module, config: CheckpointConfig, dense_optimizer: Any,
                      extra_state: dict[str, Any] | None) -> Any:
     """The model's tracker, once the Checkpointer's arguments are found usable.
 
@@ -74,7 +76,7 @@ def _check_arguments(model: torch.nn.Module, config: Any, dense_optimizer: Any,
     return tracker
 
 
-def _enable_views(tracker: Any, config: CheckpointConfig) -> None:
+def _enable_views(tracker: DirtyRowTracker, config: CheckpointConfig) -> None:
     """Turns on what the config needs of the tracker: the "since baseline" view, the row counters.
 
     Raises:
@@ -518,6 +520,8 @@ class Checkpointer:
 
     def _settle(self, handle: SaveHandle) -> None:
         """Waits for ``handle`` and folds its outcome into the chain state (once)."""
+        if handle.decision is None:
+            return  # a save on_busy: skip dropped: nothing was written, so the chain is as it was
         try:
             info = handle.wait()
         except SaveFailedError as e:
@@ -583,7 +587,7 @@ class Checkpointer:
                 log.log(level, "bits: auto -> %s-bit %s: %s", bits, self.config.quantization.method, why)
         return codec
 
-    def _continue_chain(self, chain: list[Manifest]) -> None:
+    def _continue_chain(self, chain: builtins.list[Manifest]) -> None:
         """Chain state after a restore of ``chain``: consecutive goes on from its tip; others take a baseline.
 
         Collective: rank 0 lists the root, and a failure raises StorageError on every rank.

@@ -19,18 +19,19 @@ import torch
 import torch.distributed as dist
 
 from cnr_torchrec.errors import ConfigError
+from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["HostUse", "check_host_memory", "fold_bytes", "host_available_bytes", "host_uses", "reconstruction_bytes",
            "shard_states", "short_of_memory", "staging_bytes"]
 
 
-def reconstruction_bytes(tracker: Any) -> int:
+def reconstruction_bytes(tracker: DirtyRowTracker) -> int:
     """Bytes of the float32 copy of this rank's shards that residual coding keeps."""
     return sum(shard.num_rows * (shard.cols[1] - shard.cols[0]) * 4
                for table in tracker.tables() for _, shard in tracker.shards(table))
 
 
-def shard_states(tracker: Any) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
+def shard_states(tracker: DirtyRowTracker) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
     """(table, shard, its fused optimizer's state tensors) for every local shard; each TBE asked once."""
     asked: dict[int, list] = {}
     for table in tracker.tables():
@@ -42,7 +43,7 @@ def shard_states(tracker: Any) -> Iterator[tuple[str, Any, list[torch.Tensor]]]:
             yield table, shard, list(states[shard.local_index]) if states else []
 
 
-def staging_bytes(tracker: Any) -> int:
+def staging_bytes(tracker: DirtyRowTracker) -> int:
     """Bytes a baseline copies to host memory before it writes (:mod:`~cnr_torchrec.ckpt.save.staging`): every
     local shard's weights and fused optimizer state, as they are stored."""
     weights: dict[int, list[torch.Tensor]] = {}  # each TBE's split weights, asked once
@@ -55,7 +56,7 @@ def staging_bytes(tracker: Any) -> int:
     return total + sum(s.numel() * s.element_size() for _, _, states in shard_states(tracker) for s in states)
 
 
-def fold_bytes(tracker: Any) -> int:
+def fold_bytes(tracker: DirtyRowTracker) -> int:
     """Bytes a background compaction of a residual chain adds (:mod:`~cnr_torchrec.ckpt.compact.fold`): while it
     folds this rank's largest shard, its float32 sums, each optimizer state as float32 per value, and two masks
     of a byte per value; and until the delta that hangs on the fold commits, every shard's folded rows at

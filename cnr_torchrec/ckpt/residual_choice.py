@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 from cnr_torchrec.ckpt._collective import Ranks
 from cnr_torchrec.ckpt.config import CheckpointConfig
@@ -32,13 +31,14 @@ from cnr_torchrec.ckpt.host_memory import (
 )
 from cnr_torchrec.ckpt.save.staging import is_rowwise
 from cnr_torchrec.errors import ConfigError
+from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["choose_residual", "per_column_state_tables"]
 
 log = logging.getLogger(__name__)
 
 
-def per_column_state_tables(tracker: Any) -> list[str]:
+def per_column_state_tables(tracker: DirtyRowTracker) -> list[str]:
     """This rank's tables whose fused optimizer keeps state per column (one value per weight), sorted."""
     return sorted({table for table, shard, states in shard_states(tracker)
                    if not all(is_rowwise(s, shard.num_rows) for s in states)})
@@ -49,7 +49,7 @@ HEADROOM = 1.1
 restore reads."""
 
 
-def _memory(tracker: Any, distributed: bool, compaction: bool) -> None:
+def _memory(tracker: DirtyRowTracker, distributed: bool, compaction: bool) -> None:
     """Logs the host memory residual coding keeps; ConfigError, on every rank, where a host does not have it.
 
     Besides the copy itself (which a restore stages into, and a baseline replaces as it writes), the job will
@@ -71,7 +71,7 @@ def _memory(tracker: Any, distributed: bool, compaction: bool) -> None:
              available)
 
 
-def choose_residual(config: CheckpointConfig, tracker: Any, ranks: Ranks) -> CheckpointConfig:
+def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: Ranks) -> CheckpointConfig:
     """``config`` with ``quantization.residual`` decided (True or False) for this job. Collective.
 
     Raises:

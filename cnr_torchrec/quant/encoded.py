@@ -49,11 +49,16 @@ class EncodedRows:
     FORMAT: ClassVar[str] = "cnr_torchrec.quant.EncodedRows"
     VERSION: ClassVar[int] = 1
 
+    def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> EncodedRows:
+        """These rows with ``tensors`` (named as :meth:`to_tensors` names them) in place of their own."""
+        fields: dict[str, Any] = dict(tensors)
+        return dataclasses.replace(self, **fields)
+
     def take(self, rows: torch.Tensor) -> EncodedRows:
         """The rows ``rows`` (int64 positions) of these, still encoded (every tensor holds one entry per row)."""
         if rows.numel() == self.num_rows and bool((rows == torch.arange(rows.numel())).all()):
             return self
-        return dataclasses.replace(self, **{k: v.index_select(0, rows) for k, v in self.to_tensors().items()})
+        return self.with_tensors({k: v.index_select(0, rows) for k, v in self.to_tensors().items()})
 
     def __post_init__(self) -> None:
         if not isinstance(self.payload, torch.Tensor) or self.payload.dtype != torch.uint8 or self.payload.dim() != 2:
@@ -148,7 +153,7 @@ class EncodedRows:
 
     def to(self, device: torch.device | str) -> EncodedRows:
         """A copy whose tensors are on ``device``."""
-        return dataclasses.replace(self, **{k: v.to(device) for k, v in self.to_tensors().items()})
+        return self.with_tensors({k: v.to(device) for k, v in self.to_tensors().items()})
 
 
 def _describe(t: object) -> str:

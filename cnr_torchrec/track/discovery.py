@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from torch import nn
 from torchrec.distributed.embedding import ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 from torchrec.distributed.types import ShardingType
@@ -19,6 +18,7 @@ from torchrec.distributed.types import ShardingType
 from cnr_torchrec.errors import UnsupportedShardingError
 from cnr_torchrec.track.managed_collision import inner_module
 from cnr_torchrec.track.tbe_cache import why_cache_inexact
+from cnr_torchrec.track.torchrec_types import TorchRecModule
 
 __all__ = ["ShardSlice", "TrackedKernel", "find_kernels", "plan_table_shapes"]
 
@@ -57,8 +57,8 @@ class TrackedKernel:
 
     module_fqn: str
     sharding_type: str
-    kernel: nn.Module
-    tbe: nn.Module
+    kernel: TorchRecModule
+    tbe: TorchRecModule
     num_rows: int
     shards: list[ShardSlice] = field(default_factory=list)
 
@@ -67,12 +67,12 @@ class TrackedKernel:
         return self.sharding_type == ShardingType.DATA_PARALLEL.value
 
 
-def _unwrap(lookup: nn.Module) -> nn.Module:
+def _unwrap(lookup: TorchRecModule) -> TorchRecModule:
     # Data-parallel lookups are wrapped in DistributedDataParallel.
     return lookup.module if hasattr(lookup, "module") and hasattr(lookup.module, "_emb_modules") else lookup
 
 
-def plan_table_shapes(dmp: nn.Module) -> dict[str, dict[str, object]]:
+def plan_table_shapes(dmp: TorchRecModule) -> dict[str, dict[str, object]]:
     """Every sharded table of the plan, with its module, sharding type and compute kernel.
 
     Raises:
@@ -106,7 +106,7 @@ def plan_table_shapes(dmp: nn.Module) -> dict[str, dict[str, object]]:
     return tables
 
 
-def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
+def find_kernels(dmp: TorchRecModule) -> list[TrackedKernel]:
     """All TBE kernels of the sharded EBCs/ECs inside ``dmp`` on this rank.
 
     Raises:
@@ -153,7 +153,7 @@ def find_kernels(dmp: nn.Module) -> list[TrackedKernel]:
     return found
 
 
-def _describe(fqn: str, sharding_type: str, kernel: nn.Module, tbe: nn.Module) -> TrackedKernel:
+def _describe(fqn: str, sharding_type: str, kernel: TorchRecModule, tbe: TorchRecModule) -> TrackedKernel:
     tables = kernel.config.embedding_tables
     shards: list[ShardSlice] = []
     flat = 0

@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 from cnr_torchrec.errors import UnsupportedShardingError
+from cnr_torchrec.track.torchrec_types import TorchRecModule
 
 __all__ = ["EMPTY", "McTable", "empty_state", "find_mc_tables", "inner_module", "route", "sort_order"]
 
@@ -47,7 +47,7 @@ Mark = Callable[[str, torch.Tensor], None]
 """Marks global rows of a table dirty: ``mark(table, global_rows)``."""
 
 
-def inner_module(module: nn.Module) -> nn.Module | None:
+def inner_module(module: TorchRecModule) -> TorchRecModule | None:
     """The sharded EBC/EC inside a sharded managed-collision module, or None for any other module.
 
     Raises:
@@ -94,8 +94,10 @@ class McTable:
     """
 
     table: str
-    module: nn.Module
-    mch: nn.Module
+    # TorchRec's modules, whose buffers, policy and plan this class reads by name: typed Any, since nn.Module's
+    # __getattr__ would type every one of them Tensor | Module.
+    module: Any
+    mch: Any
 
     @property
     def fields(self) -> tuple[str, ...]:
@@ -304,7 +306,8 @@ class McTable:
         return lambda: mch.__dict__.pop("_update_and_evict", None)
 
 
-def find_mc_tables(dmp: nn.Module, mark: Mark | None = None) -> tuple[dict[str, McTable], list[Callable[[], None]]]:
+def find_mc_tables(dmp: TorchRecModule,
+                   mark: Mark | None = None) -> tuple[dict[str, McTable], list[Callable[[], None]]]:
     """This rank's managed-collision tables of ``dmp``, by table; with ``mark``, their eviction paths watched
     (returns the undos too).
 

@@ -26,10 +26,12 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from cnr_torchrec.track.torchrec_types import TorchRecModule
+
 __all__ = ["flush_caches", "has_cache", "invalidate_caches", "why_cache_inexact"]
 
 
-def has_cache(tbe: nn.Module) -> bool:
+def has_cache(tbe: TorchRecModule) -> bool:
     """Whether ``tbe`` holds rows in a software cache (FBGEMM's own test: a non-empty cache)."""
     cache = getattr(tbe, "lxu_cache_weights", None)
     return isinstance(cache, torch.Tensor) and cache.numel() > 0
@@ -49,7 +51,7 @@ def invalidate_caches(tbes: Iterable[nn.Module]) -> None:
             tbe.reset_cache_states()
 
 
-def why_cache_inexact(tbe: nn.Module) -> str | None:
+def why_cache_inexact(tbe: TorchRecModule) -> str | None:
     """Why checkpoints of ``tbe`` could not be exact, or None when they can.
 
     A cache wider than the weights (an fp32 cache over fp16 weights) trains at the

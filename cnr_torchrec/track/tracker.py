@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from cnr_torchrec.track.counters import LookupCounters
-from cnr_torchrec.track.discovery import ShardSlice, TrackedKernel, find_kernels, plan_table_shapes
+from cnr_torchrec.track.discovery import ShardSlice, TorchRecModule, TrackedKernel, find_kernels, plan_table_shapes
 from cnr_torchrec.track.hooks import LookupHooks, _KernelState
 from cnr_torchrec.track.intervals import DirtyIntervals
 from cnr_torchrec.track.layout import ShardLayout
@@ -94,7 +94,7 @@ class DirtyRowTracker:
 
     def __init__(
         self,
-        dmp: nn.Module,
+        dmp: TorchRecModule,
         *,
         count_updates: bool = False,
         baseline_view: bool = False,

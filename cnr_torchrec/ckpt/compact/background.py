@@ -46,6 +46,7 @@ from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
+from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 
@@ -54,7 +55,7 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05  # the save thread may hold the store client in a long wait: never block on it here
 
 
-def regions_of_tracker(tracker: Any, rank: int) -> list[Region]:
+def regions_of_tracker(tracker: DirtyRowTracker, rank: int) -> list[Region]:
     """The blocks of the tables this rank writes in a merge: its shards under the current plan, and on
     rank 0 every data-parallel table whole (every rank holds those alike)."""
     regions = []
@@ -89,8 +90,8 @@ class Compaction:
             the folded rows (:attr:`folded`) for its reconstruction.
     """
 
-    def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int, tracker: Any,
-                 open_storage: Callable[[], Storage], store: Any, timeout_s: float,
+    def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int,
+                 tracker: DirtyRowTracker, open_storage: Callable[[], Storage], store: Any, timeout_s: float,
                  on_commit: Callable[[Manifest, Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  pool: IOPool | None = None, residual: bool = False) -> None:
         self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size

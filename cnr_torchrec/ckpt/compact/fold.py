@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cnr_torchrec.ckpt.compact.merge import compacted_report
-from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.blocks import Region, ShardKey, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
@@ -48,7 +48,7 @@ FOLDED_CODEC = codec_description("adaptive", 8, {}, with_setting=False)
 LOSSLESS_CODEC = codec_description("none", None, {}, with_setting=False)
 """float32 sums: ``cnr compact``'s fold, which restores bit for bit what the chain restores."""
 
-Key = tuple[str, tuple[int, int], tuple[int, int]]
+Key = ShardKey
 """A region as the reconstruction names a shard: (table, rows, cols)."""
 
 
@@ -95,7 +95,7 @@ def fold_rank(
         entry = table_entry(region.rows, region.cols, "full",
                             write_rows(blobs, f"f{i}", encoded, states, data.mc_rows(whole[0])))
         if keep is not None:
-            keep((region.table, tuple(region.rows), tuple(region.cols)), encoded)
+            keep(shard_key(region.table, region.rows, region.cols), encoded)
         tables.setdefault(region.table, []).append(entry)
         rows_written += region.rows[1] - region.rows[0]
         del data, states, encoded  # one region's sums at a time

@@ -23,7 +23,6 @@ The merged checkpoint therefore holds entries only.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
@@ -216,7 +215,7 @@ def _partly_superseded(s: _Stored, row: int, newer: list[int]) -> NoReturn:
 def _concat(parts: list[EncodedRows]) -> EncodedRows:
     first = parts[0]
     tensors = [p.to_tensors() for p in parts]
-    return dataclasses.replace(first, **{k: torch.cat([t[k] for t in tensors]) for k in tensors[0]})
+    return first.with_tensors({k: torch.cat([t[k] for t in tensors]) for k in tensors[0]})
 
 
 def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefix: str,

@@ -7,6 +7,7 @@ table exactly once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +16,15 @@ from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["Region", "regions_of_layout"]
+__all__ = ["ShardKey", "shard_key", "Region", "regions_of_layout"]
+
+ShardKey = tuple[str, tuple[int, int], tuple[int, int]]
+"""A shard: (table, global rows ``[start, end)``, global columns ``[start, end)``)."""
+
+
+def shard_key(table: str, rows: Sequence[int], cols: Sequence[int]) -> ShardKey:
+    """The :data:`ShardKey` of a shard of ``table`` (ranges as lists or tuples)."""
+    return (table, (int(rows[0]), int(rows[1])), (int(cols[0]), int(cols[1])))
 
 
 @dataclass(frozen=True)

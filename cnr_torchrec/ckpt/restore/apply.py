@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from cnr_torchrec.ckpt.format.blocks import shard_key
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.state import stored_offsets
@@ -70,7 +71,7 @@ class _Target:
     def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False,
                  mc: McTable | None = None, stage: bool = False, buffer: torch.Tensor | None = None) -> None:
         self.kernel, self.shard = kernel, shard
-        self.key = (shard.table, tuple(shard.rows), tuple(shard.cols))
+        self.key = shard_key(shard.table, shard.rows, shard.cols)
         self.coverage = Coverage(shard.num_rows, segments_of(tuple(shard.cols), breaks))  # which copy wins
         self.segments = list(self.coverage.filled)
         self.filled = self.coverage.filled
@@ -176,7 +177,7 @@ class Applier:
         buffers = buffers or {}
         self.targets = {
             table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage,
-                            buffers.get((table, tuple(s.rows), tuple(s.cols))))
+                            buffers.get(shard_key(table, s.rows, s.cols)))
                     for k, s in tracker.shards(table)]
             for table, cuts in breaks.items() if table not in exclude
         }

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 
 import torch
 
+from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Key", "StagedWeights", "can_stage", "fits", "host_copy", "stageable_weights"]
 
-Key = tuple[str, tuple[int, int], tuple[int, int]]
+Key = ShardKey
 """A shard: (table, global rows, global columns)."""
 
 
@@ -47,7 +48,7 @@ def stageable_weights(tracker: DirtyRowTracker) -> Iterator[tuple[Key, torch.Ten
         for kernel, shard in tracker.shards(table):
             weights = kernel.tbe.split_embedding_weights()[shard.local_index]
             if can_stage(weights):
-                yield (table, tuple(shard.rows), tuple(shard.cols)), weights
+                yield shard_key(table, shard.rows, shard.cols), weights
 
 
 class StagedWeights:

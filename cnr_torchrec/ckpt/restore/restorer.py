@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
+from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
@@ -32,6 +33,7 @@ from cnr_torchrec.errors import (
     IncompatibleCheckpointError,
     RestoreFailedError,
 )
+from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["Restorer"]
@@ -42,8 +44,8 @@ log = logging.getLogger(__name__)
 class Restorer:
     """Restores for one :class:`~cnr_torchrec.ckpt.Checkpointer`: its storage, I/O threads, ranks and state."""
 
-    def __init__(self, config: Any, *, storage: Storage, io: IOPool, ranks: Ranks, model: Any, tracker: Any,
-                 dense_optimizer: Any, extra_state: dict[str, Any]) -> None:
+    def __init__(self, config: CheckpointConfig, *, storage: Storage, io: IOPool, ranks: Ranks, model: Any,
+                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any]) -> None:
         self.config, self._storage, self._io, self._ranks = config, storage, io, ranks
         self.model, self.tracker = model, tracker
         self.dense_optimizer, self.extra_state = dense_optimizer, extra_state

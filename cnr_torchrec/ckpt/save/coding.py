@@ -103,7 +103,7 @@ def _pick(mask: torch.Tensor, a: EncodedRows, b: EncodedRows) -> EncodedRows:
     if not bool(mask.any()):
         return b
     ta = a.to_tensors()
-    return dataclasses.replace(b, **{
+    return b.with_tensors({
         k: torch.where(mask.view(-1, *([1] * (v.dim() - 1))), ta[k], v) for k, v in b.to_tensors().items()})
 
 
@@ -124,4 +124,4 @@ def _in_blocks(codec: Codec, n: int, dim: int, block_bytes: int,
             return _in_blocks(codec_for(wider), n, dim, block_bytes, code)
         for k, v in part.to_tensors().items():
             out[k][lo : lo + v.shape[0]] = v
-    return dataclasses.replace(first, **out)
+    return first.with_tensors(out)

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt import fault_injection
+from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
@@ -96,7 +97,8 @@ class Committer:
         on_commit: rank 0 calls it with each committed body and its storage (retention).
     """
 
-    def __init__(self, config: Any, *, rank: int, world_size: int, distributed: bool, store: Any, io: IOPool,
+    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, distributed: bool, store: Any,
+                 io: IOPool,
                  staging: StagingBuffers, tables: list[str],
                  on_commit: Callable[[Manifest, Storage], None],
                  reconstruction: Reconstruction | None = None) -> None:

@@ -9,6 +9,7 @@ see). So no rank ever has to be told the decision.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -107,9 +108,9 @@ def decide(
     policy: str,
     state: ChainState,
     step: int,
-    dirty_since_previous: dict[str, int],
-    dirty_since_baseline: dict[str, int],
-    held_rows: dict[str, int],
+    dirty_since_previous: Mapping[str, int],
+    dirty_since_baseline: Mapping[str, int],
+    held_rows: Mapping[str, int],
     full_shard_fraction: float,
     force_baseline: str = "",
     since_view: bool = False,
@@ -127,12 +128,11 @@ def decide(
         since_view: consecutive only: the chain is a compacted baseline alone, and the delta
             holds the rows of the "since baseline" view (dirty since the compaction's tip).
     """
-    base = dict(ckpt_id=state.next_id, step=step)
     full = {t: "full" for t in held_rows}
     if force_baseline or not state.chain or policy == "full":
         reason = force_baseline or ("first checkpoint" if not state.chain else "policy full")
-        return Decision(**base, kind="baseline", since=None, parent=None, chain=(state.next_id,),
-                        encodings=full, reason=reason)
+        return Decision(ckpt_id=state.next_id, step=step, kind="baseline", since=None, parent=None,
+                        chain=(state.next_id,), encodings=full, reason=reason)
 
     dirty = dirty_since_previous if policy == "consecutive" and not since_view else dirty_since_baseline
     encodings = {
@@ -146,8 +146,8 @@ def decide(
         want, why = intermittent_wants_baseline(state.baseline_bytes, state.delta_bytes, predicted)
         log.info("intermittent at step %d: %s -> %s", step, why, "new baseline" if want else "delta")
         if want:
-            return Decision(**base, kind="baseline", since=None, parent=None, chain=(state.next_id,),
-                            encodings=full, reason=f"intermittent: {why}")
+            return Decision(ckpt_id=state.next_id, step=step, kind="baseline", since=None, parent=None,
+                            chain=(state.next_id,), encodings=full, reason=f"intermittent: {why}")
         reason = f"intermittent: {why}"
     else:
         reason = f"policy {policy}"
@@ -155,9 +155,9 @@ def decide(
     if policy == "consecutive":
         if since_view:
             reason = f"first delta on compacted baseline {state.chain[0]}: the rows dirty since its tip"
-        return Decision(**base, kind="delta", since="baseline" if since_view else "previous",
+        return Decision(ckpt_id=state.next_id, step=step, kind="delta", since="baseline" if since_view else "previous",
                         parent=state.chain[-1], chain=state.chain + (state.next_id,), encodings=encodings,
                         reason=reason)
-    return Decision(**base, kind="delta", since="baseline", parent=state.chain[0],
+    return Decision(ckpt_id=state.next_id, step=step, kind="delta", since="baseline", parent=state.chain[0],
                     chain=(state.chain[0], state.next_id), encodings=encodings, reason=reason)
 

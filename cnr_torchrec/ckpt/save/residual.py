@@ -22,15 +22,15 @@ restores it, and the next save is a baseline anyway.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.quant import EncodedRows, decode
+from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Reconstruction"]
 
-Key = tuple[str, tuple[int, int], tuple[int, int]]
+Key = ShardKey
 
 
 class Reconstruction:
@@ -117,7 +117,7 @@ class Reconstruction:
         self._fold = None
         return rows
 
-    def reset(self, tracker: Any, restored: dict[Key, torch.Tensor] | None = None) -> None:
+    def reset(self, tracker: DirtyRowTracker, restored: dict[Key, torch.Tensor] | None = None) -> None:
         """Every local shard's reconstruction becomes its current weights (called after a restore).
 
         Args:
@@ -131,7 +131,7 @@ class Reconstruction:
         restored = restored or {}
         for table in tracker.tables():
             for kernel, shard in tracker.shards(table):
-                key = (table, tuple(shard.rows), tuple(shard.cols))
+                key = shard_key(table, shard.rows, shard.cols)
                 if key in restored:
                     self._rows[key] = restored[key]
                     continue

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from cnr_torchrec.ckpt.format.blocks import shard_key
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.payload import flatten_state
@@ -45,7 +46,7 @@ def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Rec
     if any(not rowwise for _, rowwise in s.states):
         raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
                           "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
-    key = (s.table, tuple(s.rows), tuple(s.cols))
+    key = shard_key(s.table, s.rows, s.cols)
     ref = reconstruction.reference(key, s.ids, on_fold=d.since == "baseline") if d.kind == "delta" else None
     if ref is None:
         encoded = encode_in_blocks(codec, s.weights)
