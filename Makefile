@@ -10,7 +10,7 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_ARGS ?=
 
-.PHONY: install test lint typecheck demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
+.PHONY: install test lint demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
@@ -65,13 +65,9 @@ cuda-check: $(CUDA_DEPS) $(TEST_DEPS)
 test: lint $(EMU) $(TEST_DEPS) nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-# The linter over the library (its config is in pyproject.toml).
+# The linter and the type checker over the library (their config is in pyproject.toml).
 lint: $(TEST_DEPS)
 	$(VENV)/bin/ruff check cnr_torchrec
-
-# The type checker over the library (config in pyproject.toml). Not yet clean, so not yet part of `make test`
-# (docs/testing.md says how many errors are left).
-typecheck: $(TEST_DEPS)
 	$(VENV)/bin/mypy
 
 # The example job (cnr_dlrm/, beside the library, not in its wheel): torchrun's `-m` workers start in this

@@ -8,6 +8,8 @@ The extension compiles ``csrc/cuda/*.cu`` and their bindings as host C++ against
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 __all__ = ["load"]
@@ -27,7 +29,7 @@ def load() -> torch._ops._OpNamespace:
         ImportError: the extension was not built.
     """
     try:
-        from cnr_torchrec import _C_cuda_emu  # noqa: F401  (importing registers the ops)
+        importlib.import_module("cnr_torchrec._C_cuda_emu")  # compiled: importing it registers the ops
     except ImportError as e:
         raise ImportError(
             "cnr_torchrec._C_cuda_emu (the CUDA kernels under emulation, for tests) is not built. `make test` "

@@ -1,9 +1,11 @@
 """Loads the compiled ``cnr_torchrec._C`` extension, which registers ``torch.ops.cnr``."""
 
+import importlib
+
 import torch
 
 try:
-    from cnr_torchrec import _C  # noqa: F401  (importing registers the ops)
+    importlib.import_module("cnr_torchrec._C")  # the compiled extension: importing it registers the ops
 except ImportError as e:  # pragma: no cover - depends on the build
     # Not built, or built against another torch (an undefined symbol): either way, rebuild.
     raise ImportError(

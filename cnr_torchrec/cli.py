@@ -204,8 +204,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     if problems:
         # At most _LISTED lines per file of a checkpoint, and one line counting the rest, so that the PROBLEM
         # lines and the "more" lines add up to the count below.
-        for (_, path), group in itertools.groupby(problems, key=lambda p: (p.ckpt_id, p.path)):
-            group = list(group)
+        for (_, path), grouped in itertools.groupby(problems, key=lambda p: (p.ckpt_id, p.path)):
+            group = list(grouped)
             for p in group[:_LISTED]:
                 print(f"PROBLEM {p}")
             if len(group) > _LISTED:
@@ -263,6 +263,7 @@ def _cmd_compact(args: argparse.Namespace) -> int:
         storage.close()
     how = ("lossless: every row as stored" if args.method is None
            else f"re-encoded with {_codec_label(args.method, args.bits)}")
+    assert manifest.compacted_from is not None  # cnr compact writes a compacted baseline
     first, last = manifest.compacted_from
     print(f"compacted chain {first}..{last} (step {manifest.step}) into baseline {manifest.id}: "
           f"{_human_bytes(manifest.nbytes)} in {manifest.world_size} rank file(s), {how}. It restores what "
@@ -325,7 +326,7 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
 
     local = args.root.removeprefix("fs://") if "://" not in args.root or args.root.startswith("fs://") else None
     created = local is not None and not os.path.exists(local)
-    if created:
+    if local is not None and created:
         os.makedirs(local)  # a new root; removed again if the import fails
     try:
         storage = _open(args)
@@ -334,7 +335,7 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
         finally:
             storage.close()
     except BaseException:
-        if created and not os.listdir(local):
+        if local is not None and created and not os.listdir(local):
             os.rmdir(local)
         raise
     print(f"imported {args.src} as baseline {manifest.id} (step {manifest.step}) of {args.root}: "

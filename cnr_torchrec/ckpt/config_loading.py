@@ -112,7 +112,8 @@ def read_mapping(
     """
     if isinstance(source, Mapping):
         return dict(source), "config"
-    where = shipped_config_path(source) if by_name and is_config_name(source) else os.fspath(source)
+    where = shipped_config_path(source) if by_name and isinstance(source, str) and is_config_name(source) \
+        else os.fspath(source)
     try:
         with open(where) as f:
             data = yaml.safe_load(f)
@@ -158,10 +159,10 @@ def dataclass_from_mapping(cls: type, data: Mapping[str, Any], where: str) -> An
 
 def _section_type(tp: Any) -> type | None:
     """The config dataclass of a field typed ``tp`` (``X`` or ``X | None``); None for any other field."""
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return tp
     if typing.get_origin(tp) in (Union, types.UnionType):
-        sections = [a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)]
+        sections = [a for a in typing.get_args(tp) if isinstance(a, type) and dataclasses.is_dataclass(a)]
         return sections[0] if len(sections) == 1 else None
     return None
 
@@ -277,7 +278,7 @@ def convert_value(tp: Any, value: Any, where: str) -> Any:
         ConfigError: ``value`` is not of ``tp``; the message starts with ``where``.
     """
     origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # built, and checked, by its own __post_init__
             return value
         if not isinstance(value, Mapping):

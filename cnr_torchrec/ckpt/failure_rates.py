@@ -37,6 +37,7 @@ def bits_for_job(config: CheckpointConfig, restores_done: int) -> tuple[int | No
     if q.bits != "auto":
         return q.bits, "configured"
     expected = f.estimate_restores
+    assert expected is not None  # CheckpointConfig refuses bits: auto without an estimate of the restores
     if restores_done > expected:
         return f.fallback_bits, (
             f"{restores_done} restores so far exceed the {expected} expected: fallback_bits {f.fallback_bits}"
@@ -104,6 +105,7 @@ def plan_interval(
 ) -> IntervalPlan:
     """The next save step after a save at ``step`` (``interval`` a number or ``auto``)."""
     if config.interval != "auto":
+        assert config.interval is not None  # the Checkpointer plans intervals only where one is configured
         n = int(config.interval)
         return IntervalPlan(n, step + n, f"interval: {n} steps")
     seconds, why = interval_seconds(config, save_cost_s, world_size)

@@ -97,7 +97,7 @@ def host_uses(needed: int, *, distributed: bool) -> tuple[HostUse, list[HostUse]
         This rank's host, and every host (sorted by name).
     """
     mine = (socket.gethostname(), int(needed), host_available_bytes())
-    every = [mine]
+    every: list[Any] = [mine]
     if distributed:
         every = [None] * dist.get_world_size()
         dist.all_gather_object(every, mine)
@@ -126,6 +126,7 @@ def check_host_memory(needed: int, *, distributed: bool, what: str = "a float32 
     mine, hosts = host_uses(needed, distributed=distributed)
     short = short_of_memory(hosts)
     if short is not None:
+        assert short.available is not None  # a host whose memory is unknown is never short
         raise ConfigError(
             f"quantization.residual keeps {what} in host memory: "
             f"{short.needed / 1e9:.2f} GB for the {short.ranks} rank(s) on host {short.host}, which has "

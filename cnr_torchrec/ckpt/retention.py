@@ -85,7 +85,8 @@ class Catalog:
     def needs(self, ids: Iterable[int]) -> set[int]:
         """``ids`` and every kept checkpoint their chains need, through parent links."""
         out: set[int] = set()
-        for i in ids:
+        for first in ids:
+            i: int | None = first
             while i is not None and i not in out and i in self.entries:
                 out.add(i)
                 i = self.entries[i].parent
@@ -148,7 +149,7 @@ class Catalog:
         anchor = parent.equals if parent.equals is not None else parent.id  # a compaction stands for its tip
         return None if anchor in self._lineage(newest.id) else top
 
-    def _lineage(self, i: int) -> set[int]:
+    def _lineage(self, i: int | None) -> set[int]:
         """``i`` and the kept checkpoints whose state it builds on: its chain, and through a compacted
         baseline the chain it folds."""
         out: set[int] = set()

@@ -95,6 +95,7 @@ def quantize_uniform(
     else:
         qmax, qmin = (1 << bits) - 1, 0
         if grid_bias is not None:
+            assert grid_scale is not None  # a grid is given whole: its bias and scale
             lo = round_param(grid_bias, bias_dtype, -1)
             scale = round_param(grid_scale, scale_dtype, +1)
         else:
@@ -216,6 +217,7 @@ def kmeans(
         if grid_bias is None:
             c = mn[:, None] + (mx - mn)[:, None] * torch.arange(k, dtype=torch.float64) / (k - 1)
         else:
+            assert grid_scale is not None  # a grid is given whole: its bias and scale
             c = grid_bias.double()[:, None] + grid_scale.double()[:, None] * torch.arange(k, dtype=torch.float64)
         for _ in range(iters):
             mids = (c[:, 1:] + c[:, :-1]) / 2

@@ -240,8 +240,10 @@ class Codec(abc.ABC):
     def _validate(self) -> None:
         """Checks parameter combinations; raises UnknownCodecError."""
 
-    def _encoded(self, params: Mapping[str, Any], dim: int, **tensors: torch.Tensor | None) -> EncodedRows:
-        return EncodedRows(method=self.method, bits=self.bits, dim=dim, params=dict(params), **tensors)
+    def _encoded(self, params: Mapping[str, Any], dim: int, payload: torch.Tensor,
+                 **tensors: torch.Tensor | None) -> EncodedRows:
+        return EncodedRows(method=self.method, bits=self.bits, dim=dim, params=dict(params), payload=payload,
+                           **tensors)
 
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self._params.items())

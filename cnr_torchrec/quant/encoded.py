@@ -49,6 +49,14 @@ class EncodedRows:
     FORMAT: ClassVar[str] = "cnr_torchrec.quant.EncodedRows"
     VERSION: ClassVar[int] = 1
 
+    def needed(self, name: str) -> torch.Tensor:
+        """Parameter tensor ``name`` (``scale``, ``bias`` or ``codebook``), which the codec that decodes these rows
+        needs; raises EncodingFormatError where they carry none."""
+        t = getattr(self, name)
+        if t is None:
+            raise EncodingFormatError(f"{self.method} rows carry no {name}, which their codec needs to decode them")
+        return t
+
     def with_tensors(self, tensors: Mapping[str, torch.Tensor]) -> EncodedRows:
         """These rows with ``tensors`` (named as :meth:`to_tensors` names them) in place of their own."""
         fields: dict[str, Any] = dict(tensors)

@@ -58,7 +58,7 @@ class KMeansCodec(Codec):
 
     def _encode(self, rows: torch.Tensor) -> EncodedRows:
         params = self._params
-        grid = (None, None)
+        grid: tuple[torch.Tensor, torch.Tensor] | tuple[None, None] = (None, None)
         if params["init"] == "adaptive" and rows.shape[1] > (1 << self.bits):
             p = AdaptiveCodec.param_specs
             grid = ops.adaptive_search(
@@ -75,7 +75,8 @@ class KMeansCodec(Codec):
         raise RowOverflowError(*overflow_rows(status), hint="their range exceeds float32; rescale the table")
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
-        return ops.dequantize_codebook(encoded.payload, encoded.bias, encoded.codebook, self.bits, encoded.dim)
+        return ops.dequantize_codebook(encoded.payload, encoded.needed("bias"), encoded.needed("codebook"), self.bits,
+                                       encoded.dim)
 
     def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
         n, d = num_rows, dim

@@ -50,8 +50,8 @@ class _UniformCodec(Codec):
         for attempt in range(2):
             payload, scale, bias, status = self._quantize(rows, params)
             if not check_status(status):
-                bias = None if self.symmetric else bias
-                return self._encoded(params, rows.shape[1], payload=payload, scale=scale, bias=bias)
+                return self._encoded(params, rows.shape[1], payload=payload, scale=scale,
+                                     bias=None if self.symmetric else bias)
             # A row's range does not fit the float16 parameters: this batch keeps float32 ones.
             if attempt == 0 and not self._all_float32(params):
                 params = {**params, "scale_dtype": "float32", **({} if self.symmetric else {"bias_dtype": "float32"})}
@@ -62,7 +62,7 @@ class _UniformCodec(Codec):
         return params["scale_dtype"] == "float32" and params.get("bias_dtype", "float32") == "float32"
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
-        return ops.dequantize_uniform(encoded.payload, encoded.scale, encoded.bias, self.bits, encoded.dim)
+        return ops.dequantize_uniform(encoded.payload, encoded.needed("scale"), encoded.bias, self.bits, encoded.dim)
 
     def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
         if out.dtype != torch.float32:
@@ -71,7 +71,7 @@ class _UniformCodec(Codec):
         # 32-bit floats decoded on the host); nothing moves when they are on it already.
         device = out.device
         bias = None if encoded.bias is None else encoded.bias.to(device)
-        ops.dequantize_uniform_into_(encoded.payload.to(device), encoded.scale.to(device), bias, self.bits,
+        ops.dequantize_uniform_into_(encoded.payload.to(device), encoded.needed("scale").to(device), bias, self.bits,
                                      rows.to(device), out, accumulate)
 
     def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:

@@ -44,7 +44,7 @@ class TbeCounts:
             return
         saved = None if kept is None else self.counts.index_select(0, kept)
         self.counts.zero_()
-        if saved is not None:
+        if kept is not None and saved is not None:
             self.counts.index_copy_(0, kept, saved)
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,6 +26,7 @@ from cnr_torchrec.track.counters import TbeCounts
 from cnr_torchrec.track.discovery import TrackedKernel
 from cnr_torchrec.track.intervals import TbeBits
 from cnr_torchrec.track.layout import ShardLayout
+from cnr_torchrec.track.torchrec_types import TorchRecModule
 
 __all__ = ["LookupHooks"]
 
@@ -68,7 +70,8 @@ class _KernelState:
     def mark(self, lookup: Lookup, counts: torch.Tensor | None = None, errors: torch.Tensor | None = None) -> None:
         """Marks the rows of ``lookup`` with the TBE's own row layout, recording its problems in ``errors``."""
         self.checked = False
-        ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, self.rows_per_table, self.bits.bitmap,
+        rows = cast(torch.Tensor, self.rows_per_table)  # every FBGEMM TBE has it; the op refuses None by name
+        ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, rows, self.bits.bitmap,
                       counts, lookup.B_offsets, self.errors if errors is None else errors)
 
     def batch_offsets(self, bags_per_feature: tuple[int, ...]) -> torch.Tensor:
@@ -126,7 +129,7 @@ class LookupHooks:
     def __init__(self, layout: ShardLayout, bits: list[TbeBits], counters: list[TbeCounts], *,
                  fuse_bounds_check: bool, sync_free: bool | None) -> None:
         self.states: list[_KernelState] = []
-        self._handles = []
+        self._handles: list[Any] = []
         plan_modes = layout.bounds_check_modes()
         for info, device, b, c in zip(layout.kernels, layout.devices, bits, counters):
             state = _KernelState(info, b, c, device.type == "cuda" if sync_free is None else sync_free)
@@ -181,7 +184,7 @@ class LookupHooks:
 def _pre_hook(state: _KernelState):
     fbgemm_mode = state.fbgemm_bounds_check
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def hook(module: TorchRecModule, args: tuple, kwargs: dict) -> None:
         state.marked = None
         if not (module.training and torch.is_grad_enabled()):
             if fbgemm_mode is not None:
@@ -201,6 +204,7 @@ def _pre_hook(state: _KernelState):
         if sampled:
             # The sample's rows are already set in the bitmap, so this pass only bumps counters
             # (re-setting a set bit changes nothing); its ids went through the checks above.
+            assert rate is not None and counter.generator is not None  # sampled: a rate below 1, and its generator
             kept, kept_offsets = sample_lookup(lookup.indices, lookup.offsets, rate, counter.generator,
                                                sync_free=state.sync_free)
             state.mark(Lookup(kept, kept_offsets, lookup.B_offsets), counts, state.sample_errors)

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
 
 from cnr_torchrec.track.torchrec_types import TorchRecModule
 
@@ -37,14 +36,14 @@ def has_cache(tbe: TorchRecModule) -> bool:
     return isinstance(cache, torch.Tensor) and cache.numel() > 0
 
 
-def flush_caches(tbes: Iterable[nn.Module]) -> None:
+def flush_caches(tbes: Iterable[TorchRecModule]) -> None:
     """Writes every cached row back to the TBE's weights, before they are read for a save."""
     for tbe in tbes:
         if has_cache(tbe):
             tbe.flush()
 
 
-def invalidate_caches(tbes: Iterable[nn.Module]) -> None:
+def invalidate_caches(tbes: Iterable[TorchRecModule]) -> None:
     """Drops every cached row, after the TBE's weights were written by a restore or recovery."""
     for tbe in tbes:
         if has_cache(tbe):

@@ -16,7 +16,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-from torch import nn
 
 from cnr_torchrec.track.counters import LookupCounters
 from cnr_torchrec.track.discovery import ShardSlice, TorchRecModule, TrackedKernel, find_kernels, plan_table_shapes
@@ -146,7 +145,7 @@ class DirtyRowTracker:
         """Names of every embedding table of the model, as in its table configs."""
         return self._layout.tables()
 
-    def tbes(self) -> list[nn.Module]:
+    def tbes(self) -> list[TorchRecModule]:
         """Every TBE this rank runs (sharded and data_parallel)."""
         return [info.tbe for info in self._layout.kernels]
 

@@ -38,7 +38,7 @@ from typing import Any
 from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.config import CompactionConfig
-from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
@@ -66,7 +66,8 @@ def regions_of_tracker(tracker: DirtyRowTracker, rank: int) -> list[Region]:
                 regions.append(Region(table, (0, int(shape[0])), (0, int(shape[1]))))
             continue
         for rows, cols in sorted(set(tracker.shard_ranges(table))):
-            regions.append(Region(table, tuple(rows), tuple(cols)))
+            _, rows2, cols2 = shard_key(table, rows, cols)
+            regions.append(Region(table, rows2, cols2))
     return regions
 
 
@@ -151,11 +152,14 @@ class Compaction:
         """This rank's file: a lossless merge, or for a residual chain (or job) a fold of its sums (fold.py)."""
         tip = chain[-1]
         same_ranks = tip.world_size == self.world_size and tip.per_rank_state
-        kw = dict(new_id=self.new_id, rank=self.rank, rank_state=tip.ranks[self.rank] if same_ranks else None,
-                  dense_state=tip.ranks[0] if self.rank == 0 else None, chunk_bytes=self._chunk_bytes, pool=self._pool)
+        rank_state = tip.ranks[self.rank] if same_ranks else None
+        dense_state = tip.ranks[0] if self.rank == 0 else None
         if not _folds(chain, self.residual):
-            return merge.merge_rank(storage, chain, regions, **kw)
-        return fold.fold_rank(storage, chain, regions, keep=self.folded.__setitem__ if self.residual else None, **kw)
+            return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank, rank_state=rank_state,
+                                    dense_state=dense_state, chunk_bytes=self._chunk_bytes, pool=self._pool)
+        return fold.fold_rank(storage, chain, regions, keep=self.folded.__setitem__ if self.residual else None,
+                              new_id=self.new_id, rank=self.rank, rank_state=rank_state, dense_state=dense_state,
+                              chunk_bytes=self._chunk_bytes, pool=self._pool)
 
     def _key(self, what: str) -> str:
         return f"compact/{self.new_id}/{what}"
@@ -195,6 +199,7 @@ class Compaction:
             if bad:
                 out = Outcome(False, error="; ".join(bad))
             else:
+                assert storage is not None  # rank 0's own part is good, so it opened its storage
                 body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
                                       self.world_size, (time.perf_counter() - t0) * 1e3,
                                       folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
@@ -213,6 +218,7 @@ class Compaction:
             except Exception as e:
                 out = Outcome(False, error=f"rank 0 could not tell the other ranks ({type(e).__name__}: {e})")
         if out.ok:
+            assert storage is not None  # the commit wrote through it
             self._on_commit(manifest, storage)
         return out
 
@@ -276,8 +282,9 @@ class Compactor:
 
     def flags(self) -> tuple[bool, bool]:
         """This rank's part of the save's vote: its part of the compaction is over; and it heard it commit."""
-        finished = self.running is not None and self.running.finished()
-        return finished, finished and self.running.outcome().ok  # at hand once finished
+        running = self.running
+        finished = running is not None and running.finished()
+        return finished, running is not None and finished and running.outcome().ok  # at hand once finished
 
     def step(self, state: ChainState, finished: bool, committed: bool) -> tuple[ChainState, bool]:
         """At a save, before its decision: folds a compaction every rank has ``finished``, or starts one

@@ -91,7 +91,7 @@ class _Stored:
         if self.entry.replicated is not None:
             meta = none_rows(torch.empty(0, self.cols[1] - self.cols[0])).metadata()
         else:
-            meta = dict(self.entry.weights.meta)
+            meta = dict(self.entry.coded.meta)
         meta.pop("num_rows", None)
         states = []
         for s in self.entry.states:
@@ -110,12 +110,12 @@ class _Stored:
             if tuple(weights.shape) != (n, self.cols[1] - self.cols[0]):
                 raise self.corrupt(f"the replicated table is {list(weights.shape)}, not {[n, self.cols[1]]}")
             return none_rows(weights.index_select(0, positions)), [], None
-        keys = sorted(self.entry.weights.blobs)
+        keys = sorted(self.entry.coded.blobs)
         wanted, back = torch.unique(positions, return_inverse=True)  # sorted, as a RowReader reads them
         rows = [t.index_select(0, back) for t in self.load.rows(self.entry, wanted)]
         try:
             encoded = rebuild(dict(zip(keys, rows)),
-                                               {**self.entry.weights.meta, "num_rows": positions.numel()})
+                                               {**self.entry.coded.meta, "num_rows": positions.numel()})
         except EncodingFormatError as e:
             raise self.corrupt(f"encoded rows are inconsistent: {e}") from None
         if encoded.dim != self.cols[1] - self.cols[0]:
@@ -237,10 +237,15 @@ def _write_group(pieces: list[tuple[_Stored, torch.Tensor, torch.Tensor]], prefi
     if rows_all.numel() != hi - lo:  # not one contiguous range: which rows, as save writes them
         kind, packed = encode_ids(rows_all - lo, hi - lo)
         ids = (kind, int(rows_all.numel()), blobs.add(f"{prefix}/ids", packed))
-    fields = pieces[0][0].entry.mc.fields if mc[0] is not None else ()
+    mc_rows = None
+    if mc[0] is not None:  # a managed-collision table: every piece holds its by-row state
+        pieces_mc = [m for m in mc if m is not None]
+        assert len(pieces_mc) == len(mc)  # one group: its pieces share an entry layout
+        by_row = torch.cat(pieces_mc).index_select(0, order)
+        mc_rows = (by_row, pieces[0][0].entry.mc_rows.fields)
     stored = write_rows(blobs, prefix, merged, [
         (torch.cat([st[j][1] for st in states]).index_select(0, order), states[0][j][0]) for j in range(len(states[0]))
-    ], (torch.cat(mc).index_select(0, order), fields) if mc[0] is not None else None)
+    ], mc_rows)
     entry = table_entry((lo, hi), pieces[0][0].cols, "full" if ids is None else "rows", stored, ids=ids)
     return entry, int(rows_all.numel())
 

@@ -90,7 +90,8 @@ def compact(
             for report in tip.ranks:
                 reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
                 written += _files(reports[-1])
-        codec_desc = None if codec is None else codec_description(method, bits, codec.params, with_setting=False)
+        codec_desc = None if codec is None or method is None else codec_description(method, bits, codec.params,
+                                                                                    with_setting=False)
         body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
         manifest = check_manifest(body, manifest_path(new_id))
         storage.write_atomic(manifest_path(new_id), seal(body))
@@ -116,12 +117,13 @@ def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: 
     regions = regions_of_layout(tip)
     reports = []
     for report in tip.ranks:
-        kw = dict(new_id=new_id, rank=report.rank, rank_state=report,
-                  dense_state=tip.ranks[0] if report.rank == 0 else None)
+        dense_state = tip.ranks[0] if report.rank == 0 else None
         if is_residual(chain):
-            reports.append(fold_rank(storage, chain, regions[report.rank], codec=LOSSLESS_CODEC, **kw))
+            reports.append(fold_rank(storage, chain, regions[report.rank], codec=LOSSLESS_CODEC, new_id=new_id,
+                                     rank=report.rank, rank_state=report, dense_state=dense_state))
         else:
-            reports.append(merge_rank(storage, chain, regions[report.rank], **kw))
+            reports.append(merge_rank(storage, chain, regions[report.rank], new_id=new_id, rank=report.rank,
+                                      rank_state=report, dense_state=dense_state))
         written += _files(reports[-1])
         if progress is not None:
             progress(len(report.entries()))

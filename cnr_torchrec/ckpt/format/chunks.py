@@ -131,6 +131,7 @@ class PayloadWriter(BlobWriter):
         self._current, self._filled = [], 0
         if self._pool is None:
             future: Future = Future()
+            assert self._storage is not None  # a writer without a pool writes through its own storage
             future.set_result(_write_chunk(self._storage, path, parts))
         else:
             self._slots.acquire()  # back-pressure: encoding waits while enough chunks are queued
@@ -262,6 +263,7 @@ class PayloadReader:
 
     def _landed(self, k: int) -> bytearray | mmap.mmap:
         """Chunk ``k``'s bytes, once read and checked (waiting counts as ``read_wait_ms``)."""
+        assert self._data is not None  # start() ran: every caller reads through it
         return landed(self._data[k], self._stats)
 
     def _range(self, start: int, end: int) -> bytes:

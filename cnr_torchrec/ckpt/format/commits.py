@@ -239,7 +239,7 @@ def newest_state_first(ids: Iterable[int], load: Callable[[int], _C | None]) -> 
     order = sorted(set(ids))
     deferred: list[_C] = []  # compacted baselines waiting for their tip, by ``equals`` ascending
     for cid in reversed(order):
-        while deferred and deferred[-1].equals >= cid:
+        while deferred and (deferred[-1].equals or 0) >= cid:  # deferred ones all have an ``equals``
             yield deferred.pop()
         c = load(cid)
         if c is None:
@@ -247,7 +247,7 @@ def newest_state_first(ids: Iterable[int], load: Callable[[int], _C | None]) -> 
         tip = c.equals
         # Newer state than the tip lies between them when an id was committed after the tip and before c.
         if tip is not None and bisect.bisect_right(order, tip) < bisect.bisect_left(order, cid):
-            bisect.insort(deferred, c, key=lambda d: d.equals)
+            bisect.insort(deferred, c, key=lambda d: d.equals or 0)
             continue
         yield c
     yield from reversed(deferred)

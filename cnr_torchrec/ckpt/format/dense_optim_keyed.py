@@ -116,7 +116,8 @@ def load_keyed(optimizer: Any, saved: Mapping[str, Any], where: str) -> None:
             f"({type(e).__name__}: {e}); {RESTORE_FIX}") from None
     key_of = {id(p): k for k, p in params.items()}
     for group in optimizer.param_groups:
-        hyper = next((saved_group[key_of[id(p)]] for p in group["params"] if key_of[id(p)] in saved_group), {})
+        hyper: dict[str, Any] = next(
+            (saved_group[key_of[id(p)]] for p in group["params"] if key_of[id(p)] in saved_group), {})
         for k, v in hyper.items():
             if k != "params":
                 group[k] = copy.deepcopy(v)  # the group's hyperparameters as saved (lr after a schedule, say)

@@ -154,7 +154,8 @@ def from_fqn(state: Any, where: str) -> dict[str, Any]:
         IncompatibleCheckpointError: ``state`` is not of :func:`by_fqn`'s form (``where`` names it).
     """
     try:
-        groups, names = [], []
+        groups: list[Any] = []
+        names: list[Any] = []
         for g in state["param_groups"]:
             params = [str(p) for p in g["params"]]
             groups.append({**{k: v for k, v in g.items() if k != "params"},

@@ -195,7 +195,29 @@ class TableEntry:
         if self.replicated is not None:
             return [self.replicated]
         mc = [self.mc.blob] if self.mc is not None else []
-        return [self.weights.blobs[k] for k in sorted(self.weights.blobs)] + [s.blob for s in self.states] + mc
+        return [self.coded.blobs[k] for k in sorted(self.coded.blobs)] + [s.blob for s in self.states] + mc
+
+    @property
+    def coded(self) -> Weights:
+        """The encoded rows' blobs and codec description, which every entry but a replicated table's has (the
+        schema checks it)."""
+        if self.weights is None:
+            raise ValueError(f"an entry of replicated table blob {self.replicated!r} stores no encoded rows")
+        return self.weights
+
+    @property
+    def row_checks(self) -> RowChecks:
+        """The CRC-32Cs of the stored rows (format 5 and later; older entries are read whole)."""
+        if self.checks is None:
+            raise ValueError("an entry written before format 5 has no row checks; it is read whole")
+        return self.checks
+
+    @property
+    def mc_rows(self) -> McRows:
+        """A managed-collision table's by-row state (its blob and fields)."""
+        if self.mc is None:
+            raise ValueError("this entry holds no managed-collision state")
+        return self.mc
 
     @property
     def num_rows(self) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -18,7 +18,7 @@ from cnr_torchrec.ckpt.format.manifest import Blob
 from cnr_torchrec.ckpt.format.storage import checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
-__all__ = ["DTYPES", "BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
+__all__ = ["DTYPES", "BlobSink", "BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
 
 # The dtypes a blob may hold, by the name a manifest gives them; nothing else is written or read.
 DTYPES = {
@@ -32,7 +32,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     t = t.detach().contiguous().cpu()
     if str(t.dtype).removeprefix("torch.") not in DTYPES:
         raise CheckpointError(f"cannot store a tensor of dtype {t.dtype}; supported: {sorted(DTYPES)}")
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 class BlobWriter:
@@ -113,7 +113,13 @@ def read_blob(file: str, blob: Blob, what: str, data: Any, verified: bool = Fals
 _TENSOR, _TUPLE, _ITEMS, _FLOAT = "$tensor", "$tuple", "$items", "$float"
 
 
-def flatten_state(obj: Any, prefix: str, blobs: BlobWriter, where: str) -> Any:
+class BlobSink(Protocol):
+    """Where :func:`flatten_state` puts each tensor: returns the name it is stored under."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> str: ...
+
+
+def flatten_state(obj: Any, prefix: str, blobs: BlobSink, where: str) -> Any:
     """Returns a JSON-able tree for ``obj``; its tensors go to ``blobs`` under ``prefix``.
 
     Dicts with non-string keys (optimizer states) and tuples are kept as such.

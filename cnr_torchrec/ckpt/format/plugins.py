@@ -64,7 +64,7 @@ class FSPlugin(FSStoragePlugin):
             while got < len(buf) and (n := f.readinto(view[got:])):
                 got += n
             extra = f.read()  # the file grew since fstat: keep every byte, so that size checks see it
-        read_io.buf = buf[:got] if got < len(buf) else buf + extra if extra else buf
+        read_io.buf = buf[:got] if got < len(buf) else buf + extra if extra else buf  # type: ignore[assignment]  # torchsnapshot types it BytesIO; its readers take any buffer
 
 
 # storage_options keys for s3:// roots -> the aiobotocore create_client() argument they set.

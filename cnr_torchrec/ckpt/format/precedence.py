@@ -57,7 +57,8 @@ def closes(entry: TableEntry, blob: Callable[[str], torch.Tensor] | None = None,
         return False
     if blob is None:
         raise ValueError("a residual entry with rows stored whole: pass a reader of its blobs")
-    return stored_modes(entry, blob, where, path)
+    whole = stored_modes(entry, blob, where, path)
+    return False if whole is None else whole
 
 
 def segments_of(cols: tuple[int, int], breaks: Sequence[int]) -> list[tuple[int, int]]:

@@ -173,10 +173,10 @@ class RowReader:
         if entry.checks is None:
             self._start_whole()
             return
-        fetch = _Fetch(sel.numpy(), entry.checks.rows, entry.num_stored)
+        fetch = _Fetch(sel.numpy(), entry.row_checks.rows, entry.num_stored)
         for name in entry.row_blobs:
             fetch.spans[name] = self._spans(self.payload.blobs[name], fetch.groups, fetch.size)
-        fetch.spans[entry.checks.blob] = self._spans(self.payload.blobs[entry.checks.blob], fetch.groups, 1)
+        fetch.spans[entry.row_checks.blob] = self._spans(self.payload.blobs[entry.row_checks.blob], fetch.groups, 1)
         self._pending[id(entry)] = fetch
 
     def rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
@@ -189,7 +189,7 @@ class RowReader:
         if fetch is None:
             self.prefetch(entry, sel)
             fetch = self._pending.pop(id(entry))
-        size = entry.checks.rows
+        size = entry.row_checks.rows
         if self._mapped:  # hash the groups where they lie, copy out the asked-for rows only
             got = self._crc_in_place(entry, fetch)
             parts = [self._gather(name, fetch, fetch.sel) for name in entry.row_blobs]
@@ -200,7 +200,7 @@ class RowReader:
             if full.size != fetch.sel.size:
                 keep = torch.from_numpy(np.searchsorted(full, fetch.sel))
                 parts = [p.index_select(0, keep) for p in parts]
-        want = self._gather(entry.checks.blob, fetch, fetch.groups).view(torch.int32).reshape(-1)
+        want = self._gather(entry.row_checks.blob, fetch, fetch.groups).view(torch.int32).reshape(-1)
         bad = np.flatnonzero((got != want).numpy())
         if bad.size:
             self._corrupt(entry, int(fetch.groups[bad[0]]) * size, bad.size)
@@ -209,7 +209,7 @@ class RowReader:
     def _crc_in_place(self, entry: TableEntry, fetch: _Fetch) -> torch.Tensor:
         """The CRCs of ``fetch.groups``, hashed in the mapped chunks; a group cut by a chunk's end (in any of
         the entry's blobs) is copied out first."""
-        names, size, n, groups = entry.row_blobs, entry.checks.rows, entry.num_stored, fetch.groups
+        names, size, n, groups = entry.row_blobs, entry.row_checks.rows, entry.num_stored, fetch.groups
         # Between two cuts, each blob's rows lie in one span.
         cuts = sorted({0, n, *(r for name in names for span in fetch.spans[name] for r in span[:2])})
         got = torch.empty(groups.size, dtype=torch.int32)
@@ -250,14 +250,14 @@ class RowReader:
 
     def _corrupt(self, entry: TableEntry, position: int, count: int) -> None:
         files = []  # the chunks that hold the group's first row, in the order its CRC covers them
-        group = position // entry.checks.rows
-        for name, at in [*((n, position) for n in entry.row_blobs), (entry.checks.blob, group)]:
+        group = position // entry.row_checks.rows
+        for name, at in [*((n, position) for n in entry.row_blobs), (entry.row_checks.blob, group)]:
             blob = self.payload.blobs[name]
             path = chunk_of(self.payload, blob.offset + at * (blob.nbytes // blob.shape[0])).path
             if path not in files:
                 files.append(path)
         more = f" (its bytes are in {', '.join(files)})" if len(files) > 1 else ""
-        last = min(entry.num_stored, position + entry.checks.rows) - 1
+        last = min(entry.num_stored, position + entry.row_checks.rows) - 1
         raise CorruptCheckpointError(
             f"{files[0]}: stored rows {position} to {last} of the entry for rows [{entry.rows[0]}, {entry.rows[1]}) "
             f"do not match their CRC-32C in the file ({count} of the groups read do not){more}; the file is damaged",
@@ -297,7 +297,7 @@ class RowReader:
     def _mapped_spans(self, blob: Blob, width: int, groups: np.ndarray, size: int) -> list[tuple[int, int, Any]]:
         """Views of the mapped chunks, one per chunk the blob's rows lie in whole (a row cut by a chunk's
         end is joined, alone), after telling the kernel which pages of the groups will be read."""
-        spans = []
+        spans: list[tuple[int, int, Any]] = []
         n = blob.nbytes // width
         starts = groups * size
         ends = np.minimum(starts + size, n)

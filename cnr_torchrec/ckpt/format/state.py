@@ -141,7 +141,8 @@ def non_persistent_buffers(model: nn.Module) -> set[str]:
 def rng_state() -> dict[str, Any]:
     """This process's RNG states (torch, CUDA, Python, NumPy) as tensors and JSON-able values."""
     version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+    assert not isinstance(np_keys, str)  # the legacy state: its keys are an array
     state = {
         "torch": torch.get_rng_state(),
         "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},

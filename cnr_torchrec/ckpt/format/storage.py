@@ -94,7 +94,7 @@ class Storage:
         PUT needs one body), joined when there are several parts.
         """
         rel = check_relative(path)
-        parts = [memoryview(p) for p in data] if isinstance(data, (list, tuple)) else [memoryview(data)]
+        parts = [memoryview(p) for p in data] if isinstance(data, (list, tuple)) else [memoryview(data)]  # type: ignore[arg-type]  # typeshed: a Sequence of memoryviews is not a Buffer, but it is the list branch
         if fault_injection.armed("write.mid") and sum(p.nbytes for p in parts) > 1:
             # A torn write for kill tests: the first half lands, then the process may die here.
             whole = memoryview(b"".join(parts))

@@ -212,9 +212,9 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
     if not pick.numel():
         return data
     parts = load.rows(entry, pick)
-    keys = sorted(entry.weights.blobs)
+    keys = sorted(entry.coded.blobs)
     try:
-        encoded = rebuild(dict(zip(keys, parts)), {**entry.weights.meta, "num_rows": pick.numel()})
+        encoded = rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": pick.numel()})
     except EncodingFormatError as e:
         raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
                                      path=file) from None
@@ -235,13 +235,14 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
             data.states[j].values[dst, seg[0] - v0 : seg[1] - v0] = vals[src, seg[0] - c0 : seg[1] - c0]
     if mc_map is not None:
         if data.mc is None:
-            data = data._replace(mc=torch.zeros(n_rows, len(entry.mc.fields), dtype=torch.int64),
-                                 mc_fields=entry.mc.fields)
-        elif data.mc.shape[1] != len(entry.mc.fields):
-            raise CorruptCheckpointError(f"{file}: table '{table}' stores managed-collision state with fields "
-                                         f"{list(entry.mc.fields)} and, in a newer entry, {data.mc.shape[1]} fields",
-                                         path=file)
+            data = data._replace(mc=torch.zeros(n_rows, len(entry.mc_rows.fields), dtype=torch.int64),
+                                 mc_fields=entry.mc_rows.fields)
+        elif data.mc.shape[1] != len(entry.mc_rows.fields):
+            raise CorruptCheckpointError(
+                f"{file}: table '{table}' stores managed-collision state with fields "
+                f"{list(entry.mc_rows.fields)} and, in a newer entry, {data.mc.shape[1]} fields", path=file)
         src, dst = _kept(mc_map.index_select(0, pick))
+        assert data.mc is not None  # made above where it was missing
         data.mc[dst] = parts[-1][src]
     return data
 
@@ -262,6 +263,7 @@ def _replicated_tables(storage: Storage, tip: Manifest, regions: Collection[Regi
             raise CorruptCheckpointError(
                 f"{first.file}: replicated table '{g.table}' is not stored by rank 0", path=first.file
             )
+        assert load0 is not None  # made above for these regions
         whole = load0(first.replicated_tables[g.table])
         out[g] = TableData(whole[g.rows[0] : g.rows[1], g.cols[0] : g.cols[1]].float().clone(), [])
     return out

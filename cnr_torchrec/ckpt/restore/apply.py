@@ -110,7 +110,7 @@ class _Target:
         than the few entries it could skip within one checkpoint.
         """
         self.done = (all(_all(f) for f in self.filled.values()) and (not self.has_rowwise or _all(self.state_filled))
-                     and (self.mc is None or _all(self.mc_filled)))
+                     and (self.mc_filled is None or _all(self.mc_filled)))
 
     def fill_staged(self) -> None:
         """The rows of a staged copy that no entry restored, from the live weights (not in an additive
@@ -269,6 +269,7 @@ class Applier:
                 raise IncompatibleCheckpointError(
                     f"table '{table}': the checkpoint's managed-collision state has fields {list(entry.mc.fields)}, "
                     f"the model's module {list(target.mc.fields)}; restore with the eviction policy it was saved with")
+            assert target.mc_filled is not None  # a target with an MC module keeps its by-row state's claims
             mc_map = claim_rows_(target.mc_filled, offsets, n_stored, lo, hi, shift)
         elif target.mc is not None or entry.mc is not None:
             raise IncompatibleCheckpointError(
@@ -285,9 +286,9 @@ class Applier:
         if entry.replicated is not None:
             weights, saved_states = rows[0].float(), []
         else:
-            keys = sorted(entry.weights.blobs)
+            keys = sorted(entry.coded.blobs)
             try:
-                encoded = rebuild(dict(zip(keys, rows)), {**entry.weights.meta, "num_rows": m})
+                encoded = rebuild(dict(zip(keys, rows)), {**entry.coded.meta, "num_rows": m})
             except EncodingFormatError as e:
                 raise CorruptCheckpointError(f"encoded rows of table '{plan.table}' are inconsistent: {e}") from None
             saved_states = rows[len(keys):len(keys) + len(entry.states)]
@@ -302,6 +303,7 @@ class Applier:
             self._write(claim, entry, maps, state_map, encoded, weights, states if claim.with_states else [])
             if claim.mc_map is not None:
                 mc_map = claim.mc_map if every else claim.mc_map.index_select(0, sel)
+                assert claim.target.mc_state is not None and mc_rows is not None  # claimed: both sides hold it
                 scatter_rows_(claim.target.mc_state, mc_map, mc_rows)
             if self._stats is not None:
                 width = entry.cols[1] - entry.cols[0]
@@ -329,7 +331,11 @@ class Applier:
                     needed |= mp >= 0
                 sel = _nonzero(needed)
                 if sel.numel():
-                    vals = weights.index_select(0, sel) if weights is not None else decode(encoded.take(sel))
+                    if weights is not None:
+                        vals = weights.index_select(0, sel)
+                    else:
+                        assert encoded is not None  # an entry holds its rows encoded, or whole (replicated)
+                        vals = decode(encoded.take(sel))
                     put = self._add if self.additive else self._scatter
                     for seg, mp in zip(segs, maps):
                         put(target, target.weights, seg, cols, mp.index_select(0, sel), vals)
@@ -338,9 +344,10 @@ class Applier:
                     live = target.states[j].reshape(shard.num_rows, -1)
                     for seg, mp in zip(segs, maps):
                         self._scatter(target, live, seg, cols, mp, saved)
-        rowwise = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
-        if rowwise:
-            self._apply_rowwise(claim, state_map, rowwise)
+        rowwise_states = [(j, saved) for j, (rw, saved) in enumerate(states) if rw]
+        if rowwise_states:
+            assert state_map is not None  # the claim took the entry's row-wise state with its rows
+            self._apply_rowwise(claim, state_map, rowwise_states)
 
     @staticmethod
     def _scatter(target, live, seg, cols, index, stored) -> None:
@@ -406,7 +413,7 @@ class Applier:
         """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt).
         Returns the weights restored into host copies (``stage``), which reach the shards at their commit."""
         for t in (t for ts in self.targets.values() for t in ts):
-            if t.mc is not None:
+            if t.mc is not None and t.mc_state is not None:
                 t.mc.load_by_row(t.mc_state)
             t.fill_staged()
         return StagedWeights([(t.key, t.live, t.weights) for ts in self.targets.values() for t in ts

@@ -239,6 +239,9 @@ def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn
         raise IncompatibleCheckpointError(
             f"checkpoint {target.id} holds no dense optimizer state; pass dense_optimizer=None to restore it"
         )
-    load0 = load0 or RowReader(storage, first.payload, stats)
+    if load0 is None:
+        if storage is None:
+            raise ValueError("restore_dense_optimizer needs the storage or a reader of rank 0's file")
+        load0 = RowReader(storage, first.payload, stats)
     saved = unflatten_state(first.dense_optimizer, load0)
     load_dense_state(model, dense_optimizer, saved, f"checkpoint {target.id}")

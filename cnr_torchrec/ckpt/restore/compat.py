@@ -20,8 +20,8 @@ __all__ = ["check_compatible", "check_model"]
 _SHOWN = 3  # differences named in the message; a model with every table resized would otherwise list them all
 
 
-def _shape(shape: Sequence[int]) -> str:
-    return " x ".join(map(str, shape))
+def _shape(shape: Sequence[int] | None) -> str:
+    return "unknown" if shape is None else " x ".join(map(str, shape))
 
 
 def _table_differences(saved: Mapping[str, Sequence[int]], model: Mapping[str, Sequence[int] | None]) -> list[str]:
@@ -30,7 +30,7 @@ def _table_differences(saved: Mapping[str, Sequence[int]], model: Mapping[str, S
     out = [f"table '{t}' is in the model but not in the checkpoint" for t in sorted(set(model) - set(saved))]
     out += [f"table '{t}' is in the checkpoint but not in the model" for t in sorted(set(saved) - set(model))]
     out += [f"'{t}' is {_shape(model[t])} in the model but {_shape(saved[t])} in the checkpoint"
-            for t in sorted(set(saved) & set(model)) if model[t] and list(saved[t]) != list(model[t])]
+            for t in sorted(set(saved) & set(model)) if model[t] and list(saved[t] or ()) != list(model[t] or ())]
     return out
 
 

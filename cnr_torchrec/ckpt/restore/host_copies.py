@@ -33,7 +33,7 @@ def can_stage(weights: torch.Tensor) -> bool:
 def host_copy(weights: torch.Tensor, buffer: torch.Tensor | None) -> torch.Tensor:
     """The copy a staged restore writes ``weights``' rows into: ``buffer`` where it fits, else new memory
     (unwritten: the restore writes or zeroes what it needs)."""
-    return buffer if fits(buffer, weights) else torch.empty_like(weights)
+    return buffer if buffer is not None and fits(buffer, weights) else torch.empty_like(weights)
 
 
 def fits(buffer: torch.Tensor | None, weights: torch.Tensor) -> bool:

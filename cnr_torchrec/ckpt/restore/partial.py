@@ -57,7 +57,7 @@ def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimiz
     return out
 
 
-def _optimizer_states(optimizer: Any) -> list[Manifest]:
+def _optimizer_states(optimizer: Any) -> list[dict[str, Any]]:
     params = [p for group in optimizer.param_groups for p in group["params"]]
     return [optimizer.state.get(p, {}) for p in params]
 
@@ -164,7 +164,7 @@ class Recovery:
         pick, chain = self._restorer.agree_on_pick(step, {}, local=False)
         if not pick.chain:
             raise CheckpointNotFoundError(self._restorer.not_found(step))
-        stats: dict[str, int] = {}
+        stats: dict[str, float] = {}
         failure, cause = None, None
         try:
             chain = chain or [load_manifest(self._storage, i) for i in pick.chain]
@@ -173,6 +173,7 @@ class Recovery:
         except Exception as e:  # the other ranks must hear of it before any broadcast
             failure, cause = Failure.of(e, rank, f"recovering from checkpoint {pick.chain[-1]}"), e
         self._ranks.raise_any(failure, cause)
+        assert chain is not None  # loaded above, or raise_any raised on every rank
         sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivor)
         if rank in failed:
             self.tracker.reset(baseline=True)
@@ -186,7 +187,7 @@ class Recovery:
                  "state from rank %d", failed, m.id, m.step, info.bytes_read, sent, survivor)
         return info, chain
 
-    def _reload(self, chain: list[Manifest], stats: dict[str, int]) -> None:
+    def _reload(self, chain: list[Manifest], stats: dict[str, float]) -> None:
         """A failed rank's own shards, per-rank state and dense optimizer layout, from ``chain``."""
         same_world = chain[-1].world_size == self._ranks.world_size
         restore_chain(

@@ -69,6 +69,7 @@ def relocate_tables(tables: set[str], chain: list[Manifest], storage: Storage, t
     for table in sorted(tables):
         data = whole[table]
         mc = tracker.mc_table(table)
+        assert mc is not None  # needs_relocation names managed-collision tables of the model only
         if data.mc is None:
             raise IncompatibleCheckpointError(
                 f"table '{table}' is a managed-collision table in the model, a plain one in checkpoint "
@@ -110,6 +111,7 @@ def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[d
                        ranks: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The saved rows whose raw ids this rank holds now (``ranks`` routes them), in raw-id order, those the
     policy keeps."""
+    assert data.mc is not None  # the caller refused a table saved without its managed-collision state
     raw = data.mc[:, 0]
     held = torch.nonzero(raw != EMPTY).view(-1)
     mine = held[ranks(raw[held]) == rank]
@@ -155,6 +157,7 @@ def _write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int 
                 row = saved.for_shard((miss_row, miss_row + 1), cols)
                 live_state.reshape(shard.num_rows, -1)[-1] = row.reshape(-1).to(live_state)
     state = empty_state(mc.num_rows, len(mc.fields))
+    assert data.mc is not None  # relocate_tables refused a table saved without its managed-collision state
     state[:n] = data.mc[order]
     mc.load_by_row(state)
 
@@ -188,7 +191,8 @@ def _routed_runtime(saved: list[dict[str, Any]], mc: McTable, rank: int, world_s
     if not saved:
         return mc.runtime()
     first = saved[0]
-    history, metadata = [], {k: [] for k in first["history_metadata"]}
+    history: list[Any] = []
+    metadata: dict[str, list[Any]] = {k: [] for k in first["history_metadata"]}
     for r in saved:
         ids = r["history"]
         here = ranks(ids) == rank

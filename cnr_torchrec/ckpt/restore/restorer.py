@@ -106,6 +106,7 @@ class Restorer:
             if not failed:
                 break
             self._after_failed_attempt(failed, own, ids, bad)  # a staged attempt's rows never reached the model
+        assert chain is not None  # an attempt every rank succeeded in loaded its manifests
         with timed(self.stats, "commit_ms"):
             staged.commit()  # every rank succeeded: the staged shards go into the model
         return chain, bad, staged.by_key()
@@ -138,7 +139,7 @@ class Restorer:
                     "(%d rank(s)), which has %.2f GB available, so they are written in place, and a restore that "
                     "fails now leaves them partly overwritten (restore again before training then). Everything "
                     "else is still put back on a failure", short.needed / 1e9, short.host, short.ranks,
-                    short.available / 1e9)
+                    (short.available or 0) / 1e9)  # known: a host whose memory is unknown is never short
         return False
 
     def _attempt(self, ids: list[int], chain: list[Manifest] | None, model_tables: dict[str, list[int]],

@@ -30,6 +30,7 @@ from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng
 from cnr_torchrec.ckpt.restore.host_copies import can_stage
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
+from cnr_torchrec.track.torchrec_types import TorchRecModule
 
 __all__ = ["Snapshot"]
 
@@ -49,7 +50,7 @@ class Snapshot:
     stateful: list[tuple[Any, Any]] = field(default_factory=list)  # (object with load_state_dict, its state)
     dense_optimizer: tuple[nn.Module, Any, Any] | None = None  # (model, optimizer, its saved form)
     rng: dict[str, Any] | None = None
-    tbes: list[nn.Module] = field(default_factory=list)
+    tbes: list[TorchRecModule] = field(default_factory=list)
 
     @classmethod
     def take(cls, *, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,

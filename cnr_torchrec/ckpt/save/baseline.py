@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -58,8 +58,10 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
     new_id = max(existing_dir_ids(storage) + committed_ids(storage), default=-1) + 1
     tables = list(table_shapes)
     decision = Decision(new_id, step, "baseline", None, None, (new_id,), {t: "full" for t in tables}, reason)
-    staged = Staged(decision, 0, 1, shards=shards, dense=dict(dense), dense_optimizer=dense_optimizer,
-                    table_shapes={t: list(s) for t, s in table_shapes.items()}, mc_runtime=dict(mc_runtime or {}))
+    # A generator stays one: write_rank consumes the shards once, as they come.
+    staged = Staged(decision, 0, 1, shards=cast(list[StagedShard], shards), dense=dict(dense),
+                    dense_optimizer=dense_optimizer, table_shapes={t: list(s) for t, s in table_shapes.items()},
+                    mc_runtime=dict(mc_runtime or {}))
     codec, t0 = get_codec("none"), time.perf_counter()
     try:
         report = write_rank(staged, codec, storage, chunk_bytes=chunk_bytes)  # consumes the shards lazily

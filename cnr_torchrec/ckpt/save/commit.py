@@ -48,7 +48,7 @@ class CheckpointInfo:
     kind: str
     parent: int | None
     chain: tuple[int, ...]
-    policy: str
+    policy: str | None
     nbytes: int
     rows_written: int
     world_size: int
@@ -202,12 +202,14 @@ class Committer:
         Never raises: whatever fails here (the manifest write, the store) becomes the
         outcome every rank hears. ``storage`` is None only when ``own`` is a failure.
         """
+        result: dict[str, Any]
         try:
             reports = self._gather_reports(d, own)
             bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
             if bad:
                 result = {"ok": False, "error": "; ".join(bad)}
             else:
+                assert storage is not None  # rank 0's own report is good, so it opened its storage
                 body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
                 manifest = check_manifest(body, manifest_path(d.ckpt_id))  # a body the schema refuses never commits
                 fault_injection.hit("commit.before_manifest")
@@ -219,6 +221,7 @@ class Committer:
             result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
         result = self._publish(d, result)
         if result["ok"]:
+            assert storage is not None  # a save that committed wrote through it
             fault_injection.hit("gc.before")
             self._on_commit(result["manifest"], storage)
         return result

@@ -93,7 +93,9 @@ class Reconstruction:
         """Applies what the committed save staged (on the folded rows, if it hung on a fold)."""
         if self._fold is not None:
             for key in list(self._fold):
-                self._rows[key] = self._folded(key)
+                folded = self._folded(key)
+                assert folded is not None  # key is one of the fold's
+                self._rows[key] = folded
                 del self._fold[key]  # one shard's encoded and decoded rows at a time
             self._fold = None
         for key, ids, rows in self._pending:

@@ -144,7 +144,7 @@ def is_rowwise(state: torch.Tensor, num_rows: int) -> bool:
     return state.dim() == 1 or state.numel() == num_rows
 
 
-def _tbe_views(tbe: Any, views: dict[int, tuple[list, list]]) -> tuple[list, list]:
+def _tbe_views(tbe: Any, views: dict[int, tuple[Any, Any]]) -> tuple[Any, Any]:
     """A TBE's per-table weight and optimizer-state views, asked for once per save."""
     if id(tbe) not in views:
         states = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
@@ -180,7 +180,7 @@ def stage(
     t0 = time.perf_counter()
     out = Staged(decision, rank, world_size)
     limited = _budget_applies(decision, budget)
-    column_counts = gather_column_counts(tracker, budget.priority, world_size) if limited else {}
+    column_counts = gather_column_counts(tracker, budget.priority, world_size) if budget is not None and limited else {}
     flush_caches(tracker.tbes())  # fused_uvm_caching: rows updated in the cache, written back before any read
     tables = _TableStager(out, tracker, decision, budget if limited else None, column_counts, buffers)
     for table in tracker.tables():
@@ -196,7 +196,7 @@ def stage(
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned copies above were asynchronous
     out.stall_ms = (time.perf_counter() - t0) * 1e3
-    if limited:
+    if budget is not None and limited:
         log.info("budget-limited delta %d (%s, max_rows_fraction %s): %d of %d dirty rows written, %d left dirty",
                  decision.ckpt_id, budget.priority, budget.max_rows_fraction, tables.dirty_total - tables.left_total,
                  tables.dirty_total, tables.left_total)
@@ -234,9 +234,10 @@ class _TableStager:
         encoding = self.decision.encodings.get(table, "full")
         if encoding == "full" and self.budget is None:  # whole shards: no need for their dirty rows
             self.tracker.check_lookups(table)
-            shard_dirty = [(kernel, shard, None) for kernel, shard in self.tracker.shards(table)]
+            shard_dirty: list[tuple[Any, Any, torch.Tensor | None]] = [
+                (kernel, shard, None) for kernel, shard in self.tracker.shards(table)]
         else:
-            shard_dirty = self.tracker.shard_dirty_rows(table, since_baseline=self.decision.since == "baseline")
+            shard_dirty = list(self.tracker.shard_dirty_rows(table, since_baseline=self.decision.since == "baseline"))
         chosen = self._choose(table, shard_dirty) if self.budget is not None else {}
         for kernel, shard, dirty in shard_dirty:
             if shard.rows in chosen:  # the budget is smaller than the shard: selected rows, with ids
@@ -246,6 +247,7 @@ class _TableStager:
 
     def _choose(self, table: str, shard_dirty: list) -> dict[tuple[int, int], torch.Tensor]:
         """The rows the budget keeps per shard (those it leaves out stay dirty, in ``out.left_out``)."""
+        assert self.budget is not None and self.budget.max_rows_fraction is not None  # called only under a budget
         chosen, left_out = choose_rows(self.tracker, table, shard_dirty, self.budget.max_rows_fraction,
                                        self.column_counts.get(table))
         if left_out.numel():

@@ -88,7 +88,7 @@ def write_rank(
         encoded, whole = _encode_shard(codec, s, d, reconstruction)
         residual = whole is not None and not bool(whole.all())  # a delta whose rows all coded whole is a plain one
         whole_ref = None
-        if residual and bool(whole.any()):
+        if whole is not None and residual and bool(whole.any()):
             whole_ref = (int(whole.sum()), blobs.add(f"{prefix}/whole", encode_modes(whole)))
             whole_rows += whole_ref[0]
         residual_entries += residual

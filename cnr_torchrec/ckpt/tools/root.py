@@ -11,7 +11,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
-from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, newest_state_first
+from cnr_torchrec.ckpt.format.commits import Commit, committed_ids, load_manifest, newest_state_first
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 
@@ -81,7 +81,7 @@ class _Unread(NamedTuple):
 
 def _newest(storage: Storage, ids: list[int]) -> int:
     """The id of the newest state, as restore orders them (a compacted baseline before its tip's later deltas)."""
-    def load(i: int) -> Any:
+    def load(i: int) -> Commit:
         try:
             return load_manifest(storage, i)
         except CnrError:

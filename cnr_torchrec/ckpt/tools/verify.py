@@ -240,10 +240,10 @@ class _Entries:
                 stored_modes(entry, self.tensor, f"{where}: ")
             except CorruptCheckpointError as e:
                 self.problem(str(e))
-        names = entry.weights.blobs
+        names = entry.coded.blobs
         if all(n in self.sound for n in names.values()):
             try:
-                rebuild({k: self.tensor(n) for k, n in names.items()}, dict(entry.weights.meta))
+                rebuild({k: self.tensor(n) for k, n in names.items()}, dict(entry.coded.meta))
             except CnrError as e:
                 self.problem(f"{where}: encoded rows are inconsistent ({e})")
         checks = entry.checks

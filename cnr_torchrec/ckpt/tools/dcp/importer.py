@@ -110,13 +110,15 @@ def _table_shards(path: str, md: Metadata, model: dict[str, str], tables: dict[s
         (rows, dim), wkey = t.shape, model[t.fqn]
         got = _read(path, {wkey: torch.empty(rows, dim),
                            **({} if t.state is None else {t.state: _empty(md.state_dict_metadata[t.state])})})
-        weights, state = got[wkey], got.get(t.state)
+        weights, state = got[wkey], None if t.state is None else got.get(t.state)
         mc = _mc_state(path, md, t)
         if state is None or state.dim() == 2:
             states = [] if state is None else [(state, False)]
             yield StagedShard(t.name, (0, rows), (0, dim), "full", None, weights, states, *mc)
         else:
-            chunks = [(c.offsets, c.sizes) for c in md.state_dict_metadata[wkey].chunks]
+            saved = md.state_dict_metadata[wkey]
+            assert isinstance(saved, TensorStorageMetadata)  # the table's weights: a tensor DCP stored in chunks
+            chunks = [(c.offsets, c.sizes) for c in saved.chunks]
             for i, (c0, c1) in enumerate(_column_shards(chunks, rows, dim, state.numel() // rows, wkey)):
                 yield StagedShard(t.name, (0, rows), (c0, c1), "full", None, weights[:, c0:c1].contiguous(),
                                   [(state[i * rows: (i + 1) * rows], True)], *mc)
@@ -137,7 +139,9 @@ def _mc_state(path: str, md: Metadata, t: _DcpTable) -> tuple[torch.Tensor | Non
 def _mc_windows(path: str, md: Metadata, tables: dict[str, _DcpTable]) -> dict[str, dict[str, Any]]:
     """Each managed-collision table's eviction window, as a state_dict leaves it: empty, at its saved iteration."""
     out = {}
-    for t in (t for t in tables.values() if t.mc is not None):
+    for t in tables.values():
+        if t.mc is None:
+            continue
         key = t.mc.get("_current_iter_tensor")
         if key is None:
             raise IncompatibleCheckpointError(f"{path}: table '{t.name}' has managed-collision buffers but no "

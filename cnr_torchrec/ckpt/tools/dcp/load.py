@@ -147,7 +147,8 @@ class _Remap:
     def build(cls, fqn: str, live: ShardedTensor, saved: TensorStorageMetadata, rows: int,
               src: list[tuple[int, int]], dst: list[tuple[int, int]],
               buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor]) -> _Remap:
-        targets, spans = [], {}
+        targets: list[Any] = []
+        spans: dict[Any, Any] = {}
         for shard in live.local_shards():
             start, n = int(shard.metadata.shard_offsets[0]), int(shard.metadata.shard_sizes[0])
             seg, r0 = divmod(start, rows)
@@ -175,7 +176,8 @@ class _Remap:
             if len(weights) == 1 and weights[0][1] == 1.0:  # inside one saved shard: its value
                 merged = vals[0]
             else:
-                merged = sum(v.double() * w for v, (_, w) in zip(vals, weights)) / sum(w for _, w in weights)
+                total = sum((v.double() * w for v, (_, w) in zip(vals, weights)), torch.zeros((), dtype=torch.float64))
+                merged = total / sum(w for _, w in weights)
             with torch.no_grad():
                 live.copy_(merged)
 
@@ -200,6 +202,7 @@ class DMPLoadPlanner(DefaultLoadPlanner):
         self._buffers: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
 
     def create_local_plan(self) -> LoadPlan:
+        assert self.metadata is not None  # DCP sets it (set_up_planner) before it asks for the plan
         plain, extra = {}, []  # keys DCP plans as usual; the remaps' reads
         for fqn, obj in self.state_dict.items():
             path = tuple(self.mappings.get(fqn, (fqn,)))
@@ -217,6 +220,7 @@ class DMPLoadPlanner(DefaultLoadPlanner):
 
     def _remap(self, fqn: str, path: tuple[Any, ...], live: Any) -> _Remap | None:
         """The remap of row-wise state ``fqn`` if its column shards differ from the saved ones, else None."""
+        assert self.metadata is not None  # DCP sets it (set_up_planner) before it asks for the plan
         md = self.metadata.state_dict_metadata
         saved = md.get(fqn)
         if not (len(path) == 4 and path[:2] == (OPTIM, "state") and isinstance(live, ShardedTensor)
