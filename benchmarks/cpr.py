@@ -125,17 +125,17 @@ def run(scenario: str, args, stream, out_dir: str) -> dict:
             fails.pop(0)
             ck.wait()
             recoveries += 1
-            before = bytes_read()
             if scenario == "full":
                 back_to = ck.restore()
                 redone += step - back_to
                 step = back_to
+                reloaded += restore_bytes_read(ck)
             else:
                 if rank == 1:
                     wipe(dmp, opt)
                 info = ck.recover([1])
                 lost_updates += step - info.step
-            reloaded += bytes_read() - before
+                reloaded += info.bytes_read  # the failed ranks' reads, summed over them by recover()
             it = iter(reader)
     ck.wait()
     ck.close()
@@ -145,28 +145,12 @@ def run(scenario: str, args, stream, out_dir: str) -> dict:
             "failed_rank_steps_lost": lost_updates, "wall_s": time.perf_counter() - t0}
 
 
-_READ_TOTAL = {"bytes": 0}
-
-
-def bytes_read() -> int:
-    """Payload bytes every rank has read from storage so far (counted by wrapping Storage.read)."""
-    total = torch.tensor([_READ_TOTAL["bytes"]], dtype=torch.int64)
+def restore_bytes_read(ck: Checkpointer) -> int:
+    """The bytes the last restore() read from storage on every rank together (``last_restore_stats``: each
+    rank's reads, range reads and mapped chunk bytes alike). Collective."""
+    total = torch.tensor([int(ck.last_restore_stats.get("bytes_read", 0))], dtype=torch.int64)
     dist.all_reduce(total)
     return int(total)
-
-
-def _count_reads() -> None:
-    from cnr_torchrec.ckpt.format import storage as storage_mod
-
-    real = storage_mod.Storage.read
-
-    def read(self, path, byte_range=None):
-        data = real(self, path, byte_range)
-        if path.endswith(".bin"):
-            _READ_TOTAL["bytes"] += len(data)
-        return data
-
-    storage_mod.Storage.read = read
 
 
 def main() -> None:
@@ -197,7 +181,6 @@ def main() -> None:
     dist.init_process_group("gloo")
     if dist.get_world_size() < 2:
         raise SystemExit("run with torchrun --nproc_per_node 2 (rank 1 is the one that fails)")
-    _count_reads()
     world = dist.get_world_size()
     mtbf_steps = args.steps / len(args.fail_at)
     if args.interval is None:  # T = 2 * MTBF * world_size * target, in steps (cnr_torchrec.ckpt.failure_rates)
