@@ -64,14 +64,14 @@ class _KernelState:
         self.marked: Lookup | None = None
         # The TBE's per-feature row layout, read once: the hook runs on every lookup.
         self.hash_size_cumsum = info.tbe.hash_size_cumsum
-        self.rows_per_table = getattr(info.tbe, "rows_per_table", None)
+        # Every FBGEMM TBE has it; mark_rows refuses a None by name.
+        self.rows_per_table: torch.Tensor = cast(torch.Tensor, getattr(info.tbe, "rows_per_table", None))
         self._batch_offsets: dict[tuple[int, ...], torch.Tensor] = {}
 
     def mark(self, lookup: Lookup, counts: torch.Tensor | None = None, errors: torch.Tensor | None = None) -> None:
         """Marks the rows of ``lookup`` with the TBE's own row layout, recording its problems in ``errors``."""
         self.checked = False
-        rows = cast(torch.Tensor, self.rows_per_table)  # every FBGEMM TBE has it; the op refuses None by name
-        ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, rows, self.bits.bitmap,
+        ops.mark_rows(lookup.indices, lookup.offsets, self.hash_size_cumsum, self.rows_per_table, self.bits.bitmap,
                       counts, lookup.B_offsets, self.errors if errors is None else errors)
 
     def batch_offsets(self, bags_per_feature: tuple[int, ...]) -> torch.Tensor:
