@@ -2,11 +2,10 @@
 
 In a residual chain (``quantization.residual``) a row restores as its newest whole entry plus
 every newer residual, so no checkpoint's stored bytes hold the row and the lossless merge of
-:mod:`~cnr_torchrec.ckpt.compact.merge` cannot keep them. The fold adds them up instead, newest
-checkpoint first and in the order a restore adds them
-(:func:`~cnr_torchrec.ckpt.format.tables.assemble_regions`), and writes each region's sums with
-the optimizer state the chain stores. Data-parallel tables, which saves store exact, stay float32.
-A background compaction writes the other sums with
+:mod:`~cnr_torchrec.ckpt.compact.merge` cannot keep them. The fold adds them up instead, in the order
+a restore adds them, oldest copy first (:func:`~cnr_torchrec.ckpt.format.tables.assemble_regions`),
+and writes each region's sums with the optimizer state the chain stores. Data-parallel tables,
+which saves store exact, stay float32. A background compaction writes the other sums with
 :data:`FOLDED_CODEC`, adaptive 8-bit, so its folded baseline restores each row's sum within an
 8-bit step of the row's range, not bit for bit: float32 sums would be exact, but a float32
 baseline is as large as a full snapshot. ``cnr compact``, which no job follows, writes them in

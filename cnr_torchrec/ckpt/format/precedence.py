@@ -10,9 +10,11 @@ is *open* until a whole copy of it has been applied:
   the row is the sum of every residual above its newest whole copy, and that copy. A residual
   entry may store some rows whole (format 6: its ``whole`` bitmap, the rows that coded closer
   whole than as a residual); those are whole copies, and close;
-* the sum is taken in the order the chain is read, newest first, starting from zero, one rounded
-  float32 add per copy: ``((0 + r_n) + r_n-1) + ... + whole``. Every reader adds in this order, so
-  every path gives the same bits for the same chain.
+* the sum is taken oldest copy first, starting from zero, one rounded float32 add per copy:
+  ``(((0 + whole) + r_1) + r_2) + ... + r_n``. That is the order a writer builds it in as the chain
+  grows (the residual reconstruction, :mod:`~cnr_torchrec.ckpt.save.residual`, which the memory tier
+  keeps as the restore image), so the claims, made newest first, are applied in the other order.
+  Every reader adds in this order, so every path, and the writer's own copy, give the same bits.
 
 Optimizer state and a managed-collision table's by-row state are not sums: the newest copy of
 either kind gives them (:meth:`Coverage.claim` with ``closes=True``).

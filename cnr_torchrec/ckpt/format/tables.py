@@ -101,7 +101,7 @@ def assemble_tables(
     rows that no newer checkpoint stored for its columns (their byte ranges, checked against
     their CRCs; :class:`~cnr_torchrec.ckpt.format.rows.RowReader`). A residual entry
     (``quantization.residual``) adds to the rows of the older entries instead of replacing them,
-    in the order a restore adds them, so that the sums are a restore's to the bit.
+    oldest copy first as a restore adds them, so that the sums are a restore's to the bit.
 
     Replicated (data_parallel) tables come from the tip, as in a restore; they have no
     row states (the dense optimizer holds theirs).
@@ -148,6 +148,7 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
         out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])  # sums start from zero (the rule)
         segs = segments_of(g.cols, sorted(breaks.get(g.table, ())))
         covered[g] = _Covered(Coverage(shape[0], segs), Coverage(shape[0], segs), Coverage(shape[0], [g.cols]))
+    claims: list[_EntryClaim] = []  # made newest copy first, applied oldest first (the rule's sums)
     for m in newest_first(chain):
         for report in m.ranks:
             file = report.file
@@ -160,9 +161,13 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                 for entry in entries:
                     _check_inside(entry, table, tip.tables[table], file)
                     for g in sharded.get(table, ()):
-                        out[g] = _apply_entry(out[g], covered[g], g, table, entry, load, file)
+                        claim = _claim_entry(covered[g], g, table, entry, load, file)
+                        if claim is not None:
+                            claims.append(claim)
                     if progress is not None:
                         progress(1)
+    for claim in reversed(claims):
+        out[claim.region] = _apply_entry(out[claim.region], claim)
     out.update(_replicated_tables(storage, tip, replicated))
     _check_covered(chain, {g: c.weights for g, c in covered.items()})
     return out
@@ -188,15 +193,31 @@ def _check_inside(entry: TableEntry, table: str, shape: tuple[int, int], file: s
         )
 
 
-def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str, entry: TableEntry,
-                 load: RowReader, file: str) -> TableData:
-    """Applies the rows and columns one entry holds of ``region`` by the chain's rule (a whole copy to the open
-    rows, a residual added onto them) and sets the optimizer states no newer entry gave; reads only those rows."""
+class _EntryClaim(NamedTuple):
+    """The rows and columns one entry gives a region (:func:`_claim_entry`), to apply (:func:`_apply_entry`)."""
+
+    region: Region
+    table: str
+    entry: TableEntry
+    load: RowReader
+    file: str
+    segs: list[tuple[int, int]]
+    maps: list[torch.Tensor]
+    state_maps: list[torch.Tensor]
+    mc_map: torch.Tensor | None
+    pick: torch.Tensor  # the stored rows to read
+
+
+def _claim_entry(covered: _Covered, region: Region, table: str, entry: TableEntry, load: RowReader,
+                 file: str) -> _EntryClaim | None:
+    """Claims the rows and columns one entry holds of ``region`` by the chain's rule (reading only its row ids
+    and row modes): the open rows its whole copies close or its residuals add onto, and the optimizer and
+    managed-collision states no newer entry gave. None when it gives nothing."""
     (w0, w1), (v0, v1) = region.rows, region.cols
     (r0, r1), (c0, c1) = entry.rows, entry.cols
     a0, a1 = max(c0, v0), min(c1, v1)  # the columns the entry holds of the region
     if max(r0, w0) >= min(r1, w1) or a0 >= a1:
-        return data
+        return None
     offsets = stored_offsets(entry, load, f"{file}: table '{table}': ", file)
     whole = closes(entry, load, f"{file}: table '{table}': ", file)
     n = entry.num_stored
@@ -210,7 +231,18 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
         needed |= mp >= 0
     pick = torch.from_numpy(np.flatnonzero(needed.numpy()))
     if not pick.numel():
-        return data
+        return None
+    return _EntryClaim(region, table, entry, load, file, segs, maps, state_maps, mc_map, pick)
+
+
+def _apply_entry(data: TableData, claim: _EntryClaim) -> TableData:
+    """Applies what ``claim`` took of its region: decodes the claimed rows and writes them (a whole copy) or
+    adds them (a residual; one rounded add per copy, onto the older copies applied before), and sets the
+    claimed optimizer and managed-collision states."""
+    region, table, entry, load, file = claim.region, claim.table, claim.entry, claim.load, claim.file
+    segs, maps, state_maps, mc_map, pick = claim.segs, claim.maps, claim.state_maps, claim.mc_map, claim.pick
+    v0 = region.cols[0]
+    c0, c1 = entry.cols
     parts = load.rows(entry, pick)
     keys = sorted(entry.coded.blobs)
     try:
@@ -240,7 +272,7 @@ def _apply_entry(data: TableData, covered: _Covered, region: Region, table: str,
         elif data.mc.shape[1] != len(entry.mc_rows.fields):
             raise CorruptCheckpointError(
                 f"{file}: table '{table}' stores managed-collision state with fields "
-                f"{list(entry.mc_rows.fields)} and, in a newer entry, {data.mc.shape[1]} fields", path=file)
+                f"{list(entry.mc_rows.fields)} and, in another entry, {data.mc.shape[1]} fields", path=file)
         src, dst = _kept(mc_map.index_select(0, pick))
         assert data.mc is not None  # made above where it was missing
         data.mc[dst] = parts[-1][src]

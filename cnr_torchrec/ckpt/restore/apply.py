@@ -403,11 +403,14 @@ class Applier:
             for rows in merged_rows:
                 target.state_filled[rows] = True
         self._rowwise.clear()
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Updates which shards are done (every row closed, with its states), for :meth:`done`."""
         for ts in self.targets.values():
             for t in ts:
                 if not t.done:
                     t.refresh()
-
 
     def finish(self) -> StagedWeights:
         """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt).

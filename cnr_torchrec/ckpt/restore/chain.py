@@ -4,7 +4,9 @@ The chain is applied newest checkpoint first (:class:`~cnr_torchrec.ckpt.restore
 For each checkpoint, every entry's row ids are read and the rows this rank still needs are
 claimed; then the reads of exactly those rows start, all at once
 (:class:`~cnr_torchrec.ckpt.format.rows.RowReader`), and the entries are decoded as their rows
-land. The walk stops early once every row is restored. Then what every rank holds alike (dense parameters,
+land. The walk stops early once every row is restored. A residual chain's claims are made the same
+way, newest first, and applied oldest first, since its rows are sums taken in that order
+(:mod:`~cnr_torchrec.ckpt.format.precedence`). Then what every rank holds alike (dense parameters,
 the dense optimizer, the TBE step counter) comes from rank 0's file of the tip, and per-rank
 state (extra_state, RNG, managed-collision eviction windows) from this rank's own, when the
 world size is the one that saved. A managed-collision table whose slots moved is relocated
@@ -123,35 +125,65 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
         applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers)
     tip: dict[int, RowReader] = {}
     try:
+        claimed: list[list[tuple[RowReader, Any]]] = []  # an additive chain's work, newest checkpoint first
         for m in newest_first(manifests):
             if applier.done():
                 break
-            work = []
             with timed(stats, "plan_ms"):
-                wanted = []
-                for report in m.ranks:
-                    load = RowReader(storage, report.payload, stats, pool=pool)
-                    if m is target:
-                        tip[report.rank] = load
-                    todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
-                    load.fetch_blobs([b.blob for _, e in todo for b in (e.ids, e.whole) if b is not None])
-                    wanted.append((load, todo))
-                for load, todo in wanted:
-                    for table, entry in todo:
-                        plan = applier.plan(table, entry, load)
-                        if plan is not None:
-                            load.prefetch(entry, plan.sel)  # every read of this checkpoint starts now
-                            work.append((load, plan))
-            with timed(stats, "apply_ms"):
-                for load, plan in work:
-                    applier.apply(plan, load.rows(plan.entry, plan.sel))
-                applier.finish_checkpoint()
+                work = _plan_checkpoint(m, storage, applier, replicated, stats, pool, tip if m is target else None,
+                                        prefetch=not applier.additive)
+            if not applier.additive:  # each row is written once, by its newest copy: apply as the chain is read
+                _apply_work(applier, work, stats)
+                continue
+            applier.refresh()
+            claimed.append(work)
+        # A residual chain adds up oldest copy first (format/precedence.py): its claims, made newest first, are
+        # applied in the other order, each checkpoint's reads started while the one before it is applied.
+        ordered = claimed[::-1]
+        for i, work in enumerate(ordered):
+            for load, plan in work if i == 0 else ():
+                load.prefetch(plan.entry, plan.sel)
+            for load, plan in ordered[i + 1] if i + 1 < len(ordered) else ():
+                load.prefetch(plan.entry, plan.sel)
+            _apply_work(applier, work, stats)
         staged = applier.finish()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
         # are stale now (even after a failure part way, when the rows are a mix).
         invalidate_caches(tracker.tbes())
     return tip, staged
+
+
+def _plan_checkpoint(m: Manifest, storage: Storage, applier: Applier, replicated: bool,
+                     stats: dict[str, float] | None, pool: IOPool | None, tip: dict[int, RowReader] | None,
+                     prefetch: bool) -> list[tuple[RowReader, Any]]:
+    """Claims what checkpoint ``m``'s entries give this rank. Returns (reader, plan) per entry with rows to
+    apply; their reads start now with ``prefetch``. ``tip``: where to keep ``m``'s readers by rank."""
+    work = []
+    wanted = []
+    for report in m.ranks:
+        load = RowReader(storage, report.payload, stats, pool=pool)
+        if tip is not None:
+            tip[report.rank] = load
+        todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
+        load.fetch_blobs([b.blob for _, e in todo for b in (e.ids, e.whole) if b is not None])
+        wanted.append((load, todo))
+    for load, todo in wanted:
+        for table, entry in todo:
+            plan = applier.plan(table, entry, load)
+            if plan is not None:
+                if prefetch:
+                    load.prefetch(entry, plan.sel)  # every read of this checkpoint starts now
+                work.append((load, plan))
+    return work
+
+
+def _apply_work(applier: Applier, work: list[tuple[RowReader, Any]], stats: dict[str, float] | None) -> None:
+    """Decodes one checkpoint's claimed rows into place, then merges its row-wise states."""
+    with timed(stats, "apply_ms"):
+        for load, plan in work:
+            applier.apply(plan, load.rows(plan.entry, plan.sel))
+        applier.finish_checkpoint()
 
 
 def _restore_rank_state(target: Manifest, mine: RankReport, load: RowReader,
