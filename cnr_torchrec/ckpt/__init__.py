@@ -8,6 +8,7 @@ from cnr_torchrec.ckpt.config import (
     CompactionConfig,
     FailureConfig,
     KeepConfig,
+    MemoryTierConfig,
     QuantizationConfig,
     load_config,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "CompactionConfig",
     "FailureConfig",
     "KeepConfig",
+    "MemoryTierConfig",
     "QuantizationConfig",
     "SaveHandle",
     "load_config",

@@ -25,6 +25,7 @@ from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
+from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
@@ -201,15 +202,19 @@ class Checkpointer:
         self._compactor = Compactor(config.compaction, self._start_compaction)
         # Rank 0: the committed checkpoints, loaded at the first commit and then kept up to date.
         self._retention = Retention(config.retention, self._compactor.pinned)
+        # This rank's restore image in host shared memory (memory_tier): the reconstruction's rows live there.
+        self._memory = MemoryTier(config, tracker, rank=self.rank, world_size=self.world_size,
+                                  residual=bool(config.quantization.residual))
         self._restorer = Restorer(config, storage=self._storage, io=self._io, ranks=self._ranks, model=model,
-                                  tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state)
+                                  tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state,
+                                  memory=self._memory)
         self._recovery = Recovery(restorer=self._restorer, storage=self._storage, io=self._io, ranks=self._ranks,
                                   model=model, tracker=tracker, dense_optimizer=dense_optimizer,
                                   extra_state=self.extra_state)
         self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
-                                    reconstruction=Reconstruction() if config.quantization.residual else None)
+                                    reconstruction=self._reconstruction(), memory=self._memory)
 
     # ------------------------------------------------------------------ public
 
@@ -275,7 +280,7 @@ class Checkpointer:
         self._book.state, hang_on_compacted = self._compactor.step(self._book.state, vote.compaction_finished,
                                                                    vote.compaction_committed)
         reconstruction = self._committer.reconstruction
-        if hang_on_compacted and reconstruction is not None:
+        if hang_on_compacted and reconstruction is not None and self.config.quantization.residual:
             reconstruction.hang_on(self._compactor.take_folded())  # the delta codes against the folded rows
         if self.config.interval is not None:
             self._plan = plan_interval(self.config, step=step, step_s=vote.step_s, save_cost_s=vote.stall_s,
@@ -414,11 +419,12 @@ class Checkpointer:
                 self._book.rebase("a restore failed after taking the residual reconstruction's rows")
             raise
         del buffers
+        m = chain[-1]
         if reconstruction is not None:
             with timed(self._restorer.stats, "reconstruction_ms"):  # residuals are coded against what was restored
-                reconstruction.reset(self.tracker, restored)
+                self._reset_reconstruction(reconstruction, chain, restored,
+                                           from_memory=self._restorer.stats.get("from_memory") == 1.0)
         del restored
-        m = chain[-1]
         self.tracker.reset(baseline=True)
         self._continue_chain(chain)
         self._count_restore(m)
@@ -455,12 +461,23 @@ class Checkpointer:
         self._continue_chain(chain)
         self._count_restore(chain[-1])
         rec = self._committer.reconstruction
-        if rec is not None and self.rank in failed:
-            rec.reset(self.tracker)  # survivors keep the chain's reconstruction
+        if rec is not None and self.rank in failed:  # survivors keep the chain's reconstruction
+            self._reset_reconstruction(rec, chain, None, from_memory=False)
         return info
 
-    def close(self) -> None:
-        """Waits for the save in flight, then releases the threads and closes the storage. Idempotent."""
+    @property
+    def last_restore_sources(self) -> builtins.list[tuple[int, str, str]]:
+        """Where each rank's last :meth:`restore` took its shards from: ``(rank, "memory" | "storage", why)``, the
+        same on every rank; empty before the first restore."""
+        return list(self._restorer.sources)
+
+    def close(self, *, keep_images: bool = False) -> None:
+        """Waits for the save in flight, then releases the threads and closes the storage. Idempotent.
+
+        Args:
+            keep_images: keep this rank's memory image (``memory_tier``) for a restart on this host. A clean
+                ``close()`` at the end of a job removes it; leaving a ``with`` block by an exception keeps it.
+        """
         if self._closed:
             return
         self._closed = True
@@ -471,6 +488,7 @@ class Checkpointer:
         finally:
             if self._committer.reconstruction is not None:
                 self._committer.reconstruction.release()  # a closed Checkpointer saves nothing: free its copy
+            self._memory.close(remove=not keep_images)
             self._executor.shutdown(wait=True)
             self._io.close()
             self._committer.close()
@@ -479,10 +497,31 @@ class Checkpointer:
     def __enter__(self) -> Checkpointer:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        self.close(keep_images=exc_type is not None)  # a job that fails may be restarted on this host
 
     # ------------------------------------------------------------------ internals
+
+    def _reconstruction(self) -> Reconstruction | None:
+        """What the committed chain restores on this rank, kept for residual coding or the memory image (its
+        rows then live in the image)."""
+        if not (self.config.quantization.residual or self._memory.active):
+            return None
+        return Reconstruction(backing=self._memory if self._memory.active else None)
+
+    def _reset_reconstruction(self, reconstruction: Reconstruction, chain: builtins.list[Manifest],
+                              restored: dict[Any, torch.Tensor] | None, from_memory: bool) -> None:
+        """After a restore of ``chain`` (baseline first): the reconstruction becomes the restored rows, and the
+        memory image (unless the rows came from it, sealed already) what the restore gave, sealed for the tip
+        where it restores on this world size (an image is never used across world sizes)."""
+        tip = chain[-1]
+        memory = self._memory if self._memory.active and not from_memory else None
+        if memory is not None:
+            memory.begin()
+        reconstruction.reset(self.tracker, restored)
+        if memory is not None and tip.world_size == self.world_size:
+            memory.take_live_states()
+            memory.seal(tip.id, [m.id for m in chain], payload_identity(tip.ranks[self.rank].payload))
 
     def _check_open(self, what: str) -> None:
         if self._closed:

@@ -28,6 +28,7 @@ __all__ = [
     "DEFAULT_COMPACTION",
     "FailureConfig",
     "KeepConfig",
+    "MemoryTierConfig",
     "QuantizationConfig",
     "load_config",
 ]
@@ -211,6 +212,40 @@ class BudgetConfig:
 
 
 @dataclass(frozen=True)
+class MemoryTierConfig:
+    """The memory tier: each rank's restore image kept in host shared memory (docs/memory-tier.md).
+
+    A restarted worker whose host kept its image restores its shards from it at memory speed;
+    the others read storage. ``memory_tier: auto`` in YAML is ``{mode: auto}``.
+
+    Attributes:
+        mode: ``auto`` keeps an image only where it costs no memory: with residual coding, whose
+            reconstruction (a float32 copy of the rank's shards) becomes the image. ``on`` keeps one with
+            plain coding too, as an extra host copy. ``off`` keeps none.
+        path: the directory of the images, on a memory file system (``/dev/shm``; in a container,
+            give it room: Docker ``--shm-size``, Kubernetes an ``emptyDir`` with ``medium: Memory``).
+    """
+
+    mode: Literal["auto", "on", "off"] = "auto"
+    path: str = "/dev/shm"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("auto", "on", "off"):
+            raise ConfigError(f"memory_tier.mode: {self.mode!r} is not one of ['auto', 'on', 'off']")
+        if not self.path:
+            raise ConfigError("memory_tier.path: give a directory on a memory file system, such as /dev/shm")
+
+    @classmethod
+    def from_scalar(cls, value: Any, where: str) -> MemoryTierConfig:
+        """``memory_tier: auto | on | off`` (YAML reads on and off as booleans: both forms are taken)."""
+        modes: dict[Any, Literal["auto", "on", "off"]] = {True: "on", False: "off", "on": "on", "off": "off",
+                                                           "auto": "auto"}
+        if isinstance(value, (dict, list)) or value not in modes:
+            raise ConfigError(f"{where}: expected auto, on, off or a mapping (mode, path), got {value!r}")
+        return cls(mode=modes[value])
+
+
+@dataclass(frozen=True)
 class KeepConfig:
     """What each commit keeps under the root; the rest is deleted.
 
@@ -332,6 +367,8 @@ class CheckpointConfig:
             until the restore succeeds, so that a restore that fails leaves the model as it was.
             Off saves that memory (one copy of the rank's shards) for the restore's length; a
             failed restore then leaves the tables partly overwritten, and its error says so.
+        memory_tier: each rank's restore image in host shared memory, for restarts on the same hosts
+            (see :class:`MemoryTierConfig`).
     """
 
     root: str
@@ -353,6 +390,7 @@ class CheckpointConfig:
     restore_threads: int | None = None
     restore_rng: bool = False
     restore_rollback: bool = True
+    memory_tier: MemoryTierConfig = field(default_factory=MemoryTierConfig)
 
     def __post_init__(self) -> None:
         if not self.root:

@@ -281,6 +281,8 @@ def convert_value(tp: Any, value: Any, where: str) -> Any:
     if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, tp):  # built, and checked, by its own __post_init__
             return value
+        if not isinstance(value, Mapping) and hasattr(tp, "from_scalar"):  # a section with a one-word form
+            return tp.from_scalar(value, where)
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping or a {tp.__name__}, got {value!r}")
         return dataclass_from_mapping(tp, value, where)

@@ -30,8 +30,10 @@ from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.memory.image import ShardViews
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
+from cnr_torchrec.ckpt.restore.from_memory import restore_from_image
 from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights
 from cnr_torchrec.ckpt.restore.relocate import needs_relocation, relocate_tables
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -62,6 +64,7 @@ def restore_chain(
     rng: bool = False,
     stage: bool = False,
     buffers: Mapping[Key, torch.Tensor] | None = None,
+    image: Mapping[Key, ShardViews] | None = None,
 ) -> StagedWeights:
     """Applies ``manifests`` (baseline first) to this rank's model state.
 
@@ -79,6 +82,9 @@ def restore_chain(
             and leave their live weights as they are until the caller commits them (every rank succeeded).
         buffers: float32 host tensors to stage into, by shard key (a residual reconstruction's rows, which the
             restore may overwrite); a shard without one of its shape gets a new copy.
+        image: this rank's memory-tier image, sealed for ``manifests`` on this layout
+            (:meth:`~cnr_torchrec.ckpt.memory.tier.MemoryTier.candidate`): the shards come from it, and
+            storage gives the rest (data_parallel tables, dense and per-rank state).
 
     Returns:
         The staged weights: committed already unless ``stage``.
@@ -86,10 +92,19 @@ def restore_chain(
     target = manifests[-1]
     check_compatible(target, tracker)
     relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
+    from_image = None
+    skip = set(relocated)
+    if image is not None:
+        with timed(stats, "memory_ms"):
+            from_image = restore_from_image(image, tracker, stage)
+        skip |= set(tracker.tables()) - set(target.replicated)
+        relocated = set()  # the image is of this layout: nothing moved
     with wider_pool(threads):
-        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, relocated, stage, buffers)
+        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, skip, stage, buffers)
         if not stage:
             staged.commit()
+        if from_image is not None:
+            staged = StagedWeights(from_image.entries + staged.entries)
         if relocated:
             with timed(stats, "relocate_ms"):
                 relocate_tables(relocated, manifests, storage, tracker, rank, world_size)

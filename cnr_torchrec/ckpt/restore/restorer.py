@@ -20,6 +20,7 @@ from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
+from cnr_torchrec.ckpt.memory.tier import MemoryTier
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
@@ -45,13 +46,17 @@ class Restorer:
     """Restores for one :class:`~cnr_torchrec.ckpt.Checkpointer`: its storage, I/O threads, ranks and state."""
 
     def __init__(self, config: CheckpointConfig, *, storage: Storage, io: IOPool, ranks: Ranks, model: Any,
-                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any]) -> None:
+                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any],
+                 memory: MemoryTier | None = None) -> None:
         self.config, self._storage, self._io, self._ranks = config, storage, io, ranks
+        self._memory = memory
+        self.sources: list[tuple[int, str, str]] = []  # the last restore's (rank, "memory" | "storage", why)
         self.model, self.tracker = model, tracker
         self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
         self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
+        self._source: tuple[str, str] = ("storage", "")  # where this rank's last attempt took its shards, and why
 
     def run(self, step: int | None, per_rank_state: str, buffers: Mapping[Key, torch.Tensor] | None = None
             ) -> tuple[list[Manifest], dict[int, str], dict[Any, Any]]:
@@ -66,6 +71,7 @@ class Restorer:
                 has it (else their weights are written in place, with a warning, and cannot be rolled back).
         """
         self.stats = {}
+        self.sources = []
         self._snapshot = None
         try:
             return self._run(step, per_rank_state, buffers or {})
@@ -109,7 +115,20 @@ class Restorer:
         assert chain is not None  # an attempt every rank succeeded in loaded its manifests
         with timed(self.stats, "commit_ms"):
             staged.commit()  # every rank succeeded: the staged shards go into the model
+        self._hear_sources(chain[-1].id)
         return chain, bad, staged.by_key()
+
+    def _hear_sources(self, ckpt_id: int) -> None:
+        """Every rank hears where each rank's shards came from (collective), and rank 0 logs it."""
+        source, why = self._source
+        self.sources = [(int(r), str(src), str(w)) for r, src, w in self._ranks.exchange([self.rank, source, why])]
+        from_memory = [r for r, src, _ in self.sources if src == "memory"]
+        self.stats["from_memory"] = float(source == "memory")
+        self.stats["memory_ranks"] = float(len(from_memory))
+        if self.rank == 0 and (from_memory or self._memory is not None and self._memory.active):
+            others = "; ".join(f"rank {r}: {why}" for r, src, why in self.sources if src != "memory")
+            log.info("restore of checkpoint %d: ranks %s took their shards from memory images, %d read storage%s",
+                     ckpt_id, from_memory, len(self.sources) - len(from_memory), f" ({others})" if others else "")
 
     def _none_restores(self, step: int | None, bad: dict[int, str]) -> RestoreFailedError:
         """The error for a root whose checkpoints (of ``step``) exist but none of which restores."""
@@ -166,17 +185,32 @@ class Restorer:
                     self._snapshot = Snapshot.take(model=self.model, tracker=self.tracker,
                                                    dense_optimizer=self.dense_optimizer,
                                                    extra_state=self.extra_state, rng=self.config.restore_rng)
+            image = self._image_for(chain)
             staged = restore_chain(  # every chunk is checked against its xxh3 as it lands
                 chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
                 world_size=self.world_size, dense_optimizer=self.dense_optimizer,
                 extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
                 stats=self.stats, threads=decode_threads(self.config.restore_threads), rng=self.config.restore_rng,
-                stage=stage, buffers=buffers,
+                stage=stage, buffers=buffers, image=image,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
             return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain, None
         return None, None, chain, staged
+
+    def _image_for(self, chain: list[Manifest]) -> Mapping[Key, Any] | None:
+        """This rank's memory image if it is sealed for ``chain`` on this layout (:meth:`MemoryTier.candidate`),
+        else None; where the image is not taken, it is unsealed, since a staged restore may write into its rows
+        (the reconstruction's, given as buffers)."""
+        if self._memory is None:
+            self._source = ("storage", "no memory tier (quantization.residual off, or memory_tier: off)")
+            return None
+        with timed(self.stats, "memory_check_ms"):
+            image, why = self._memory.candidate(chain)
+        if image is None and self._memory.active:
+            self._memory.begin()
+        self._source = ("memory" if image is not None else "storage", why)
+        return image
 
     def _after_failed_attempt(self, failed: list[Failure], own: Exception | None, ids: list[int],
                               bad: dict[int, str]) -> None:

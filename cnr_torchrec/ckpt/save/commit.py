@@ -27,6 +27,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields
+from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers
@@ -95,15 +96,18 @@ class Committer:
         staging: where staged buffers go back once written.
         tables: every table of the model; a manifest must give each one's shape.
         on_commit: rank 0 calls it with each committed body and its storage (retention).
+        reconstruction: what the committed chain restores on this rank (residual coding, or the memory tier).
+        memory: this rank's memory image, sealed for each checkpoint once the reconstruction has taken it.
     """
 
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, distributed: bool, store: Any,
                  io: IOPool,
                  staging: StagingBuffers, tables: list[str],
                  on_commit: Callable[[Manifest, Storage], None],
-                 reconstruction: Reconstruction | None = None) -> None:
+                 reconstruction: Reconstruction | None = None, memory: MemoryTier | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
         self.reconstruction = reconstruction
+        self.memory = memory
         self._dist, self._store, self._io, self._staging = distributed, store, io, staging
         self._tables, self._on_commit = tables, on_commit
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
@@ -134,7 +138,8 @@ class Committer:
                 storage = self._background_storage()
                 report = write_rank(staged, codec, storage, state_dtype=self._state_dtype,
                                     chunk_bytes=self.config.chunk_bytes, pool=self._io,
-                                    reconstruction=self.reconstruction)
+                                    reconstruction=self.reconstruction,
+                                    residual=bool(self.config.quantization.residual))
                 fault_injection.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
@@ -146,7 +151,10 @@ class Committer:
         else:
             result = self._await_result(d, report)
         if self.reconstruction is not None:
-            (self.reconstruction.commit if result["ok"] else self.reconstruction.discard)()
+            if result["ok"]:
+                self._commit_reconstruction(d, report)
+            else:
+                self.reconstruction.discard()
         if not result["ok"]:
             self._cleanup(d, storage)
             raise SaveFailedError(
@@ -156,6 +164,20 @@ class Committer:
         if "manifest" in result:
             return CheckpointInfo.from_manifest(result["manifest"], d.chain)
         return self._info(d, result)
+
+    def _commit_reconstruction(self, d: Decision, report: dict[str, Any]) -> None:
+        """The committed save's rows into the reconstruction; with a memory image, between its unseal and its
+        seal for this checkpoint (a process stopped in between leaves it unsealed, never torn)."""
+        assert self.reconstruction is not None  # called only for a job that keeps one
+        memory = self.memory if self.memory is not None and self.memory.active else None
+        if memory is None:
+            self.reconstruction.commit()
+            return
+        memory.begin()
+        fault_injection.hit("image.unsealed")
+        self.reconstruction.commit()
+        fault_injection.hit("image.updated")
+        memory.seal(d.ckpt_id, d.chain, payload_identity(report))
 
     def _background_storage(self) -> Storage:
         """The save thread's own Storage, opened on first use."""

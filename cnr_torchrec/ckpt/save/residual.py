@@ -22,15 +22,33 @@ restores it, and the next save is a baseline anyway.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.quant import EncodedRows, decode
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["Reconstruction"]
+__all__ = ["Reconstruction", "RowBacking"]
 
 Key = ShardKey
+
+
+class RowBacking(Protocol):
+    """Where a reconstruction keeps each shard's rows, and the optimizer state that goes with them: the memory
+    tier's image (:mod:`~cnr_torchrec.ckpt.memory.tier`)."""
+
+    def hold(self, key: Key, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` (a shard's, any dtype and device) kept in the backing's float32 memory for ``key``, which
+        is returned (``rows`` itself when it is that memory already)."""
+        ...
+
+    def put_states(self, key: Key, ids: torch.Tensor | None, states: list[torch.Tensor],
+                   mc: torch.Tensor | None) -> None:
+        """Sets rows ``ids`` (every row if None) of shard ``key``'s optimizer states (as stored) and
+        managed-collision by-row state."""
+        ...
 
 
 class Reconstruction:
@@ -40,12 +58,26 @@ class Reconstruction:
     save that hangs its delta on the folded baseline is told the folded rows (:meth:`hang_on`): it codes
     the rows dirty since the compaction's tip against them, which is what that baseline restores, and once
     it commits every shard's reconstruction is the folded rows plus that delta.
+
+    Every reader of a chain adds a row's copies up oldest first (:mod:`~cnr_torchrec.ckpt.format.precedence`),
+    as :meth:`commit` does, so the reconstruction is a restore of the committed chain to the bit.
+
+    Args:
+        backing: where the rows are kept (the memory tier's image; None: the process's own memory). With a
+            backing the reconstruction also carries each committed save's optimizer state to it
+            (:meth:`stage_states`), so that the backing holds what the committed chain restores.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, backing: RowBacking | None = None) -> None:
+        self._backing = backing
         self._rows: dict[Key, torch.Tensor] = {}
         self._pending: list[tuple[Key, torch.Tensor | None, torch.Tensor]] = []
+        self._pending_states: list[tuple[Key, torch.Tensor | None, list[torch.Tensor], torch.Tensor | None]] = []
         self._fold: dict[Key, EncodedRows] | None = None  # the folded baseline the next delta hangs on
+
+    def _keep(self, key: Key, rows: torch.Tensor) -> torch.Tensor:
+        """A shard's full rows as the reconstruction keeps them: in the backing, or as they are."""
+        return rows if self._backing is None else self._backing.hold(key, rows)
 
     def hang_on(self, folded: dict[Key, EncodedRows]) -> None:
         """The next save's delta hangs on a folded baseline whose rows (this rank's) are ``folded``."""
@@ -75,6 +107,14 @@ class Reconstruction:
         # A float32 ``rows`` is kept as it is: the caller made it for this (a decoded or summed row block).
         self._pending.append((key, None if ids is None else ids.to(torch.long), rows.float()))
 
+    def stage_states(self, key: Key, ids: torch.Tensor | None, states: list[torch.Tensor],
+                     mc: torch.Tensor | None) -> None:
+        """Records the optimizer states (as stored) and managed-collision by-row state that rows ``ids`` of
+        shard ``key`` will restore with once the save commits; kept only by a backing."""
+        if self._backing is not None:  # copies: staged tensors go back to the staging buffers once written
+            self._pending_states.append((key, None if ids is None else ids.to(torch.long),
+                                         [t.clone() for t in states], None if mc is None else mc.clone()))
+
     def after_commit(self, key: Key) -> torch.Tensor | None:
         """What shard ``key`` will restore once the staged save commits (a copy; None if unknown)."""
         folded = self._folded(key)
@@ -95,19 +135,24 @@ class Reconstruction:
             for key in list(self._fold):
                 folded = self._folded(key)
                 assert folded is not None  # key is one of the fold's
-                self._rows[key] = folded
+                self._rows[key] = self._keep(key, folded)
                 del self._fold[key]  # one shard's encoded and decoded rows at a time
             self._fold = None
         for key, ids, rows in self._pending:
             if ids is None:
-                self._rows[key] = rows  # staged rows are this object's own (stage made them): no copy
+                self._rows[key] = self._keep(key, rows)  # staged rows are this object's own (stage made them)
             elif key in self._rows:
                 self._rows[key].index_copy_(0, ids, rows)
         self._pending.clear()
+        if self._backing is not None:
+            for key, ids, states, mc in self._pending_states:
+                self._backing.put_states(key, ids, states, mc)
+        self._pending_states.clear()
 
     def discard(self) -> None:
         """Drops what a failed save staged. The next save is a baseline, so no delta hangs on the fold."""
         self._pending.clear()
+        self._pending_states.clear()
         self._fold = None
 
     def release(self) -> dict[Key, torch.Tensor]:
@@ -116,6 +161,7 @@ class Reconstruction:
         that codes against it must be a baseline."""
         rows, self._rows = self._rows, {}
         self._pending.clear()
+        self._pending_states.clear()
         self._fold = None
         return rows
 
@@ -128,6 +174,7 @@ class Reconstruction:
                 as they are (they equal the weights), so that those shards need no second copy.
         """
         self._pending.clear()
+        self._pending_states.clear()
         self._fold = None
         self._rows = {}
         restored = restored or {}
@@ -135,7 +182,8 @@ class Reconstruction:
             for kernel, shard in tracker.shards(table):
                 key = shard_key(table, shard.rows, shard.cols)
                 if key in restored:
-                    self._rows[key] = restored[key]
+                    self._rows[key] = self._keep(key, restored[key])
                     continue
-                weights = kernel.tbe.split_embedding_weights()[shard.local_index]
-                self._rows[key] = weights.detach().float().cpu().clone()
+                weights = kernel.tbe.split_embedding_weights()[shard.local_index].detach()
+                self._rows[key] = (weights.float().cpu().clone() if self._backing is None
+                                   else self._backing.hold(key, weights))

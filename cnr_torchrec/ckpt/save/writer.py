@@ -31,22 +31,27 @@ from cnr_torchrec.quant import Codec, EncodedRows
 __all__ = ["write_rank"]
 
 
-def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Reconstruction | None
-                  ) -> tuple[EncodedRows, torch.Tensor | None]:
+def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Reconstruction | None,
+                  residual: bool) -> tuple[EncodedRows, torch.Tensor | None]:
     """The shard's encoded rows and, for residual rows (see :mod:`.residual`), which rows are coded whole
     (:mod:`.coding`; None: the rows are not residuals).
 
     A delta's residuals are coded against what its parent's chain restores: the previous checkpoint's,
     or, for the delta that hangs on a compacted baseline (``since`` the baseline: the rows dirty since the
     compaction's tip), the folded rows that baseline holds. A baseline writes its rows whole, and so does
-    a delta with no reference to code against.
+    a delta with no reference to code against. Without ``residual`` (plain coding, with the memory tier's
+    image as the reconstruction) every row is coded whole and the reconstruction is told what it restores.
     """
+    key = shard_key(s.table, s.rows, s.cols)
     if reconstruction is None:
         return encode_in_blocks(codec, s.weights), None
+    if not residual:
+        encoded = encode_in_blocks(codec, s.weights)
+        reconstruction.stage(key, s.ids, codec.decode(encoded), s.rows[1] - s.rows[0])
+        return encoded, None
     if any(not rowwise for _, rowwise in s.states):
         raise ConfigError(f"table '{s.table}': quantization.residual needs row-wise optimizer state (such as "
                           "EXACT_ROWWISE_ADAGRAD's) or none; this optimizer keeps state per column. Turn residual off")
-    key = shard_key(s.table, s.rows, s.cols)
     ref = reconstruction.reference(key, s.ids, on_fold=d.since == "baseline") if d.kind == "delta" else None
     if ref is None:
         encoded = encode_in_blocks(codec, s.weights)
@@ -61,13 +66,15 @@ def _encode_shard(codec: Codec, s: StagedShard, d: Decision, reconstruction: Rec
 def write_rank(
     staged: Staged, codec: Codec, storage: Storage, *, state_dtype: torch.dtype = torch.float32,
     chunk_bytes: int, pool: IOPool | None = None, reconstruction: Reconstruction | None = None,
+    residual: bool = True,
 ) -> dict[str, Any]:
     """Encodes and writes this rank's payload as chunks. Returns the rank's report for the manifest.
 
     Optimizer-state rows are stored as ``state_dtype`` (restore casts them back). Chunks
     are written on ``pool`` (None: on this thread, through ``storage``). With a
-    ``reconstruction`` (``quantization.residual``), a delta's rows are coded as residuals
-    and the reconstruction's updates are staged for the commit.
+    ``reconstruction``, the rows and optimizer states each shard will restore are staged
+    on it for the commit, and with ``residual`` (``quantization.residual``) a delta's rows
+    are coded as residuals against it.
     """
     t0 = time.perf_counter()
     d = staged.decision
@@ -85,7 +92,7 @@ def write_rank(
         if s.ids is not None:
             kind, packed = encode_ids(s.ids, n_rows)
             ids = (kind, int(s.ids.numel()), blobs.add(f"{prefix}/ids", packed))
-        encoded, whole = _encode_shard(codec, s, d, reconstruction)
+        encoded, whole = _encode_shard(codec, s, d, reconstruction, residual)
         residual = whole is not None and not bool(whole.all())  # a delta whose rows all coded whole is a plain one
         whole_ref = None
         if whole is not None and residual and bool(whole.any()):
@@ -93,6 +100,8 @@ def write_rank(
             whole_rows += whole_ref[0]
         residual_entries += residual
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
+        if reconstruction is not None:
+            reconstruction.stage_states(shard_key(s.table, s.rows, s.cols), s.ids, [t for t, _ in states], s.mc)
         stored = write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields))
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(

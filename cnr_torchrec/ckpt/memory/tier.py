@@ -1,0 +1,257 @@
+"""The memory tier: this rank's restore image, kept as saves and restores commit, taken by a restore that agrees.
+
+The image (:mod:`.image`) holds what the newest committed checkpoint restores on this rank: its
+shards' float32 rows, their optimizer states and managed-collision by-row state. The rows are the
+residual reconstruction's (:class:`~cnr_torchrec.ckpt.save.residual.Reconstruction`, for which
+this object is the :class:`~cnr_torchrec.ckpt.save.residual.RowBacking`): with residual coding the
+reconstruction lives in the image, and there is no second copy. With plain coding (``mode: on``)
+the reconstruction exists for the image alone.
+
+Every change to the image happens between :meth:`MemoryTier.begin` (the seal removed) and
+:meth:`MemoryTier.seal` (the checksum taken, the seal written): after a save or a restore
+commits. A restore asks :meth:`MemoryTier.candidate` whether the image is sealed for exactly the
+checkpoint every rank agreed on, on this layout and world size; if so the rank copies its shards
+from it (:mod:`~cnr_torchrec.ckpt.restore.from_memory`), else it reads storage.
+
+Images are files ``cnr-<root digest>-r<rank>.img`` (and ``.seal``) under ``memory_tier.path``.
+Opening a root removes the user's images of other roots, and this root's of ranks beyond the
+world size; :meth:`MemoryTier.remove` (a clean ``close()``) removes this rank's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
+from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
+from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
+from cnr_torchrec.track import DirtyRowTracker
+
+__all__ = ["MemoryTier", "image_stem", "payload_identity", "root_digest"]
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"^cnr-([0-9a-f]{16})-r(\d{5})\.(img|seal|seal\.\d+\.tmp)$")
+
+
+def root_digest(root: str) -> str:
+    """The 16 hex digits an image's name and seal give its root by."""
+    return hashlib.blake2b(root.rstrip("/").encode(), digest_size=8).hexdigest()
+
+
+def image_stem(path: str, root: str, rank: int) -> str:
+    """Rank ``rank``'s image of ``root`` under ``path``, without its suffix."""
+    return os.path.join(path, f"cnr-{root_digest(root)}-r{rank:05d}")
+
+
+def payload_identity(payload: Payload | Mapping[str, Any]) -> str:
+    """A rank's payload of a checkpoint, by its chunks' xxh3 (a manifest's :class:`Payload`, or a report's dict)."""
+    chunks = payload.chunks if isinstance(payload, Payload) else payload["chunks"]
+    return ":".join(c.xxh3 if not isinstance(c, Mapping) else str(c["xxh3"]) for c in chunks)
+
+
+def _shard_layouts(tracker: DirtyRowTracker) -> list[ShardLayout]:
+    """What an image of this rank's shards holds, shard by shard."""
+    out = []
+    asked: dict[int, list] = {}
+    for table in tracker.tables():
+        mc = tracker.mc_table(table)
+        for kernel, shard in tracker.shards(table):
+            tbe = kernel.tbe
+            if id(tbe) not in asked:
+                asked[id(tbe)] = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
+            states = list(asked[id(tbe)][shard.local_index]) if asked[id(tbe)] else []
+            n = shard.num_rows
+            widths = tuple((str(s.dtype).removeprefix("torch."), s.numel() // max(n, 1)) for s in states)
+            out.append(ShardLayout(shard_key(table, shard.rows, shard.cols), shard.cols[1] - shard.cols[0], n,
+                                   widths, len(mc.fields) if mc is not None else 0))
+    return out
+
+
+class MemoryTier:
+    """This rank's image, for one Checkpointer.
+
+    Args:
+        config: the job's config (``memory_tier``, ``root``, what shapes rows).
+        tracker: the shards.
+        rank, world_size: this rank, of how many.
+        residual: whether the job codes residuals (``auto`` keeps an image only then).
+
+    Attributes:
+        active: whether this rank keeps an image.
+        why_off: why it keeps none (empty when active).
+    """
+
+    def __init__(self, config: CheckpointConfig, tracker: DirtyRowTracker, *, rank: int, world_size: int,
+                 residual: bool) -> None:
+        tier = config.memory_tier
+        self.rank, self.world_size, self._tracker = rank, world_size, tracker
+        self._dir, self._root = tier.path, root_digest(config.root)
+        self._file = ImageFile(image_stem(tier.path, config.root, rank))
+        self._layout = Layout(tuple(_shard_layouts(tracker)))
+        q = config.quantization
+        self._config = hashlib.blake2b(json.dumps([q.method, q.state_dtype, bool(q.residual)]).encode(),
+                                       digest_size=8).hexdigest()
+        self.active = tier.mode == "on" or (tier.mode == "auto" and residual)
+        self.why_off = "" if self.active else (
+            "memory_tier: off" if tier.mode == "off" else
+            "memory_tier: auto keeps an image only with residual coding (memory_tier: on keeps one with plain)")
+        if self.active:
+            self._open_root()
+
+    # ------------------------------------------------------------------ opening a root
+
+    def _open_root(self) -> None:
+        """Removes stale images (other roots', this root's of ranks beyond the world size) and checks that the
+        directory has room for this rank's; where it has not, the tier is off, with one warning."""
+        if not os.path.isdir(self._dir):
+            self._off(f"memory_tier.path {self._dir} is not a directory", warn=True)
+            return
+        own = 0
+        for name in os.listdir(self._dir):
+            m = _NAME.match(name)
+            if m is None:
+                continue
+            path = os.path.join(self._dir, name)
+            if m.group(1) == self._root and int(m.group(2)) < self.world_size:
+                if int(m.group(2)) == self.rank and m.group(3) == "img":
+                    with contextlib.suppress(OSError):
+                        own = os.lstat(path).st_size
+                continue
+            with contextlib.suppress(OSError):  # not ours to remove (another user's), or gone already
+                if os.lstat(path).st_uid == os.getuid():
+                    os.unlink(path)
+        st = os.statvfs(self._dir)
+        free = st.f_bavail * st.f_frsize + own
+        if free < self._layout.nbytes:
+            self._off(f"{self._dir} has {free / 1e9:.2f} GB free and this rank's image needs "
+                      f"{self._layout.nbytes / 1e9:.2f} GB", warn=True)
+            return
+        try:  # the pages now (a sealed image of this root is kept as it is): a full directory fails here, not later
+            self._ensure_open()
+        except (ImageRefused, OSError) as e:
+            self._off(f"{self._file.data_path} could not be made ({type(e).__name__}: {e})", warn=True)
+
+    def _off(self, why: str, warn: bool) -> None:
+        self.active, self.why_off = False, why
+        if warn:
+            log.warning("rank %d: the memory tier is off, so a restart reads every shard from storage: %s. Give "
+                        "the directory room for the image (%.2f GB on this rank; Docker: --shm-size, Kubernetes: an "
+                        "emptyDir volume with medium: Memory), or set memory_tier.path to one that has it",
+                        self.rank, why, self._layout.nbytes / 1e9)
+        with contextlib.suppress(OSError):
+            self._file.remove()
+
+    # ------------------------------------------------------------------ the reconstruction's backing
+
+    def _ensure_open(self) -> None:
+        if self._file.is_open:
+            return
+        try:
+            self._file.open(self._layout, create=False)
+        except (ImageRefused, FileNotFoundError):
+            self._file.open(self._layout, create=True)
+
+    def hold(self, key: ShardKey, rows: torch.Tensor) -> torch.Tensor:
+        """``rows`` copied into the image's weights of shard ``key`` (nothing copied when they are those)."""
+        self._ensure_open()
+        view = self._file.views(key).weights
+        if rows.data_ptr() != view.data_ptr():
+            with torch.no_grad():
+                view.copy_(rows)
+        return view
+
+    def put_states(self, key: ShardKey, ids: torch.Tensor | None, states: list[torch.Tensor],
+                   mc: torch.Tensor | None) -> None:
+        """Rows ``ids`` (every row if None) of shard ``key``'s states and by-row state in the image."""
+        self._ensure_open()
+        views = self._file.views(key)
+        with torch.no_grad():
+            for view, saved in zip(views.states, states):
+                vals = saved.to(view.dtype).reshape(-1, view.shape[1])
+                view.copy_(vals) if ids is None else view.index_copy_(0, ids, vals)
+            if mc is not None and views.mc is not None:
+                views.mc.copy_(mc) if ids is None else views.mc.index_copy_(0, ids, mc.to(torch.int64))
+
+    # ------------------------------------------------------------------ updates
+
+    def begin(self) -> None:
+        """Removes the seal: the image is about to change."""
+        self._file.unseal()
+
+    def seal(self, tip: int, chain: Sequence[int], payload: str) -> None:
+        """Seals the image for checkpoint ``tip`` (chain ``chain``), whose payload on this rank is ``payload``
+        (:func:`payload_identity`)."""
+        try:
+            self._file.seal({"root": self._root, "rank": self.rank, "world_size": self.world_size, "ckpt_id": tip,
+                             "chain": tuple(chain), "payload": payload, "config": self._config})
+        except OSError as e:  # the image stays unsealed: a restart reads storage, and the job goes on
+            log.warning("rank %d: could not seal the memory image for checkpoint %d (%s: %s); a restart before the "
+                        "next save reads storage", self.rank, tip, type(e).__name__, e)
+
+    def take_live_states(self) -> None:
+        """Copies every shard's live optimizer states and by-row state into the image (after a restore, which
+        wrote them into the model)."""
+        self._ensure_open()
+        for table in self._tracker.tables():
+            mc = self._tracker.mc_table(table)
+            for kernel, shard in self._tracker.shards(table):
+                views = self._file.views(shard_key(table, shard.rows, shard.cols))
+                tbe = kernel.tbe
+                live = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
+                states = list(live[shard.local_index]) if live else []
+                with torch.no_grad():
+                    for view, state in zip(views.states, states):
+                        view.copy_(state.detach().reshape(view.shape))
+                    if mc is not None and views.mc is not None:
+                        views.mc.copy_(mc.by_row())
+
+    # ------------------------------------------------------------------ restore
+
+    def candidate(self, chain: Sequence[Manifest]) -> tuple[dict[ShardKey, ShardViews] | None, str]:
+        """This rank's image views if the image is sealed for exactly ``chain`` (the agreed checkpoint, baseline
+        first) on this layout and world size, and its bytes match the seal's checksum; else None. With why."""
+        if not self.active:
+            return None, self.why_off
+        tip = chain[-1]
+        if tip.world_size != self.world_size:
+            return None, f"checkpoint {tip.id} was written by {tip.world_size} ranks, not {self.world_size}"
+        try:
+            seal = self._file.read_seal()
+            expected = {"root": self._root, "rank": self.rank, "world_size": self.world_size, "ckpt_id": tip.id,
+                        "chain": tuple(m.id for m in chain), "layout": self._layout.digest(),
+                        "config": self._config, "nbytes": self._layout.nbytes,
+                        "payload": payload_identity(tip.ranks[self.rank].payload)}
+            wrong = [k for k, v in expected.items() if getattr(seal, k) != v]
+            if wrong:
+                return None, (f"the image is sealed for checkpoint {seal.ckpt_id}, chain {list(seal.chain)}; its "
+                              f"{', '.join(wrong)} differ from the agreed checkpoint's")
+            self._ensure_open_existing()
+            if self._file.checksum() != seal.checksum:
+                return None, f"{self._file.data_path} does not match its seal's checksum"
+        except (ImageRefused, OSError) as e:
+            return None, str(e)
+        return {s.key: self._file.views(s.key) for s in self._layout.shards}, "sealed for the agreed checkpoint"
+
+    def _ensure_open_existing(self) -> None:
+        if not self._file.is_open:
+            self._file.open(self._layout, create=False)
+
+    # ------------------------------------------------------------------ end
+
+    def close(self, remove: bool) -> None:
+        """Unmaps the image; with ``remove`` (a clean end of the job) deletes its files."""
+        if remove:
+            self._file.remove()
+        else:
+            self._file.close()
