@@ -34,6 +34,10 @@ Points (see :data:`POINTS`):
 * ``compact.before_manifest``: rank 0 has every compaction report; its manifest is not written.
 * ``compact.after_manifest``: the compacted baseline is committed; nobody has been told,
   and the deltas still hang on the old chain.
+* ``image.unsealed``: a save has committed and the rank's memory image has lost its seal; no row
+  of it has changed yet.
+* ``image.mid``: the memory image holds the committed save's rows for its first shard only.
+* ``image.updated``: the memory image holds every row of the committed save, and is not sealed yet.
 """
 
 from __future__ import annotations
@@ -60,6 +64,9 @@ POINTS: tuple[str, ...] = (
     "compact.after_write",
     "compact.before_manifest",
     "compact.after_manifest",
+    "image.unsealed",
+    "image.mid",
+    "image.updated",
 )
 
 

@@ -37,7 +37,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
 from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["MemoryTier", "image_stem", "payload_identity", "root_digest"]
+__all__ = ["MemoryTier", "image_stem", "image_tables", "payload_identity", "root_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,17 @@ def payload_identity(payload: Payload | Mapping[str, Any]) -> str:
     return ":".join(c.xxh3 if not isinstance(c, Mapping) else str(c["xxh3"]) for c in chunks)
 
 
+def image_tables(tracker: DirtyRowTracker) -> list[str]:
+    """The tables an image holds: the sharded ones (a data_parallel table comes from storage, stored whole by every
+    save, as in any restore)."""
+    return [t for t in tracker.tables() if not tracker.is_data_parallel(t)]
+
+
 def _shard_layouts(tracker: DirtyRowTracker) -> list[ShardLayout]:
     """What an image of this rank's shards holds, shard by shard."""
     out = []
     asked: dict[int, list] = {}
-    for table in tracker.tables():
+    for table in image_tables(tracker):
         mc = tracker.mc_table(table)
         for kernel, shard in tracker.shards(table):
             tbe = kernel.tbe
@@ -102,6 +108,7 @@ class MemoryTier:
         q = config.quantization
         self._config = hashlib.blake2b(json.dumps([q.method, q.state_dtype, bool(q.residual)]).encode(),
                                        digest_size=8).hexdigest()
+        self._refused = ""  # why the image a previous process left was refused, until a new one is sealed
         self.active = tier.mode == "on" or (tier.mode == "auto" and residual)
         self.why_off = "" if self.active else (
             "memory_tier: off" if tier.mode == "off" else
@@ -155,11 +162,17 @@ class MemoryTier:
     # ------------------------------------------------------------------ the reconstruction's backing
 
     def _ensure_open(self) -> None:
+        """Maps this rank's image: the one a previous process left (sealed or not, as it is), or a new one in
+        place of a refused one (whose reason a restore then gives)."""
         if self._file.is_open:
             return
         try:
             self._file.open(self._layout, create=False)
-        except (ImageRefused, FileNotFoundError):
+        except FileNotFoundError:
+            self._file.open(self._layout, create=True)
+        except ImageRefused as e:
+            self._refused = str(e)
+            log.warning("rank %d: memory image refused, and made anew: %s", self.rank, e)
             self._file.open(self._layout, create=True)
 
     def hold(self, key: ShardKey, rows: torch.Tensor) -> torch.Tensor:
@@ -192,6 +205,7 @@ class MemoryTier:
     def seal(self, tip: int, chain: Sequence[int], payload: str) -> None:
         """Seals the image for checkpoint ``tip`` (chain ``chain``), whose payload on this rank is ``payload``
         (:func:`payload_identity`)."""
+        self._refused = ""
         try:
             self._file.seal({"root": self._root, "rank": self.rank, "world_size": self.world_size, "ckpt_id": tip,
                              "chain": tuple(chain), "payload": payload, "config": self._config})
@@ -203,7 +217,7 @@ class MemoryTier:
         """Copies every shard's live optimizer states and by-row state into the image (after a restore, which
         wrote them into the model)."""
         self._ensure_open()
-        for table in self._tracker.tables():
+        for table in image_tables(self._tracker):
             mc = self._tracker.mc_table(table)
             for kernel, shard in self._tracker.shards(table):
                 views = self._file.views(shard_key(table, shard.rows, shard.cols))
@@ -223,6 +237,8 @@ class MemoryTier:
         first) on this layout and world size, and its bytes match the seal's checksum; else None. With why."""
         if not self.active:
             return None, self.why_off
+        if self._refused:
+            return None, self._refused
         tip = chain[-1]
         if tip.world_size != self.world_size:
             return None, f"checkpoint {tip.id} was written by {tip.world_size} ranks, not {self.world_size}"

@@ -31,6 +31,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.memory.image import ShardViews
+from cnr_torchrec.ckpt.memory.tier import image_tables
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.from_memory import restore_from_image
@@ -97,7 +98,7 @@ def restore_chain(
     if image is not None:
         with timed(stats, "memory_ms"):
             from_image = restore_from_image(image, tracker, stage)
-        skip |= set(tracker.tables()) - set(target.replicated)
+        skip |= set(image_tables(tracker))
         relocated = set()  # the image is of this layout: nothing moved
     with wider_pool(threads):
         read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, skip, stage, buffers)

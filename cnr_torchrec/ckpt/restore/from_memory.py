@@ -16,6 +16,7 @@ import torch
 
 from cnr_torchrec.ckpt.format.blocks import shard_key
 from cnr_torchrec.ckpt.memory.image import ShardViews
+from cnr_torchrec.ckpt.memory.tier import image_tables
 from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage
 from cnr_torchrec.errors import IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
@@ -24,8 +25,8 @@ __all__ = ["restore_from_image"]
 
 
 def restore_from_image(image: Mapping[Key, ShardViews], tracker: DirtyRowTracker, stage: bool) -> StagedWeights:
-    """Every local shard of ``tracker`` from ``image`` (by shard key). Returns the staged weights (committed by
-    the caller once every rank succeeded; empty unless ``stage``).
+    """Every local shard of ``tracker``'s sharded tables (:func:`image_tables`) from ``image`` (by shard key).
+    Returns the staged weights (committed by the caller once every rank succeeded; empty unless ``stage``).
 
     Raises:
         IncompatibleCheckpointError: the image lacks a shard (its layout was checked against the tracker's when
@@ -33,7 +34,7 @@ def restore_from_image(image: Mapping[Key, ShardViews], tracker: DirtyRowTracker
     """
     staged = []
     with torch.no_grad():
-        for table in tracker.tables():
+        for table in image_tables(tracker):
             mc = tracker.mc_table(table)
             for kernel, shard in tracker.shards(table):
                 key = shard_key(table, shard.rows, shard.cols)

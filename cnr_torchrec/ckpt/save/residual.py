@@ -26,6 +26,7 @@ from typing import Protocol
 
 import torch
 
+from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.quant import EncodedRows, decode
 from cnr_torchrec.track import DirtyRowTracker
@@ -138,11 +139,13 @@ class Reconstruction:
                 self._rows[key] = self._keep(key, folded)
                 del self._fold[key]  # one shard's encoded and decoded rows at a time
             self._fold = None
-        for key, ids, rows in self._pending:
+        for i, (key, ids, rows) in enumerate(self._pending):
             if ids is None:
                 self._rows[key] = self._keep(key, rows)  # staged rows are this object's own (stage made them)
             elif key in self._rows:
                 self._rows[key].index_copy_(0, ids, rows)
+            if i == 0 and self._backing is not None:
+                fault_injection.hit("image.mid")
         self._pending.clear()
         if self._backing is not None:
             for key, ids, states, mc in self._pending_states:
@@ -179,6 +182,8 @@ class Reconstruction:
         self._rows = {}
         restored = restored or {}
         for table in tracker.tables():
+            if tracker.is_data_parallel(table):  # stored whole by every save, never coded against
+                continue
             for kernel, shard in tracker.shards(table):
                 key = shard_key(table, shard.rows, shard.cols)
                 if key in restored:
