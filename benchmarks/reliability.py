@@ -84,14 +84,19 @@ GROUPS = (  # (policy, method, bits); "compacting": consecutive with background 
     ("intermittent", "uniform_asym", 4),
     ("compacting", "adaptive", 4),
     ("residual", "adaptive", 4),
+    ("memory", "adaptive", 4),
 )
-RESIDUAL_ATOL = 1e-6  # a restore adds a residual chain up newest first, the job's reconstruction oldest first
+# Groups whose ranks keep a memory image (memory_tier): residual coding (auto), and plain coding with
+# memory_tier: on ("memory": consecutive with compaction, as "compacting"). A restart on the same host takes
+# the image where it is sealed for the agreed checkpoint; the harness checks those restores like any other.
+IMAGE_GROUPS = ("residual", "memory")
 # Named fault points and the rank they fire on; commit and GC run on rank 0 only.
 NAMED_FAULTS = (
     ("write.mid", 0), ("write.mid", 1), ("write.after", 0), ("write.after", 1),
     ("commit.before_manifest", 0), ("commit.after_manifest", 0), ("gc.before", 0), ("gc.mid", 0),
     ("compact.after_write", 0), ("compact.after_write", 1), ("compact.before_manifest", 0),
     ("compact.after_manifest", 0),
+    ("image.unsealed", 1), ("image.mid", 0), ("image.updated", 0), ("image.updated", 1),
 )
 _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchrec", "examples.toy",
             "cnr_torchrec.ckpt", "torchsnapshot", "aiobotocore.session", "boto3"]
@@ -137,7 +142,9 @@ def make_config(root: str, policy: str, method: str, bits: int | None, **kw: Any
     # Two whole chains stay: the corruption matrix falls back from the newest chain to the one before.
     keep = {} if "keep" in kw or "keep_last" in kw else {"keep": {"chains": 2}}
     quant["residual"] = policy == "residual"  # plain coding elsewhere, which the group's reference follows
-    if policy in ("compacting", "residual"):
+    if policy == "memory":
+        kw = {"memory_tier": {"mode": "on", **kw.pop("memory_tier", {})}, **kw}
+    if policy in ("compacting", "residual", "memory"):
         policy, kw = "consecutive", {"compaction": {"max_chain": 2}, **kw}
     kw = {"compaction": None, **kw}  # the plain scenarios keep one chain, as they were measured
     return load_config({"root": root, "policy": policy, "quantization": quant, "save_timeout_s": 60, **keep, **kw})
@@ -514,7 +521,8 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
     residual = p["policy"] == "residual"
     if residual:
         install_residual_ref_hook(side, rank, dmp)
-    config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"])
+    config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"],
+                         memory_tier={"path": p["shm"]})
     ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(p["seed"] * 7 + rank)
     commits = os.path.join(side, f"commits-r{rank}.log")
@@ -529,18 +537,19 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
         return info.id
 
     out: dict[str, Any] = {"restored": None, "error": None, "mismatch": [], "restart_commit": None,
-                           "leftover": None, "attempts": []}
+                           "leftover": None, "attempts": [], "sources": []}
     step = 0
     try:
         step = ckpt.restore()
         out["restored"] = seen["ids"][-1]
         out["attempts"] = seen["ids"]
+        out["sources"] = ckpt.last_restore_sources
         body = read_body(p["root"], p["opts"], out["restored"])
         same_as = body.get("equals")  # a compacted baseline: its tip's reference
         folded = codec_of(body["codec"]["method"], body["codec"]["bits"]) if residual and same_as is not None else None
+        # A residual chain restores its reconstruction to the bit (every reader adds oldest copy first): exact.
         out["mismatch"] = compare(local_state(dmp, opt), load_ref(side, same_as or out["restored"], rank),
-                                  codec_of(p["method"], p["bits"]), atol=RESIDUAL_ATOL if residual else 0.0,
-                                  folded=folded)[:5]
+                                  None if residual else codec_of(p["method"], p["bits"]), folded=folded)[:5]
     except CheckpointNotFoundError as e:
         out["error"] = ["CheckpointNotFoundError", str(e)]
     except Exception as e:  # noqa: BLE001 - the harness counts it as a failed restore
@@ -598,6 +607,7 @@ class Trial:
     restored: int | None = None
     ok: bool = False
     lost: list[int] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # where each rank of the restart took its shards
     restart_ok: bool = False
     detail: str = ""
 
@@ -607,6 +617,7 @@ class _Group:
     index: int
     root: str
     side: str
+    shm: str  # the group's memory_tier.path: both ranks on this host
     policy: str
     method: str
     bits: int | None
@@ -637,7 +648,9 @@ class KillSuite:
             root = f"{base_root.rstrip('/')}/g{i}-{policy}-{method}"
             gside = os.path.join(side, f"g{i}")
             os.makedirs(gside, exist_ok=True)
-            self.groups.append(_Group(i, root, gside, policy, method, bits))
+            shm = os.path.join(gside, "shm")  # a directory of its own: opening a root removes other roots' images
+            os.makedirs(shm, exist_ok=True)
+            self.groups.append(_Group(i, root, gside, shm, policy, method, bits))
         self.trials: list[Trial] = []
         self.errors: list[str] = []
         self.train_s = 0.4  # estimate of a phase's training part; random kills land within it
@@ -649,7 +662,7 @@ class KillSuite:
         """Runs one phase of group ``g``; kills a rank as ``trial`` says. Returns the ranks' restore results."""
         pdir = os.path.join(g.side, f"phase-{g.phase:04d}")
         os.makedirs(pdir)
-        spec = {"root": g.root, "side": g.side, "phase_dir": pdir, "policy": g.policy, "method": g.method,
+        spec = {"root": g.root, "side": g.side, "shm": g.shm, "phase_dir": pdir, "policy": g.policy, "method": g.method,
                 "bits": g.bits, "opts": self.opts, "seed": 1000 * g.index + g.phase + 1, "fault": fault,
                 # An intermittent chain takes a new baseline (and so collects garbage) every ~7 saves here.
                 "saves": (max(self.saves, 10) if trial.kind == "gc.mid" else self.saves) if trial else 0,
@@ -749,6 +762,7 @@ class KillSuite:
             trial.detail = "" if trial.ok else f"nothing was committed, yet restore gave {restored} / {errors}"
         else:
             trial.restored = results[0]["restored"]
+            trial.sources = [src for _, src, _ in results[0].get("sources", [])]
             trial.ok = restored == {trial.expected} and not errors and not mismatch
             if not trial.ok:
                 trial.detail = f"expected {trial.expected}, restored {restored}, errors {errors}, diffs {mismatch[:3]}"
@@ -764,7 +778,9 @@ class KillSuite:
     def _pick(self, g: _Group, i: int) -> tuple[Trial, str | None]:
         def fits(point: str) -> bool:  # compaction's points need compaction; gc.mid, a chain that is collected
             if point.startswith("compact."):
-                return g.policy == "compacting"
+                return g.policy in ("compacting", "residual", "memory")
+            if point.startswith("image."):
+                return g.policy in IMAGE_GROUPS
             return point != "gc.mid" or g.policy in ("intermittent", "compacting")
 
         named = [f for f in NAMED_FAULTS if fits(f[0])]
@@ -837,6 +853,9 @@ class KillSuite:
                                                                for t in judged),
             "kills_with_torn_dirs": sum(bool(t.torn_dirs) for t in judged),
             "kills_with_nothing_committed": sum(t.expected is None for t in judged),
+            "restores_with_a_rank_from_memory": sum("memory" in t.sources for t in judged),
+            "mixed_restores": sum(set(t.sources) == {"memory", "storage"} for t in judged),
+            "wrong_restores_from_memory": sum("memory" in t.sources and not t.ok for t in judged),
             "kills_by_point": _count(t.kind for t in judged),
             "harness_errors": len(self.errors),
             "median_phase_s": sorted(self.phase_s)[len(self.phase_s) // 2] if self.phase_s else None,

@@ -116,8 +116,9 @@ def test_a_restarted_torchrun_worker_arms_nothing_but_still_checks_the_spec(monk
 
 # ---- kills -------------------------------------------------------------------------
 
-# (group, point, rank, nth[, sync]): every named point once, across the six groups (consecutive / intermittent
-# x fp32 / quantized rows, and consecutive with compaction, plain and residual), and two timer kills.
+# (group, point, rank, nth[, sync]): every named point once, across the seven groups (consecutive / intermittent
+# x fp32 / quantized rows, consecutive with compaction, plain and residual, and plain with memory images), and
+# two timer kills.
 SCHEDULE = [
     (0, "write.mid", 1, 2),
     (1, "write.after", 0, 1),
@@ -134,11 +135,18 @@ SCHEDULE = [
     # Group 5 folds a residual chain the same way: a kill in the fold, and one right after its commit.
     (5, "compact.after_write", 0, 1),
     (5, "compact.after_manifest", 0, 1),
+    # Groups 5 and 6 keep memory images (residual; plain with memory_tier: on): kills at each point of an image
+    # update after a commit (the seal removed, half the rows written, every row written but not sealed).
+    (5, "image.updated", 1, 2),
+    (5, "image.mid", 0, 1),
+    (6, "image.unsealed", 1, 2),
+    (6, "image.updated", 0, 1, True),
+    (6, "compact.after_write", 1, 1),
 ]
 
 
 @pytest.mark.multirank
-@pytest.mark.timeout(360)
+@pytest.mark.timeout(600)
 def test_kills_at_every_fault_point_restore_the_newest_commit(tmp_path):
     suite = reliability.KillSuite(str(tmp_path / "roots"), str(tmp_path / "side"), saves=5)
     s = suite.run(len(SCHEDULE), schedule=SCHEDULE)
@@ -151,7 +159,12 @@ def test_kills_at_every_fault_point_restore_the_newest_commit(tmp_path):
         if t.kind not in ("random", "gc.mid"):  # gc.mid fires only if that phase collects garbage
             assert t.fired and t.victim_exit == -9, (t.group, t.kind, t)
         assert t.survivor_exit is not None  # reaped, whatever it was blocked in
-    trials = {t.kind: t for t in suite.trials if t.group != 5}
+    # Restarts took memory images where they were sealed for the newest commit, and a rank killed inside an image
+    # update read storage beside a rank that took its image: no restore from an image was wrong.
+    assert s["restores_with_a_rank_from_memory"] >= 3 and s["mixed_restores"] >= 1, [
+        (t.group, t.kind, t.sources) for t in suite.trials]
+    assert s["wrong_restores_from_memory"] == 0
+    trials = {t.kind: t for t in suite.trials if t.group < 5}
     # Not vacuous: a half-written rank file was on disk when the fresh ranks restored...
     assert 0 < len(trials["write.mid"].torn_dirs)
     assert max(trials["write.mid"].torn_dirs) > trials["write.mid"].expected
