@@ -9,8 +9,10 @@ from a forkserver that already imported torch, torchrec and cnr_torchrec, so a f
 pair of ranks costs a fraction of a second instead of ~5 s of imports: that is what lets
 100 kills, each followed by a restart of fresh processes, fit in a few minutes on 2 cores.
 
-**Kill suite.** Six groups (consecutive and intermittent policies, fp32 rows and a
-quantized codec; consecutive with background compaction, plain and residual), each on its own root. A phase is one incarnation of a 2-rank job: it
+**Kill suite.** Seven groups (consecutive and intermittent policies, fp32 rows and a
+quantized codec; consecutive with background compaction, plain and residual, and plain with
+``memory_tier: on``), each on its own root; the residual and memory groups keep memory images,
+which a restart takes where they are sealed for the newest commit. A phase is one incarnation of a 2-rank job: it
 restores whatever is committed, checks the restored state against a reference, saves
 once more (that save must commit, and it must clean up the torn directories of the
 crash before), then trains with a save after every step or two until one rank is
