@@ -1247,9 +1247,32 @@ def s3_kill_suite(moto: Moto, side: str, kills: int, schedule=None, seed: int = 
 # ---------------------------------------------------------------------- main
 
 
+def memory_kill_suite(work: str, kills: int, seed: int, verbose: bool) -> dict[str, Any]:
+    """The kill suite on the groups that keep memory images: restarts take an image where it is sealed for the
+    newest commit, and each restore is checked like any other."""
+    groups = tuple(g for g in GROUPS if g[0] in IMAGE_GROUPS)
+    print(f"memory-tier kill suite: {kills} kills on 2 ranks, groups {[g[:2] for g in groups]}", flush=True)
+    t0 = time.monotonic()
+    suite = KillSuite(os.path.join(work, "mkills"), os.path.join(work, "mkills-side"), groups=groups, seed=seed + 1)
+    out = suite.run(kills, progress=verbose)
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    for e in suite.errors[:5]:
+        print(e)
+    print(f"  {out['kills']} kills: restores_ok {out['restores_ok']}, torn_restores {out['torn_restores']}, "
+          f"lost_commits {out['lost_commits']}; restores with a rank from memory "
+          f"{out['restores_with_a_rank_from_memory']}, mixed {out['mixed_restores']}, wrong from memory "
+          f"{out['wrong_restores_from_memory']}; by point {out['kills_by_point']}; {out['seconds']} s", flush=True)
+    for f in out["failures"]:
+        print("   ", f)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--kills", type=int, default=100)
+    ap.add_argument("--memory-kills", type=int, default=50,
+                    help="kills on the groups that keep memory images (residual; plain with memory_tier: on)")
+    ap.add_argument("--memory-only", action="store_true", help="run the memory-tier kills alone")
     ap.add_argument("--s3-kills", type=int, default=4, help="kills on the S3 root (moto)")
     ap.add_argument("--positions", type=int, default=4, help="byte-flip positions per file")
     ap.add_argument("--seed", type=int, default=0)
@@ -1264,6 +1287,13 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     t_all = time.monotonic()
     try:
+        memory = memory_kill_suite(work, args.memory_kills, args.seed, args.verbose)
+        if args.memory_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"memory_kills": memory}, f, indent=1)
+            ok = memory["torn_restores"] == 0 and memory["wrong_restores_from_memory"] == 0
+            return 0 if ok and not memory["harness_errors"] else 1
         print(f"kill suite: {args.kills} kills on 2 ranks, groups {[g[:2] for g in GROUPS]}", flush=True)
         t0 = time.monotonic()
         suite = KillSuite(os.path.join(work, "kills"), os.path.join(work, "kills-side"), seed=args.seed)
@@ -1318,6 +1348,10 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "kills": kills["kills"],
             "restores_ok": kills["restores_ok"],
+            "memory_kills": memory["kills"],
+            "memory_restores_ok": memory["restores_ok"],
+            "memory_wrong_restores_from_memory": memory["wrong_restores_from_memory"],
+            "memory_restores_with_a_rank_from_memory": memory["restores_with_a_rank_from_memory"],
             "torn_restores": kills["torn_restores"],
             "lost_commits": kills["lost_commits"],
             "corruptions_injected": corrupt["corruptions_injected"],
@@ -1327,7 +1361,8 @@ def main(argv: list[str] | None = None) -> int:
             "s3_roundtrip_ok": s3_ok,
             "s3_kills": s3_kills["kills"],
             "s3_restores_ok": s3_kills["restores_ok"],
-            "details": {"kills": kills, "corruption": corrupt, "enospc": enospc, "s3_kills": s3_kills},
+            "details": {"kills": kills, "memory_kills": memory, "corruption": corrupt, "enospc": enospc,
+                        "s3_kills": s3_kills},
             "seconds": round(time.monotonic() - t_all, 1),
         }
     finally:
@@ -1342,6 +1377,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(out, f, indent=1)
     good = (out.get("torn_restores") == 0 and out.get("lost_commits") == 0
             and out.get("restores_ok") == out.get("kills")
+            and out.get("memory_restores_ok") == out.get("memory_kills")
+            and out.get("memory_wrong_restores_from_memory") == 0
             and out.get("corruptions_detected", 0) + out.get("corruptions_read_around", 0)
             == out.get("corruptions_injected")
             and out.get("enospc_ok") and out.get("s3_roundtrip_ok"))

@@ -223,15 +223,12 @@ class ImageFile:
         return self._map is not None
 
     def close(self) -> None:
-        """Unmaps the image (the files stay). Views handed out keep the mapping alive while they live."""
+        """Lets go of the mapping (the files stay). It is unmapped once no view of it is left: each view holds
+        the mapping (``torch.frombuffer`` keeps a reference), so one still in use never points at unmapped
+        memory."""
         self._views = {}
         self._bytes = None
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:  # a view still exports it: the mapping goes with the last view
-                pass
-            self._map = None
+        self._map = None
         self.layout = None
 
     def remove(self) -> None:
