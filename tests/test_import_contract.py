@@ -128,6 +128,10 @@ LAYERS = {
     # The offline tools read roots; compaction (cnr compact included) is built on them, not under them.
     "cnr_torchrec.ckpt.tools": ("cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
     "cnr_torchrec.ckpt.compact": ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+    # The memory tier keeps images of what restores give, on the format: no save, restore or other machinery.
+    "cnr_torchrec.ckpt.memory": ("cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.compact",
+                                 "cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.retention",
+                                 "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
     # A restore sits on the format (the whole-table assembly included), never on the tools or compaction.
     "cnr_torchrec.ckpt.restore": ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.compact",
                                   "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
