@@ -88,6 +88,7 @@ POLICIES = [
     ("consecutive_exact", "consecutive", {"method": "adaptive", "bits": 4, "residual": False}),
     ("consecutive_fp32", "consecutive", {"method": "none"}),
     ("default", None, None),  # the CheckpointConfig a user gets without choosing (issue 29)
+    ("default_no_images", None, None),  # the same with memory_tier: off, the peer of the images' cost (issue 41)
 ]
 REFERENCE = "consecutive"
 TARGETS = {"bytes_ratio_vs_torchsnapshot": (">=", 20.0), "stall_ratio_vs_torchsnapshot": ("<=", 0.05),
@@ -173,8 +174,9 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
     included). Returns (dmp, opt, config, per-checkpoint rows)."""
     dmp, opt = build(specs, world, device)
     # A named row is its policy alone (compaction off); the default row is what a user gets, its fold included.
-    config = load_config({"root": root} if policy is None else {"root": root, "policy": policy, "quantization": quant,
-                                                                "compaction": None})
+    default = {"root": root, **({"memory_tier": "off"} if label == "default_no_images" else {})}
+    config = load_config(default if policy is None else {"root": root, "policy": policy, "quantization": quant,
+                                                         "compaction": None})
     ck = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(1000 + rank)  # same batches for every policy
     handles, dirty = [], []
@@ -530,6 +532,13 @@ def main() -> None:
             print("rows stored whole per interval (default): "
                   + ", ".join(f"{r['stored_whole']:.1%}" for r in deltas)
                   + f"; row-mode bitmaps {modes:,d} of the deltas' {delta_bytes:,d} bytes ({modes / delta_bytes:.2%})")
+        if "default" in figs and "default_no_images" in figs:  # the memory tier's cost to a save and a restore
+            on, off = figs["default"], figs["default_no_images"]
+            print(f"memory images (default against default_no_images, memory_tier: off): median stall "
+                  f"{on['median_stall_ms']:.1f} ms against {off['median_stall_ms']:.1f} ms "
+                  f"({on['median_stall_ms'] / off['median_stall_ms']:.3f}x); restore from storage "
+                  f"{restores['default']:.0f} ms against {restores['default_no_images']:.0f} ms "
+                  f"({restores['default'] / restores['default_no_images']:.3f}x)")
         parts = ["ids", "row_crcs", "row_modes", "weights_payload", "weights_scale_bias_codebook", "optimizer_state",
                  "replicated_tables", "dense", "dense_optimizer", "rng_and_extra", "manifest_json"]
         print("\nbytes of each policy's latest checkpoint, by part (payload files; the manifest is written besides):")

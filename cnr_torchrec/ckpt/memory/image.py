@@ -218,6 +218,9 @@ class ImageFile:
     def views(self, key: ShardKey) -> ShardViews:
         return self._views[key]
 
+    def holds(self, key: ShardKey) -> bool:
+        return key in self._views
+
     @property
     def is_open(self) -> bool:
         return self._map is not None

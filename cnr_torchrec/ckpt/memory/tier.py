@@ -176,8 +176,11 @@ class MemoryTier:
             self._file.open(self._layout, create=True)
 
     def hold(self, key: ShardKey, rows: torch.Tensor) -> torch.Tensor:
-        """``rows`` copied into the image's weights of shard ``key`` (nothing copied when they are those)."""
+        """``rows`` copied into the image's weights of shard ``key`` (nothing copied when they are those). A shard
+        the image does not hold (a data_parallel table's, which a fold also gives) is kept as it is."""
         self._ensure_open()
+        if not self._file.holds(key):
+            return rows
         view = self._file.views(key).weights
         if rows.data_ptr() != view.data_ptr():
             with torch.no_grad():
@@ -188,6 +191,8 @@ class MemoryTier:
                    mc: torch.Tensor | None) -> None:
         """Rows ``ids`` (every row if None) of shard ``key``'s states and by-row state in the image."""
         self._ensure_open()
+        if not self._file.holds(key):
+            return
         views = self._file.views(key)
         with torch.no_grad():
             for view, saved in zip(views.states, states):

@@ -15,7 +15,13 @@
 * ``agree_ms``: the ranks' exchange of their outcome, then ``commit_ms``: the staged shards copied
   into the model (``restore_rollback``);
 * ``reconstruction_ms``: with residual coding, the float32 copy of what was restored that the next
-  deltas code against (after the ranks agreed).
+  deltas code against (after the ranks agreed); with the memory tier, the image sealed for the restored
+  checkpoint too (unless the shards came from it);
+* ``memory_check_ms``: with the memory tier, reading this rank's image seal and checking its bytes against
+  it, and ``memory_ms``: the shards copied (or staged) from the image, when the rank took it.
+
+``from_memory`` is 1 where this rank's shards came from its memory image, else 0, and ``memory_ranks``
+how many ranks' did (:attr:`~cnr_torchrec.ckpt.Checkpointer.last_restore_sources` says why, rank by rank).
 
 ``bytes_read`` and ``reads`` count what was read from storage (from a mapped local file: the
 bytes copied out of it, and one read per file mapped); ``minimal_bytes`` is what
@@ -30,10 +36,11 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-__all__ = ["PHASES", "timed"]
+__all__ = ["COUNTS", "PHASES", "timed"]
 
 PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms",
-          "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms")
+          "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms", "memory_check_ms", "memory_ms")
+COUNTS = ("bytes_read", "reads", "minimal_bytes", "from_memory", "memory_ranks")
 
 
 @contextmanager
