@@ -92,9 +92,10 @@ def _worker(args) -> None:
         dist.barrier()  # never returns: rank 1 is gone, and torchrun stops the group
         return
 
-    if args.cell == "host_lost" and host == 1:  # host 1 was replaced: its memory is gone
-        for name in os.listdir(shm):
+    if args.cell == "host_lost" and host == 1 and int(os.environ.get("LOCAL_RANK", rank)) % 2 == 0:
+        for name in os.listdir(shm):  # host 1 was replaced: its memory is gone (its first rank clears it)
             os.unlink(os.path.join(shm, name))
+    dist.barrier()  # before any Checkpointer of this incarnation makes an image
     torch.manual_seed(99)
     dmp, opt = build(specs, world)
     t_built = time.time()
@@ -149,7 +150,12 @@ def _run_cell(size: float, cell: str, args) -> dict:
             with open(path) as f:
                 ranks.append(json.load(f))
     if proc.returncode != 0 or len(ranks) != args.nproc:
-        raise SystemExit(f"cell {cell} at {size:g}x failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+        log = os.path.join(args.out_dir, f"x{size:g}-{cell}.log")
+        with open(log, "w") as f:
+            f.write(proc.stdout + proc.stderr)
+        errors = [line for line in proc.stderr.splitlines() if "Error" in line and "elastic" not in line]
+        raise SystemExit(f"cell {cell} at {size:g}x failed (exit {proc.returncode}); the log is {log}:\n"
+                         + "\n".join(errors[-8:]))
     with open(os.path.join(out, "kill.json")) as f:
         t_kill = json.load(f)["t_kill"]
     shutil.rmtree(out, ignore_errors=True)
@@ -165,6 +171,7 @@ def _run_cell(size: float, cell: str, args) -> dict:
         "dcp_load_warm_s": max(r["dcp_load_s"][1] for r in ranks),
         "dcp_load_first_s": max(r["dcp_load_s"][0] for r in ranks),
         "memory_check_ms": max(r["stats"].get("memory_check_ms", 0.0) for r in ranks),
+        "stats_slowest_rank": max(ranks, key=lambda r: r["restore_s"])["stats"],  # where its restore() went
     }
 
 
