@@ -412,6 +412,8 @@ class Checkpointer:
         reconstruction = self._committer.reconstruction
         # The restore stages into the reconstruction's rows (no new memory), which it then becomes again.
         buffers = reconstruction.release() if reconstruction is not None else {}
+        if not buffers:  # a fresh process: a storage restore stages straight into its memory image, if it keeps one
+            buffers = self._memory.weight_views()
         try:
             chain, bad, restored = self._restorer.run(step, per_rank_state, buffers)  # restored: the staged shards
         except BaseException:

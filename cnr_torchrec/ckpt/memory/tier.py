@@ -201,6 +201,14 @@ class MemoryTier:
             if mc is not None and views.mc is not None:
                 views.mc.copy_(mc) if ids is None else views.mc.index_copy_(0, ids, mc.to(torch.int64))
 
+    def weight_views(self) -> dict[ShardKey, torch.Tensor]:
+        """Every shard's float32 rows in the image (none when the tier is off): what a restore may stage into,
+        once it has unsealed the image (a restore that takes the image leaves them as they are)."""
+        if not self.active:
+            return {}
+        self._ensure_open()
+        return {s.key: self._file.views(s.key).weights for s in self._layout.shards}
+
     # ------------------------------------------------------------------ updates
 
     def begin(self) -> None:
