@@ -155,11 +155,17 @@ class Committer:
                 self._commit_reconstruction(d, report)
             else:
                 self.reconstruction.discard()
-        if not result["ok"]:
+        if not result["ok"] and result.get("heard", True):  # rank 0's verdict, or rank 0 itself: nothing committed
             self._cleanup(d, storage)
             raise SaveFailedError(
                 f"save {d.ckpt_id} at step {d.step} did not commit: {result['error']}. "
                 f"The previous checkpoint is intact; the next save writes a new baseline."
+            )
+        if not result["ok"]:  # no verdict: rank 0 may have committed before it died, so this rank's files stay
+            raise SaveFailedError(
+                f"save {d.ckpt_id} at step {d.step}: {result['error']}. Rank 0 may have committed it before it "
+                "failed, so this rank keeps its files (rank 0 removes them at its next commit if it did not); the "
+                "previous checkpoint is intact either way, and the next save writes a new baseline."
             )
         if "manifest" in result:
             return CheckpointInfo.from_manifest(result["manifest"], d.chain)
@@ -201,8 +207,8 @@ class Committer:
             self._store.set(self._key(d, f"report/{self.rank}"), json.dumps(report))
             self._store.wait([self._key(d, "result")], timeout)
             return json.loads(self._store.get(self._key(d, "result")))
-        except Exception as e:
-            return {"ok": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
+        except Exception as e:  # the store lives in rank 0's process under some launchers: it may be gone with it
+            return {"ok": False, "heard": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
 
     def _gather_reports(self, d: Decision, own: dict[str, Any]) -> list[dict[str, Any]]:
         reports = [own]
@@ -272,7 +278,9 @@ class Committer:
         return result
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
-        """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too).
+        """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too). Called
+        on rank 0, and on a rank that heard rank 0's verdict; a rank that did not hear it deletes nothing (only
+        the coordinator deletes files whose fate is unknown: ``remove_uncommitted`` at its next commit).
 
         Rank 0 deletes the manifest first, in case it was written but the other ranks could
         not be told: a checkpoint they count as failed must not stay committed.
