@@ -165,6 +165,15 @@ def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
                      f"{_human_bytes(summary['reconstruction_nbytes'])} over its {summary['world_size']} rank(s)")
     for c in summary["corrupt"]:
         lines.append(f"corrupt: checkpoint {c['id']}: {c['message']}")
+    for r in rows:
+        for f in r.get("missing_files", ()):
+            lines.append(f"missing: checkpoint {r['id']}: {f} is not there (the storage lost it); this checkpoint "
+                         "and the deltas on it cannot be restored")
+    newest = summary.get("newest_restorable")
+    if rows and newest != rows[-1]["id"]:
+        lines.append("a restore takes " + (f"checkpoint {newest}" if newest is not None else "no checkpoint")
+                     + "; it finds unsound " + "; ".join(f"checkpoint {u['id']} ({u['why']})"
+                                                        for u in summary.get("unrestorable", ())))
     for u in summary["uncommitted"]:
         files = ", ".join(f"{os.path.basename(f)} {_human_bytes(n)}" for f, n in u["files"].items()) or "empty"
         lines.append(f"uncommitted (torn): ckpt-{u['id']:08d} ({files}): a save that did not commit or is still "

@@ -259,6 +259,24 @@ def test_inspect_does_not_claim_a_chain_restores_when_a_member_is_corrupt(roots,
     assert "delta 3 hangs on baseline 0, which is corrupt (below) (it cannot be restored)" in out
 
 
+def test_inspect_marks_a_committed_checkpoint_whose_file_is_gone_and_names_what_restores(roots, tmp_path, capsys):
+    """An existence check (issue 43): a committed delta whose rank file the storage lost is marked, and the
+    checkpoint a restore takes instead is named, as the restore's own resolver finds it."""
+    root = _copy(roots["q"], tmp_path)  # baseline 0, deltas 1..3, each on the one before
+    os.unlink(os.path.join(root, "ckpt-00000002", "rank-00000.bin"))
+    code, out, _ = _run(capsys, "inspect", root, "--json")
+    assert code == 0
+    doc = json.loads(out)
+    assert {r["id"]: r["missing_files"] for r in doc["checkpoints"]} == {
+        0: [], 1: [], 2: ["ckpt-00000002/rank-00000.bin"], 3: []}
+    assert doc["newest_restorable"] == 1
+    assert [u["id"] for u in doc["unrestorable"]] == [2]  # unsound itself; delta 3 hangs on it
+    code, out, _ = _run(capsys, "inspect", root)
+    assert code == 0
+    assert "missing: checkpoint 2: ckpt-00000002/rank-00000.bin is not there" in out
+    assert "a restore takes checkpoint 1; it finds unsound checkpoint 2" in out
+
+
 # ---------------------------------------------------------------------- verify
 
 

@@ -20,7 +20,8 @@ from cnr_torchrec.ckpt.format.commits import (
 from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
+from cnr_torchrec.ckpt.restore.resolve import resolve_chain
+from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["checkpoint_row", "dense_optimizer_info", "full_snapshot_nbytes", "reconstruction_nbytes", "summarize"]
 
@@ -112,7 +113,12 @@ def summarize(storage: Storage) -> dict[str, Any]:
         ``reconstruction_nbytes``: the host memory a job resuming the newest checkpoint keeps when it holds
         residual rows (0 otherwise). Each row also holds ``chain`` (its members' ids, baseline first, as far as
         their manifests load) and ``broken_member``: None, or the id of a member of its chain whose manifest
-        does not load (corrupt, or not committed), which keeps the checkpoint from being restored.
+        does not load (corrupt, or not committed), which keeps the checkpoint from being restored, and
+        ``missing_files``: its payload files that are gone or of another size (an existence check). The root's
+        ``newest_restorable`` is the checkpoint a restore takes (the newest whose chain is sound as far as
+        manifests and file sizes tell, as a restore checks it; None: none), and ``unrestorable`` the checkpoints
+        the restore found unsound on the way (``{"id", "why"}``; a newer one whose chain holds one is passed
+        over with it).
     """
     rows, corrupt, manifests = [], [], []
     for i in committed_ids(storage):
@@ -130,6 +136,9 @@ def summarize(storage: Storage) -> dict[str, Any]:
         first = by_id[chain[0]]
         r["broken_member"] = None if len(chain) == m.depth + 1 else (
             first.parent if first.parent is not None else first.id)
+    for r, m in zip(rows, manifests):
+        r["missing_files"] = _missing_files(storage, m)
+    pick, _ = resolve_chain(storage, None, {}, fail=False, quiet=True)  # what a restore takes, as it checks it
     committed = {r["id"] for r in rows} | {c["id"] for c in corrupt}
     uncommitted = [{"id": i, "files": _dir_files(storage, i)} for i in existing_dir_ids(storage) if i not in committed]
     newest = manifests[-1] if manifests else None
@@ -145,4 +154,22 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "checkpoints": rows,
         "uncommitted": uncommitted,
         "corrupt": corrupt,
+        "newest_restorable": pick.chain[-1] if pick.chain else None,
+        "unrestorable": [{"id": i, "why": why} for i, why in pick.skipped],
     }
+
+
+def _missing_files(storage: Storage, m: Manifest) -> list[str]:
+    """The files of ``m``'s payloads that are not there or not of the size the manifest gives (an existence
+    check: no byte is read)."""
+    missing = []
+    for report in m.ranks:
+        for chunk in report.payload.chunks:
+            try:
+                size = storage.size(chunk.path)
+            except CheckpointNotFoundError:
+                missing.append(chunk.path)
+                continue
+            if size is not None and size != chunk.nbytes:
+                missing.append(f"{chunk.path} ({size} bytes, not {chunk.nbytes})")
+    return missing
