@@ -1,7 +1,7 @@
 """What ``cnr inspect`` (and the example job's plots) show about a root: one row per checkpoint, and the root's totals.
 
-Everything here reads manifests only (and, on a filesystem, the sizes of the files in a
-checkpoint's directory); no payload is read.
+Everything here reads manifests and the sizes of payload files (an existence check, the one a restore makes
+when it picks a checkpoint); no payload byte is read.
 """
 
 from __future__ import annotations
