@@ -56,6 +56,7 @@ import random
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -408,7 +409,7 @@ def context():
 
 
 def _rank_main(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple, out_dir: str,
-               env: dict[str, str]) -> None:
+               env: dict[str, str], init: str | None = None) -> None:
     fd = os.open(os.path.join(out_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -424,7 +425,7 @@ def _rank_main(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple,
 
     faults.configure("")  # nothing armed unless the scenario arms it
     try:
-        dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method=init or f"file://{rdzv}", rank=rank, world_size=world_size)
         result = fn(rank, world_size, *args)
         write_json(os.path.join(out_dir, f"result{rank}.json"), result)
         dist.barrier()
@@ -438,11 +439,15 @@ def _rank_main(fn: Callable, rank: int, world_size: int, rdzv: str, args: tuple,
     os._exit(0)
 
 
-def start_ranks(fn: Callable, world_size: int, args: tuple, out_dir: str, env: dict[str, str] | None = None):
+def start_ranks(fn: Callable, world_size: int, args: tuple, out_dir: str, env: dict[str, str] | None = None,
+                init: str | None = None):
+    """Forks ``world_size`` ranks running ``fn``; their gloo group meets through a file store under ``out_dir``
+    (which outlives every rank, as torchrun's agent store does), or ``init`` (``tcp://...``: a store that
+    rank 0's process hosts, as ``env://`` launches by srun or mpirun host it)."""
     os.makedirs(out_dir, exist_ok=True)
     rdzv = os.path.join(out_dir, "rdzv")
     ctx = context()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, rdzv, args, out_dir, dict(env or {})))
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, rdzv, args, out_dir, dict(env or {}), init))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -1247,6 +1252,137 @@ def s3_kill_suite(moto: Moto, side: str, kills: int, schedule=None, seed: int = 
 # ---------------------------------------------------------------------- main
 
 
+# ---------------------------------------------------------------------- single-rank kills
+
+# (point, rank): the commit protocol's points on the ranks they fire on (commit and GC run on rank 0 only).
+SINGLE_POINTS = (("write.mid", 0), ("write.mid", 1), ("write.after", 0), ("write.after", 1),
+                 ("commit.before_manifest", 0), ("commit.after_manifest", 0), ("gc.before", 0), ("gc.mid", 0))
+# Where the c10d store lives: a file store that outlives every rank (torchrun's agent store), or rank 0's
+# process (init_method tcp://, as env:// launches by srun or mpirun host it): it dies with rank 0.
+LAUNCHERS = ("agent_store", "store_in_rank0")
+
+
+def _single_kill_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, Any]:
+    """Saves after every step with one fault armed; the survivor of the kill goes on alone until its save or a
+    collective fails, then leaves without a collective (its peer is gone): nobody reaps it."""
+    from cnr_torchrec import Checkpointer, SaveFailedError
+    from cnr_torchrec.ckpt import fault_injection as faults
+
+    dmp, specs, opt = build(world_size, seed=p["seed"])
+    install_ref_hook(p["side"], rank, dmp, opt)
+    config = make_config(p["root"], "consecutive", "none", None, save_timeout_s=p["timeout_s"],
+                         keep={"checkpoints": 2})
+    ck = Checkpointer(dmp, config, dense_optimizer=opt)
+    faults.configure(p["fault"])
+    gen = torch.Generator().manual_seed(p["seed"] * 7 + rank)
+    out: dict[str, Any] = {"commits": [], "failed": None, "error": None}
+    try:
+        for step in range(1, p["saves"] + 1):
+            train(dmp, specs, opt, 1, gen)
+            try:
+                out["commits"].append(ck.save(step).wait().id)
+            except SaveFailedError as e:
+                out["failed"] = str(e)
+                break
+    except Exception as e:  # noqa: BLE001 - a collective with the dead peer
+        out["error"] = f"{type(e).__name__}: {e}"
+    write_json(os.path.join(p["phase_dir"], f"single{rank}.json"), out)
+    os._exit(0)  # no collective with the dead peer, no teardown
+
+
+def _restore_check_worker(rank: int, world_size: int, root: str, side: str) -> dict[str, Any]:
+    """A fresh job's restore of ``root``: the id it took and where its state differs from that id's reference."""
+    from cnr_torchrec import Checkpointer
+
+    seen = spy_restored()
+    dmp, _, opt = build(world_size, seed=99)
+    config = make_config(root, "consecutive", "none", None)
+    ck = Checkpointer(dmp, config, dense_optimizer=opt)
+    ck.restore()
+    restored = seen["ids"][-1]
+    ck.close()
+    return {"restored": restored, "mismatch": compare(local_state(dmp, opt), load_ref(side, restored, rank), None)[:5]}
+
+
+def missing_files(root: str, committed: list[int]) -> list[str]:
+    """Payload files that a committed manifest names and that are not there, or of another size (read as plain
+    JSON and file sizes, without cnr_torchrec)."""
+    out = []
+    for i in committed:
+        for r in read_body(root, None, i)["ranks"]:
+            stem = r["file"].removesuffix(".bin")
+            for k, c in enumerate(r["chunks"]):
+                rel = r["file"] if k == 0 else f"{stem}.{k}.bin"
+                path = os.path.join(root, rel)
+                if not os.path.isfile(path) or os.path.getsize(path) != c["nbytes"]:
+                    out.append(rel)
+    return out
+
+
+def single_rank_kills(work: str, rounds: int, *, saves: int = 4, seed: int = 0, timeout_s: float = 4.0,
+                      points: tuple = SINGLE_POINTS, launchers: tuple = LAUNCHERS,
+                      verbose: bool = False) -> dict[str, Any]:
+    """One rank SIGKILLed at each commit-protocol point (``points``) under each launcher, ``rounds`` times, on
+    its own root. The other rank is never reaped: it must leave by itself (its save's wait for rank 0, or a
+    collective with the dead rank, fails). Then every committed checkpoint must have every file its manifest
+    names, and a fresh 2-rank job must restore the newest committed one, equal to its reference."""
+    rng = random.Random(seed)
+    trials = []
+    for n in range(rounds):
+        for launcher in launchers:
+            for point, rank in points:
+                nth = 2 if point.startswith("gc.") else rng.randint(2, saves)  # gc: a chain to collect first
+                base = os.path.join(work, f"single-{n}-{launcher}-{point}-r{rank}")
+                root, side, pdir = os.path.join(base, "root"), os.path.join(base, "side"), os.path.join(base, "ph")
+                os.makedirs(side)
+                spec = {"root": root, "side": side, "phase_dir": pdir, "seed": 1000 * n + len(trials), "saves": saves,
+                        "fault": f"{point}:rank={rank}:nth={nth}", "timeout_s": timeout_s}
+                init = None if launcher == "agent_store" else f"tcp://127.0.0.1:{_free_port()}"
+                procs = start_ranks(_single_kill_worker, 2, (spec,), pdir, init=init)
+                deadline = time.monotonic() + 30 + 3 * timeout_s
+                while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+                    mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
+                hung = [r for r, p in enumerate(procs) if p.exitcode is None]
+                exits = reap(procs)
+                found = scan(root)
+                committed = sorted(i for i, has in found.items() if has)
+                t = {"launcher": launcher, "point": point, "rank": rank, "nth": nth, "fired": exits[rank] == -9,
+                     "survivor_exit": exits[1 - rank], "survivor_hung": bool(hung), "committed": committed,
+                     "missing": missing_files(root, committed), "expected": newest_state(root, None, committed)}
+                if committed:
+                    try:
+                        res = run_ranks(_restore_check_worker, 2, (root, side), timeout=120)
+                        t["restored"] = res[0]["restored"]
+                        t["mismatch"] = [m for r in res for m in r["mismatch"]]
+                        t["ok"] = {r["restored"] for r in res} == {t["expected"]} and not t["mismatch"]
+                    except RuntimeError as e:
+                        t["restored"], t["ok"], t["mismatch"] = None, False, [str(e)[-500:]]
+                else:
+                    t["restored"], t["ok"], t["mismatch"] = None, True, []
+                t["ok"] = t["ok"] and not t["missing"] and not t["survivor_hung"]
+                trials.append(t)
+                if verbose:
+                    print(f"  {launcher:<15} {point:<24} rank {rank} nth {nth}: fired {t['fired']}, committed "
+                          f"{committed}, missing {t['missing']}, restored {t['restored']}, ok {t['ok']}", flush=True)
+                shutil.rmtree(base, ignore_errors=True)
+    return {
+        "kills": len(trials),
+        "fired": sum(t["fired"] for t in trials),
+        "ok": sum(t["ok"] for t in trials),
+        "committed_missing_a_file": sum(bool(t["missing"]) for t in trials),
+        "torn_restores": sum(bool(t["committed"]) and t["restored"] != t["expected"] or bool(t["mismatch"])
+                             for t in trials),
+        "survivors_hung": sum(t["survivor_hung"] for t in trials),
+        "failures": [t for t in trials if not t["ok"]][:10],
+    }
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def memory_kill_suite(work: str, kills: int, seed: int, verbose: bool) -> dict[str, Any]:
     """The kill suite on the groups that keep memory images: restarts take an image where it is sealed for the
     newest commit, and each restore is checked like any other."""
@@ -1273,6 +1409,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory-kills", type=int, default=50,
                     help="kills on the groups that keep memory images (residual; plain with memory_tier: on)")
     ap.add_argument("--memory-only", action="store_true", help="run the memory-tier kills alone")
+    ap.add_argument("--single-rounds", type=int, default=3,
+                    help="rounds of single-rank kills: each commit-protocol point under both launchers")
+    ap.add_argument("--single-only", action="store_true", help="run the single-rank kills alone")
     ap.add_argument("--s3-kills", type=int, default=4, help="kills on the S3 root (moto)")
     ap.add_argument("--positions", type=int, default=4, help="byte-flip positions per file")
     ap.add_argument("--seed", type=int, default=0)
@@ -1287,6 +1426,22 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     t_all = time.monotonic()
     try:
+        print(f"single-rank kills: {args.single_rounds} round(s) of {len(SINGLE_POINTS)} points x {list(LAUNCHERS)}",
+              flush=True)
+        t0 = time.monotonic()
+        single = single_rank_kills(os.path.join(work, "single"), args.single_rounds, seed=args.seed,
+                                   verbose=args.verbose)
+        single["seconds"] = round(time.monotonic() - t0, 1)
+        print(f"  {single['kills']} kills ({single['fired']} fired): ok {single['ok']}, committed checkpoints "
+              f"missing a file {single['committed_missing_a_file']}, torn restores {single['torn_restores']}, "
+              f"survivors hung {single['survivors_hung']}; {single['seconds']} s", flush=True)
+        for f in single["failures"]:
+            print("   ", f)
+        if args.single_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"single_rank_kills": single}, f, indent=1)
+            return 0 if single["ok"] == single["kills"] else 1
         memory = memory_kill_suite(work, args.memory_kills, args.seed, args.verbose)
         if args.memory_only:
             if args.json:
@@ -1348,6 +1503,9 @@ def main(argv: list[str] | None = None) -> int:
         out = {
             "kills": kills["kills"],
             "restores_ok": kills["restores_ok"],
+            "single_rank_kills": single["kills"],
+            "single_rank_ok": single["ok"],
+            "single_rank_committed_missing_a_file": single["committed_missing_a_file"],
             "memory_kills": memory["kills"],
             "memory_restores_ok": memory["restores_ok"],
             "memory_wrong_restores_from_memory": memory["wrong_restores_from_memory"],
@@ -1361,8 +1519,8 @@ def main(argv: list[str] | None = None) -> int:
             "s3_roundtrip_ok": s3_ok,
             "s3_kills": s3_kills["kills"],
             "s3_restores_ok": s3_kills["restores_ok"],
-            "details": {"kills": kills, "memory_kills": memory, "corruption": corrupt, "enospc": enospc,
-                        "s3_kills": s3_kills},
+            "details": {"kills": kills, "single_rank_kills": single, "memory_kills": memory, "corruption": corrupt,
+                        "enospc": enospc, "s3_kills": s3_kills},
             "seconds": round(time.monotonic() - t_all, 1),
         }
     finally:
@@ -1378,6 +1536,7 @@ def main(argv: list[str] | None = None) -> int:
     good = (out.get("torn_restores") == 0 and out.get("lost_commits") == 0
             and out.get("restores_ok") == out.get("kills")
             and out.get("memory_restores_ok") == out.get("memory_kills")
+            and out.get("single_rank_ok") == out.get("single_rank_kills")
             and out.get("memory_wrong_restores_from_memory") == 0
             and out.get("corruptions_detected", 0) + out.get("corruptions_read_around", 0)
             == out.get("corruptions_injected")

@@ -180,6 +180,22 @@ def test_kills_at_every_fault_point_restore_the_newest_commit(tmp_path):
     assert before.restored == before.expected and max(before.torn_dirs) > before.expected
 
 
+# ---- single-rank kills ------------------------------------------------------------
+
+
+@pytest.mark.multirank
+@pytest.mark.timeout(420)
+def test_a_single_rank_killed_at_each_commit_point_under_both_launchers_loses_no_committed_file(tmp_path):
+    """One rank SIGKILLed, the other left to find out by itself (nobody reaps it), under torchrun's kind of store
+    and under a store that lives in rank 0's process: every committed checkpoint keeps every file, and a fresh job
+    restores the newest one (reliability.single_rank_kills; make reliability runs every point, 3 rounds)."""
+    points = (("write.after", 1), ("commit.before_manifest", 0), ("commit.after_manifest", 0), ("gc.before", 0))
+    s = reliability.single_rank_kills(str(tmp_path), 1, points=points)
+    assert s["kills"] == 8 and s["fired"] == 8, s
+    assert s["committed_missing_a_file"] == 0 and s["torn_restores"] == 0 and s["survivors_hung"] == 0, s["failures"]
+    assert s["ok"] == 8, s["failures"]
+
+
 # ---- a full disk -------------------------------------------------------------------
 
 
