@@ -1383,17 +1383,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_suite(suite: KillSuite, kills: int, verbose: bool) -> dict[str, Any]:
+    """``suite.run(kills)``'s summary with its ``seconds``, after printing the harness's first errors."""
+    t0 = time.monotonic()
+    out = suite.run(kills, progress=verbose)
+    out["seconds"] = round(time.monotonic() - t0, 1)
+    for e in suite.errors[:5]:
+        print(e)
+    return out
+
+
 def memory_kill_suite(work: str, kills: int, seed: int, verbose: bool) -> dict[str, Any]:
     """The kill suite on the groups that keep memory images: restarts take an image where it is sealed for the
     newest commit, and each restore is checked like any other."""
     groups = tuple(g for g in GROUPS if g[0] in IMAGE_GROUPS)
     print(f"memory-tier kill suite: {kills} kills on 2 ranks, groups {[g[:2] for g in groups]}", flush=True)
-    t0 = time.monotonic()
     suite = KillSuite(os.path.join(work, "mkills"), os.path.join(work, "mkills-side"), groups=groups, seed=seed + 1)
-    out = suite.run(kills, progress=verbose)
-    out["seconds"] = round(time.monotonic() - t0, 1)
-    for e in suite.errors[:5]:
-        print(e)
+    out = run_suite(suite, kills, verbose)
     print(f"  {out['kills']} kills: restores_ok {out['restores_ok']}, torn_restores {out['torn_restores']}, "
           f"lost_commits {out['lost_commits']}; restores with a rank from memory "
           f"{out['restores_with_a_rank_from_memory']}, mixed {out['mixed_restores']}, wrong from memory "
@@ -1450,12 +1456,8 @@ def main(argv: list[str] | None = None) -> int:
             ok = memory["torn_restores"] == 0 and memory["wrong_restores_from_memory"] == 0
             return 0 if ok and not memory["harness_errors"] else 1
         print(f"kill suite: {args.kills} kills on 2 ranks, groups {[g[:2] for g in GROUPS]}", flush=True)
-        t0 = time.monotonic()
         suite = KillSuite(os.path.join(work, "kills"), os.path.join(work, "kills-side"), seed=args.seed)
-        kills = suite.run(args.kills, progress=args.verbose)
-        kills["seconds"] = round(time.monotonic() - t0, 1)
-        for e in suite.errors[:5]:
-            print(e)
+        kills = run_suite(suite, args.kills, args.verbose)
         print(f"  {kills['kills']} kills: restores_ok {kills['restores_ok']}, torn_restores {kills['torn_restores']}, "
               f"lost_commits {kills['lost_commits']}, restart saves ok {kills['restart_saves_ok']}; "
               f"{kills['named_fired']} at named points, {kills['random_kills']} random, {kills['late_kills']} late; "
