@@ -294,6 +294,20 @@ def test_a_directory_without_room_means_storage_with_one_warning(group, tmp_path
     assert sources[0][1] == "storage" and "not sealed" in sources[0][2]
 
 
+def test_plain_coding_keeps_no_image_where_the_host_lacks_the_memory(group, tmp_path, monkeypatch, caplog):
+    """With plain coding ``memory_tier: on``'s image is an extra copy: a host without the memory for it keeps none,
+    on every rank, with a warning naming the need (residual coding counts it in its own check)."""
+    from cnr_torchrec.ckpt import host_memory
+
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    monkeypatch.setattr(host_memory, "host_available_bytes", lambda: 1)
+    with caplog.at_level("WARNING", logger="cnr_torchrec"):
+        _job(root, shm, saves=2, mode="on", residual=False)
+    assert "the memory tier is off" in caplog.text and "GB of images beside the job" in caplog.text
+    assert _files(shm) == []
+
+
 def _torchrec_worker(rank, world_size, root, shm_dirs, model):
     """TorchRec's own model on 2 ranks, residual-coded with images (one directory per rank: two "hosts")."""
     import _torchrec_models as M

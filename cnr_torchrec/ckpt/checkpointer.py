@@ -204,7 +204,7 @@ class Checkpointer:
         self._retention = Retention(config.retention, self._compactor.pinned)
         # This rank's restore image in host shared memory (memory_tier): the reconstruction's rows live there.
         self._memory = MemoryTier(config, tracker, rank=self.rank, world_size=self.world_size,
-                                  residual=bool(config.quantization.residual))
+                                  residual=bool(config.quantization.residual), distributed=self._dist)
         self._restorer = Restorer(config, storage=self._storage, io=self._io, ranks=self._ranks, model=model,
                                   tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state,
                                   memory=self._memory)

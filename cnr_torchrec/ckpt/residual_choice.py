@@ -49,7 +49,7 @@ HEADROOM = 1.1
 restore reads."""
 
 
-def _memory(tracker: DirtyRowTracker, distributed: bool, compaction: bool) -> None:
+def _memory(tracker: DirtyRowTracker, distributed: bool, compaction: bool, image: bool) -> None:
     """Logs the host memory residual coding keeps; ConfigError, on every rank, where a host does not have it.
 
     Besides the copy itself (which a restore stages into, and a baseline replaces as it writes), the job will
@@ -57,9 +57,12 @@ def _memory(tracker: DirtyRowTracker, distributed: bool, compaction: bool) -> No
     built) and, with compaction, a fold's working set: a host must have room for all of it, with headroom.
     """
     copy = reconstruction_bytes(tracker)
+    if image:  # the memory tier keeps the copy as its image, with the optimizer states beside it
+        copy += sum(t.numel() * t.element_size() for _, _, states in shard_states(tracker) for t in states)
     staging = staging_bytes(tracker)
     fold = fold_bytes(tracker) if compaction else 0
-    what = ("a float32 copy of each rank's shards, beside what a baseline copies to host memory"
+    kept = " (the memory tier's image, with the optimizer states)" if image else ""
+    what = (f"a float32 copy of each rank's shards{kept}, beside what a baseline copies to host memory"
             + (", and while compaction folds the chain its largest shard's float32 sums and state and the 8-bit "
                "folded rows" if fold else "") + f", with {HEADROOM - 1:.0%} headroom")
     use = check_host_memory(round((copy + staging + fold) * HEADROOM), distributed=distributed, what=what)
@@ -90,7 +93,7 @@ def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: R
             raise ConfigError(f"quantization.residual: true does not work here: {why}. Or set residual: false")
     else:
         try:
-            _memory(tracker, ranks.distributed, config.compaction is not None)
+            _memory(tracker, ranks.distributed, config.compaction is not None, config.memory_tier.mode != "off")
         except ConfigError as e:
             if wanted is True:
                 raise

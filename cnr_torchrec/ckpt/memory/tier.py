@@ -34,6 +34,7 @@ import torch
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
+from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
 from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -92,6 +93,7 @@ class MemoryTier:
         tracker: the shards.
         rank, world_size: this rank, of how many.
         residual: whether the job codes residuals (``auto`` keeps an image only then).
+        distributed: whether the ranks are a process group (the host-memory check of ``on`` is collective).
 
     Attributes:
         active: whether this rank keeps an image.
@@ -99,7 +101,7 @@ class MemoryTier:
     """
 
     def __init__(self, config: CheckpointConfig, tracker: DirtyRowTracker, *, rank: int, world_size: int,
-                 residual: bool) -> None:
+                 residual: bool, distributed: bool = False) -> None:
         tier = config.memory_tier
         self.rank, self.world_size, self._tracker = rank, world_size, tracker
         self._dir, self._root = tier.path, root_digest(config.root)
@@ -113,8 +115,20 @@ class MemoryTier:
         self.why_off = "" if self.active else (
             "memory_tier: off" if tier.mode == "off" else
             "memory_tier: auto keeps an image only with residual coding (memory_tier: on keeps one with plain)")
+        if tier.mode == "on" and not residual:  # config-uniform, so every rank reaches this collective
+            self._check_host_memory(distributed)
         if self.active:
             self._open_root()
+
+    def _check_host_memory(self, distributed: bool) -> None:
+        """With plain coding the image is an extra copy of the rank's shards in host memory: where a host's ranks
+        would keep more than it has available, the tier is off on every rank, with a warning. Collective."""
+        _, hosts = host_uses(self._layout.nbytes, distributed=distributed)
+        short = short_of_memory(hosts)
+        if short is not None:
+            assert short.available is not None  # a host whose memory is unknown is never short
+            self._off(f"host {short.host}'s {short.ranks} rank(s) would keep {short.needed / 1e9:.2f} GB of images "
+                      f"beside the job, and it has {short.available / 1e9:.2f} GB available", warn=True)
 
     # ------------------------------------------------------------------ opening a root
 
