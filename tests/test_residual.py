@@ -583,10 +583,16 @@ def _rowwise_state_bytes(specs):
     return sum(s.rows * 4 for s in specs if s.sharding != "data_parallel")
 
 
-def _budget(table_bytes, rowwise, fold=0):
-    """What residual coding asks of a host: the float32 copy, a baseline's copy of the weights and fused
-    optimizer state to host memory, and a fold's working set, with 10% headroom."""
-    return round((table_bytes + table_bytes + rowwise + fold) * 1.1)
+def _budget(table_bytes, rowwise, fold=0, image=True):
+    """What residual coding asks of a host: the float32 copy (with the memory tier on, the default, its image:
+    the optimizer states beside it), a baseline's copy of the weights and fused optimizer state to host
+    memory, and a fold's working set, with 10% headroom."""
+    return round((_copy(table_bytes, rowwise, image) + table_bytes + rowwise + fold) * 1.1)
+
+
+def _copy(table_bytes, rowwise, image=True):
+    """The host memory residual coding keeps: the float32 copy, and in the memory tier's image the states too."""
+    return table_bytes + (rowwise if image else 0)
 
 
 def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does_not_fit(
@@ -601,8 +607,9 @@ def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does
 
     specs = [*_specs(), TableSpec("t2", 16, 4, "data_parallel")]
     dmp, opt = build_dmp(specs)
-    copy = _table_bytes(specs)  # one rank holds every shard, and a data_parallel table once
-    want = _budget(copy, _rowwise_state_bytes(specs))
+    tables = _table_bytes(specs)  # one rank holds every shard, and a data_parallel table once
+    want = _budget(tables, _rowwise_state_bytes(specs))
+    copy = _copy(tables, _rowwise_state_bytes(specs))
     config = dataclasses.replace(_residual_config(str(tmp_path / "root")), compaction=None)  # no fold to budget
 
     monkeypatch.setattr(host_memory, "host_available_bytes", lambda: want - 1)
@@ -625,7 +632,7 @@ def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does
     finally:
         storage.close()
     assert [r["residual"] for r in summary["checkpoints"]] == [False, True]
-    assert summary["reconstruction_nbytes"] == copy
+    assert summary["reconstruction_nbytes"] == tables
     capsys.readouterr()
     assert main(["inspect", str(tmp_path / "root")]) == 0
     assert "residual chain: a job that resumes it keeps a float32 copy of its shards" in capsys.readouterr().out
