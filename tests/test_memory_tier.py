@@ -12,7 +12,8 @@ built model with the memory tier off (which reads storage alone), state for stat
   an exception keeps it for the restart, and a directory without room means storage, with a warning;
 - TorchRec's TestSparseNN (shared tables, weighted features, EBC sharding types) and its mixed
   EmbeddingCollection model on 2 ranks: both ranks from memory, then one "host" lost (rank 1's image
-  deleted: a mixed restore), then a restore onto another plan, which never uses an image.
+  deleted: a mixed restore), then a restore onto another plan, which never uses an image;
+- TorchRec's managed-collision EBC (sort-zch, LFU evictions): the by-row state comes from the image too.
 """
 
 from __future__ import annotations
@@ -365,3 +366,46 @@ def test_torchrecs_models_restore_from_images_mixed_and_never_across_plans(tmp_p
     for d in shm_dirs:
         os.makedirs(d)
     run_ranks(_torchrec_worker, 2, timeout=280, args=(str(tmp_path / "root"), shm_dirs, model))
+
+
+def test_a_managed_collision_model_restores_from_its_image_as_from_storage(group, tmp_path):
+    """TorchRec's managed-collision EBC (sort-zch, LFU evictions every 2 steps): the image holds each table's
+    by-row state (raw ids and eviction metadata) beside its rows, and a restart from it gives what a restore
+    from storage gives, slot for slot."""
+    import _mc_models as M
+
+    from cnr_torchrec import CheckNRunDMP, Checkpointer, load_config
+
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+
+    def config(mode):
+        return load_config({"root": root, "keep_last": 10, "on_corrupt": "fail",
+                            "memory_tier": {"mode": mode, "path": shm}})
+
+    def state(model):  # SGD in the tables: rows and by-row state, no optimizer state
+        tracker = model.dmp.dirty_tracker
+        out = {(t, i, "w"): k.tbe.split_embedding_weights()[s.local_index].detach().clone()
+               for t in tracker.tables() for i, (k, s) in enumerate(tracker.shards(t))}
+        out.update({("mc", t, "rows"): mc.by_row() for t, mc in tracker.mc_tables().items()})
+        return out
+
+    job = M.build_mc_model("ebc", 1, dmp_cls=CheckNRunDMP)
+    ck = Checkpointer(job.dmp, config("auto"), dense_optimizer=job.dense_optimizer)
+    assert ck.config.quantization.residual is True
+    for step, batch in enumerate(M.mc_batches(6, 1, 0, seed=3, features=job.features), start=1):
+        M.train_step(job, batch)
+        if step % 2 == 0:
+            ck.save(step).wait()
+    ck.close(keep_images=True)
+
+    restored = {}
+    for mode in ("off", "auto"):
+        model = M.build_mc_model("ebc", 1, dmp_cls=CheckNRunDMP, seed=5)
+        with Checkpointer(model.dmp, config(mode), dense_optimizer=model.dense_optimizer) as other:
+            assert other.restore() == 6
+            restored[mode] = (state(model), [s for _, s, _ in other.last_restore_sources])
+            other.close(keep_images=True)
+    assert restored["off"][1] == ["storage"] and restored["auto"][1] == ["memory"]
+    assert any(k[0] == "mc" for k in restored["off"][0] if isinstance(k, tuple))
+    _assert_same(restored["auto"][0], restored["off"][0])
