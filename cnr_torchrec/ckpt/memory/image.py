@@ -24,7 +24,7 @@ import json
 import mmap
 import os
 import stat
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -295,6 +295,3 @@ class ImageFile:
             raise ImageRefused(f"{self.seal_path}: a malformed seal ({e})") from None
         return Seal.from_json(body, self.seal_path)
 
-
-def layout_of(shards: Sequence[ShardLayout]) -> Layout:
-    return Layout(tuple(shards))

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -34,7 +34,7 @@ import torch
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
-from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
+from cnr_torchrec.ckpt.host_memory import host_uses, shard_states, short_of_memory
 from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -67,21 +67,23 @@ def image_tables(tracker: DirtyRowTracker) -> list[str]:
     return [t for t in tracker.tables() if not tracker.is_data_parallel(t)]
 
 
+def _image_shards(tracker: DirtyRowTracker) -> Iterator[tuple[str, Any, list[torch.Tensor], Any]]:
+    """(table, shard, its fused optimizer's state tensors, its managed-collision module or None) for every shard
+    an image holds (:func:`image_tables`), each TBE asked once (:func:`~cnr_torchrec.ckpt.host_memory.shard_states`)."""
+    held = set(image_tables(tracker))
+    for table, shard, states in shard_states(tracker):
+        if table in held:
+            yield table, shard, states, tracker.mc_table(table)
+
+
 def _shard_layouts(tracker: DirtyRowTracker) -> list[ShardLayout]:
     """What an image of this rank's shards holds, shard by shard."""
     out = []
-    asked: dict[int, list] = {}
-    for table in image_tables(tracker):
-        mc = tracker.mc_table(table)
-        for kernel, shard in tracker.shards(table):
-            tbe = kernel.tbe
-            if id(tbe) not in asked:
-                asked[id(tbe)] = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
-            states = list(asked[id(tbe)][shard.local_index]) if asked[id(tbe)] else []
-            n = shard.num_rows
-            widths = tuple((str(s.dtype).removeprefix("torch."), s.numel() // max(n, 1)) for s in states)
-            out.append(ShardLayout(shard_key(table, shard.rows, shard.cols), shard.cols[1] - shard.cols[0], n,
-                                   widths, len(mc.fields) if mc is not None else 0))
+    for table, shard, states, mc in _image_shards(tracker):
+        n = shard.num_rows
+        widths = tuple((str(s.dtype).removeprefix("torch."), s.numel() // max(n, 1)) for s in states)
+        out.append(ShardLayout(shard_key(table, shard.rows, shard.cols), shard.cols[1] - shard.cols[0], n,
+                               widths, len(mc.fields) if mc is not None else 0))
     return out
 
 
@@ -244,18 +246,13 @@ class MemoryTier:
         """Copies every shard's live optimizer states and by-row state into the image (after a restore, which
         wrote them into the model)."""
         self._ensure_open()
-        for table in image_tables(self._tracker):
-            mc = self._tracker.mc_table(table)
-            for kernel, shard in self._tracker.shards(table):
+        with torch.no_grad():
+            for table, shard, states, mc in _image_shards(self._tracker):
                 views = self._file.views(shard_key(table, shard.rows, shard.cols))
-                tbe = kernel.tbe
-                live = tbe.split_optimizer_states() if hasattr(tbe, "split_optimizer_states") else []
-                states = list(live[shard.local_index]) if live else []
-                with torch.no_grad():
-                    for view, state in zip(views.states, states):
-                        view.copy_(state.detach().reshape(view.shape))
-                    if mc is not None and views.mc is not None:
-                        views.mc.copy_(mc.by_row())
+                for view, state in zip(views.states, states):
+                    view.copy_(state.detach().reshape(view.shape))
+                if mc is not None and views.mc is not None:
+                    views.mc.copy_(mc.by_row())
 
     # ------------------------------------------------------------------ restore
 
