@@ -54,10 +54,16 @@ def _progress(total: int, desc: str):
     return bar, bar.update
 
 
+def _key(args: argparse.Namespace):
+    from cnr_torchrec.ckpt.format.integrity import load_key
+
+    return load_key(args.key_file, None)
+
+
 def _open(args: argparse.Namespace):
     from cnr_torchrec.ckpt.tools.root import open_storage, parse_storage_options
 
-    return open_storage(args.root, parse_storage_options(args.storage_option))
+    return open_storage(args.root, parse_storage_options(args.storage_option), _key(args))
 
 
 # ---------------------------------------------------------------------- inspect
@@ -209,7 +215,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
     options = parse_storage_options(args.storage_option)
     dense: dict[int, Any] = {}
-    problems = verify_root(args.root, options, None if args.id is None else [args.id], dense_optimizers=dense)
+    problems = verify_root(args.root, options, None if args.id is None else [args.id], dense_optimizers=dense,
+                           key=_key(args))
     if problems:
         # At most _LISTED lines per file of a checkpoint, and one line counting the rest, so that the PROBLEM
         # lines and the "more" lines add up to the count below.
@@ -373,6 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--storage-option", action="append", metavar="KEY=VALUE",
                         help="passed to the torchsnapshot storage plugin (repeatable; VALUE parsed as JSON if it can "
                              "be), e.g. for s3:// roots")
+    common.add_argument("--key-file", metavar="FILE",
+                        help="the root's key (integrity.key_file in the job's config): manifests and chunks are "
+                             "checked against it, and what the command writes is sealed with it (docs/checkpoints.md)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     p = sub.add_parser("inspect", parents=[common], help="list checkpoints, chains, sizes, dirty fractions",
@@ -389,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", parents=[common], help="check manifests, files, checksums and chains",
                        description="Check every committed checkpoint (or one and its chain): manifest seal, rank "
                                    "file sizes and xxh3, every blob's bounds and xxh3, references, chains, "
-                                   "index.json. Exit 0 when sound, 1 with one line per problem otherwise.")
+                                   "index.json; with --key-file, each manifest's HMAC-SHA256 and each chunk's keyed "
+                                   "BLAKE2b. Exit 0 when sound, 1 with one line per problem otherwise.")
     p.add_argument("root", metavar="DIR")
     p.add_argument("--id", type=int, help="verify only this checkpoint (and its chain)")
     p.set_defaults(func=_cmd_verify)

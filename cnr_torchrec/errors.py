@@ -18,6 +18,7 @@ __all__ = [
     "SaveFailedError",
     "StorageError",
     "UnsafeCheckpointError",
+    "UnauthenticatedCheckpointError",
     "one_line",
 ]
 
@@ -127,3 +128,18 @@ class StorageError(CheckpointError, OSError):
 
 class UnsafeCheckpointError(CheckpointError, ValueError):
     """A checkpoint names a file outside its root, or asks for something we never load (pickle)."""
+
+
+class UnauthenticatedCheckpointError(UnsafeCheckpointError):
+    """A manifest of an authenticated root (``integrity`` in the config) that the key does not vouch for: written
+    without the key or with another one, or altered after it was sealed; or a keyed root read without its key.
+
+    Refused under both ``on_corrupt`` settings, never skipped for an older checkpoint.
+
+    Attributes:
+        path: the manifest, relative to the checkpoint root.
+    """
+
+    def __init__(self, message: str, path: str = "") -> None:
+        super().__init__(message)
+        self.path = path

@@ -22,8 +22,8 @@ from cnr_torchrec.ckpt.failure_rates import IntervalPlan, IntervalTimer, bits_fo
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
+from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.residual_choice import choose_residual
@@ -139,6 +139,27 @@ class SaveHandle:
         return self._future.result(timeout)
 
 
+def _agree_on_key(config: CheckpointConfig, ranks: Ranks) -> RootKey | None:
+    """The root's key (``config.integrity``), loaded on every rank; every rank must hold the same one (compared by
+    fingerprint), or none.
+
+    Raises:
+        ConfigError: on every rank, where one rank could not load its key or the ranks' keys differ.
+    """
+    key, failure = None, None
+    try:
+        key = load_key(config.integrity.key_file, config.integrity.key_env)
+    except ConfigError as e:
+        failure = Failure.of(e, ranks.rank, "loading the root's key (integrity)")
+    ranks.raise_any(failure)
+    prints = ranks.exchange(None if key is None else key.fingerprint)
+    if len(set(prints)) > 1:
+        held = ", ".join(f"{r}: {p or 'no key'}" for r, p in enumerate(prints))
+        raise ConfigError(f"integrity: the ranks hold different keys (fingerprints by rank: {held}); give every rank "
+                          "the same key")
+    return key
+
+
 class Checkpointer:
     """Differential, quantized checkpoints of a :class:`~cnr_torchrec.CheckNRunDMP`.
 
@@ -181,8 +202,9 @@ class Checkpointer:
         self._table_fqns = _table_fqns(model, tracker)
         _enable_views(tracker, config)
 
-        self._storage = Storage(config.root, config.storage_options)
-        self._io = IOPool(config.root, config.storage_options, config.io_threads)  # chunk reads and writes
+        key = _agree_on_key(config, self._ranks)  # None: a root without a key
+        self._io = IOPool(config.root, config.storage_options, config.io_threads, key)  # chunk reads and writes
+        self._storage = self._io.open_storage()
         self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
@@ -573,7 +595,7 @@ class Checkpointer:
     def _start_compaction(self, new_id: int, chain: tuple[int, ...]) -> Compaction:
         return Compaction(
             new_id=new_id, chain=chain, rank=self.rank, world_size=self.world_size, tracker=self.tracker,
-            open_storage=lambda: Storage(self.config.root, self.config.storage_options), store=self._store,
+            open_storage=self._io.open_storage, store=self._store,
             timeout_s=self.config.save_timeout_s, on_commit=self._retention.committed,
             chunk_bytes=self.config.chunk_bytes, pool=self._io, residual=bool(self.config.quantization.residual),
         )

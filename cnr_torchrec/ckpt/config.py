@@ -246,6 +246,25 @@ class MemoryTierConfig:
 
 
 @dataclass(frozen=True)
+class IntegrityConfig:
+    """An authenticated root: a secret key seals every manifest (HMAC-SHA256) and every chunk (keyed BLAKE2b),
+    and every read checks them, so that what someone without the key wrote or altered is refused
+    (:mod:`~cnr_torchrec.ckpt.format.integrity`, docs/checkpoints.md). Give one of the two; neither: no key.
+
+    Attributes:
+        key_file: a file that holds the key (its bytes, less one trailing line break; 16 bytes at least).
+        key_env: the name of an environment variable that holds the key.
+    """
+
+    key_file: str | None = None
+    key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.key_file and self.key_env:
+            raise ConfigError("give key_file or key_env, not both (key_env names a variable that holds the key)")
+
+
+@dataclass(frozen=True)
 class KeepConfig:
     """What each commit keeps under the root; the rest is deleted.
 
@@ -369,6 +388,8 @@ class CheckpointConfig:
             failed restore then leaves the tables partly overwritten, and its error says so.
         memory_tier: each rank's restore image in host shared memory, for restarts on the same hosts
             (see :class:`MemoryTierConfig`).
+        integrity: the root's key, which authenticates every manifest and chunk (see :class:`IntegrityConfig`);
+            by default none.
     """
 
     root: str
@@ -391,6 +412,7 @@ class CheckpointConfig:
     restore_rng: bool = False
     restore_rollback: bool = True
     memory_tier: MemoryTierConfig = field(default_factory=MemoryTierConfig)
+    integrity: IntegrityConfig = field(default_factory=IntegrityConfig)
 
     def __post_init__(self) -> None:
         if not self.root:

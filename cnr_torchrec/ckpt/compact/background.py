@@ -205,7 +205,7 @@ class Compaction:
                                       folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
                 manifest = check_manifest(body, manifest_path(self.new_id))
                 fault_injection.hit("compact.before_manifest")
-                storage.write_atomic(manifest_path(self.new_id), seal(body))
+                storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
                 fault_injection.hit("compact.after_manifest")
                 out = Outcome(True, manifest.nbytes)
         except Exception as e:

@@ -94,7 +94,7 @@ def compact(
                                                                                     with_setting=False)
         body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
         manifest = check_manifest(body, manifest_path(new_id))
-        storage.write_atomic(manifest_path(new_id), seal(body))
+        storage.write_atomic(manifest_path(new_id), seal(body, key=storage.key))
     except BaseException:
         storage.remove_dir(ckpt_dir(new_id), written)
         raise

@@ -11,15 +11,16 @@ describes them::
     "chunk_bytes": 67108864,
     "chunks": [{"nbytes": 67108864, "xxh3": "..."}, {"nbytes": 67108864, ...}, {"nbytes": 15782272, ...}]
 
-A report without ``chunks`` (format 3 and older) is one chunk: ``file``, ``nbytes``,
-``xxh3``.
+On a root with a key a chunk is listed with ``blake2b``, a keyed digest, in place of ``xxh3``
+(:mod:`~cnr_torchrec.ckpt.format.integrity`). A report without ``chunks`` (format 3 and older) is
+one chunk: ``file``, ``nbytes``, ``xxh3``.
 
 Writing (:class:`PayloadWriter`) pipelines encoding with I/O: the caller adds blobs, and
 each chunk that fills goes to an :class:`IOPool` thread while the next is encoded; at
 most ``in_flight`` chunks wait, so the writer holds no more than a few chunks beyond the
 tensors it was given. Local chunks are written from the blobs' own memory (no join).
 Reading (:class:`PayloadReader`) starts every chunk's read at once and hands out blobs as
-their chunks land, each chunk checked against its xxh3 first.
+their chunks land, each chunk checked against its digest first.
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
-import xxhash
 
+from cnr_torchrec.ckpt.format.integrity import RootKey, check_chunk, chunk_hasher, chunk_record
 from cnr_torchrec.ckpt.format.manifest import Chunk, Payload, chunk_path
 from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
-from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter", "covering", "landed", "read_range"]
@@ -55,18 +56,23 @@ class IOPool:
     paths of one Checkpointer); :meth:`close` closes every storage it opened.
     """
 
-    def __init__(self, root: str, storage_options: Mapping[str, Any] | None, threads: int) -> None:
-        self.root, self.threads = root, threads
+    def __init__(self, root: str, storage_options: Mapping[str, Any] | None, threads: int,
+                 key: RootKey | None = None) -> None:
+        self.root, self.threads, self.key = root, threads, key
         self._options = dict(storage_options or {})
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="cnr-io")
         self._local = threading.local()
         self._opened: list[Storage] = []
         self._lock = threading.Lock()
 
+    def open_storage(self) -> Storage:
+        """A new Storage on the pool's root, with its key: for a thread of the caller's (the caller closes it)."""
+        return Storage(self.root, self._options, key=self.key)
+
     def _storage(self) -> Storage:
         storage = getattr(self._local, "storage", None)
         if storage is None:
-            storage = self._local.storage = Storage(self.root, self._options)
+            storage = self._local.storage = self.open_storage()
             with self._lock:
                 self._opened.append(storage)
         return storage
@@ -83,14 +89,15 @@ class IOPool:
             storage.close()
 
 
-def _write_chunk(storage: Storage, path: str, parts: Sequence[memoryview]) -> tuple[int, str]:
-    """Writes one chunk durably; returns its size and xxh3."""
-    digest = xxhash.xxh3_128()
+def _write_chunk(storage: Storage, path: str, parts: Sequence[memoryview]) -> dict[str, Any]:
+    """Writes one chunk durably; returns its entry in the report: its size and digest (xxh3, or keyed BLAKE2b
+    on a root with a key)."""
+    digest = chunk_hasher(storage.key)
     for part in parts:
         digest.update(part)
     storage.write(path, parts)
     storage.fsync_file(path)
-    return sum(p.nbytes for p in parts), digest.hexdigest()
+    return chunk_record(storage.key, sum(p.nbytes for p in parts), digest.hexdigest())
 
 
 class PayloadWriter(BlobWriter):
@@ -150,8 +157,7 @@ class PayloadWriter(BlobWriter):
         chunks = []
         try:
             for future in self._done:
-                nbytes, digest = future.result()
-                chunks.append({"nbytes": nbytes, "xxh3": digest})
+                chunks.append(future.result())
         except BaseException:
             for future in self._done:
                 future.cancel()
@@ -194,9 +200,12 @@ def landed(future: Future, stats: dict[str, float] | None) -> Any:
 
 
 def _read_chunk(storage: Storage, chunk: Chunk) -> bytearray | mmap.mmap:
-    """A chunk's bytes, checked against its size and xxh3 (writable, so that tensors can view them)."""
-    data = storage.read_mapped(chunk.path)
-    check_bytes(chunk.path, data, chunk.nbytes, chunk.xxh3)
+    """A chunk's bytes, checked against its size and digest (writable, so that tensors can view them).
+
+    A local chunk is mapped, unless the root has a key: then it is read into memory first, so that the
+    bytes checked are the bytes used."""
+    data = storage.read_mapped(chunk.path) if storage.key is None else bytearray(storage.read(chunk.path))
+    check_chunk(storage.key, chunk.path, data, chunk.nbytes, chunk.digest, chunk.keyed)
     return data
 
 
@@ -209,7 +218,8 @@ class PayloadReader:
         stats: counts ``bytes_read`` and ``reads`` into this dict, and ``read_wait_ms``: the time spent
             waiting for chunks that had not landed yet.
         whole: read every chunk (at once, in parallel on ``pool``) and view blobs in place;
-            False: one range read per blob, for a few small blobs of a big payload.
+            False: one range read per blob, for a few small blobs of a big payload (not on a root with a
+            key: only a whole chunk's keyed digest vouches for its bytes).
         pool: threads for the chunk reads.
     """
 
@@ -217,7 +227,7 @@ class PayloadReader:
                  whole: bool = True, pool: IOPool | None = None) -> None:
         self.storage, self.payload = storage, payload
         self.chunks = payload.chunks
-        self._stats, self._whole, self._pool = stats, whole, pool
+        self._stats, self._whole, self._pool = stats, whole or storage.key is not None, pool
         self._data: list[Future] | None = None
 
     def __call__(self, name: str) -> torch.Tensor:

@@ -12,7 +12,8 @@ Layout under the root::
 A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`` last;
 ``xxh3`` covers the body's text exactly as it stands in the file, so an edited or
 bit-flipped manifest is caught even when it still parses, and checking it needs no second
-serialization of the body.
+serialization of the body. On a root with a key the header also holds ``hmac_sha256`` over the
+same text (:mod:`~cnr_torchrec.ckpt.format.integrity`), checked by every read.
 
 A body links to its chain by ``parent`` (the checkpoint whose restored state it applies on),
 ``base`` (the chain's baseline) and ``depth`` (links from the baseline: 0 for a baseline), so
@@ -30,6 +31,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
+from cnr_torchrec.ckpt.format.integrity import RootKey, check_seal, seal_fields
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import checksum
 from cnr_torchrec.ckpt.format.schema import check_manifest
@@ -89,10 +91,12 @@ def ckpt_id_of(path: str) -> int | None:
 _BODY_KEY = b'"body": '
 
 
-def seal(body: dict[str, Any], version: int = VERSION) -> bytes:
-    """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers."""
+def seal(body: dict[str, Any], version: int = VERSION, key: RootKey | None = None) -> bytes:
+    """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers
+    (and, with the root's ``key``, its HMAC-SHA256)."""
     text = json.dumps(body, indent=1, allow_nan=False).encode()
-    head = json.dumps({"format": FORMAT, "version": version, "xxh3": checksum(text)}).encode()
+    head = json.dumps({"format": FORMAT, "version": version, "xxh3": checksum(text),
+                       **seal_fields(key, text)}).encode()
     return head[:-1] + b", " + _BODY_KEY + text + b"}"
 
 
@@ -141,9 +145,10 @@ def read_body(storage: Storage, ckpt_id: int) -> dict[str, Any]:
         raise CorruptCheckpointError(
             f"{path} has format version {version!r}; this build reads versions 2 to {VERSION}: {how}.", path=path
         )
-    body = doc["body"]
-    if checksum(_body_text(raw)) != doc.get("xxh3"):
+    body, text = doc["body"], _body_text(raw)
+    if checksum(text) != doc.get("xxh3"):
         raise CorruptCheckpointError(f"{path} does not match its checksum; the checkpoint is corrupt", path=path)
+    check_seal(storage.key, doc, text, path)
     if not isinstance(body, dict) or body.get("id") != ckpt_id:
         what = body.get("id") if isinstance(body, dict) else type(body).__name__
         raise CorruptCheckpointError(f"{path} describes checkpoint {what}, not {ckpt_id}", path=path)

@@ -60,12 +60,14 @@ def chunk_path(file: str, k: int) -> str:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One object of a payload: bytes ``[start, start + nbytes)`` of the stream."""
+    """One object of a payload: bytes ``[start, start + nbytes)`` of the stream, and their digest: xxh3, or a
+    keyed BLAKE2b (``keyed``) on a root with a key (:mod:`~cnr_torchrec.ckpt.format.integrity`)."""
 
     path: str
     start: int
     nbytes: int
-    xxh3: str
+    digest: str
+    keyed: bool = False
 
     @property
     def end(self) -> int:

@@ -25,7 +25,9 @@ How the ranges are fetched depends on the storage:
   the entry is planned. ``bytes_read`` counts the bytes of those GETs.
 
 An entry of format 4 or older has no checks: its blobs are read whole, through their chunks
-(:class:`~cnr_torchrec.ckpt.format.chunks.PayloadReader`), as before.
+(:class:`~cnr_torchrec.ckpt.format.chunks.PayloadReader`), as before. So is every entry on a root
+with a key (:mod:`~cnr_torchrec.ckpt.format.integrity`): a CRC-32C can be forged by whoever can
+write the file, and only a whole chunk's keyed digest vouches for its bytes.
 """
 
 from __future__ import annotations
@@ -124,7 +126,10 @@ class RowReader:
         self.storage, self.payload, self._stats, self._pool = storage, payload, stats, pool
         self._mapped = storage.local_dir is not None
         self._maps: dict[int, Any] = {}
-        self._whole: PayloadReader | None = None  # entries without CRCs: their chunks, read whole
+        # Entries without CRCs, and every read on a root with a key (whose range reads nothing vouches for):
+        # the payload's chunks, read whole.
+        self._whole: PayloadReader | None = None
+        self._keyed = storage.key is not None
         self._blobs = PayloadReader(storage, payload, stats, whole=False)
         self._pending: dict[int, _Fetch] = {}
         self._blob_reads: dict[str, Future] = {}
@@ -133,7 +138,9 @@ class RowReader:
 
     def __call__(self, name: str) -> torch.Tensor:
         """Blob ``name``, checked against its xxh3 (a range read; from the chunks if they are read whole)."""
-        if self._whole is not None:
+        if self._whole is not None or self._keyed:
+            self._start_whole()
+            assert self._whole is not None
             return self._whole(name)
         future = self._blob_reads.pop(name, None)
         if future is not None:
@@ -157,7 +164,7 @@ class RowReader:
     def fetch_blobs(self, names: Sequence[str]) -> None:
         """Starts range reads of blobs ``names`` on the I/O threads (an object store's round trips overlap);
         ``reader(name)`` then takes each. A local file is read when asked."""
-        if self._pool is None or self._mapped:
+        if self._pool is None or self._mapped or self._keyed:
             return
         for name in names:
             blob = self.payload.blobs.get(name)
@@ -170,7 +177,7 @@ class RowReader:
     def prefetch(self, entry: TableEntry, sel: torch.Tensor) -> None:
         """Starts reading rows ``sel`` (sorted stored positions) of ``entry``; :meth:`rows` gets them. (An entry
         without CRCs starts the read of every chunk of the payload, as restores of format 4 did.)"""
-        if entry.checks is None:
+        if not self._by_groups(entry):
             self._start_whole()
             return
         fetch = _Fetch(sel.numpy(), entry.row_checks.rows, entry.num_stored)
@@ -183,7 +190,7 @@ class RowReader:
         """The rows ``sel`` (sorted stored positions) of each of ``entry``'s :attr:`~TableEntry.row_blobs`,
         their groups checked against the entry's CRCs (without them: the whole blobs, checked against their
         xxh3)."""
-        if entry.checks is None:  # whole blobs, each checked against its xxh3 (or its chunk's)
+        if not self._by_groups(entry):  # whole blobs, each checked against its xxh3 (or its chunk's digest)
             return [self(name).index_select(0, sel) for name in entry.row_blobs]
         fetch = self._pending.pop(id(entry), None)
         if fetch is None:
@@ -262,6 +269,10 @@ class RowReader:
             f"{files[0]}: stored rows {position} to {last} of the entry for rows [{entry.rows[0]}, {entry.rows[1]}) "
             f"do not match their CRC-32C in the file ({count} of the groups read do not){more}; the file is damaged",
             path=files[0])
+
+    def _by_groups(self, entry: TableEntry) -> bool:
+        """Whether ``entry``'s rows are read by their CRC groups (format 5, on a root without a key)."""
+        return entry.checks is not None and not self._keyed
 
     def _start_whole(self) -> None:
         if self._whole is None:

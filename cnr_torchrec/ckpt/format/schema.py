@@ -26,6 +26,7 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from cnr_torchrec.ckpt.format.integrity import CHUNK_DIGESTS
 from cnr_torchrec.ckpt.format.manifest import (
     Blob,
     Chunk,
@@ -91,7 +92,7 @@ _RANK: dict[str, Check] = {
     "table_shapes": _type(dict), "rows_written": _int(), "stall_ms": _number, "write_ms": _number,
     "dense_optimizer": _opt(_type(dict)), "extra": _type(dict),
 }
-_CHUNK: dict[str, Check] = {"nbytes": _int(), "xxh3": _type(str)}
+_CHUNK: dict[str, Check] = {"nbytes": _int()}
 _BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*DTYPES), "shape": _type(list),
                            "xxh3": _type(str)}
 
@@ -287,13 +288,25 @@ def _check_chunks(f: _Fields, report: Mapping[str, Any], where: str) -> tuple[Ch
     if not isinstance(chunks, list) or len(chunks) != max(1, -(-nbytes // stride)):
         f.fail(f"{where}.chunks", f"must list {max(1, -(-nbytes // stride))} chunks for {nbytes} bytes at a stride "
                                   f"of {stride}")
+    keyed = []
     for k, chunk in enumerate(chunks):
         f.record(chunk, f"{where}.chunks[{k}]", _CHUNK)
+        keyed.append(_chunk_digest(f, chunk, f"{where}.chunks[{k}]"))
         want = min(stride, nbytes - k * stride)
         if chunk["nbytes"] != want:
             f.fail(f"{where}.chunks[{k}].nbytes", f"is {chunk['nbytes']}; chunk {k} of {nbytes} bytes at a stride of "
                                                    f"{stride} holds {want}")
-    return tuple(Chunk(chunk_path(file, k), k * stride, c["nbytes"], c["xxh3"]) for k, c in enumerate(chunks))
+    return tuple(Chunk(chunk_path(file, k), k * stride, c["nbytes"], c[CHUNK_DIGESTS[is_keyed]], is_keyed)
+                 for k, (c, is_keyed) in enumerate(zip(chunks, keyed)))
+
+
+def _chunk_digest(f: _Fields, chunk: Mapping[str, Any], field: str) -> bool:
+    """A chunk lists one digest: ``xxh3``, or ``blake2b`` (keyed) on a root with a key. Returns whether keyed."""
+    given = [name for name in CHUNK_DIGESTS if name in chunk]
+    if len(given) != 1:
+        f.fail(field, f"must give one digest, {' or '.join(CHUNK_DIGESTS)}, not {given or 'none'}")
+    f.value(chunk[given[0]], f"{field}.{given[0]}", _type(str))
+    return given[0] == CHUNK_DIGESTS[1]
 
 
 def _check_blob(f: _Fields, meta: Any, field: str, file_nbytes: int) -> Blob:

@@ -6,8 +6,8 @@ fs plugin neither fsyncs nor renames; an object-store PUT is atomic by itself), 
 listing, sizes and prefix deletion, which garbage collection and the cleanup of torn
 saves need. Those exist for the local filesystem and for S3; other backends fall back to
 index.json for listing and leave files of failed saves behind. Here too are the integrity
-helpers the format shares: :func:`checksum` (xxh3), :func:`check_bytes` (a file's size and
-digest against its manifest) and :func:`check_relative` (a path stays under the root).
+helpers the format shares: :func:`checksum` (xxh3) and :func:`check_relative` (a path stays
+under the root); a chunk's check, keyed or not, is in :mod:`~cnr_torchrec.ckpt.format.integrity`.
 
 Local files and S3 go through our own plugins (:mod:`cnr_torchrec.ckpt.format.plugins`);
 S3's options are listed there.
@@ -22,16 +22,19 @@ import os
 import posixpath
 import shutil
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import xxhash
 from torchsnapshot.io_types import ReadIO, WriteIO
 
 from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.format.plugins import S3Plugin, is_missing, make_plugin
-from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
+from cnr_torchrec.errors import CheckpointNotFoundError, UnsafeCheckpointError
 
-__all__ = ["Storage", "check_bytes", "check_relative", "checksum"]
+if TYPE_CHECKING:
+    from cnr_torchrec.ckpt.format.integrity import RootKey
+
+__all__ = ["Storage", "check_relative", "checksum"]
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -44,15 +47,6 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     defence against a crafted checkpoint (see UnsafeCheckpointError for what is refused).
     """
     return xxhash.xxh3_128_hexdigest(data)
-
-
-def check_bytes(path: str, data: Any, nbytes: int, digest: str) -> None:
-    """CorruptCheckpointError naming ``path`` unless ``data`` is ``nbytes`` long with xxh3 ``digest``."""
-    if len(data) != nbytes:
-        what = "truncated" if len(data) < nbytes else "longer than written"
-        raise CorruptCheckpointError(f"{path} is {len(data)} bytes, its manifest says {nbytes} ({what})", path=path)
-    if checksum(data) != digest:
-        raise CorruptCheckpointError(f"{path} does not match its xxh3 in the manifest (its bytes changed)", path=path)
 
 
 def check_relative(path: str) -> str:
@@ -69,11 +63,13 @@ def check_relative(path: str) -> str:
 class Storage:
     """Reads and writes files under ``root`` (a path or a storage URI). One event loop per instance.
 
-    Not thread-safe: give each thread its own instance.
+    ``key``: the root's key (:mod:`~cnr_torchrec.ckpt.format.integrity`), which every manifest and chunk
+    written through this storage is sealed with and every one read is checked against; None for a root
+    without one. Not thread-safe: give each thread its own instance.
     """
 
-    def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:
-        self.root = root
+    def __init__(self, root: str, storage_options: dict[str, Any] | None = None, key: RootKey | None = None) -> None:
+        self.root, self.key = root, key
         if "://" in root:
             protocol, path = root.split("://", 1)
             self.local_dir = path if protocol in ("", "fs") else None

@@ -8,7 +8,7 @@ that restores from it after a restart use the same pages: nothing is copied to k
 
 The seal is a second file, written whole and renamed into place (atomic), that names what the
 image holds: the root (by digest), the rank and world size, the checkpoint and its chain, this
-rank's payload of that checkpoint (its chunks' xxh3, so that a root wiped and written again with
+rank's payload of that checkpoint (its chunks' digests, so that a root wiped and written again with
 the same ids never matches), the layout, the config that shapes rows, and the xxh3-128 of the
 image's bytes. Updating an image removes the seal first and writes it last, so a process killed
 part way leaves an image without a seal, which no restore uses, never a torn one that looks sealed.
@@ -105,7 +105,7 @@ class Seal:
     world_size: int
     ckpt_id: int
     chain: tuple[int, ...]
-    payload: str  # this rank's payload of the checkpoint: its chunks' xxh3, joined
+    payload: str  # this rank's payload of the checkpoint: its chunks' digests, joined
     layout: str  # Layout.digest()
     config: str  # the digest of the config that shapes rows
     nbytes: int

@@ -56,9 +56,9 @@ def image_stem(path: str, root: str, rank: int) -> str:
 
 
 def payload_identity(payload: Payload | Mapping[str, Any]) -> str:
-    """A rank's payload of a checkpoint, by its chunks' xxh3 (a manifest's :class:`Payload`, or a report's dict)."""
+    """A rank's payload of a checkpoint, by its chunks' digests (a manifest's :class:`Payload`, or a report's dict)."""
     chunks = payload.chunks if isinstance(payload, Payload) else payload["chunks"]
-    return ":".join(c.xxh3 if not isinstance(c, Mapping) else str(c["xxh3"]) for c in chunks)
+    return ":".join(str(c.get("xxh3", c.get("blake2b"))) if isinstance(c, Mapping) else c.digest for c in chunks)
 
 
 def image_tables(tracker: DirtyRowTracker) -> list[str]:

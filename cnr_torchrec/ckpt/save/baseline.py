@@ -70,7 +70,7 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
                         codec=codec_description("none", codec.bits, codec.params))
         body = manifest_body(decision, [report], job, tables, per_rank_state=False)
         manifest = check_manifest(body, manifest_path(new_id))
-        storage.write_atomic(manifest_path(new_id), seal(body))
+        storage.write_atomic(manifest_path(new_id), seal(body, key=storage.key))
     except BaseException:
         remove_partial(storage, new_id, 0)
         raise

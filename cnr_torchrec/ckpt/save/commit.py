@@ -188,7 +188,7 @@ class Committer:
     def _background_storage(self) -> Storage:
         """The save thread's own Storage, opened on first use."""
         if self._storage is None:
-            self._storage = Storage(self.config.root, self.config.storage_options)
+            self._storage = self._io.open_storage()
         return self._storage
 
     def _info(self, d: Decision, result: dict[str, Any]) -> CheckpointInfo:
@@ -241,7 +241,7 @@ class Committer:
                 body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
                 manifest = check_manifest(body, manifest_path(d.ckpt_id))  # a body the schema refuses never commits
                 fault_injection.hit("commit.before_manifest")
-                storage.write_atomic(manifest_path(d.ckpt_id), seal(body))
+                storage.write_atomic(manifest_path(d.ckpt_id), seal(body, key=storage.key))
                 fault_injection.hit("commit.after_manifest")
                 result = {"ok": True, "manifest": manifest}
         except Exception as e:

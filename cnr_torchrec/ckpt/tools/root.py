@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 from cnr_torchrec.ckpt.format.commits import Commit, committed_ids, load_manifest, newest_state_first
+from cnr_torchrec.ckpt.format.integrity import RootKey
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 
@@ -39,8 +40,9 @@ def parse_storage_options(pairs: Sequence[str] | None) -> dict[str, Any]:
     return out
 
 
-def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) -> Storage:
-    """A Storage on ``root``, with a clear error when the root or the plugin is unusable.
+def open_storage(root: str, storage_options: Mapping[str, Any] | None = None, key: RootKey | None = None) -> Storage:
+    """A Storage on ``root`` (with the root's ``key``, if it has one), with a clear error when the root or the
+    plugin is unusable.
 
     Raises:
         CheckpointNotFoundError: a local root that does not exist.
@@ -54,7 +56,7 @@ def open_storage(root: str, storage_options: Mapping[str, Any] | None = None) ->
                 "(the directory that holds the ckpt-*/ directories and index.json)"
             )
     try:
-        return Storage(root, dict(storage_options or {}))
+        return Storage(root, dict(storage_options or {}), key=key)
     except CnrError:
         raise
     except Exception as e:  # plugins raise RuntimeError, ImportError, botocore errors...

@@ -5,10 +5,12 @@ For each committed checkpoint: the manifest loads, matches its seal and passes t
 says about itself: ranges, shapes, dtypes, references), and is byte for byte the sealed form
 of its body (so even a flipped whitespace byte is caught). What the schema cannot see is
 checked here, from the bytes: every rank file lies in its checkpoint's directory, and each
-chunk exists with the size and xxh3 the manifest gives; every blob matches its own xxh3 and
-overlaps no other; every entry's row ids decode to the count it claims and its encoded rows
-are consistent; a delta's chain members exist, verify, link up and have its tables; and the
-dense optimizer's state is of a form this version restores (dense_optim.SavedDenseOptimizer).
+chunk exists with the size and digest the manifest gives (xxh3; on a root with a key, the
+manifest's HMAC-SHA256 and the chunk's keyed BLAKE2b, :mod:`~cnr_torchrec.ckpt.format.integrity`);
+every blob matches its own xxh3 and overlaps no other; every entry's row ids decode to the
+count it claims and its encoded rows are consistent; a delta's chain members exist, verify,
+link up and have its tables; and the dense optimizer's state is of a form this version
+restores (dense_optim.SavedDenseOptimizer).
 index.json, when present, must be a valid index listing only committed checkpoints.
 
 Nothing is unpickled: manifests are JSON and payloads are raw bytes.
@@ -33,11 +35,12 @@ from cnr_torchrec.ckpt.format.commits import (
     walk_chain,
 )
 from cnr_torchrec.ckpt.format.dense_optim import describe
+from cnr_torchrec.ckpt.format.integrity import RootKey, check_chunk
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.rows import as_rows
 from cnr_torchrec.ckpt.format.state import stored_modes, stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage, check_bytes
+from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.ops import row_crc32c
@@ -106,9 +109,10 @@ class _Verifier:
             return
         body = manifest.body
         if "chain" in body:  # version 2: load_manifest gave it the links it lacked
-            sealed = seal({k: v for k, v in body.items() if k not in ("base", "depth")}, version=2)
+            sealed = seal({k: v for k, v in body.items() if k not in ("base", "depth")}, version=2,
+                          key=self.storage.key)
         else:
-            sealed = seal(dict(body))
+            sealed = seal(dict(body), key=self.storage.key)
         if self.storage.read(mpath) != sealed:
             problems.append(Problem(ckpt_id, mpath, "differs from the sealed form of its body: a byte outside "
                                                     "the sealed body was changed"))
@@ -136,7 +140,7 @@ class _Verifier:
                 problems.append(Problem(ckpt_id, chunk.path, "is missing"))
                 return None
             try:
-                check_bytes(chunk.path, got, chunk.nbytes, chunk.xxh3)
+                check_chunk(self.storage.key, chunk.path, got, chunk.nbytes, chunk.digest, chunk.keyed)
             except CorruptCheckpointError as e:
                 problems.append(Problem(ckpt_id, chunk.path, str(e).removeprefix(chunk.path + " ")))
             data += got[: chunk.nbytes] + bytes(max(0, chunk.nbytes - len(got)))
@@ -281,10 +285,12 @@ def verify_checkpoint(storage: Storage, ckpt_id: int) -> list[Problem]:
 
 
 def verify_root(root: str, storage_options: dict | None = None, ids: list[int] | None = None, *,
-                dense_optimizers: dict[int, dict[str, str | None] | None] | None = None) -> list[Problem]:
+                dense_optimizers: dict[int, dict[str, str | None] | None] | None = None,
+                key: RootKey | None = None) -> list[Problem]:
     """Checks every committed checkpoint under ``root`` (or those in ``ids``), and index.json.
 
     Args:
+        key: the root's key, if it has one: every manifest must carry its MAC and every chunk its keyed digest.
         dense_optimizers: if given, filled with what dense optimizer state each checkpoint whose manifest
             loads holds (chain members included): None, or ``{"kind", "class"}`` (dense_optim.describe).
 
@@ -296,7 +302,7 @@ def verify_root(root: str, storage_options: dict | None = None, ids: list[int] |
             or an id in ``ids`` is not committed.
         ConfigError: the storage plugin refused the root or the options.
     """
-    storage = open_storage(root, storage_options)
+    storage = open_storage(root, storage_options, key)
     try:
         try:
             committed = committed_ids(storage)
