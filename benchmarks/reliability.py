@@ -1309,7 +1309,19 @@ def missing_files(root: str, committed: list[int]) -> list[str]:
     JSON and file sizes, without cnr_torchrec)."""
     out = []
     for i in committed:
-        for r in read_body(root, None, i)["ranks"]:
+        body = read_body(root, None, i)
+        if "parts" in body:  # format 7: each rank's report is a part of its own, which must be there too
+            reports = []
+            for r in range(len(body["parts"])):
+                part = os.path.join(root, f"ckpt-{i:08d}", f"rank-{r:05d}.json")
+                if not os.path.isfile(part) or os.path.getsize(part) != body["parts"][r]["nbytes"]:
+                    out.append(os.path.relpath(part, root))
+                    continue
+                with open(part) as f:
+                    reports.append(json.load(f))
+        else:
+            reports = body["ranks"]
+        for r in reports:
             stem = r["file"].removesuffix(".bin")
             for k, c in enumerate(r["chunks"]):
                 rel = r["file"] if k == 0 else f"{stem}.{k}.bin"

@@ -42,6 +42,7 @@ from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.parts import layout_digest, with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
@@ -131,7 +132,8 @@ class Compaction:
             if tuple(c.id for c in chain) != self.chain:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
-            report = self._merge(storage, chain, regions)
+            report = write_part(storage, self.new_id, self._merge(storage, chain, regions),
+                                layout_digest(self._tracker))
             fault_injection.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
@@ -181,6 +183,12 @@ class Compaction:
             got = json.loads(self._store.get(self._key("result")))
         except Exception as e:
             return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
+        try:  # the last rank to hear the outcome clears it from the store
+            if self._store.add(self._key("heard"), 1) == self.world_size - 1:
+                self._store.delete_key(self._key("result"))
+                self._store.delete_key(self._key("heard"))
+        except Exception as e:
+            log.debug("compaction %d: could not clear the outcome's store keys: %s", self.new_id, e)
         return Outcome(got["ok"], got.get("nbytes", 0), got.get("error", ""))
 
     def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
@@ -188,7 +196,10 @@ class Compaction:
         if keys and not self._wait_keys(keys):
             missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
             return [own] + [{"rank": r, "ok": False, "error": "no report in time"} for r in missing]
-        return [own] + [json.loads(self._store.get(k)) for k in keys]
+        out = [own] + [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:  # read: the store need not hold them any longer
+            self._store.delete_key(k)
+        return out
 
     def _commit(self, own: dict[str, Any], chain: list[Manifest], storage: Storage | None,
                 t0: float) -> Outcome:
@@ -203,7 +214,7 @@ class Compaction:
                 body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
                                       self.world_size, (time.perf_counter() - t0) * 1e3,
                                       folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
-                manifest = check_manifest(body, manifest_path(self.new_id))
+                manifest = with_parts(check_manifest(body, manifest_path(self.new_id)), storage)
                 fault_injection.hit("compact.before_manifest")
                 storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
                 fault_injection.hit("compact.after_manifest")
@@ -236,10 +247,11 @@ def _folds(chain: list[Manifest], residual_job: bool) -> bool:
     return residual_job or fold.is_residual(chain)
 
 
-def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id: int, world_size: int,
+def compacted_body(chain: list[Manifest], parts: list[dict[str, Any]], new_id: int, world_size: int,
                    write_ms: float, *, folded: dict[str, Any] | None, recoded: dict[str, Any] | None = None,
                    by: str = "") -> dict[str, Any]:
-    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks.
+    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks, from their parts
+    (what :func:`~cnr_torchrec.ckpt.format.parts.write_part` returned, by rank).
 
     Args:
         folded: the codec fold.py wrote the sums with; None: a lossless merge.
@@ -248,8 +260,8 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
         by: who compacted it, for the manifest's reason (such as " by cnr compact").
     """
     tip = chain[-1]
-    for r in reports:
-        r["write_ms"] = round(write_ms, 3)
+    for p in parts:
+        p["line"]["write_ms"] = round(write_ms, 3)
     span = f"chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"
     whole = folded is not None or recoded is not None  # every row written whole (fold.py, or re-encoded)
     reason = f"folded from {span}{by}" if folded is not None else f"compacted from {span}{by}"
@@ -258,9 +270,8 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
     job = JobFields(policy=tip.policy, world_size=world_size, codec=dict(codec), restores=tip.restores,
                     table_fqns=tip.table_fqns)
     replicated = list(tip.replicated) if recoded is not None else []
-    return manifest_body(links, job, tables=tip.tables, reports=reports, replicated=replicated, equals=tip.id,
-                         compacted_from=(chain[0].id, tip.id),
-                         per_rank_state=all(r.get("rng") is not None for r in reports))
+    return manifest_body(links, job, tables=tip.tables, parts=parts, replicated=replicated, equals=tip.id,
+                         compacted_from=(chain[0].id, tip.id), per_rank_state=all(p["rng"] for p in parts))
 
 
 class Compactor:

@@ -176,22 +176,23 @@ def failed_report(rank: int, error: str) -> JSON:
 
 
 def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Sequence[int]],
-                  reports: Sequence[JSON], replicated: Sequence[str] | None = None,
+                  parts: Sequence[JSON], replicated: Sequence[str] | None = None,
                   per_rank_state: bool | None = None, equals: int | None = None,
                   compacted_from: tuple[int, int] | None = None) -> JSON:
-    """The body of a manifest (:func:`~cnr_torchrec.ckpt.format.commits.seal` seals it).
+    """The body of a manifest, an index of the ranks' parts (:func:`~cnr_torchrec.ckpt.format.commits.seal`
+    seals it).
 
     Args:
         links: the chain keys; job: the job keys.
         tables: ``[rows, dim]`` of every table of the model.
-        reports: the rank reports (:func:`rank_report`), ordered by rank.
-        replicated: the tables every rank holds alike (data_parallel); None: those the reports store.
+        parts: what :func:`~cnr_torchrec.ckpt.format.parts.write_part` returned for each rank, ordered by rank.
+        replicated: the tables every rank holds alike (data_parallel); None: those the parts store.
         per_rank_state: whether the per-rank state (extra_state, RNG) of the writing ranks is there; left out
             (meaning yes) when None.
         equals, compacted_from: a compacted baseline's: the tip it restores as, and the chain it compacts.
     """
     if replicated is None:
-        replicated = sorted({t for r in reports for t in r.get("replicated_tables", {})})
+        replicated = sorted({t for p in parts for t in p["replicated"]})
     body: JSON = {
         **links.to_json(),
         "policy": job.policy,
@@ -201,7 +202,7 @@ def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Seq
         "tables": {t: list(shape) for t, shape in tables.items()},
         "table_fqns": dict(job.table_fqns),
         "replicated": list(replicated),
-        "nbytes": sum(int(r["nbytes"]) for r in reports),
+        "nbytes": sum(int(p["line"]["payload"]) for p in parts),
         "created_unix": time.time(),
     }
     if equals is not None:
@@ -210,5 +211,5 @@ def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Seq
         body["compacted_from"] = list(compacted_from)
     if per_rank_state is not None:
         body["per_rank_state"] = per_rank_state
-    body["ranks"] = list(reports)
+    body["parts"] = [p["line"] for p in parts]
     return body

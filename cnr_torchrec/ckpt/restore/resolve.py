@@ -32,13 +32,16 @@ log = logging.getLogger(__name__)
 
 def resolve_chain(
     storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False,
-    stats: dict[str, float] | None = None,
+    stats: dict[str, float] | None = None, rank: int = 0,
 ) -> tuple[Pick, list[Manifest] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
     Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
     links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
-    file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in
+    file lies in its checkpoint's directory, exists and has the size the manifest gives (in a format 7
+    checkpoint, whose ranks' reports are parts of their own: ``rank``'s part and files only; another rank's are
+    checked by the rank that reads them, and a problem found while applying fails the attempt on every
+    rank, which then skips the checkpoint as here). Checkpoints in
     ``bad`` (and chains through them) are skipped; unless ``fail`` (``on_corrupt: fail``), corrupt ones found
     here are added to it.
     ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's). ``stats``: adds the
@@ -57,7 +60,7 @@ def resolve_chain(
         Exception: whatever the storage raises while listing or reading (an S3 ``ClientError``,
             an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
-    return _Resolver(storage, bad, fail, quiet, stats).pick(step)
+    return _Resolver(storage, bad, fail, quiet, stats, rank).pick(step)
 
 
 @dataclass(frozen=True)
@@ -88,8 +91,9 @@ class _Resolver:
     """One call of :func:`resolve_chain`: the manifests it loaded, and what it found unsound."""
 
     def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool,
-                 stats: dict[str, float] | None = None) -> None:
+                 stats: dict[str, float] | None = None, rank: int = 0) -> None:
         self.storage, self.bad, self.fail, self.quiet, self.stats = storage, bad, fail, quiet, stats
+        self.rank = rank
         self.skipped: list[tuple[int, str]] = []  # (id, why) found unsound in this call, for the other ranks' logs
         self._loaded: dict[int, Manifest] = {}
 
@@ -167,7 +171,12 @@ class _Resolver:
 
     def _check_files(self, c: Manifest) -> None:
         check_files_inside(c)  # UnsafeCheckpointError for ../x, absolute paths and other checkpoints' files
-        for r in c.ranks:
+        if c.version < 7:
+            reports = list(c.ranks)
+        else:  # this rank's part, if the checkpoint has one for it (read and checked here, with its timing)
+            with timed(self.stats, "manifests_ms"):
+                reports = [c.ranks[self.rank]] if self.rank < len(c.ranks) else []
+        for r in reports:
             for chunk in r.payload.chunks:
                 self._check_size(chunk.path, chunk.nbytes, c.id)
 

@@ -253,7 +253,7 @@ class Restorer:
     ) -> tuple[Pick, list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet,
-                             stats=self.stats)
+                             stats=self.stats, rank=self.rank)
 
     def agree_on_pick(
         self, step: int | None, bad: dict[int, str], *, local: bool
