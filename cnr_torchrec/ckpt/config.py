@@ -27,6 +27,7 @@ __all__ = [
     "CompactionConfig",
     "DEFAULT_COMPACTION",
     "FailureConfig",
+    "IntegrityConfig",
     "KeepConfig",
     "MemoryTierConfig",
     "QuantizationConfig",
