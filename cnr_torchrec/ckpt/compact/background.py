@@ -42,7 +42,7 @@ from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.parts import layout_digest, with_parts, write_part
+from cnr_torchrec.ckpt.format.parts import fits, layout_digest, with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
@@ -132,8 +132,11 @@ class Compaction:
             if tuple(c.id for c in chain) != self.chain:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
-            report = write_part(storage, self.new_id, self._merge(storage, chain, regions),
-                                layout_digest(self._tracker))
+            merged = self._merge(storage, chain, regions)
+            # The layout is claimed where the merged blocks fit this rank's regions (rank 0 drops every rank's
+            # claim unless all of them fit: format/parts.py, reports_for).
+            fit = fits(merged, [(g.table, g.rows, g.cols) for g in regions])
+            report = write_part(storage, self.new_id, merged, layout_digest(self._tracker) if fit else None)
             fault_injection.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
@@ -262,6 +265,9 @@ def compacted_body(chain: list[Manifest], parts: list[dict[str, Any]], new_id: i
     tip = chain[-1]
     for p in parts:
         p["line"]["write_ms"] = round(write_ms, 3)
+    if not all("layout" in p["line"] for p in parts):  # a rank's blocks spill over others' shards: no rank
+        for p in parts:                                 # may read its own part alone
+            p["line"].pop("layout", None)
     span = f"chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"
     whole = folded is not None or recoded is not None  # every row written whole (fold.py, or re-encoded)
     reason = f"folded from {span}{by}" if folded is not None else f"compacted from {span}{by}"

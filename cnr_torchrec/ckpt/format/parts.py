@@ -38,7 +38,7 @@ from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 if TYPE_CHECKING:
     from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["Parts", "layout_digest", "part_bytes", "reports_for", "with_parts", "write_part"]
+__all__ = ["Parts", "fits", "layout_digest", "part_bytes", "reports_for", "with_parts", "write_part"]
 
 
 def part_bytes(ckpt_id: int, report: Mapping[str, Any]) -> bytes:
@@ -162,13 +162,26 @@ def with_parts(manifest: Manifest, storage: Storage) -> Manifest:
     return out
 
 
-def reports_for(manifest: Manifest, rank: int, layout: str | None) -> Sequence[RankReport]:
+def reports_for(manifest: Manifest, rank: int, layout: str | None, data_parallel: bool) -> Sequence[RankReport]:
     """The reports of ``manifest`` that can hold rows of the shards this rank holds (``layout``: their
-    :func:`layout_digest`): on a format 7 checkpoint whose line for this rank has that digest, the rank's own
-    part (rows of a shard are written by the rank that holds it), and rank 0's where it stores data_parallel
-    tables whole; else every rank's."""
+    :func:`layout_digest`; ``data_parallel``: whether it holds data_parallel tables).
+
+    A line carries its rank's layout only where every rank's part holds the rows of its own shards and no
+    other's (a save; a compaction whose merged blocks fit the plan), and rank 0 stores the data_parallel tables
+    for everyone (whole, or as entries). So on a format 7 checkpoint whose line for this rank has its digest:
+    the rank's own part, and rank 0's where the rank holds data_parallel tables or the checkpoint stores
+    replicated tables; else every rank's."""
     lines = manifest.summaries
     if manifest.version < 7 or layout is None or rank >= len(lines) or lines[rank].layout != layout:
         return manifest.ranks
     mine = [manifest.ranks[rank]]
-    return mine + [manifest.ranks[0]] if rank != 0 and manifest.replicated else mine
+    return mine + [manifest.ranks[0]] if rank != 0 and (data_parallel or manifest.replicated) else mine
+
+
+def fits(report: Mapping[str, Any], boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> bool:
+    """Whether every entry of ``report`` lies inside one of ``boxes`` (table, rows, columns): the part holds the
+    rows of those shards and no other rank's (a lossless merge across a plan change may keep blocks wider)."""
+    def inside(table: str, e: Mapping[str, Any]) -> bool:
+        return any(t == table and r[0] <= e["rows"][0] and e["rows"][1] <= r[1] and c[0] <= e["cols"][0]
+                   and e["cols"][1] <= c[1] for t, r, c in boxes)
+    return all(inside(t, e) for t, es in report.get("tables", {}).items() for e in es)

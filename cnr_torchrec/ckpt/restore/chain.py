@@ -143,9 +143,10 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     on the plan that saved a format 7 checkpoint, the rank's own part (and rank 0's, for data_parallel tables)."""
     target = manifests[-1]
     layout = layout_digest(tracker)
+    data_parallel = any(tracker.is_data_parallel(t) for t in tracker.tables())
 
     def sources(m: Manifest) -> Sequence[RankReport]:
-        return reports_for(m, rank, layout)
+        return reports_for(m, rank, layout, data_parallel)
 
     with timed(stats, "plan_ms"):
         applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers,
