@@ -181,7 +181,7 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
         with open(path, "wb") as f:
             f.write(seal(mutated))
 
-    lines = [fv for fv in _fields(index) if fv[0][0] == "parts"]
+    lines = [fv for fv in _fields(index) if fv[0][0] in ("parts", "shards")]
     more, problems_index = crafted_outcomes(index, path, restorer.restore, lambda: local_state(fresh), want, lines,
                                             write_index)
     put_back(files)

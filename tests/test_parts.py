@@ -9,7 +9,9 @@ and restore them with every part read recorded:
 - after every save, the keys it created in the store (each rank's line, the outcome, its counter) are gone,
   and the store holds as many keys as before the save;
 - a part that is missing is named by the rank that reads it: under ``on_corrupt: fail`` every rank raises
-  CorruptCheckpointError naming it, and under ``fallback`` every rank restores the checkpoint before.
+  CorruptCheckpointError naming it, and under ``fallback`` every rank restores the checkpoint before;
+- onto another world size (4 ranks saved a row-wise table, 2 restore it), each rank reads the parts of the
+  ranks whose rows it now holds, and holds the rows the 4 ranks' live models held when they saved.
 """
 
 from __future__ import annotations
@@ -137,3 +139,63 @@ def test_a_missing_part_is_named_by_the_rank_that_reads_it(tmp_path, on_corrupt)
     run_ranks(_missing_part, WORLD, timeout=200, args=(root, "save", on_corrupt))
     os.remove(os.path.join(root, "ckpt-00000001", "rank-00002.json"))
     run_ranks(_missing_part, WORLD, timeout=200, args=(root, "restore", on_corrupt))
+
+
+def _row_wise(world_size, seed):
+    from examples.toy import TableSpec
+
+    specs = [TableSpec("t0", 96, 8, "row_wise"), TableSpec("t1", 64, 4, "row_wise")]
+    dmp, opt = build_dmp(specs, seed=seed)
+    return dmp, opt, specs
+
+
+def _rows_of(dmp):
+    """{table: (global row range, weights)} of this rank's shards."""
+    t = dmp.dirty_tracker
+    return {name: (s.rows, k.tbe.split_embedding_weights()[s.local_index].detach().clone())
+            for name in t.tables() for k, s in t.shards(name)}
+
+
+def _save_on_four(rank, world_size, root, side):
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt, specs = _row_wise(world_size, 0)
+    ck = Checkpointer(dmp, _config(root), dense_optimizer=opt)
+    gen = torch.Generator().manual_seed(rank)
+    for step in (1, 2):
+        train(dmp, specs, opt, 2, gen)
+        ck.save(step).wait()
+    ck.close()
+    torch.save(_rows_of(dmp), os.path.join(side, f"rows{rank}.pt"))  # what the live model holds
+
+
+def _restore_on_two(rank, world_size, root, side):
+    import glob
+
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt, _ = _row_wise(world_size, 1)
+    mp = pytest.MonkeyPatch()
+    seen = _recording(mp)
+    try:
+        ck = Checkpointer(dmp, _config(root), dense_optimizer=opt)
+        assert ck.restore() == 2
+        ck.close()
+    finally:
+        mp.undo()
+    saved = [torch.load(p) for p in sorted(glob.glob(os.path.join(side, "rows*.pt")))]
+    for table, (rows, got) in _rows_of(dmp).items():
+        want = torch.cat([w for s in saved for (r, w) in [s[table]] if rows[0] <= r[0] and r[1] <= rows[1]])
+        assert torch.equal(got, want), (rank, table)
+    parts = {p for p in seen["read"] if p.endswith(".json") and "/rank-" in p}
+    # 96 and 64 rows in blocks of 24 and 16 on 4 ranks, of 48 and 32 on 2: rank r holds saved ranks 2r and 2r + 1.
+    mine = {f"ckpt-{i:08d}/rank-{r:05d}.json" for i in (0, 1) for r in (2 * rank, 2 * rank + 1)}
+    assert mine <= parts <= mine | {"ckpt-00000001/rank-00000.json"}, (rank, sorted(parts))  # + the tip's dense
+
+
+@pytest.mark.timeout(300)
+def test_onto_another_world_size_a_rank_reads_the_parts_that_hold_its_rows(tmp_path):
+    root, side = str(tmp_path / "root"), str(tmp_path / "side")
+    os.makedirs(side)
+    run_ranks(_save_on_four, 4, timeout=200, args=(root, side))
+    run_ranks(_restore_on_two, 2, timeout=200, args=(root, side))

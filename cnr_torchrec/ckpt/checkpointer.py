@@ -24,8 +24,8 @@ from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_
 from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.parts import layout_digest
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
@@ -238,7 +238,7 @@ class Checkpointer:
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
                                     reconstruction=self._reconstruction(), memory=self._memory,
-                                    layout=layout_digest(tracker))
+                                    boxes=shard_boxes(tracker))
 
     # ------------------------------------------------------------------ public
 

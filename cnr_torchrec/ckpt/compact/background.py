@@ -42,10 +42,11 @@ from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.parts import fits, layout_digest, with_parts, write_part
+from cnr_torchrec.ckpt.format.parts import fits, with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -136,7 +137,7 @@ class Compaction:
             # The layout is claimed where the merged blocks fit this rank's regions (rank 0 drops every rank's
             # claim unless all of them fit: format/parts.py, reports_for).
             fit = fits(merged, [(g.table, g.rows, g.cols) for g in regions])
-            report = write_part(storage, self.new_id, merged, layout_digest(self._tracker) if fit else None)
+            report = write_part(storage, self.new_id, merged, shard_boxes(self._tracker) if fit else None)
             fault_injection.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
@@ -266,8 +267,9 @@ def compacted_body(chain: list[Manifest], parts: list[dict[str, Any]], new_id: i
     for p in parts:
         p["line"]["write_ms"] = round(write_ms, 3)
     if not all("layout" in p["line"] for p in parts):  # a rank's blocks spill over others' shards: no rank
-        for p in parts:                                 # may read its own part alone
+        for p in parts:                                 # may read its own part alone, nor trust the shards
             p["line"].pop("layout", None)
+            p.pop("boxes", None)
     span = f"chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"
     whole = folded is not None or recoded is not None  # every row written whole (fold.py, or re-encoded)
     reason = f"folded from {span}{by}" if folded is not None else f"compacted from {span}{by}"

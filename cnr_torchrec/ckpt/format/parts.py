@@ -25,7 +25,7 @@ import json
 import threading
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, overload
+from typing import Any, overload
 
 import xxhash
 
@@ -35,10 +35,8 @@ from cnr_torchrec.ckpt.format.schema import check_part, check_report, part_diges
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
-if TYPE_CHECKING:
-    from cnr_torchrec.track import DirtyRowTracker
-
-__all__ = ["Parts", "fits", "layout_digest", "part_bytes", "reports_for", "with_parts", "write_part"]
+__all__ = ["Box", "Parts", "checked_shards", "fits", "holders", "layout_digest", "part_bytes", "reports_for",
+           "with_parts", "write_part"]
 
 
 def part_bytes(ckpt_id: int, report: Mapping[str, Any]) -> bytes:
@@ -47,21 +45,26 @@ def part_bytes(ckpt_id: int, report: Mapping[str, Any]) -> bytes:
     return json.dumps({"ckpt": ckpt_id, **report}, separators=(",", ":"), allow_nan=False).encode()
 
 
-def layout_digest(tracker: DirtyRowTracker) -> str:
-    """A digest of the shards this rank holds (table, rows, columns): the same on a plan that gives the rank the
-    same shards. A rank whose digest is its line's in an index reads its own part for its rows."""
-    boxes = sorted([t, list(s.rows), list(s.cols)] for t in tracker.tables() for _, s in tracker.shards(t))
-    return xxhash.xxh3_64_hexdigest(json.dumps(boxes).encode())
+Box = list[Any]
+"""A shard as JSON: ``[table, row_start, row_end, col_start, col_end]``."""
 
 
-def write_part(storage: Storage, ckpt_id: int, report: Mapping[str, Any], layout: str | None = None) -> dict[str, Any]:
+def layout_digest(boxes: Sequence[Box]) -> str:
+    """A digest of a rank's boxes (``ckpt/layout.py``, ``shard_boxes``): the same on a plan that gives the rank
+    the same shards. A rank whose digest is its line's in an index reads its own part for its rows."""
+    return xxhash.xxh3_64_hexdigest(json.dumps([list(b) for b in boxes]).encode())
+
+
+def write_part(storage: Storage, ckpt_id: int, report: Mapping[str, Any],
+               boxes: Sequence[Box] | None = None) -> dict[str, Any]:
     """Writes ``report`` as its rank's part of checkpoint ``ckpt_id``, durably, and returns the rank's line for
     the index, with what rank 0 needs to build the rest of it (the shapes of the rank's tables, the tables it
     stores whole, whether it saved per-rank state). A report that failed (``ok`` false) is passed on as it is.
 
-    ``layout``: the rank's :func:`layout_digest` when the part covers every row of its shards (a save, a
-    background compaction); None where it does not say (an import, ``cnr compact``), whose readers then look
-    at every part.
+    ``boxes``: the rank's shards (``ckpt/layout.py``, ``shard_boxes``) when the part holds the rows of those
+    shards and of no other rank's (a save, a background compaction whose blocks fit); the line then carries
+    their digest, and rank 0 the boxes themselves into the index's ``shards``. None where it does not say (an
+    import, ``cnr compact``), whose readers then look at every part.
     """
     if not report.get("ok"):
         return dict(report)
@@ -76,10 +79,12 @@ def write_part(storage: Storage, ckpt_id: int, report: Mapping[str, Any], layout
     line.update(payload=report["nbytes"], chunks=len(report.get("chunks") or [None]),
                 rows_written=report["rows_written"], stall_ms=report["stall_ms"], write_ms=report["write_ms"],
                 tbe_iter=report["tbe_iter"])
-    if layout is not None:
-        line["layout"] = layout
-    return {"rank": report["rank"], "ok": True, "line": line, "table_shapes": dict(report["table_shapes"]),
-            "replicated": sorted(report["replicated_tables"]), "rng": report.get("rng") is not None}
+    out = {"rank": report["rank"], "ok": True, "line": line, "table_shapes": dict(report["table_shapes"]),
+           "replicated": sorted(report["replicated_tables"]), "rng": report.get("rng") is not None}
+    if boxes is not None:
+        line["layout"] = layout_digest(boxes)
+        out["boxes"] = [list(b) for b in boxes]
+    return out
 
 
 class Parts(Sequence[RankReport]):
@@ -93,6 +98,7 @@ class Parts(Sequence[RankReport]):
     def __init__(self, storage: Storage, manifest: Manifest) -> None:
         self._storage, self._manifest = storage, manifest
         self._own: Storage | None = None
+        self.shards_checked: Mapping[str, Any] | None = None  # the index's shards, once checked (checked_shards)
         self._loaded: dict[int, RankReport] = {}
         self._lock = threading.Lock()
 
@@ -162,20 +168,76 @@ def with_parts(manifest: Manifest, storage: Storage) -> Manifest:
     return out
 
 
-def reports_for(manifest: Manifest, rank: int, layout: str | None, data_parallel: bool) -> Sequence[RankReport]:
-    """The reports of ``manifest`` that can hold rows of the shards this rank holds (``layout``: their
-    :func:`layout_digest`; ``data_parallel``: whether it holds data_parallel tables).
+def reports_for(manifest: Manifest, rank: int, boxes: Sequence[Box], data_parallel: bool) -> Sequence[RankReport]:
+    """The reports of ``manifest`` that can hold rows of the shards this rank holds (``boxes``: its
+    :func:`~cnr_torchrec.ckpt.layout.shard_boxes`; ``data_parallel``: whether it holds data_parallel tables too).
 
-    A line carries its rank's layout only where every rank's part holds the rows of its own shards and no
-    other's (a save; a compaction whose merged blocks fit the plan), and rank 0 stores the data_parallel tables
-    for everyone (whole, or as entries). So on a format 7 checkpoint whose line for this rank has its digest:
-    the rank's own part, and rank 0's where the rank holds data_parallel tables or the checkpoint stores
-    replicated tables; else every rank's."""
+    An index records where the rows live (its lines' ``layout`` digests and its ``shards``) only where every
+    rank's part holds the rows of its own shards and no other's (a save; a compaction whose merged blocks fit
+    the plan), and rank 0 stores the data_parallel tables for everyone (whole, or as entries). So, on a format
+    7 checkpoint that records them: on the plan that saved (this rank's line has its digest), the rank's own
+    part; on another plan or world size, the parts of the ranks whose shards overlap this rank's; and rank 0's
+    where the rank holds data_parallel tables or the checkpoint stores replicated tables. Else every part."""
     lines = manifest.summaries
-    if manifest.version < 7 or layout is None or rank >= len(lines) or lines[rank].layout != layout:
+    shards = manifest.body.get("shards")
+    if manifest.version < 7 or not lines or any(line.layout is None for line in lines) or shards is None:
         return manifest.ranks
-    mine = [manifest.ranks[rank]]
-    return mine + [manifest.ranks[0]] if rank != 0 and (data_parallel or manifest.replicated) else mine
+    if rank < len(lines) and lines[rank].layout == layout_digest(boxes):
+        ranks = {rank}
+    else:
+        checked = checked_shards(manifest)
+        ranks = {r for t, r0, r1, c0, c1 in boxes for r in holders(checked.get(t), (r0, r1), (c0, c1))}
+    if data_parallel or manifest.replicated:
+        ranks.add(0)
+    return [manifest.ranks[r] for r in sorted(ranks)]
+
+
+def checked_shards(manifest: Manifest) -> Mapping[str, Any]:
+    """The index's ``shards``, once each rank's boxes it implies digest to that rank's line (so a crafted or
+    damaged entry is refused before it steers a read). Checked once per manifest.
+
+    Raises:
+        CorruptCheckpointError: a malformed entry, or boxes that are not the ones the ranks recorded.
+    """
+    parts = manifest.ranks
+    cached = getattr(parts, "shards_checked", None)
+    if cached is not None:
+        return cached
+    path, shards = f"ckpt-{manifest.id:08d}/manifest.json", manifest.body["shards"]
+    per_rank: list[list[Box]] = [[] for _ in manifest.summaries]
+    try:
+        for t, layout in shards.items():
+            n, dim = manifest.tables[t]
+            if isinstance(layout, dict):
+                block = int(layout["rows"])
+                if block < 1 or -(-n // block) > len(per_rank):
+                    raise ValueError(f"a block of {block} rows does not fit {n} rows on {len(per_rank)} ranks")
+                for r in range(-(-n // block)):
+                    per_rank[r].append([t, r * block, min((r + 1) * block, n), 0, dim])
+                continue
+            for r, a, b, c, d in layout:
+                if not (0 <= a <= b <= n and 0 <= c <= d <= dim):
+                    raise ValueError(f"[{r}, {a}, {b}, {c}, {d}] lies outside the table ({n} x {dim})")
+                per_rank[r].append([t, a, b, c, d])
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CorruptCheckpointError(f"{path}: shards is malformed ({type(e).__name__}: {e}); the manifest was "
+                                     "edited or crafted", path=path) from None
+    for r, boxes in enumerate(per_rank):
+        if layout_digest(sorted(boxes)) != manifest.summaries[r].layout:
+            raise CorruptCheckpointError(f"{path}: shards does not give rank {r} the shards its line records; the "
+                                         "manifest was edited or crafted", path=path)
+    if isinstance(parts, Parts):
+        parts.shards_checked = shards
+    return shards
+
+
+def holders(layout: Any, rows: tuple[int, int], cols: tuple[int, int]) -> set[int]:
+    """The ranks whose shards of a table overlap ``rows`` x ``cols``, by the table's entry in an index's
+    ``shards`` (:func:`~cnr_torchrec.ckpt.format.writing.shards_of`); none for a table it does not list."""
+    if isinstance(layout, dict):
+        block = layout["rows"]
+        return set(range(rows[0] // block, -(-rows[1] // block))) if rows[1] > rows[0] else set()
+    return {r for r, a, b, c, d in layout or () if a < rows[1] and rows[0] < b and c < cols[1] and cols[0] < d}
 
 
 def fits(report: Mapping[str, Any], boxes: Sequence[tuple[str, Sequence[int], Sequence[int]]]) -> bool:

@@ -87,6 +87,7 @@ _BODY: dict[str, Check] = {
     "created_unix": _number,
 }
 _BODY_OPTIONAL: dict[str, Check] = {"equals": _int(), "compacted_from": _type(list), "per_rank_state": _type(bool),
+                                    "shards": _type(dict),
                                     "chain": _type(list)}
 _RANK: dict[str, Check] = {
     "rank": _int(), "ok": _of(True), "file": _type(str), "nbytes": _int(), "blobs": _type(dict),

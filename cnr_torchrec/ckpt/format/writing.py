@@ -212,4 +212,25 @@ def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Seq
     if per_rank_state is not None:
         body["per_rank_state"] = per_rank_state
     body["parts"] = [p["line"] for p in parts]
+    if parts and all("boxes" in p for p in parts):
+        body["shards"] = shards_of(tables, [p["boxes"] for p in parts])
     return body
+
+
+def shards_of(tables: Mapping[str, Sequence[int]], boxes: Sequence[Sequence[Sequence[Any]]]) -> JSON:
+    """An index's ``shards``: where each sharded table's rows live, by rank (``boxes[r]``: rank r's
+    ``[table, row_start, row_end, col_start, col_end]``). A table split by rows into even blocks, one per rank
+    in rank order, each the table's full width, is ``{"rows": block}``; any other a list of
+    ``[rank, row_start, row_end, col_start, col_end]``."""
+    by_table: dict[str, list[list[int]]] = {}
+    for rank, rank_boxes in enumerate(boxes):
+        for t, r0, r1, c0, c1 in rank_boxes:
+            by_table.setdefault(t, []).append([rank, r0, r1, c0, c1])
+    out: JSON = {}
+    for t, held in sorted(by_table.items()):
+        n, dim = tables[t][0], tables[t][1]
+        block = held[0][2] - held[0][1]
+        even = block > 0 and sorted(held) == [[r, r * block, min((r + 1) * block, n), 0, dim]
+                                              for r in range(-(-n // block))]
+        out[t] = {"rows": block} if even else sorted(held)
+    return out

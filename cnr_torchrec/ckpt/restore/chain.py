@@ -25,12 +25,13 @@ from torch import nn
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.parts import layout_digest, reports_for
+from cnr_torchrec.ckpt.format.parts import reports_for
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.image import ShardViews
 from cnr_torchrec.ckpt.memory.tier import image_tables
 from cnr_torchrec.ckpt.restore.apply import Applier
@@ -142,11 +143,11 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     Only the reports that can hold this rank's rows are read (:func:`~cnr_torchrec.ckpt.format.parts.reports_for`):
     on the plan that saved a format 7 checkpoint, the rank's own part (and rank 0's, for data_parallel tables)."""
     target = manifests[-1]
-    layout = layout_digest(tracker)
+    boxes = shard_boxes(tracker)
     data_parallel = any(tracker.is_data_parallel(t) for t in tracker.tables())
 
     def sources(m: Manifest) -> Sequence[RankReport]:
-        return reports_for(m, rank, layout, data_parallel)
+        return reports_for(m, rank, boxes, data_parallel)
 
     with timed(stats, "plan_ms"):
         applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers,

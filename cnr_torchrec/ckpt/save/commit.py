@@ -102,8 +102,8 @@ class Committer:
         on_commit: rank 0 calls it with each committed body and its storage (retention).
         reconstruction: what the committed chain restores on this rank (residual coding, or the memory tier).
         memory: this rank's memory image, sealed for each checkpoint once the reconstruction has taken it.
-        layout: the digest of the shards this rank holds (:func:`~cnr_torchrec.ckpt.format.parts.layout_digest`),
-            which its line in each index carries.
+        boxes: the shards this rank holds (:func:`~cnr_torchrec.ckpt.format.parts.shard_boxes`), which each
+            index records.
     """
 
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, distributed: bool, store: Any,
@@ -111,9 +111,9 @@ class Committer:
                  staging: StagingBuffers, tables: list[str],
                  on_commit: Callable[[Manifest, Storage], None],
                  reconstruction: Reconstruction | None = None, memory: MemoryTier | None = None,
-                 layout: str | None = None) -> None:
+                 boxes: list[Any] | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
-        self._layout = layout
+        self._boxes = boxes
         self.reconstruction = reconstruction
         self.memory = memory
         self._dist, self._store, self._io, self._staging = distributed, store, io, staging
@@ -149,7 +149,7 @@ class Committer:
                                     reconstruction=self.reconstruction,
                                     residual=bool(self.config.quantization.residual))
                 # A report the schema refuses is never written.
-                part = write_part(storage, d.ckpt_id, report, self._layout)
+                part = write_part(storage, d.ckpt_id, report, self._boxes)
                 fault_injection.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
