@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cnr_torchrec.ckpt.format.parts import Box
+from cnr_torchrec.ckpt.format.placement import Box
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["shard_boxes"]

@@ -42,7 +42,8 @@ from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.parts import fits, with_parts, write_part
+from cnr_torchrec.ckpt.format.parts import with_parts, write_part
+from cnr_torchrec.ckpt.format.placement import fits
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
@@ -135,7 +136,7 @@ class Compaction:
                                    f"{list(self.chain)}")
             merged = self._merge(storage, chain, regions)
             # The layout is claimed where the merged blocks fit this rank's regions (rank 0 drops every rank's
-            # claim unless all of them fit: format/parts.py, reports_for).
+            # claim unless all of them fit: format/placement.py, reports_for).
             fit = fits(merged, [(g.table, g.rows, g.cols) for g in regions])
             report = write_part(storage, self.new_id, merged, shard_boxes(self._tracker) if fit else None)
             fault_injection.hit("compact.after_write")

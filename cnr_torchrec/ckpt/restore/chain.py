@@ -25,8 +25,8 @@ from torch import nn
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.parts import reports_for
 from cnr_torchrec.ckpt.format.payload import unflatten_state
+from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
@@ -140,7 +140,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     first, each row read, decoded and copied once (into host copies where ``stage``). Returns the readers of the
     tip's files, by rank (dense and per-rank state are there too), and the staged weights.
 
-    Only the reports that can hold this rank's rows are read (:func:`~cnr_torchrec.ckpt.format.parts.reports_for`):
+    Only the reports that can hold this rank's rows are read (:func:`~cnr_torchrec.ckpt.format.placement.reports_for`):
     on the plan that saved a format 7 checkpoint, the rank's own part (and rank 0's, for data_parallel tables)."""
     target = manifests[-1]
     boxes = shard_boxes(tracker)

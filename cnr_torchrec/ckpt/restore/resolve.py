@@ -39,7 +39,7 @@ def resolve_chain(
     Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
     links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
     file lies in its checkpoint's directory, exists and has the size the manifest gives (with ``reads``, the
-    reports this rank will read, by :func:`~cnr_torchrec.ckpt.format.parts.reports_for`: of a format 7
+    reports this rank will read, by :func:`~cnr_torchrec.ckpt.format.placement.reports_for`: of a format 7
     checkpoint, only those parts and their files; another rank's are checked by the rank that reads them,
     and a problem found while applying fails the attempt on every rank, which then skips the checkpoint as
     here). Checkpoints in
