@@ -39,13 +39,14 @@ def combined_body(storage, ckpt_id):
     format 7 index with its parts read in (without their ``ckpt`` key) and its ``parts`` lines left out. A test
     edits it as one document and writes it back with :func:`write_combined`."""
     from cnr_torchrec.ckpt.format.commits import part_path, read_body
+    from cnr_torchrec.ckpt.format.parts import expand_part
 
     body = read_body(storage, ckpt_id)
     if "parts" not in body:
         return body
     ranks = []
     for r in range(len(body["parts"])):
-        part = json.loads(storage.read(part_path(ckpt_id, r)))
+        part = expand_part(json.loads(storage.read(part_path(ckpt_id, r))))
         part.pop("ckpt", None)
         ranks.append(part)
     out = {k: v for k, v in body.items() if k != "parts"}

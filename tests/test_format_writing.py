@@ -6,6 +6,8 @@ import), and their tests restore what it wrote; here, the keys it leaves out or 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cnr_torchrec.ckpt.format import writing
@@ -64,3 +66,21 @@ def test_shards_take_the_even_row_rule_where_it_holds_and_list_the_rest():
     assert shards["even"] == {"rows": 4}
     assert shards["cols"] == [[0, 0, 8, 0, 2], [1, 0, 8, 2, 4]]
     assert shards["skew"] == [[0, 0, 3, 0, 4], [1, 3, 10, 0, 4]]
+
+
+def test_a_part_says_the_codec_once_and_reads_back_as_its_report():
+    """The codec's description that every entry repeats is the part's ``meta``; each entry keeps dim and num_rows;
+    expanding gives back the report exactly."""
+    from cnr_torchrec.ckpt.format.parts import expand_part, part_bytes
+
+    codec = {"format": "cnr_torchrec.quant.EncodedRows", "version": 1, "method": "adaptive", "bits": 4,
+             "params": {"num_bins": 25}}
+    tables = {"t": [writing.table_entry((0, 8), (0, 4), "full", writing.row_keys(
+        {**codec, "dim": 4, "num_rows": 8}, {"payload": f"e{i}/w"}, [], (f"e{i}/crc", 2))) for i in range(3)]}
+    report = writing.rank_report(0, {"file": "f", "nbytes": 0, "blobs": {}}, tables=tables,
+                                 table_shapes={"t": [8, 4]}, rows_written=24, tbe_iter=1)
+    raw = json.loads(part_bytes(7, report))
+    assert raw["meta"] == codec
+    assert all(set(e["weights"]["meta"]) == {"dim", "num_rows"} for e in raw["tables"]["t"])
+    assert expand_part(raw) == {"ckpt": 7, **report}
+    assert len(part_bytes(7, report)) < len(json.dumps({"ckpt": 7, **report}, separators=(",", ":")))

@@ -16,6 +16,7 @@ and restore them with every part read recorded:
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -87,6 +88,10 @@ def _save_and_restore(rank, world_size, root):
         assert base.num_keys() == before, (rank, before, base.num_keys())
     want = local_state(dmp)
     ck.close()
+    with open(os.path.join(root, f"ckpt-00000002/rank-{rank:05d}.json")) as f:  # the codec said once, in the part
+        raw = json.load(f)
+    assert raw["meta"]["method"] == "none" and all(set(e["weights"]["meta"]) <= {"dim", "num_rows"}
+                                                   for es in raw["tables"].values() for e in es)
 
     fresh, fresh_opt, _ = _model(1)
     mp = pytest.MonkeyPatch()

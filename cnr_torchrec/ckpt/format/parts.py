@@ -34,13 +34,55 @@ from cnr_torchrec.ckpt.format.schema import check_part, check_report, part_diges
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
-__all__ = ["Parts", "part_bytes", "with_parts", "write_part"]
+__all__ = ["Parts", "expand_part", "part_bytes", "with_parts", "write_part"]
+
+
+# What an entry's codec description holds of its own; the rest is the same for every entry of a part.
+_OWN_META = ("dim", "num_rows")
 
 
 def part_bytes(ckpt_id: int, report: Mapping[str, Any]) -> bytes:
     """A rank's part of checkpoint ``ckpt_id``: its report (:func:`~cnr_torchrec.ckpt.format.writing.rank_report`)
-    with the checkpoint's id, as compact JSON."""
-    return json.dumps({"ckpt": ckpt_id, **report}, separators=(",", ":"), allow_nan=False).encode()
+    with the checkpoint's id, as compact JSON. The codec's description that every entry repeats (format,
+    method, bits, parameters) is said once, as the part's ``meta``; each entry keeps its ``dim`` and
+    ``num_rows`` (:func:`expand_part` puts it back)."""
+    out = {"ckpt": ckpt_id, **report}
+    entries = [e for es in report.get("tables", {}).values() for e in es if "weights" in e]
+    shared = [{k: v for k, v in e["weights"]["meta"].items() if k not in _OWN_META} for e in entries]
+    if shared and all(s == shared[0] for s in shared):
+        out["meta"] = shared[0]
+        out["tables"] = {t: [_own_meta(e) for e in es] for t, es in report["tables"].items()}
+    return json.dumps(out, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _own_meta(entry: Mapping[str, Any]) -> dict[str, Any]:
+    if "weights" not in entry:
+        return dict(entry)
+    meta = {k: v for k, v in entry["weights"]["meta"].items() if k in _OWN_META}
+    return {**entry, "weights": {**entry["weights"], "meta": meta}}
+
+
+def expand_part(raw: Any) -> Any:
+    """A part as its report reads: the part's ``meta`` (if it says one) laid under each entry's own codec fields.
+    Anything malformed is passed on as it is, for the schema to name."""
+    if not isinstance(raw, dict) or "meta" not in raw:
+        return raw
+    raw = dict(raw)
+    shared = raw.pop("meta")
+    tables = raw.get("tables")
+    if not isinstance(shared, dict) or not isinstance(tables, dict):
+        raw["meta"] = shared  # left as it is: the entries then lack their codec's fields, which the schema names
+        return raw
+    raw["tables"] = {t: [_with_meta(e, shared) for e in es] if isinstance(es, list) else es
+                     for t, es in tables.items()}
+    return raw
+
+
+def _with_meta(entry: Any, shared: Mapping[str, Any]) -> Any:
+    weights = entry.get("weights") if isinstance(entry, dict) else None
+    if not isinstance(weights, dict) or not isinstance(weights.get("meta"), dict):
+        return entry
+    return {**entry, "weights": {**weights, "meta": {**shared, **weights["meta"]}}}
 
 
 def write_part(storage: Storage, ckpt_id: int, report: Mapping[str, Any],
@@ -143,7 +185,7 @@ class Parts(Sequence[RankReport]):
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt", path=path) \
                 from None
-        return check_part(raw, path, m)
+        return check_part(expand_part(raw), path, m)
 
 
 def with_parts(manifest: Manifest, storage: Storage) -> Manifest:
