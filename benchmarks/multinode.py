@@ -52,7 +52,9 @@ TINY = {
     "train": {"steps": 12, "checkpoint_interval": 4, "eval_batches": 2},
     "checkpoint": {"policy": "consecutive", "quantization": {"method": "none"}},
 }
-KILL = "write.mid:local_rank=1:nth=2"
+# The second save's payload write on the first node's local rank 1 (each save writes the rank's one chunk, then
+# its part: format 7), torn half way.
+KILL = "write.mid:local_rank=1:nth=3"
 
 
 @dataclass

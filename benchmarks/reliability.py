@@ -78,6 +78,8 @@ log = logging.getLogger("reliability")
 
 ROWS = {"t0": 240, "t1": 160, "t2": 200}
 SHARDING = {"t0": "row_wise", "t1": "table_wise", "t2": "column_wise"}
+# Above 4 ranks column-wise shards of 8 columns do not divide: the wide job shards t2 by rows.
+WIDE_SHARDING = {"t0": "row_wise", "t1": "table_wise", "t2": "row_wise"}
 DIM = 8
 GROUPS = (  # (policy, method, bits); "compacting": consecutive with background compaction every 2 deltas;
     # "residual": the same with quantization.residual (its compactions are folds)
@@ -117,7 +119,8 @@ def build(world_size: int, seed: int = 0):
     from examples.toy import TableSpec, ToyModel, build_plan, sharders_for
 
     torch.manual_seed(seed)
-    specs = [TableSpec(t, ROWS[t], DIM, SHARDING[t], "ebc") for t in ROWS]
+    sharding = SHARDING if world_size <= 4 else WIDE_SHARDING
+    specs = [TableSpec(t, ROWS[t], DIM, sharding[t], "ebc") for t in ROWS]
     model = ToyModel(specs)
     sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
     dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
@@ -1309,7 +1312,19 @@ def missing_files(root: str, committed: list[int]) -> list[str]:
     JSON and file sizes, without cnr_torchrec)."""
     out = []
     for i in committed:
-        for r in read_body(root, None, i)["ranks"]:
+        body = read_body(root, None, i)
+        if "parts" in body:  # format 7: each rank's report is a part of its own, which must be there too
+            reports = []
+            for r in range(len(body["parts"])):
+                part = os.path.join(root, f"ckpt-{i:08d}", f"rank-{r:05d}.json")
+                if not os.path.isfile(part) or os.path.getsize(part) != body["parts"][r]["nbytes"]:
+                    out.append(os.path.relpath(part, root))
+                    continue
+                with open(part) as f:
+                    reports.append(json.load(f))
+        else:
+            reports = body["ranks"]
+        for r in reports:
             stem = r["file"].removesuffix(".bin")
             for k, c in enumerate(r["chunks"]):
                 rel = r["file"] if k == 0 else f"{stem}.{k}.bin"
@@ -1320,12 +1335,13 @@ def missing_files(root: str, committed: list[int]) -> list[str]:
 
 
 def single_rank_kills(work: str, rounds: int, *, saves: int = 4, seed: int = 0, timeout_s: float = 4.0,
-                      points: tuple = SINGLE_POINTS, launchers: tuple = LAUNCHERS,
-                      verbose: bool = False) -> dict[str, Any]:
+                      points: tuple = SINGLE_POINTS, launchers: tuple = LAUNCHERS, world_size: int = 2,
+                      restore_timeout_s: float = 120.0, verbose: bool = False) -> dict[str, Any]:
     """One rank SIGKILLed at each commit-protocol point (``points``) under each launcher, ``rounds`` times, on
-    its own root. The other rank is never reaped: it must leave by itself (its save's wait for rank 0, or a
+    its own root. The other ranks are never reaped: each must leave by itself (its save's wait for rank 0, or a
     collective with the dead rank, fails). Then every committed checkpoint must have every file its manifest
-    names, and a fresh 2-rank job must restore the newest committed one, equal to its reference."""
+    names, and a fresh job of ``world_size`` ranks must restore the newest committed one, every rank equal to
+    its reference."""
     rng = random.Random(seed)
     trials = []
     for n in range(rounds):
@@ -1338,8 +1354,8 @@ def single_rank_kills(work: str, rounds: int, *, saves: int = 4, seed: int = 0, 
                 spec = {"root": root, "side": side, "phase_dir": pdir, "seed": 1000 * n + len(trials), "saves": saves,
                         "fault": f"{point}:rank={rank}:nth={nth}", "timeout_s": timeout_s}
                 init = None if launcher == "agent_store" else f"tcp://127.0.0.1:{_free_port()}"
-                procs = start_ranks(_single_kill_worker, 2, (spec,), pdir, init=init)
-                deadline = time.monotonic() + 30 + 3 * timeout_s
+                procs = start_ranks(_single_kill_worker, world_size, (spec,), pdir, init=init)
+                deadline = time.monotonic() + 30 + 3 * timeout_s + 6 * world_size  # the imports, on 2 cores
                 while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
                     mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
                 hung = [r for r, p in enumerate(procs) if p.exitcode is None]
@@ -1347,14 +1363,16 @@ def single_rank_kills(work: str, rounds: int, *, saves: int = 4, seed: int = 0, 
                 found = scan(root)
                 committed = sorted(i for i, has in found.items() if has)
                 t = {"launcher": launcher, "point": point, "rank": rank, "nth": nth, "fired": exits[rank] == -9,
-                     "survivor_exit": exits[1 - rank], "survivor_hung": bool(hung), "committed": committed,
+                     "survivor_exit": [e for r, e in enumerate(exits) if r != rank], "survivor_hung": bool(hung),
+                     "committed": committed,
                      "missing": missing_files(root, committed), "expected": newest_state(root, None, committed)}
                 if committed:
                     try:
-                        res = run_ranks(_restore_check_worker, 2, (root, side), timeout=120)
+                        res = run_ranks(_restore_check_worker, world_size, (root, side), timeout=restore_timeout_s)
                         t["restored"] = res[0]["restored"]
                         t["mismatch"] = [m for r in res for m in r["mismatch"]]
                         t["ok"] = {r["restored"] for r in res} == {t["expected"]} and not t["mismatch"]
+                        t["ranks_checked"] = len(res)
                     except RuntimeError as e:
                         t["restored"], t["ok"], t["mismatch"] = None, False, [str(e)[-500:]]
                 else:
@@ -1375,6 +1393,25 @@ def single_rank_kills(work: str, rounds: int, *, saves: int = 4, seed: int = 0, 
         "survivors_hung": sum(t["survivor_hung"] for t in trials),
         "failures": [t for t in trials if not t["ok"]][:10],
     }
+
+
+def wide_job(work: str, world_size: int, seed: int, verbose: bool) -> dict[str, Any]:
+    """A real job at ``world_size`` ranks (the tiny tables, gloo, this machine): it saves, one rank is SIGKILLed
+    after writing its part of a save (``write.after``), the others leave on their own, and a fresh job of
+    ``world_size`` ranks restores the newest committed checkpoint, every rank's rows against its reference."""
+    print(f"a real job at {world_size} ranks: saves, rank {world_size // 3} SIGKILLed after writing its part, a "
+          "fresh job restores", flush=True)
+    t0 = time.monotonic()
+    wide = single_rank_kills(work, 1, saves=3, seed=seed, points=(("write.after", world_size // 3),),
+                             launchers=("agent_store",), world_size=world_size, timeout_s=10.0,
+                             restore_timeout_s=900.0, verbose=verbose)
+    wide["seconds"] = round(time.monotonic() - t0, 1)
+    print(f"  ok {wide['ok']}/{wide['kills']}, committed checkpoints missing a file "
+          f"{wide['committed_missing_a_file']}, torn restores {wide['torn_restores']}; {wide['seconds']} s",
+          flush=True)
+    for f in wide["failures"]:
+        print("   ", f)
+    return wide
 
 
 def _free_port() -> int:
@@ -1418,6 +1455,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--single-rounds", type=int, default=3,
                     help="rounds of single-rank kills: each commit-protocol point under both launchers")
     ap.add_argument("--single-only", action="store_true", help="run the single-rank kills alone")
+    ap.add_argument("--wide-ranks", type=int, default=16,
+                    help="the real job at this many ranks: saves, one rank SIGKILLed, a fresh job restores")
+    ap.add_argument("--wide-only", action="store_true", help="run the job at --wide-ranks alone")
     ap.add_argument("--s3-kills", type=int, default=4, help="kills on the S3 root (moto)")
     ap.add_argument("--positions", type=int, default=4, help="byte-flip positions per file")
     ap.add_argument("--seed", type=int, default=0)
@@ -1432,6 +1472,12 @@ def main(argv: list[str] | None = None) -> int:
     out: dict[str, Any] = {}
     t_all = time.monotonic()
     try:
+        wide = wide_job(os.path.join(work, "wide"), args.wide_ranks, args.seed, args.verbose)
+        if args.wide_only:
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump({"wide_job": wide}, f, indent=1)
+            return 0 if wide["ok"] == wide["kills"] else 1
         print(f"single-rank kills: {args.single_rounds} round(s) of {len(SINGLE_POINTS)} points x {list(LAUNCHERS)}",
               flush=True)
         t0 = time.monotonic()
@@ -1508,6 +1554,8 @@ def main(argv: list[str] | None = None) -> int:
             "single_rank_kills": single["kills"],
             "single_rank_ok": single["ok"],
             "single_rank_committed_missing_a_file": single["committed_missing_a_file"],
+            "wide_job_ranks": args.wide_ranks,
+            "wide_job_ok": wide["ok"] == wide["kills"],
             "memory_kills": memory["kills"],
             "memory_restores_ok": memory["restores_ok"],
             "memory_wrong_restores_from_memory": memory["wrong_restores_from_memory"],
@@ -1521,7 +1569,7 @@ def main(argv: list[str] | None = None) -> int:
             "s3_roundtrip_ok": s3_ok,
             "s3_kills": s3_kills["kills"],
             "s3_restores_ok": s3_kills["restores_ok"],
-            "details": {"kills": kills, "single_rank_kills": single, "memory_kills": memory, "corruption": corrupt,
+            "details": {"kills": kills, "single_rank_kills": single, "wide_job": wide, "memory_kills": memory, "corruption": corrupt,
                         "enospc": enospc, "s3_kills": s3_kills},
             "seconds": round(time.monotonic() - t_all, 1),
         }
@@ -1539,6 +1587,7 @@ def main(argv: list[str] | None = None) -> int:
             and out.get("restores_ok") == out.get("kills")
             and out.get("memory_restores_ok") == out.get("memory_kills")
             and out.get("single_rank_ok") == out.get("single_rank_kills")
+            and out.get("wide_job_ok") is True
             and out.get("memory_wrong_restores_from_memory") == 0
             and out.get("corruptions_detected", 0) + out.get("corruptions_read_around", 0)
             == out.get("corruptions_injected")

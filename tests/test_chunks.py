@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+from _format_checks import combined_body
 
 from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.schema import check_payload
@@ -128,11 +129,11 @@ def _saved_and_restored(rank, world_size, root, options, chunk_bytes, rewrite=No
     restored into a fresh model; ``rewrite(root)`` runs on rank 0 between the two. Returns the largest
     payload object and the number of objects per rank report, after asserting the restore."""
     import torch.distributed as dist
+    from _toy import local_state, train
+    from test_checkpointer_multirank import _build, _config
 
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.quant import get_codec
-    from test_checkpointer_multirank import _build, _config
-    from _toy import local_state, train
 
     quant = {"params": {"bias_dtype": "float16"}, "state_dtype": "bfloat16"}
     config = _config(root, "consecutive", "adaptive", 4, quant, chunk_bytes=chunk_bytes, io_threads=3,
@@ -193,7 +194,7 @@ def _as_format_3(root):
     storage = Storage(root)
     try:
         for i in committed_ids(storage):
-            body = json.loads(storage.read(manifest_path(i)))["body"]
+            body = combined_body(storage, i)
             for r, report in zip(body["ranks"], load_manifest(storage, i).ranks):
                 data = b"".join(bytes(storage.read(c.path)) for c in report.payload.chunks)
                 for c in report.payload.chunks[1:]:

@@ -139,8 +139,16 @@ def _full_tables(dmp):
 
 
 def _manifest(root, cid):
-    with open(os.path.join(root, f"ckpt-{cid:08d}", "manifest.json")) as f:
-        return json.load(f)["body"]
+    """Checkpoint ``cid``'s manifest as one JSON body, its ranks' reports under ``ranks``."""
+    from _format_checks import combined_body
+
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(root)
+    try:
+        return combined_body(storage, cid)
+    finally:
+        storage.close()
 
 
 def _flip(path, pos, mask=0x01):

@@ -44,7 +44,7 @@ def test_manifest_paths():
 def test_seal_and_load(storage):
     raw = seal(BODY)
     doc = json.loads(raw)
-    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 6 and doc["body"] == BODY
+    assert doc["format"] == "cnr-checkpoint" and doc["version"] == 7 and doc["body"] == BODY
     # The checksum covers the body's text as it stands in the file, between '"body": ' and the closing brace.
     text = raw[raw.index(b'"body": ') + len(b'"body": ') : raw.rindex(b"}")]
     assert json.loads(text) == BODY
@@ -55,12 +55,12 @@ def test_seal_and_load(storage):
 
 
 @pytest.mark.parametrize("old,new", [
-    (b'"step": 12345', b'"step": 12346'),
-    (b'"lr": 0.015625', b'"lr": 0.015624'),
+    (b'"step":12345', b'"step":12346'),
+    (b'"lr":0.015625', b'"lr":0.015624'),
     (b'"delta"', b'"delte"'),
-    (b'"parent": 2', b'"parent": 3'),
-    (b'"depth": 2', b'"depth": 1'),
-    (b'"id": 3,\n', b'"id": 3, \n'),  # whitespace: the checksum covers the text as written
+    (b'"parent":2', b'"parent":3'),
+    (b'"depth":2', b'"depth":1'),
+    (b'"id":3,', b'"id":3 ,'),  # whitespace: the checksum covers the text as written
 ])
 def test_manifest_edit_that_still_parses_is_caught(storage, old, new):
     raw = seal(BODY)
@@ -111,19 +111,19 @@ def test_not_a_manifest(storage, doc):
         load_manifest(storage, 3)
 
 
-@pytest.mark.parametrize("version", [1, 7, 0, None, "2"])
+@pytest.mark.parametrize("version", [1, 8, 0, None, "2"])
 def test_manifest_version_mismatch(storage, version):
     doc = json.loads(seal(BODY))
     doc["version"] = version
     storage.write(manifest_path(3), json.dumps(doc).encode())
     with pytest.raises(CorruptCheckpointError) as e:
         load_manifest(storage, 3)
-    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 6" in str(e.value)
+    assert f"format version {version!r}" in str(e.value) and "reads versions 2 to 7" in str(e.value)
     assert ("earlier cnr_torchrec" if version == 1 else "upgrade cnr_torchrec") in str(e.value)
     assert e.value.path == manifest_path(3)
 
 
-@pytest.mark.parametrize("version", [3, 4, 5])
+@pytest.mark.parametrize("version", [3, 4, 5, 6])
 def test_older_manifests_still_load(storage, version):
     storage.write(manifest_path(3), seal(BODY, version=version))
     assert read_body(storage, 3) == BODY

@@ -39,12 +39,15 @@ def _config(root, method="none", bits=None, params=None, state_dtype="float32", 
 
 
 def _bodies(root):
-    from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
+    """Every committed checkpoint's manifest as one JSON body, its ranks' reports under ``ranks``."""
+    from _format_checks import combined_body
+
+    from cnr_torchrec.ckpt.format.commits import committed_ids
     from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
-        return {i: load_manifest(storage, i).body for i in committed_ids(storage)}  # as JSON
+        return {i: combined_body(storage, i) for i in committed_ids(storage)}
     finally:
         storage.close()
 

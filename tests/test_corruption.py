@@ -94,14 +94,14 @@ def _other_model(world_size, extra_table: bool):
 
 def _edit_manifest(root: str, ckpt_id: int, edit) -> None:
     """Edits a manifest's body and re-seals it, as someone crafting a checkpoint would."""
-    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
+    from _format_checks import read_combined_at, write_combined_at
+
+    from cnr_torchrec.ckpt.format.commits import manifest_path
 
     path = os.path.join(root, manifest_path(ckpt_id))
-    with open(path) as f:
-        body = json.load(f)["body"]
+    body = read_combined_at(path)  # the ranks' parts as one body
     edit(body)
-    with open(path, "wb") as f:
-        f.write(seal(body))
+    write_combined_at(path, body)
 
 
 def _recompute_row_crcs(manifest: str, rank: int, data: bytearray) -> None:
@@ -109,8 +109,9 @@ def _recompute_row_crcs(manifest: str, rank: int, data: bytearray) -> None:
     its rows, as someone crafting a checkpoint would (google-crc32c computes them)."""
     import google_crc32c
 
-    with open(manifest) as f:
-        report = json.load(f)["body"]["ranks"][rank]
+    from _format_checks import read_combined_at
+
+    report = read_combined_at(manifest)["ranks"][rank]
     blobs = report["blobs"]
     for entries in report["tables"].values():
         for e in entries:

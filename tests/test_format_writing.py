@@ -6,6 +6,8 @@ import), and their tests restore what it wrote; here, the keys it leaves out or 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from cnr_torchrec.ckpt.format import writing
@@ -37,17 +39,48 @@ def test_a_report_leaves_out_zero_counts_and_an_empty_mc_runtime():
     assert writing.failed_report(2, "why") == {"rank": 2, "ok": False, "error": "why"}
 
 
-def test_a_body_takes_replicated_tables_from_its_reports_unless_told():
-    reports = [{"rank": 0, "nbytes": 5, "replicated_tables": {"b": "rep/b"}},
-               {"rank": 1, "nbytes": 7, "replicated_tables": {"a": "rep/a"}}]
+def test_a_body_takes_replicated_tables_from_its_parts_unless_told():
+    parts = [{"rank": 0, "line": {"payload": 5}, "replicated": ["b"]},
+             {"rank": 1, "line": {"payload": 7}, "replicated": ["a"]}]
     links = ChainLinks(3, 30, "delta", "previous", 2, 0, 3, {"a": "rows"}, "why")
     job = JobFields(policy="consecutive", world_size=2, codec=writing.codec_description("none", None, {}), restores=1)
-    body = writing.manifest_body(links, job, tables={"a": (4, 2), "b": (2, 2)}, reports=reports)
+    body = writing.manifest_body(links, job, tables={"a": (4, 2), "b": (2, 2)}, parts=parts)
     assert body["replicated"] == ["a", "b"] and body["nbytes"] == 12 and body["depth"] == 3
-    assert {"equals", "compacted_from", "per_rank_state"}.isdisjoint(body)
+    assert body["parts"] == [{"payload": 5}, {"payload": 7}]
+    assert {"equals", "compacted_from", "per_rank_state", "shards", "ranks"}.isdisjoint(body)
     compacted = writing.manifest_body(ChainLinks.baseline(4, 30, {"a": "full"}, "folded"), job, tables={},
-                                      reports=reports, replicated=[], equals=3, compacted_from=(0, 3),
+                                      parts=parts, replicated=[], equals=3, compacted_from=(0, 3),
                                       per_rank_state=False)
     assert compacted["replicated"] == [] and compacted["compacted_from"] == [0, 3] and compacted["equals"] == 3
     assert (compacted["kind"], compacted["parent"], compacted["base"]) == ("baseline", None, 4)
     assert compacted["per_rank_state"] is False
+
+
+def test_shards_take_the_even_row_rule_where_it_holds_and_list_the_rest():
+    """Rows in even blocks, one per rank in rank order, full width: a rule; any other layout: a list."""
+    tables = {"even": (10, 4), "cols": (8, 4), "skew": (10, 4)}
+    boxes = [[["even", 0, 4, 0, 4], ["cols", 0, 8, 0, 2], ["skew", 0, 3, 0, 4]],
+             [["even", 4, 8, 0, 4], ["cols", 0, 8, 2, 4], ["skew", 3, 10, 0, 4]],
+             [["even", 8, 10, 0, 4]]]
+    shards = writing.shards_of(tables, boxes)
+    assert shards["even"] == {"rows": 4}
+    assert shards["cols"] == [[0, 0, 8, 0, 2], [1, 0, 8, 2, 4]]
+    assert shards["skew"] == [[0, 0, 3, 0, 4], [1, 3, 10, 0, 4]]
+
+
+def test_a_part_says_the_codec_once_and_reads_back_as_its_report():
+    """The codec's description that every entry repeats is the part's ``meta``; each entry keeps dim and num_rows;
+    expanding gives back the report exactly."""
+    from cnr_torchrec.ckpt.format.parts import expand_part, part_bytes
+
+    codec = {"format": "cnr_torchrec.quant.EncodedRows", "version": 1, "method": "adaptive", "bits": 4,
+             "params": {"num_bins": 25}}
+    tables = {"t": [writing.table_entry((0, 8), (0, 4), "full", writing.row_keys(
+        {**codec, "dim": 4, "num_rows": 8}, {"payload": f"e{i}/w"}, [], (f"e{i}/crc", 2))) for i in range(3)]}
+    report = writing.rank_report(0, {"file": "f", "nbytes": 0, "blobs": {}}, tables=tables,
+                                 table_shapes={"t": [8, 4]}, rows_written=24, tbe_iter=1)
+    raw = json.loads(part_bytes(7, report))
+    assert raw["meta"] == codec
+    assert all(set(e["weights"]["meta"]) == {"dim", "num_rows"} for e in raw["tables"]["t"])
+    assert expand_part(raw) == {"ckpt": 7, **report}
+    assert len(part_bytes(7, report)) < len(json.dumps({"ckpt": 7, **report}, separators=(",", ":")))

@@ -22,6 +22,7 @@ import os
 import pytest
 import torch
 
+from _format_checks import combined_body, write_combined
 from _toy import build_dmp, local_state, train
 from test_manifest_schema import PLAN, _fields, _mutations, _set
 
@@ -104,10 +105,16 @@ def test_a_keyed_root_restores_what_it_saved_and_seals_every_manifest_and_chunk(
     """The same seeded run saved without a key restores the same bits: the key changes the checks only."""
     from cnr_torchrec import UnauthenticatedCheckpointError
 
+    from cnr_torchrec.ckpt.format.integrity import load_key
+    from cnr_torchrec.ckpt.format.storage import Storage
+
     root, key_file, want, manifest = keyed
     doc = json.loads(open(manifest, "rb").read())
     assert len(doc["hmac_sha256"]) == 64
-    chunks = [c for r in doc["body"]["ranks"] for c in r["chunks"]]
+    assert all(set(line) & {"xxh3", "blake2b"} == {"blake2b"} for line in doc["body"]["parts"])
+    storage = Storage(root, key=load_key(key_file, None))
+    chunks = [c for r in combined_body(storage, 1)["ranks"] for c in r["chunks"]]
+    storage.close()
     assert chunks and all(set(c) == {"nbytes", "blake2b"} for c in chunks)
     plain = str(tmp_path / "plain")
     _saved(plain, None)
@@ -138,26 +145,37 @@ def test_a_root_without_a_key_is_refused_by_a_reader_that_holds_one(group, tmp_p
 
 
 def test_every_crafted_manifest_of_a_keyed_root_is_refused_by_name(keyed, tmp_path):
-    """The mutation suite's fields of a real delta, each mutated every way and re-sealed by someone without the
-    key (fresh xxh3, no MAC) or with another key (a MAC that does not verify): every one refused by name."""
+    """The mutation suite's fields of a real delta (its index, and its parts as one body), each mutated every way
+    and written back by someone without the key (fresh xxh3, no MAC) or with another key (digests and a MAC that
+    do not verify): every one refused by name."""
+    import shutil
+
     from cnr_torchrec import UnauthenticatedCheckpointError
-    from cnr_torchrec.ckpt.format.commits import seal
-    from cnr_torchrec.ckpt.format.integrity import RootKey
+    from cnr_torchrec.ckpt.format.commits import read_body, seal
+    from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
+    from cnr_torchrec.ckpt.format.storage import Storage
 
     root, key_file, want, manifest = keyed
-    raw = open(manifest, "rb").read()
-    body = json.loads(raw)["body"]
+    pristine = str(tmp_path / "pristine")
+    shutil.copytree(os.path.dirname(manifest), pristine)
+    storage = Storage(root, key=load_key(key_file, None))
+    body, index = combined_body(storage, 1), read_body(storage, 1)
     restorer, dmp, *_ = _checkpointer(root, 1, key_file, on_corrupt="fallback")
     forger = RootKey(OTHER, "the forger's key")
-    cases = [(f, how, new) for f, value in _fields(body) for how, new in _mutations(value)]
-    cases.append(((), "untouched", None))  # the body as the key sealed it, re-sealed without the MAC
+    cases = [("parts", f, how, new) for f, value in _fields(index) if f[0] == "parts" for how, new in
+             _mutations(value)]
+    cases += [("body", f, how, new) for f, value in _fields(body) for how, new in _mutations(value)]
+    cases.append(("body", (), "untouched", None))  # as the key sealed it, written back without the key
     refused = []
-    for i, (field, how, new) in enumerate(cases):
-        mutated = json.loads(json.dumps(body))
+    for i, (what, field, how, new) in enumerate(cases):
+        mutated = json.loads(json.dumps(index if what == "parts" else body))
         if field:
             _set(mutated, field, how, new)
-        with open(manifest, "wb") as f:
-            f.write(seal(mutated, key=forger if i % 2 else None))
+        signer = forger if i % 2 else None
+        if what == "parts":
+            storage.write_atomic("ckpt-00000001/manifest.json", seal(mutated, key=signer))
+        else:
+            write_combined(storage, 1, mutated, key=signer)
         with pytest.raises(UnauthenticatedCheckpointError) as e:
             restorer.restore()
         assert e.value.path == "ckpt-00000001/manifest.json", (field, how, str(e.value))
@@ -167,8 +185,9 @@ def test_every_crafted_manifest_of_a_keyed_root_is_refused_by_name(keyed, tmp_pa
                        for p in _verify(root, key_file)), (field, how)
     print(f"crafted manifests refused: {len(refused)} of {len(cases)}")  # shown with -s
     assert len(refused) == len(cases) >= 32
-    with open(manifest, "wb") as f:
-        f.write(raw)
+    storage.close()
+    shutil.rmtree(os.path.dirname(manifest))
+    shutil.copytree(pristine, os.path.dirname(manifest))
     assert restorer.restore() == 2 and _equal(local_state(dmp), want)
     restorer.close()
 
@@ -178,8 +197,8 @@ def _rewrite_a_row(root, key, forger):
     group, the blobs' xxh3, the chunk's digest and the manifest's seal, as ``forger`` can: ``"no key"`` (xxh3
     chunks, no MAC), a RootKey (its keyed digest and MAC), or ``"chunk only"`` (the manifest left alone).
     Returns the paths of the chunks changed, the table, and the rank report and entry of the row."""
-    from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, seal
-    from cnr_torchrec.ckpt.format.integrity import chunk_record, chunk_hasher
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.integrity import chunk_hasher, chunk_record
     from cnr_torchrec.ckpt.format.payload import checksum
     from cnr_torchrec.ckpt.format.rows import as_rows
     from cnr_torchrec.ckpt.format.storage import Storage
@@ -206,8 +225,7 @@ def _rewrite_a_row(root, key, forger):
     for k in changed:
         storage.write_atomic(chunks[k].path, bytes(data[chunks[k].start : chunks[k].end]))
     if forger != "chunk only":
-        path = manifest_path(1)
-        body = json.loads(storage.read(path))["body"]
+        body = combined_body(storage, 1)
         raw = next(r for r in body["ranks"] if r["rank"] == report.rank)
         for name in (first, e.row_checks.blob):
             b = blobs[name]
@@ -218,7 +236,7 @@ def _rewrite_a_row(root, key, forger):
                 hasher = chunk_hasher(signer)
                 hasher.update(data[c.start : c.end])
                 raw["chunks"][k] = chunk_record(signer, c.nbytes, hasher.hexdigest())
-        storage.write_atomic(path, seal(body, key=signer))
+        write_combined(storage, 1, body, key=signer)
     storage.close()
     return [chunks[k].path for k in changed], table, report, e
 

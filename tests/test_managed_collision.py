@@ -438,6 +438,7 @@ def test_every_field_of_a_crafted_mc_manifest_is_refused_by_name_or_harmless(gro
     import json
 
     import _mc_models as M
+    from _format_checks import put_back, read_combined_at, snapshot_dir
     from test_manifest_schema import _fields, crafted_outcomes
 
     from cnr_torchrec import Checkpointer
@@ -451,8 +452,8 @@ def test_every_field_of_a_crafted_mc_manifest_is_refused_by_name_or_harmless(gro
                 info = ck.save(step).wait()
             M.train_step(model, batch)
     path = os.path.join(root, manifest_path(info.id))
-    raw = open(path, "rb").read()
-    body = json.loads(raw)["body"]
+    files = snapshot_dir(path)
+    body = read_combined_at(path)  # the rank's part under ranks
     assert body["kind"] == "delta" and body["ranks"][0]["mc_runtime"]
 
     fresh = _build("ebc", 1, policy="distance_lfu", optimizer="adagrad", seed=1)
@@ -462,8 +463,7 @@ def test_every_field_of_a_crafted_mc_manifest_is_refused_by_name_or_harmless(gro
     mc_fields = [fv for fv in _fields(body) if "mc" in "".join(map(str, fv[0]))]
     outcomes, problems = crafted_outcomes(body, path, restorer.restore, lambda: _everything(fresh), want,
                                           mc_fields)
-    with open(path, "wb") as f:
-        f.write(raw)
+    put_back(files)
     restorer.close()
     assert not problems, "\n".join(problems[:15])
     assert outcomes["named"] > 20, outcomes

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from _format_checks import combined_body, put_back, read_combined_at, snapshot_dir, write_combined_at
 from _toy import build_dmp, local_state, train
 
 PLAN = ("table_wise", "row_wise", "column_wise", "data_parallel")
@@ -106,20 +107,22 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def crafted_outcomes(body, path, restore, state, want, fields):
-    """Each of ``fields`` of manifest ``body`` mutated every way, re-sealed at ``path`` and restored (``restore()``
-    returns the step): counts of named refusals and identical restores, and the problems (another exception, an
-    error that names no file, other values than ``want``, as ``state()`` reads them). Leaves ``path`` mutated."""
-    from cnr_torchrec.ckpt.format.commits import seal
+def crafted_outcomes(body, path, restore, state, want, fields, write=None):
+    """Each of ``fields`` of manifest ``body`` (its ranks' parts as one body, :func:`combined_body`) mutated every
+    way, written back at ``path`` with every checksum over it recomputed (``write(mutated)``; by default each
+    rank's part and the index, :func:`write_combined_at`) and restored (``restore()`` returns the step): counts of
+    named refusals and identical restores, and the problems (another exception, an error that names no file, other
+    values than ``want``, as ``state()`` reads them). Leaves the checkpoint mutated."""
     from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError, UnsafeCheckpointError
+
+    write = write or (lambda mutated: write_combined_at(path, mutated))
 
     outcomes, problems = {"named": 0, "identical": 0}, []
     for field, value in fields:
         for how, new in _mutations(value):
             mutated = copy.deepcopy(body)
             _set(mutated, field, how, new)
-            with open(path, "wb") as f:
-                f.write(seal(mutated))
+            write(mutated)
             name = "".join(f"[{k}]" if isinstance(k, int) else f".{k}" for k in field)
             try:
                 got_step = restore()
@@ -140,7 +143,8 @@ def crafted_outcomes(body, path, restore, state, want, fields):
 
 
 def _delta_manifest(root):
-    """A baseline and a delta of the toy model under ``root``. Returns the delta's manifest path and raw bytes."""
+    """A baseline and a delta of the toy model under ``root``. Returns the delta's manifest path and its
+    checkpoint's files (:func:`snapshot_dir`)."""
     from cnr_torchrec.ckpt.format.commits import manifest_path
 
     ck, dmp, specs, opt = _checkpointer(root, 0)
@@ -150,14 +154,18 @@ def _delta_manifest(root):
         info = ck.save(step).wait()
     ck.close()
     path = os.path.join(root, manifest_path(info.id))
-    return path, open(path, "rb").read()
+    return path, snapshot_dir(path)
 
 
 @pytest.mark.timeout(600)
 def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group, tmp_path):
+    """Every field of a delta's parts (as one body) and of its index's lines, each mutated every way."""
+    from cnr_torchrec.ckpt.format.commits import seal
+
     root = str(tmp_path / "root")
-    path, raw = _delta_manifest(root)
-    body = json.loads(raw)["body"]
+    path, files = _delta_manifest(root)
+    body = read_combined_at(path)
+    index = json.loads(files[path])["body"]
     assert body["kind"] == "delta" and any("ids" in e for r in body["ranks"] for es in r["tables"].values()
                                            for e in es)
 
@@ -167,9 +175,19 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
 
     outcomes, problems = crafted_outcomes(body, path, restorer.restore, lambda: local_state(fresh), want,
                                           _fields(body))
-    with open(path, "wb") as f:
-        f.write(raw)
-    print(f"mutations: {outcomes}")  # shown with -s
+    put_back(files)
+
+    def write_index(mutated):
+        with open(path, "wb") as f:
+            f.write(seal(mutated))
+
+    lines = [fv for fv in _fields(index) if fv[0][0] in ("parts", "shards")]
+    more, problems_index = crafted_outcomes(index, path, restorer.restore, lambda: local_state(fresh), want, lines,
+                                            write_index)
+    put_back(files)
+    problems += problems_index
+    outcomes = {k: outcomes[k] + more[k] for k in outcomes}
+    print(f"mutations: {outcomes}; of the index's lines: {more}")  # shown with -s
     assert not problems, "\n".join(problems[:15])
     assert outcomes["named"] > 200 and outcomes["identical"] > 20, outcomes  # both kinds of field are covered
 
@@ -184,7 +202,7 @@ def test_every_field_of_a_crafted_manifest_is_refused_by_name_or_harmless(group,
 ])
 def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(group, tmp_path, how):
     """Each crafted manifest breaks one check, and the error names that check's field in full."""
-    from cnr_torchrec.ckpt.format.commits import manifest_path, seal
+    from cnr_torchrec.ckpt.format.commits import manifest_path, part_path
     from cnr_torchrec.ckpt.tools.verify import verify_root
     from cnr_torchrec.errors import CorruptCheckpointError
 
@@ -194,7 +212,7 @@ def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(gr
     info = ck.save(1).wait()
     ck.close()
     path = os.path.join(root, manifest_path(info.id))
-    body = json.loads(open(path, "rb").read())["body"]
+    body = read_combined_at(path)
     report = body["ranks"][0]
     table, entries = next(iter(report["tables"].items()))
     entry = entries[0]
@@ -214,32 +232,31 @@ def test_the_crafted_manifests_of_the_issue_are_refused_before_any_allocation(gr
     else:
         entry["cols"] = [-8, entry["cols"][1]]
         field = f"ranks[0].tables[{table!r}][0].cols"
-    with open(path, "wb") as f:
-        f.write(seal(body))
+    write_combined_at(path, body)
+    # A rank's report is its part (format 7): the error names the part, and the field inside it.
+    where, field = part_path(info.id, 0), field.removeprefix("ranks[0].")
     restorer, *_ = _checkpointer(root, 1)
     with pytest.raises(CorruptCheckpointError) as e:
         restorer.restore()
-    assert manifest_path(info.id) in str(e.value) and field in str(e.value), str(e.value)
+    assert where in str(e.value) and field in str(e.value), str(e.value)
     problems = verify_root(root)
-    assert any(p.path == manifest_path(info.id) and field in p.message for p in problems), problems
+    assert any(p.path == where and field in p.message for p in problems), problems
 
 
 def test_a_row_mode_count_the_bitmap_does_not_hold_is_refused_by_restore_and_verify(group, tmp_path):
     """A count the schema accepts (within the entry, the report's whole_rows moved with it) but that the bitmap
     does not hold: the restore refuses it naming the rank file, and `cnr verify` names it too."""
-    from cnr_torchrec.ckpt.format.commits import seal
     from cnr_torchrec.ckpt.tools.verify import verify_root
     from cnr_torchrec.errors import CorruptCheckpointError
 
     root = str(tmp_path / "root")
-    path, raw = _delta_manifest(root)
-    body = json.loads(raw)["body"]
+    path, _ = _delta_manifest(root)
+    body = read_combined_at(path)
     at, _, entry = _entry(body, "whole")
     step = -1 if entry["whole"]["count"] > 1 else 1
     entry["whole"]["count"] += step
     body["ranks"][0]["whole_rows"] += step
-    with open(path, "wb") as f:
-        f.write(seal(body))
+    write_combined_at(path, body)
     restorer, *_ = _checkpointer(root, 1)
     with pytest.raises(CorruptCheckpointError, match=r"rank-00000\.bin: table '\w+': the row-mode bitmap sets"):
         restorer.restore()
@@ -252,8 +269,8 @@ def test_a_row_mode_count_the_bitmap_does_not_hold_is_refused_by_restore_and_ver
 
 @pytest.fixture(scope="module")
 def saved_bodies(group, tmp_path_factory):
-    """The JSON bodies of a real baseline and a real delta over every sharding type (one rank)."""
-    from cnr_torchrec.ckpt.format.commits import read_body
+    """The JSON bodies of a real baseline and a real delta over every sharding type (one rank), each with its
+    rank's part under ``ranks`` (:func:`combined_body`), as the schema checks a format 6 manifest."""
     from cnr_torchrec.ckpt.format.storage import Storage
 
     root = str(tmp_path_factory.mktemp("schema") / "root")
@@ -266,7 +283,7 @@ def saved_bodies(group, tmp_path_factory):
     ck.close()
     storage = Storage(root)
     try:
-        return [read_body(storage, i) for i in ids]
+        return [combined_body(storage, i) for i in ids]
     finally:
         storage.close()
 

@@ -21,6 +21,7 @@ import sys
 import pytest
 import torch
 
+from _format_checks import combined_body, write_combined
 from _toy import build_dmp, train
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
@@ -89,11 +90,11 @@ def _flip_last_row(storage, ckpt_id: int, table: str, cols: tuple[int, int]) -> 
     width = blob.nbytes // e.num_stored
     data[lo + (e.num_stored - 1) * width + width // 2] ^= 0x10
     storage.write_atomic(chunk.path, bytes(data))
-    body = json.loads(storage.read(manifest_path(ckpt_id)))["body"]
+    body = combined_body(storage, ckpt_id)
     raw = next(r for r in body["ranks"] if r["rank"] == report.rank)
     raw["chunks"][k]["xxh3"] = checksum(bytes(data))
     raw["blobs"][name]["xxh3"] = checksum(bytes(data[lo : lo + blob.nbytes]))
-    storage.write_atomic(manifest_path(ckpt_id), seal(body))
+    write_combined(storage, ckpt_id, body)
     return chunk.path, before
 
 

@@ -15,6 +15,8 @@ import sys
 import pytest
 import torch
 
+from _format_checks import combined_body, write_combined
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 import reliability as R  # noqa: E402
 
@@ -151,13 +153,13 @@ def _reseal(storage, file: str, data: bytes) -> None:
 
     storage.write_atomic(file, data)
     tip = committed_ids(storage)[-1]
-    body = json.loads(storage.read(manifest_path(tip)))["body"]
+    body = combined_body(storage, tip)
     for report in body["ranks"]:
         if report["file"] == file:  # one chunk: the toy payload is far below chunk_bytes
             report["chunks"][0]["xxh3"] = checksum(data)
             for meta in report["blobs"].values():
                 meta["xxh3"] = checksum(data[meta["offset"] : meta["offset"] + meta["nbytes"]])
-    storage.write_atomic(manifest_path(tip), seal(body))
+    write_combined(storage, tip, body)
 
 
 def _damaged_chain(path: str, options: dict | None, read: bool):
@@ -234,7 +236,7 @@ def test_a_format_4_chain_without_row_crcs_is_read_whole(group, tmp_path):
     storage = Storage(path)
     files = 0
     for i in committed_ids(storage):
-        body = json.loads(storage.read(manifest_path(i)))["body"]
+        body = combined_body(storage, i)
         for report in body["ranks"]:
             files += report["nbytes"]
             for entries in report["tables"].values():
@@ -341,7 +343,7 @@ def test_ids_that_disagree_with_their_count_are_named_by_every_reader(group, tmp
     dmp, opt, _ = _chain(path)
     storage = Storage(path)
     tip = committed_ids(storage)[-1]
-    body = json.loads(storage.read(manifest_path(tip)))["body"]
+    body = combined_body(storage, tip)
     report = body["ranks"][0]
     file = report["file"]
     ids = next(e["ids"] for entries in report["tables"].values() for e in entries

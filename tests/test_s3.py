@@ -107,7 +107,8 @@ def test_s3_round_trip_gc_and_cleanup(moto, method, bits):
     for rank, checks in enumerate(per_rank):
         assert len(checks) == 7 and all(checks.values()), (rank, checks)
     assert moto.keys(f"rt-{method}/") == sorted(f"rt-{method}/{k}" for k in (
-        "ckpt-00000005/manifest.json", "ckpt-00000005/rank-00000.bin", "ckpt-00000005/rank-00001.bin", "index.json"))
+        "ckpt-00000005/manifest.json", "ckpt-00000005/rank-00000.bin", "ckpt-00000005/rank-00000.json",
+        "ckpt-00000005/rank-00001.bin", "ckpt-00000005/rank-00001.json", "index.json"))
 
 
 @pytest.mark.multirank

@@ -25,6 +25,7 @@ from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
@@ -236,7 +237,8 @@ class Checkpointer:
         self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
-                                    reconstruction=self._reconstruction(), memory=self._memory)
+                                    reconstruction=self._reconstruction(), memory=self._memory,
+                                    boxes=shard_boxes(tracker))
 
     # ------------------------------------------------------------------ public
 

@@ -42,9 +42,12 @@ from cnr_torchrec.ckpt.format.blocks import Region, shard_key
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.parts import with_parts, write_part
+from cnr_torchrec.ckpt.format.placement import fits
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -131,7 +134,11 @@ class Compaction:
             if tuple(c.id for c in chain) != self.chain:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
                                    f"{list(self.chain)}")
-            report = self._merge(storage, chain, regions)
+            merged = self._merge(storage, chain, regions)
+            # The layout is claimed where the merged blocks fit this rank's regions (rank 0 drops every rank's
+            # claim unless all of them fit: format/placement.py, reports_for).
+            fit = fits(merged, [(g.table, g.rows, g.cols) for g in regions])
+            report = write_part(storage, self.new_id, merged, shard_boxes(self._tracker) if fit else None)
             fault_injection.hit("compact.after_write")
         except Exception as e:  # reported to rank 0, which will not commit
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
@@ -181,6 +188,12 @@ class Compaction:
             got = json.loads(self._store.get(self._key("result")))
         except Exception as e:
             return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
+        try:  # the last rank to hear the outcome clears it from the store
+            if self._store.add(self._key("heard"), 1) == self.world_size - 1:
+                self._store.delete_key(self._key("result"))
+                self._store.delete_key(self._key("heard"))
+        except Exception as e:
+            log.debug("compaction %d: could not clear the outcome's store keys: %s", self.new_id, e)
         return Outcome(got["ok"], got.get("nbytes", 0), got.get("error", ""))
 
     def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
@@ -188,7 +201,10 @@ class Compaction:
         if keys and not self._wait_keys(keys):
             missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
             return [own] + [{"rank": r, "ok": False, "error": "no report in time"} for r in missing]
-        return [own] + [json.loads(self._store.get(k)) for k in keys]
+        out = [own] + [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:  # read: the store need not hold them any longer
+            self._store.delete_key(k)
+        return out
 
     def _commit(self, own: dict[str, Any], chain: list[Manifest], storage: Storage | None,
                 t0: float) -> Outcome:
@@ -203,7 +219,7 @@ class Compaction:
                 body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
                                       self.world_size, (time.perf_counter() - t0) * 1e3,
                                       folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
-                manifest = check_manifest(body, manifest_path(self.new_id))
+                manifest = with_parts(check_manifest(body, manifest_path(self.new_id)), storage)
                 fault_injection.hit("compact.before_manifest")
                 storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
                 fault_injection.hit("compact.after_manifest")
@@ -236,10 +252,11 @@ def _folds(chain: list[Manifest], residual_job: bool) -> bool:
     return residual_job or fold.is_residual(chain)
 
 
-def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id: int, world_size: int,
+def compacted_body(chain: list[Manifest], parts: list[dict[str, Any]], new_id: int, world_size: int,
                    write_ms: float, *, folded: dict[str, Any] | None, recoded: dict[str, Any] | None = None,
                    by: str = "") -> dict[str, Any]:
-    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks.
+    """The manifest body of ``chain`` compacted into baseline ``new_id`` by ``world_size`` ranks, from their parts
+    (what :func:`~cnr_torchrec.ckpt.format.parts.write_part` returned, by rank).
 
     Args:
         folded: the codec fold.py wrote the sums with; None: a lossless merge.
@@ -248,8 +265,12 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
         by: who compacted it, for the manifest's reason (such as " by cnr compact").
     """
     tip = chain[-1]
-    for r in reports:
-        r["write_ms"] = round(write_ms, 3)
+    for p in parts:
+        p["line"]["write_ms"] = round(write_ms, 3)
+    if not all("layout" in p["line"] for p in parts):  # a rank's blocks spill over others' shards: no rank
+        for p in parts:                                 # may read its own part alone, nor trust the shards
+            p["line"].pop("layout", None)
+            p.pop("boxes", None)
     span = f"chain {chain[0].id}..{tip.id} ({len(chain)} checkpoints)"
     whole = folded is not None or recoded is not None  # every row written whole (fold.py, or re-encoded)
     reason = f"folded from {span}{by}" if folded is not None else f"compacted from {span}{by}"
@@ -258,9 +279,8 @@ def compacted_body(chain: list[Manifest], reports: list[dict[str, Any]], new_id:
     job = JobFields(policy=tip.policy, world_size=world_size, codec=dict(codec), restores=tip.restores,
                     table_fqns=tip.table_fqns)
     replicated = list(tip.replicated) if recoded is not None else []
-    return manifest_body(links, job, tables=tip.tables, reports=reports, replicated=replicated, equals=tip.id,
-                         compacted_from=(chain[0].id, tip.id),
-                         per_rank_state=all(r.get("rng") is not None for r in reports))
+    return manifest_body(links, job, tables=tip.tables, parts=parts, replicated=replicated, equals=tip.id,
+                         compacted_from=(chain[0].id, tip.id), per_rank_state=all(p["rng"] for p in parts))
 
 
 class Compactor:

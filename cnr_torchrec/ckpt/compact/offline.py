@@ -23,11 +23,13 @@ from cnr_torchrec.ckpt.format.commits import (
     committed_ids,
     existing_dir_ids,
     manifest_path,
+    part_path,
     rank_file,
     seal,
     write_index,
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
+from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
@@ -90,10 +92,14 @@ def compact(
             for report in tip.ranks:
                 reports.append(_write_compacted_rank(storage, report, new_id, tables, codec, progress))
                 written += _files(reports[-1])
+        parts = []
+        for written_report in reports:
+            written.append(part_path(new_id, written_report["rank"]))
+            parts.append(write_part(storage, new_id, written_report))
         codec_desc = None if codec is None or method is None else codec_description(method, bits, codec.params,
                                                                                     with_setting=False)
-        body = _compacted_body(chain, new_id, reports, codec_desc, (time.perf_counter() - t0) * 1e3)
-        manifest = check_manifest(body, manifest_path(new_id))
+        body = _compacted_body(chain, new_id, parts, codec_desc, (time.perf_counter() - t0) * 1e3)
+        manifest = with_parts(check_manifest(body, manifest_path(new_id)), storage)
         storage.write_atomic(manifest_path(new_id), seal(body, key=storage.key))
     except BaseException:
         storage.remove_dir(ckpt_dir(new_id), written)
@@ -130,13 +136,13 @@ def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: 
     return reports
 
 
-def _compacted_body(chain: list[Manifest], new_id: int, reports: list[dict[str, Any]],
+def _compacted_body(chain: list[Manifest], new_id: int, parts: list[dict[str, Any]],
                     codec: dict[str, Any] | None, write_ms: float) -> dict[str, Any]:
     """The new baseline's manifest body: the one a background compaction writes
     (:func:`~cnr_torchrec.ckpt.compact.background.compacted_body`, which owns the chain keys), plus what
     ``cnr compact`` does differently. ``codec``: the re-encoding codec's description (None: lossless,
     which keeps the tip's codec and stores replicated tables as entries)."""
-    return compacted_body(chain, reports, new_id, chain[-1].world_size, write_ms,
+    return compacted_body(chain, parts, new_id, chain[-1].world_size, write_ms,
                           folded=LOSSLESS_CODEC if is_residual(chain) else None, recoded=codec, by=" by cnr compact")
 
 

@@ -5,8 +5,10 @@ Layout under the root::
     ckpt-00000003/
         rank-00000.bin      payload of rank 0 (blobs back to back), its first chunk
         rank-00000.1.bin    its second chunk, and so on (format/chunks.py)
+        rank-00000.json     rank 0's part: its report (format 7; format/parts.py)
         rank-00001.bin
-        manifest.json       written last, atomically, by rank 0: the commit marker
+        rank-00001.json
+        manifest.json       the index, written last, atomically, by rank 0: the commit marker
     index.json              committed ids, rewritten after each commit (for stores that cannot list)
 
 A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`` last;
@@ -32,7 +34,8 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
 from cnr_torchrec.ckpt.format.integrity import RootKey, check_seal, seal_fields
-from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest, part_path_of, rank_file_of
+from cnr_torchrec.ckpt.format.parts import with_parts
 from cnr_torchrec.ckpt.format.payload import checksum
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage, check_relative
@@ -46,6 +49,7 @@ __all__ = [
     "ckpt_id_of",
     "manifest_path",
     "rank_file",
+    "part_path",
     "seal",
     "load_manifest",
     "read_body",
@@ -62,10 +66,11 @@ __all__ = [
 ]
 
 FORMAT = "cnr-checkpoint"
-# 6: a residual entry may store some rows whole (its "whole" bitmap); 5: a CRC-32C per stored row (range
+# 7: the manifest is an index, each rank's report a part of its own (format/parts.py); 6: a residual entry may
+# store some rows whole (its "whole" bitmap); 5: a CRC-32C per stored row (range
 # reads check what they read); 4: chunked payloads; 3: chain links (parent, base, depth) instead of chain
 # lists; 2: XXH3 checksums (1: sha256)
-VERSION = 6
+VERSION = 7
 INDEX = "index.json"
 _DIR_RE = re.compile(r"^ckpt-(\d{8})$")
 
@@ -79,7 +84,12 @@ def manifest_path(ckpt_id: int) -> str:
 
 
 def rank_file(ckpt_id: int, rank: int) -> str:
-    return f"{ckpt_dir(ckpt_id)}/rank-{rank:05d}.bin"
+    return rank_file_of(ckpt_id, rank)
+
+
+def part_path(ckpt_id: int, rank: int) -> str:
+    """Rank ``rank``'s part of checkpoint ``ckpt_id`` (format 7; :mod:`~cnr_torchrec.ckpt.format.parts`)."""
+    return part_path_of(ckpt_id, rank)
 
 
 def ckpt_id_of(path: str) -> int | None:
@@ -93,8 +103,9 @@ _BODY_KEY = b'"body": '
 
 def seal(body: dict[str, Any], version: int = VERSION, key: RootKey | None = None) -> bytes:
     """The bytes of a manifest file for ``body``: a header, then the body's JSON, which the header's xxh3 covers
-    (and, with the root's ``key``, its HMAC-SHA256)."""
-    text = json.dumps(body, indent=1, allow_nan=False).encode()
+    (and, with the root's ``key``, its HMAC-SHA256). Compact JSON since format 7 (indented before)."""
+    text = (json.dumps(body, indent=1, allow_nan=False) if version < 7 else
+            json.dumps(body, separators=(",", ":"), allow_nan=False)).encode()
     head = json.dumps({"format": FORMAT, "version": version, "xxh3": checksum(text),
                        **seal_fields(key, text)}).encode()
     return head[:-1] + b", " + _BODY_KEY + text + b"}"
@@ -116,7 +127,7 @@ def load_manifest(storage: Storage, ckpt_id: int) -> Manifest:
             schema (:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`).
         UnsafeCheckpointError: it names a dtype that is never written.
     """
-    return check_manifest(read_body(storage, ckpt_id), manifest_path(ckpt_id))
+    return with_parts(check_manifest(read_body(storage, ckpt_id), manifest_path(ckpt_id)), storage)
 
 
 def read_body(storage: Storage, ckpt_id: int) -> dict[str, Any]:
@@ -157,7 +168,7 @@ def read_body(storage: Storage, ckpt_id: int) -> dict[str, Any]:
     return body
 
 
-_READABLE = (2, 3, 4, 5, VERSION)
+_READABLE = (2, 3, 4, 5, 6, VERSION)
 
 
 def _links_from_chain(body: dict[str, Any], path: str) -> None:
@@ -265,6 +276,8 @@ def check_files_inside(manifest: Manifest) -> None:
         UnsafeCheckpointError: a rank file is absolute, climbs out with ``..``, or lies elsewhere under the
             root (a crafted manifest aiming a read, or a later collection, at another checkpoint's files).
     """
+    if manifest.version >= 7:
+        return  # each part's payload is its rank's file by rule, which check_part enforces when it is read
     home = ckpt_dir(manifest.id)
     for report in manifest.ranks:
         for path in report.payload.files:
@@ -329,6 +342,7 @@ def remove_partial(storage: Storage, ckpt_id: int, rank: int) -> None:
     if rank == 0:
         storage.delete(manifest_path(ckpt_id))
     storage.delete(rank_file(ckpt_id, rank))
+    storage.delete(part_path(ckpt_id, rank))
     if rank == 0:
         storage.remove_dir(ckpt_dir(ckpt_id), [])
 

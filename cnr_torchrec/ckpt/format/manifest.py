@@ -13,6 +13,7 @@ these classes: a save's body is checked, and so typed, before it is sealed.
 Nesting, outermost first::
 
     Manifest            one checkpoint: chain links, tables, job-level fields
+      RankSummary       what the index says of each rank
       RankReport        one rank's part: its payload, entries, dense and per-rank state
         Payload         the rank's bytes: chunk files and the blobs inside them
           Chunk, Blob
@@ -23,7 +24,7 @@ Nesting, outermost first::
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -35,6 +36,7 @@ __all__ = [
     "McRows",
     "Payload",
     "RankReport",
+    "RankSummary",
     "RowIds",
     "RowModes",
     "StateRef",
@@ -42,6 +44,8 @@ __all__ = [
     "Weights",
     "chunk_path",
     "frozen",
+    "part_path_of",
+    "rank_file_of",
 ]
 
 
@@ -51,6 +55,16 @@ def frozen(mapping: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 _EMPTY: Mapping[str, Any] = MappingProxyType({})
+
+
+def rank_file_of(ckpt_id: int, rank: int) -> str:
+    """A rank's payload file (its chunk 0) in checkpoint ``ckpt_id``."""
+    return f"ckpt-{ckpt_id:08d}/rank-{rank:05d}.bin"
+
+
+def part_path_of(ckpt_id: int, rank: int) -> str:
+    """A rank's part of checkpoint ``ckpt_id`` (format 7): its report, as JSON."""
+    return f"ckpt-{ckpt_id:08d}/rank-{rank:05d}.json"
 
 
 def chunk_path(file: str, k: int) -> str:
@@ -281,6 +295,26 @@ class RankReport:
 
 
 @dataclass(frozen=True)
+class RankSummary:
+    """What a checkpoint's index says of one rank (format 7), or its report (older formats): enough for a
+    listing, a commit's outcome and the chain's step counter, without the rank's entries.
+
+    Attributes:
+        nbytes: the rank's payload bytes; chunks: how many objects hold them.
+        tbe_iter: the highest TBE iteration counter of the rank's tables.
+    """
+
+    rank: int
+    nbytes: int
+    chunks: int
+    rows_written: int
+    stall_ms: float
+    write_ms: float
+    tbe_iter: int
+    layout: str | None = None  # the shards it held, as a digest (format 7 parts of a save; see format/parts.py)
+
+
+@dataclass(frozen=True)
 class Manifest:
     """One committed checkpoint.
 
@@ -291,6 +325,11 @@ class Manifest:
     ``compacted_from``.
 
     ``body`` is the JSON the manifest was built from, for tools that print it or copy fields.
+
+    Since format 7 the manifest is an index: each rank's report is a part of its own, read and checked when
+    ``ranks[r]`` is first asked for (:class:`~cnr_torchrec.ckpt.format.parts.Parts`), so that a rank that
+    restores on the plan that saved reads its own part and rank 0's (the dense state) and no other.
+    ``summaries`` says what listings need of every rank without reading any part.
     """
 
     id: int
@@ -311,7 +350,9 @@ class Manifest:
     encodings: Mapping[str, str]
     nbytes: int
     created_unix: float
-    ranks: tuple[RankReport, ...]
+    ranks: Sequence[RankReport]
+    summaries: tuple[RankSummary, ...] = ()
+    version: int = 7
     equals: int | None = None
     compacted_from: tuple[int, ...] | None = None
     per_rank_state: bool = True
@@ -323,12 +364,28 @@ class Manifest:
 
     @property
     def rows_written(self) -> int:
-        return sum(r.rows_written for r in self.ranks)
+        return sum(r.rows_written for r in self.summaries)
+
+    @property
+    def stall_ms(self) -> float:
+        """The slowest rank's stall."""
+        return max((r.stall_ms for r in self.summaries), default=0.0)
+
+    @property
+    def write_ms(self) -> float:
+        """The slowest rank's background write."""
+        return max((r.write_ms for r in self.summaries), default=0.0)
 
     @property
     def files(self) -> list[str]:
-        """Every payload object of every rank."""
-        return [f for r in self.ranks for f in r.payload.files]
+        """Every object of every rank: its payload's chunks, and since format 7 its part (by the index alone)."""
+        if self.version < 7:
+            return [f for r in self.ranks for f in r.payload.files]
+        out = []
+        for r in self.summaries:
+            file = rank_file_of(self.id, r.rank)
+            out += [chunk_path(file, k) for k in range(r.chunks)] + [part_path_of(self.id, r.rank)]
+        return out
 
     def entries(self) -> list[tuple[RankReport, str, TableEntry]]:
         """Every (report, table, entry) of the checkpoint, as stored."""

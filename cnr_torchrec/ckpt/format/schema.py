@@ -34,6 +34,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     McRows,
     Payload,
     RankReport,
+    RankSummary,
     RowChecks,
     RowIds,
     RowModes,
@@ -42,6 +43,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     Weights,
     chunk_path,
     frozen,
+    rank_file_of,
 )
 from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -82,9 +84,10 @@ _BODY: dict[str, Check] = {
     "parent": _opt(_int()), "base": _int(), "depth": _int(), "encodings": _type(dict), "reason": _type(str),
     "policy": _opt(_type(str)), "world_size": _int(1, 1 << 20), "codec": _type(dict), "restores": _int(),
     "tables": _type(dict), "table_fqns": _type(dict), "replicated": _type(list), "nbytes": _int(),
-    "created_unix": _number, "ranks": _type(list),
+    "created_unix": _number,
 }
 _BODY_OPTIONAL: dict[str, Check] = {"equals": _int(), "compacted_from": _type(list), "per_rank_state": _type(bool),
+                                    "shards": _type(dict),
                                     "chain": _type(list)}
 _RANK: dict[str, Check] = {
     "rank": _int(), "ok": _of(True), "file": _type(str), "nbytes": _int(), "blobs": _type(dict),
@@ -93,6 +96,10 @@ _RANK: dict[str, Check] = {
     "dense_optimizer": _opt(_type(dict)), "extra": _type(dict),
 }
 _CHUNK: dict[str, Check] = {"nbytes": _int()}
+# A rank's line in a format 7 index: its part file's size (and digest, as a chunk's), its payload's bytes and
+# chunks, and what listings and the chain's step counter need.
+_PART: dict[str, Check] = {"nbytes": _int(), "payload": _int(), "chunks": _int(1, 1 << 30), "rows_written": _int(),
+                           "stall_ms": _number, "write_ms": _number, "tbe_iter": _int()}
 _BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*DTYPES), "shape": _type(list),
                            "xxh3": _type(str)}
 
@@ -110,8 +117,9 @@ class _Fields:
         self.path = path
 
     def fail(self, field: str, problem: str) -> None:
-        raise CorruptCheckpointError(f"{self.path}: {field} {problem}. The manifest was edited or crafted; refusing "
-                                     "it (restore another checkpoint with restore(step=...))", path=self.path)
+        raise CorruptCheckpointError(f"{self.path}: {field.lstrip('.')} {problem}. The manifest was edited or "
+                                     "crafted; refusing it (restore another checkpoint with restore(step=...))",
+                                     path=self.path)
 
     def record(self, obj: Any, field: str, spec: Mapping[str, Check], optional: Mapping[str, Check] = {}) -> None:
         if not isinstance(obj, dict):
@@ -146,11 +154,14 @@ def check_manifest(body: Any, path: str) -> Manifest:
         UnsafeCheckpointError: a blob has a dtype that is never written.
     """
     f = _Fields(path)
-    f.record(body, "", _BODY, _BODY_OPTIONAL)
+    index = isinstance(body, dict) and "parts" in body and "ranks" not in body  # format 7
+    f.record(body, "", {**_BODY, ("parts" if index else "ranks"): _type(list)}, _BODY_OPTIONAL)
     _check_links(f, body)
     shapes = _table_shapes(f, body)
     for table, encoding in body["encodings"].items():
         f.value(encoding, f"encodings[{table!r}]", _of("full", "rows"))
+    if index:
+        return _manifest(body, (), _check_index(f, body), 7)
     ranks = body["ranks"]
     stored_whole = sorted(t for r in ranks if isinstance(r, dict) and isinstance(r.get("replicated_tables"), dict)
                           for t in r["replicated_tables"])
@@ -161,16 +172,96 @@ def check_manifest(body: Any, path: str) -> Manifest:
     reports = tuple(_check_rank(f, report, f"ranks[{i}]", i, shapes) for i, report in enumerate(ranks))
     if sum(r.nbytes for r in reports) != body["nbytes"]:
         f.fail("nbytes", f"is {body['nbytes']}, but the rank files hold {sum(r.nbytes for r in reports)} bytes")
+    summaries = tuple(RankSummary(r.rank, r.nbytes, len(r.payload.chunks), r.rows_written, r.stall_ms, r.write_ms,
+                                  r.tbe_iter) for r in reports)
+    return _manifest(body, reports, summaries, 6)
+
+
+def _manifest(body: Mapping[str, Any], reports: tuple[RankReport, ...], summaries: tuple[RankSummary, ...],
+              version: int) -> Manifest:
+    """The typed manifest of a checked body (a format 7 index gets its parts from
+    :func:`~cnr_torchrec.ckpt.format.parts.with_parts`)."""
     compacted = body.get("compacted_from")
     return Manifest(
         id=body["id"], step=body["step"], kind=body["kind"], parent=body["parent"], base=body["base"],
         depth=body["depth"], since=body["since"], reason=body["reason"], policy=body["policy"],
-        world_size=body["world_size"], codec=frozen(body["codec"]), restores=body["restores"], tables=frozen(shapes),
-        table_fqns=frozen(body["table_fqns"]), replicated=tuple(body["replicated"]),
+        world_size=body["world_size"], codec=frozen(body["codec"]), restores=body["restores"],
+        tables=frozen(_shapes_of(body)), table_fqns=frozen(body["table_fqns"]), replicated=tuple(body["replicated"]),
         encodings=frozen(body["encodings"]), nbytes=body["nbytes"], created_unix=float(body["created_unix"]),
-        ranks=reports, equals=body.get("equals"), compacted_from=tuple(compacted) if compacted else None,
-        per_rank_state=body.get("per_rank_state", True), body=body,
+        ranks=reports, summaries=summaries, version=version, equals=body.get("equals"),
+        compacted_from=tuple(compacted) if compacted else None, per_rank_state=body.get("per_rank_state", True),
+        body=body,
     )
+
+
+def _shapes_of(body: Mapping[str, Any]) -> dict[str, tuple[int, int]]:
+    return {name: (shape[0], shape[1]) for name, shape in body["tables"].items()}
+
+
+def _check_index(f: _Fields, body: Mapping[str, Any]) -> tuple[RankSummary, ...]:
+    """A format 7 index's ``parts``: one line per rank, whose payloads add up to the checkpoint's bytes."""
+    parts = body["parts"]
+    if len(parts) != body["world_size"]:
+        f.fail("parts", f"holds {len(parts)} lines for a world size of {body['world_size']}")
+    out = []
+    for r, line in enumerate(parts):
+        where = f"parts[{r}]"
+        f.record(line, where, _PART, {"layout": _type(str)})
+        _chunk_digest(f, line, where)
+        out.append(RankSummary(r, line["payload"], line["chunks"], line["rows_written"], float(line["stall_ms"]),
+                               float(line["write_ms"]), line["tbe_iter"], line.get("layout")))
+    if sum(p.nbytes for p in out) != body["nbytes"]:
+        f.fail("nbytes", f"is {body['nbytes']}, but the parts' payloads hold {sum(p.nbytes for p in out)} bytes")
+    return tuple(out)
+
+
+def check_report(report: Any, path: str) -> RankReport:
+    """A rank's report as its writer is about to write it as its part (``path``): the schema of
+    :func:`check_part`, against the shapes of the tables the report holds.
+
+    Raises:
+        CorruptCheckpointError: as :func:`check_part` (a writer's bug: the part is never written).
+    """
+    f = _Fields(path)
+    f.record(report, "", {"rank": _int(), "table_shapes": _type(dict)})
+    shapes = _table_shapes(f, {"tables": report["table_shapes"], "replicated": []})
+    return _check_rank(f, report, "", report["rank"], shapes)
+
+
+def part_digest(line: Mapping[str, Any]) -> tuple[str, bool]:
+    """A checked index line's digest of its part, and whether it is keyed."""
+    keyed = CHUNK_DIGESTS[1] in line
+    return line[CHUNK_DIGESTS[keyed]], keyed
+
+
+def check_part(raw: Any, path: str, manifest: Manifest) -> RankReport:
+    """Checks a rank's part of a format 7 checkpoint against the schema and against the index's line for it,
+    and builds its :class:`RankReport`.
+
+    Raises:
+        CorruptCheckpointError: as :func:`check_manifest`, naming the part ``path``; or the part disagrees with
+            the index (another checkpoint's or rank's part, other sizes or counts).
+        UnsafeCheckpointError: a blob has a dtype that is never written.
+    """
+    f = _Fields(path)
+    f.record(raw, "", {"ckpt": _int(), "rank": _int()})
+    rank = raw["rank"]
+    if raw["ckpt"] != manifest.id or not 0 <= rank < len(manifest.summaries):
+        f.fail("ckpt", f"and rank say checkpoint {raw['ckpt']}, rank {rank}: not a part of checkpoint {manifest.id}")
+    report = _check_rank(f, raw, "", rank, manifest.tables)
+    line = manifest.summaries[rank]
+    if report.file != rank_file_of(manifest.id, rank):  # reads aimed at other files: refused, never skipped
+        raise UnsafeCheckpointError(
+            f"{path}: file is {report.file!r}, not rank {rank}'s payload {rank_file_of(manifest.id, rank)!r}. The "
+            "part was crafted or edited; refusing it. Restore another checkpoint with restore(step=...).")
+    said = (line.nbytes, line.chunks, line.rows_written, line.tbe_iter)
+    has = (report.nbytes, len(report.payload.chunks), report.rows_written, report.tbe_iter)
+    if said != has:
+        f.fail("nbytes", f"chunks, rows_written and tbe_iter are {has}, the index says {said}")
+    extra = sorted(set(report.replicated_tables) - set(manifest.replicated))
+    if extra:
+        f.fail("replicated_tables", f"stores {extra} whole, which the index does not list as replicated")
+    return report
 
 
 def check_payload(report: Any, where: str, path: str = "payload") -> Payload:

@@ -70,6 +70,7 @@ class Storage:
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None, key: RootKey | None = None) -> None:
         self.root, self.key = root, key
+        self._options = dict(storage_options or {})
         if "://" in root:
             protocol, path = root.split("://", 1)
             self.local_dir = path if protocol in ("", "fs") else None
@@ -257,6 +258,14 @@ class Storage:
             shutil.rmtree(os.path.join(self.local_dir, rel), ignore_errors=True)
         elif isinstance(self._plugin, S3Plugin):
             self._run(self._plugin.delete_prefix(rel))
+
+    @property
+    def closed(self) -> bool:
+        return self._loop.is_closed()
+
+    def reopen(self) -> Storage:
+        """A new Storage on the same root, with the same options and key."""
+        return Storage(self.root, self._options, key=self.key)
 
     def close(self) -> None:
         if not self._loop.is_closed():

@@ -176,22 +176,23 @@ def failed_report(rank: int, error: str) -> JSON:
 
 
 def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Sequence[int]],
-                  reports: Sequence[JSON], replicated: Sequence[str] | None = None,
+                  parts: Sequence[JSON], replicated: Sequence[str] | None = None,
                   per_rank_state: bool | None = None, equals: int | None = None,
                   compacted_from: tuple[int, int] | None = None) -> JSON:
-    """The body of a manifest (:func:`~cnr_torchrec.ckpt.format.commits.seal` seals it).
+    """The body of a manifest, an index of the ranks' parts (:func:`~cnr_torchrec.ckpt.format.commits.seal`
+    seals it).
 
     Args:
         links: the chain keys; job: the job keys.
         tables: ``[rows, dim]`` of every table of the model.
-        reports: the rank reports (:func:`rank_report`), ordered by rank.
-        replicated: the tables every rank holds alike (data_parallel); None: those the reports store.
+        parts: what :func:`~cnr_torchrec.ckpt.format.parts.write_part` returned for each rank, ordered by rank.
+        replicated: the tables every rank holds alike (data_parallel); None: those the parts store.
         per_rank_state: whether the per-rank state (extra_state, RNG) of the writing ranks is there; left out
             (meaning yes) when None.
         equals, compacted_from: a compacted baseline's: the tip it restores as, and the chain it compacts.
     """
     if replicated is None:
-        replicated = sorted({t for r in reports for t in r.get("replicated_tables", {})})
+        replicated = sorted({t for p in parts for t in p["replicated"]})
     body: JSON = {
         **links.to_json(),
         "policy": job.policy,
@@ -201,7 +202,7 @@ def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Seq
         "tables": {t: list(shape) for t, shape in tables.items()},
         "table_fqns": dict(job.table_fqns),
         "replicated": list(replicated),
-        "nbytes": sum(int(r["nbytes"]) for r in reports),
+        "nbytes": sum(int(p["line"]["payload"]) for p in parts),
         "created_unix": time.time(),
     }
     if equals is not None:
@@ -210,5 +211,26 @@ def manifest_body(links: ChainLinks, job: JobFields, *, tables: Mapping[str, Seq
         body["compacted_from"] = list(compacted_from)
     if per_rank_state is not None:
         body["per_rank_state"] = per_rank_state
-    body["ranks"] = list(reports)
+    body["parts"] = [p["line"] for p in parts]
+    if parts and all("boxes" in p for p in parts):
+        body["shards"] = shards_of(tables, [p["boxes"] for p in parts])
     return body
+
+
+def shards_of(tables: Mapping[str, Sequence[int]], boxes: Sequence[Sequence[Sequence[Any]]]) -> JSON:
+    """An index's ``shards``: where each sharded table's rows live, by rank (``boxes[r]``: rank r's
+    ``[table, row_start, row_end, col_start, col_end]``). A table split by rows into even blocks, one per rank
+    in rank order, each the table's full width, is ``{"rows": block}``; any other a list of
+    ``[rank, row_start, row_end, col_start, col_end]``."""
+    by_table: dict[str, list[list[int]]] = {}
+    for rank, rank_boxes in enumerate(boxes):
+        for t, r0, r1, c0, c1 in rank_boxes:
+            by_table.setdefault(t, []).append([rank, r0, r1, c0, c1])
+    out: JSON = {}
+    for t, held in sorted(by_table.items()):
+        n, dim = tables[t][0], tables[t][1]
+        block = held[0][2] - held[0][1]
+        even = block > 0 and sorted(held) == [[r, r * block, min((r + 1) * block, n), 0, dim]
+                                              for r in range(-(-n // block))]
+        out[t] = {"rows": block} if even else sorted(held)
+    return out

@@ -27,7 +27,7 @@ other ranges relocates by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.reloc
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import shard_key
-from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, TableEntry
+from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, host_copy
@@ -164,16 +164,20 @@ class Applier:
 
     def __init__(self, tracker: DirtyRowTracker, manifests: list[Manifest], replicated: bool = True,
                  stats: dict[str, float] | None = None, exclude: set[str] | frozenset[str] = frozenset(),
-                 stage: bool = False, buffers: Mapping[Key, torch.Tensor] | None = None) -> None:
+                 stage: bool = False, buffers: Mapping[Key, torch.Tensor] | None = None,
+                 sources: Callable[[Manifest], Sequence[RankReport]] | None = None) -> None:
         self._stats = stats  # gets minimal_bytes: the stored bytes of the rows that are applied
+        sources = sources or (lambda m: m.ranks)  # the reports that can hold this rank's rows
         breaks: dict[str, set[int]] = {}
+        additive = False
         for m in manifests:
-            for report in m.ranks:
+            for report in sources(m):
                 for table, entry in m.rows_of(report, replicated):
                     breaks.setdefault(table, set()).update(entry.cols)
+                    additive = additive or entry.residual
         # A chain with residual entries (quantization.residual) adds up: a row is its newest whole entry
         # plus every newer residual, so the weights start from zero and every entry adds to them.
-        self.additive = any(e.residual for m in manifests for _, _, e in m.entries())
+        self.additive = additive
         buffers = buffers or {}
         self.targets = {
             table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage,

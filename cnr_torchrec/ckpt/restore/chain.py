@@ -16,7 +16,7 @@ by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.relocate`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,10 +26,12 @@ from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.payload import unflatten_state
+from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.image import ShardViews
 from cnr_torchrec.ckpt.memory.tier import image_tables
 from cnr_torchrec.ckpt.restore.apply import Applier
@@ -101,7 +103,8 @@ def restore_chain(
         skip |= set(image_tables(tracker))
         relocated = set()  # the image is of this layout: nothing moved
     with wider_pool(threads):
-        read, staged = _apply_chain(manifests, storage, tracker, replicated, stats, pool, skip, stage, buffers)
+        read, staged = _apply_chain(manifests, storage, tracker, rank, replicated, stats, pool, skip, stage,
+                                    buffers)
         if not stage:
             staged.commit()
         if from_image is not None:
@@ -130,15 +133,25 @@ def restore_chain(
     return staged
 
 
-def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, replicated: bool,
-                 stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str],
+def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, rank: int,
+                 replicated: bool, stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str],
                  stage: bool, buffers: Mapping[Key, torch.Tensor] | None) -> tuple[dict[int, RowReader], StagedWeights]:
     """The chain's entries onto this rank's shards (but those of the ``relocated`` tables), newest checkpoint
     first, each row read, decoded and copied once (into host copies where ``stage``). Returns the readers of the
-    tip's files, by rank (dense and per-rank state are there too), and the staged weights."""
+    tip's files, by rank (dense and per-rank state are there too), and the staged weights.
+
+    Only the reports that can hold this rank's rows are read (:func:`~cnr_torchrec.ckpt.format.placement.reports_for`):
+    on the plan that saved a format 7 checkpoint, the rank's own part (and rank 0's, for data_parallel tables)."""
     target = manifests[-1]
+    boxes = shard_boxes(tracker)
+    data_parallel = any(tracker.is_data_parallel(t) for t in tracker.tables())
+
+    def sources(m: Manifest) -> Sequence[RankReport]:
+        return reports_for(m, rank, boxes, data_parallel)
+
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers)
+        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers,
+                          sources=sources)
     tip: dict[int, RowReader] = {}
     try:
         claimed: list[list[tuple[RowReader, Any]]] = []  # an additive chain's work, newest checkpoint first
@@ -146,8 +159,8 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
             if applier.done():
                 break
             with timed(stats, "plan_ms"):
-                work = _plan_checkpoint(m, storage, applier, replicated, stats, pool, tip if m is target else None,
-                                        prefetch=not applier.additive)
+                work = _plan_checkpoint(m, sources(m), storage, applier, replicated, stats, pool,
+                                        tip if m is target else None, prefetch=not applier.additive)
             if not applier.additive:  # each row is written once, by its newest copy: apply as the chain is read
                 _apply_work(applier, work, stats)
                 continue
@@ -170,14 +183,14 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
     return tip, staged
 
 
-def _plan_checkpoint(m: Manifest, storage: Storage, applier: Applier, replicated: bool,
-                     stats: dict[str, float] | None, pool: IOPool | None, tip: dict[int, RowReader] | None,
-                     prefetch: bool) -> list[tuple[RowReader, Any]]:
-    """Claims what checkpoint ``m``'s entries give this rank. Returns (reader, plan) per entry with rows to
-    apply; their reads start now with ``prefetch``. ``tip``: where to keep ``m``'s readers by rank."""
+def _plan_checkpoint(m: Manifest, reports: Sequence[RankReport], storage: Storage, applier: Applier,
+                     replicated: bool, stats: dict[str, float] | None, pool: IOPool | None,
+                     tip: dict[int, RowReader] | None, prefetch: bool) -> list[tuple[RowReader, Any]]:
+    """Claims what the entries of checkpoint ``m``'s ``reports`` give this rank. Returns (reader, plan) per entry
+    with rows to apply; their reads start now with ``prefetch``. ``tip``: where to keep ``m``'s readers by rank."""
     work = []
     wanted = []
-    for report in m.ranks:
+    for report in reports:
         load = RowReader(storage, report.payload, stats, pool=pool)
         if tip is not None:
             tip[report.rank] = load
@@ -267,7 +280,7 @@ def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTra
     for tbe in tracker.tbes():
         it = getattr(tbe, "iter", None)
         if isinstance(it, torch.Tensor) and it.numel() == 1:
-            it.fill_(max(r.tbe_iter for r in target.ranks))
+            it.fill_(max(r.tbe_iter for r in target.summaries))
 
 
 def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module, dense_optimizer: Any,

@@ -7,7 +7,7 @@ outcome (:meth:`cnr_torchrec.ckpt.Checkpointer.restore`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from cnr_torchrec.ckpt.format.commits import (
     newest_state_first,
     walk_chain,
 )
-from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
@@ -32,13 +32,17 @@ log = logging.getLogger(__name__)
 
 def resolve_chain(
     storage: Storage, step: int | None, bad: dict[int, str], *, fail: bool, quiet: bool = False,
-    stats: dict[str, float] | None = None,
+    stats: dict[str, float] | None = None, reads: Callable[[Manifest], Sequence[RankReport]] | None = None,
 ) -> tuple[Pick, list[Manifest] | None]:
     """The newest committed checkpoint (of ``step``) whose chain is sound, as far as manifests tell.
 
     Sound: every manifest of the chain loads, matches its checksum and passes the schema, its
     links (parent, base, depth) lead back to a baseline (:func:`walk_chain`), and every rank
-    file lies in its checkpoint's directory, exists and has the size the manifest gives. Checkpoints in
+    file lies in its checkpoint's directory, exists and has the size the manifest gives (with ``reads``, the
+    reports this rank will read, by :func:`~cnr_torchrec.ckpt.format.placement.reports_for`: of a format 7
+    checkpoint, only those parts and their files; another rank's are checked by the rank that reads them,
+    and a problem found while applying fails the attempt on every rank, which then skips the checkpoint as
+    here). Checkpoints in
     ``bad`` (and chains through them) are skipped; unless ``fail`` (``on_corrupt: fail``), corrupt ones found
     here are added to it.
     ``quiet``: do not log the skips (a rank whose pick only confirms rank 0's). ``stats``: adds the
@@ -57,7 +61,7 @@ def resolve_chain(
         Exception: whatever the storage raises while listing or reading (an S3 ``ClientError``,
             an ``OSError``); a storage error is no evidence of corruption, so nothing is skipped for it.
     """
-    return _Resolver(storage, bad, fail, quiet, stats).pick(step)
+    return _Resolver(storage, bad, fail, quiet, stats, reads).pick(step)
 
 
 @dataclass(frozen=True)
@@ -88,8 +92,10 @@ class _Resolver:
     """One call of :func:`resolve_chain`: the manifests it loaded, and what it found unsound."""
 
     def __init__(self, storage: Storage, bad: dict[int, str], fail: bool, quiet: bool,
-                 stats: dict[str, float] | None = None) -> None:
+                 stats: dict[str, float] | None = None,
+                 reads: Callable[[Manifest], Sequence[RankReport]] | None = None) -> None:
         self.storage, self.bad, self.fail, self.quiet, self.stats = storage, bad, fail, quiet, stats
+        self.reads = reads or (lambda m: m.ranks)
         self.skipped: list[tuple[int, str]] = []  # (id, why) found unsound in this call, for the other ranks' logs
         self._loaded: dict[int, Manifest] = {}
 
@@ -167,7 +173,9 @@ class _Resolver:
 
     def _check_files(self, c: Manifest) -> None:
         check_files_inside(c)  # UnsafeCheckpointError for ../x, absolute paths and other checkpoints' files
-        for r in c.ranks:
+        with timed(self.stats, "manifests_ms"):  # the parts this rank reads, checked as they load
+            reports = list(self.reads(c))
+        for r in reports:
             for chunk in r.payload.chunks:
                 self._check_size(chunk.path, chunk.nbytes, c.id)
 

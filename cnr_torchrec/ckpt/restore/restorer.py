@@ -18,8 +18,10 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.tier import MemoryTier
 from cnr_torchrec.ckpt.restore.chain import restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
@@ -252,8 +254,10 @@ class Restorer:
         self, step: int | None, bad: dict[int, str], quiet: bool = False
     ) -> tuple[Pick, list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
+        boxes = shard_boxes(self.tracker)
+        data_parallel = any(self.tracker.is_data_parallel(t) for t in self.tracker.tables())
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet,
-                             stats=self.stats)
+                             stats=self.stats, reads=lambda m: reports_for(m, self.rank, boxes, data_parallel))
 
     def agree_on_pick(
         self, step: int | None, bad: dict[int, str], *, local: bool

@@ -18,6 +18,7 @@ from cnr_torchrec.ckpt.format.commits import (
     write_index,
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
@@ -68,8 +69,8 @@ def write_baseline(storage: Storage, *, step: int, shards: Iterable[StagedShard]
         report["write_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
         job = JobFields(policy=None, world_size=1, restores=0, table_fqns=dict(table_fqns),
                         codec=codec_description("none", codec.bits, codec.params))
-        body = manifest_body(decision, [report], job, tables, per_rank_state=False)
-        manifest = check_manifest(body, manifest_path(new_id))
+        body = manifest_body(decision, [write_part(storage, new_id, report)], job, tables, per_rank_state=False)
+        manifest = with_parts(check_manifest(body, manifest_path(new_id)), storage)
         storage.write_atomic(manifest_path(new_id), seal(body, key=storage.key))
     except BaseException:
         remove_partial(storage, new_id, 0)

@@ -1,10 +1,13 @@
 """The commit protocol of a save, run on the Checkpointer's background thread.
 
-Each rank encodes and writes its payload file, then reports to rank 0 through the c10d
-store (never the training process group). Rank 0 waits for every report, writes the
-sealed manifest atomically (the commit), publishes the outcome for the other ranks, and
-then rewrites the index and collects what the kept chains no longer need. A save that
-does not commit leaves nothing that looks committed and removes its partial files.
+Each rank encodes and writes its payload file and its part (its report, format/parts.py), then
+tells rank 0 through the c10d store (never the training process group) that they are durable:
+the part's size and digest and a few counts, not the report. Rank 0 waits for every rank, writes
+the sealed index atomically (the commit), publishes the outcome for the other ranks, and then
+rewrites index.json and collects what the kept chains no longer need. Every store key a save
+creates is deleted once the outcome is known: the ranks' lines by rank 0 as it reads them, the
+outcome by the last rank to hear it. A save that does not commit leaves nothing that looks
+committed and removes its partial files.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields
@@ -63,26 +67,26 @@ class CheckpointInfo:
         return cls(
             id=m.id, step=m.step, kind=m.kind, parent=m.parent, chain=tuple(chain), policy=m.policy,
             nbytes=m.nbytes, rows_written=m.rows_written, world_size=m.world_size, codec=m.codec,
-            stall_ms=max(r.stall_ms for r in m.ranks), write_ms=max(r.write_ms for r in m.ranks),
+            stall_ms=m.stall_ms, write_ms=m.write_ms,
         )
 
 
 
-def manifest_body(d: Decision, reports: list[dict[str, Any]], job: JobFields, tables: list[str],
+def manifest_body(d: Decision, parts: list[dict[str, Any]], job: JobFields, tables: list[str],
                   per_rank_state: bool | None = None) -> dict[str, Any]:
-    """The manifest of save ``d`` from its rank reports (ordered by rank) and the ``job``'s fields.
-    ``tables``: every table of the model, whose shapes the reports give.
+    """The index of save ``d`` from its ranks' parts (what :func:`write_part` returned, ordered by rank) and the
+    ``job``'s fields. ``tables``: every table of the model, whose shapes the parts give.
 
     Raises:
-        CheckpointError: no report gives the shape of some table.
+        CheckpointError: no rank gives the shape of some table.
     """
     shapes: dict[str, list[int]] = {}
-    for r in reports:
-        shapes.update(r["table_shapes"])
+    for p in parts:
+        shapes.update(p["table_shapes"])
     missing = sorted(set(tables) - set(shapes))
     if missing:
         raise CheckpointError(f"no rank reported the shape of tables {missing}")
-    return writing.manifest_body(d.links(), job, tables=shapes, reports=reports, per_rank_state=per_rank_state)
+    return writing.manifest_body(d.links(), job, tables=shapes, parts=parts, per_rank_state=per_rank_state)
 
 
 class Committer:
@@ -98,14 +102,18 @@ class Committer:
         on_commit: rank 0 calls it with each committed body and its storage (retention).
         reconstruction: what the committed chain restores on this rank (residual coding, or the memory tier).
         memory: this rank's memory image, sealed for each checkpoint once the reconstruction has taken it.
+        boxes: the shards this rank holds (:func:`~cnr_torchrec.ckpt.format.parts.shard_boxes`), which each
+            index records.
     """
 
     def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, distributed: bool, store: Any,
                  io: IOPool,
                  staging: StagingBuffers, tables: list[str],
                  on_commit: Callable[[Manifest, Storage], None],
-                 reconstruction: Reconstruction | None = None, memory: MemoryTier | None = None) -> None:
+                 reconstruction: Reconstruction | None = None, memory: MemoryTier | None = None,
+                 boxes: list[Any] | None = None) -> None:
         self.config, self.rank, self.world_size = config, rank, world_size
+        self._boxes = boxes
         self.reconstruction = reconstruction
         self.memory = memory
         self._dist, self._store, self._io, self._staging = distributed, store, io, staging
@@ -140,16 +148,20 @@ class Committer:
                                     chunk_bytes=self.config.chunk_bytes, pool=self._io,
                                     reconstruction=self.reconstruction,
                                     residual=bool(self.config.quantization.residual))
+                # A report the schema refuses is never written.
+                part = write_part(storage, d.ckpt_id, report, self._boxes)
                 fault_injection.hit("write.after")
             except Exception as e:  # reported to rank 0, which will not commit
                 log.error("save %d: rank %d failed to write: %s: %s", d.ckpt_id, self.rank, type(e).__name__, e)
-                report = writing.failed_report(self.rank, f"{type(e).__name__}: {e}")
+                report = part = writing.failed_report(self.rank, f"{type(e).__name__}: {e}")
             finally:
                 self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
+        if staged is None:
+            part = report
         if self.rank == 0:
-            result = self._commit(d, report, storage, fields)
+            result = self._commit(d, part, storage, fields)
         else:
-            result = self._await_result(d, report)
+            result = self._await_result(d, part)
         if self.reconstruction is not None:
             if result["ok"]:
                 self._commit_reconstruction(d, report)
@@ -201,14 +213,26 @@ class Committer:
     def _key(self, d: Decision, what: str) -> str:
         return f"{d.ckpt_id}/{what}"
 
-    def _await_result(self, d: Decision, report: dict[str, Any]) -> dict[str, Any]:
+    def _await_result(self, d: Decision, part: dict[str, Any]) -> dict[str, Any]:
         timeout = timedelta(seconds=self.config.save_timeout_s)
         try:
-            self._store.set(self._key(d, f"report/{self.rank}"), json.dumps(report))
+            self._store.set(self._key(d, f"report/{self.rank}"), json.dumps(part))
             self._store.wait([self._key(d, "result")], timeout)
-            return json.loads(self._store.get(self._key(d, "result")))
+            result = json.loads(self._store.get(self._key(d, "result")))
         except Exception as e:  # the store lives in rank 0's process under some launchers: it may be gone with it
             return {"ok": False, "heard": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
+        self._heard(d)
+        return result
+
+    def _heard(self, d: Decision) -> None:
+        """Counts this rank as having heard the outcome; the last rank to hear it deletes the outcome's keys, so
+        that the store holds nothing of a save once every rank knows how it ended."""
+        try:
+            if self._store.add(self._key(d, "heard"), 1) == self.world_size - 1:
+                self._store.delete_key(self._key(d, "result"))
+                self._store.delete_key(self._key(d, "heard"))
+        except Exception as e:  # the store may be gone with rank 0; the outcome is what matters
+            log.debug("save %d: could not clear the outcome's store keys: %s", d.ckpt_id, e)
 
     def _gather_reports(self, d: Decision, own: dict[str, Any]) -> list[dict[str, Any]]:
         reports = [own]
@@ -221,11 +245,14 @@ class Committer:
         except Exception as e:
             missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
             return reports + [writing.failed_report(r, f"no report within {timeout} ({e})") for r in missing]
-        return reports + [json.loads(self._store.get(k)) for k in keys]
+        reports += [json.loads(self._store.get(k)) for k in keys]
+        for k in keys:  # read: the store need not hold them any longer
+            self._store.delete_key(k)
+        return reports
 
     def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None,
                 fields: JobFields) -> dict[str, Any]:
-        """Rank 0: gathers the reports, writes the manifest if all are good, and publishes the outcome.
+        """Rank 0: gathers the ranks' parts, writes the index if all are good, and publishes the outcome.
 
         Never raises: whatever fails here (the manifest write, the store) becomes the
         outcome every rank hears. ``storage`` is None only when ``own`` is a failure.
@@ -239,7 +266,8 @@ class Committer:
             else:
                 assert storage is not None  # rank 0's own report is good, so it opened its storage
                 body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
-                manifest = check_manifest(body, manifest_path(d.ckpt_id))  # a body the schema refuses never commits
+                # An index the schema refuses never commits (each part was checked by its rank as it wrote it).
+                manifest = with_parts(check_manifest(body, manifest_path(d.ckpt_id)), storage)
                 fault_injection.hit("commit.before_manifest")
                 storage.write_atomic(manifest_path(d.ckpt_id), seal(body, key=storage.key))
                 fault_injection.hit("commit.after_manifest")

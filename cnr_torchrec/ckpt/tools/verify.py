@@ -108,12 +108,13 @@ class _Verifier:
             problems.append(Problem(ckpt_id, e.path or mpath, _strip_path(str(e), e.path or mpath)))
             return
         body = manifest.body
+        raw = self.storage.read(mpath)
         if "chain" in body:  # version 2: load_manifest gave it the links it lacked
             sealed = seal({k: v for k, v in body.items() if k not in ("base", "depth")}, version=2,
                           key=self.storage.key)
         else:
-            sealed = seal(dict(body), key=self.storage.key)
-        if self.storage.read(mpath) != sealed:
+            sealed = seal(dict(body), version=json.loads(raw)["version"], key=self.storage.key)
+        if raw != sealed:
             problems.append(Problem(ckpt_id, mpath, "differs from the sealed form of its body: a byte outside "
                                                     "the sealed body was changed"))
         try:
@@ -122,11 +123,23 @@ class _Verifier:
             problems.append(Problem(ckpt_id, mpath, _strip_path(str(e), mpath)))
             return
         self._manifests[ckpt_id] = manifest
-        try:
-            self.dense_optimizers[ckpt_id] = describe(manifest.ranks[0].dense_optimizer)
-        except CorruptCheckpointError as e:
-            problems.append(Problem(ckpt_id, mpath, str(e)))
-        for report in manifest.ranks:
+        reports = []
+        for r in range(len(manifest.ranks)):  # a format 7 index reads each rank's part here, checked as it loads
+            try:
+                reports.append(manifest.ranks[r])
+            except CnrError as e:
+                where = getattr(e, "path", "") or mpath
+                problems.append(Problem(ckpt_id, where, _strip_path(str(e), where)))
+        if len(reports) == len(manifest.ranks):
+            try:
+                self.dense_optimizers[ckpt_id] = describe(reports[0].dense_optimizer)
+            except CorruptCheckpointError as e:
+                problems.append(Problem(ckpt_id, mpath, str(e)))
+            stored_whole = sorted(t for r in reports for t in r.replicated_tables)
+            if manifest.version >= 7 and stored_whole != sorted(manifest.replicated):  # spans ranks: not in parts
+                problems.append(Problem(ckpt_id, mpath, f"replicated lists {sorted(manifest.replicated)}, but the "
+                                                        f"ranks' parts store {stored_whole} whole"))
+        for report in reports:
             self._check_rank(ckpt_id, report, problems)
 
     def _read_chunks(self, ckpt_id: int, payload: Payload, problems: list[Problem]) -> bytearray | None:
