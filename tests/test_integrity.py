@@ -24,21 +24,10 @@ import torch
 
 from _format_checks import combined_body, write_combined
 from _toy import build_dmp, local_state, train
-from test_manifest_schema import PLAN, _fields, _mutations, _set
+from test_manifest_schema import PLAN, _fields, _mutations, _Reader, _set
 
 KEY = b"0123456789abcdef0123456789abcdef"
 OTHER = b"fedcba9876543210fedcba9876543210"
-
-
-class _Reader:
-    def __init__(self) -> None:
-        self.pos = torch.zeros(1, dtype=torch.int64)
-
-    def state_dict(self):
-        return {"pos": self.pos.clone()}
-
-    def load_state_dict(self, sd):
-        self.pos.copy_(sd["pos"])
 
 
 def _key_file(tmp_path, secret: bytes, name: str = "key") -> str:

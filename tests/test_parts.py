@@ -47,8 +47,9 @@ def _config(root, on_corrupt="fail"):
                         "memory_tier": "off", "compaction": None})
 
 
-def _recording(monkeypatch):
-    """Records every part read and every size asked for, by path."""
+def _restore_recording(dmp, opt, root, step):
+    """Restores ``root`` into ``dmp`` (expecting ``step``), recording every read and every size asked for, by path."""
+    from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt.format.storage import Storage
 
     seen: dict[str, list[str]] = {"read": [], "size": []}
@@ -62,8 +63,12 @@ def _recording(monkeypatch):
         seen["size"].append(path)
         return size(self, path)
 
-    monkeypatch.setattr(Storage, "read", recorded_read)
-    monkeypatch.setattr(Storage, "size", recorded_size)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Storage, "read", recorded_read)
+        mp.setattr(Storage, "size", recorded_size)
+        ck = Checkpointer(dmp, _config(root), dense_optimizer=opt)
+        assert ck.restore() == step
+        ck.close()
     return seen
 
 
@@ -94,14 +99,7 @@ def _save_and_restore(rank, world_size, root):
                                                    for es in raw["tables"].values() for e in es)
 
     fresh, fresh_opt, _ = _model(1)
-    mp = pytest.MonkeyPatch()
-    seen = _recording(mp)
-    try:
-        restorer = Checkpointer(fresh, _config(root), dense_optimizer=fresh_opt)
-        assert restorer.restore() == 3
-        restorer.close()
-    finally:
-        mp.undo()
+    seen = _restore_recording(fresh, fresh_opt, root, 3)
     got = local_state(fresh)
     assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
     parts = sorted(set(p for p in seen["read"] if p.endswith(".json") and "/rank-" in p))
@@ -177,17 +175,8 @@ def _save_on_four(rank, world_size, root, side):
 def _restore_on_two(rank, world_size, root, side):
     import glob
 
-    from cnr_torchrec import Checkpointer
-
     dmp, opt, _ = _row_wise(world_size, 1)
-    mp = pytest.MonkeyPatch()
-    seen = _recording(mp)
-    try:
-        ck = Checkpointer(dmp, _config(root), dense_optimizer=opt)
-        assert ck.restore() == 2
-        ck.close()
-    finally:
-        mp.undo()
+    seen = _restore_recording(dmp, opt, root, 2)
     saved = [torch.load(p) for p in sorted(glob.glob(os.path.join(side, "rows*.pt")))]
     for table, (rows, got) in _rows_of(dmp).items():
         want = torch.cat([w for s in saved for (r, w) in [s[table]] if rows[0] <= r[0] and r[1] <= rows[1]])
