@@ -18,6 +18,7 @@ whatever modules the other ranks have loaded.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -27,6 +28,8 @@ import torch.distributed as dist
 
 from cnr_torchrec import errors
 from cnr_torchrec.errors import CheckpointError, CnrError, CorruptCheckpointError, StorageError
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Failure", "Ranks", "as_named_error"]
 
@@ -52,6 +55,20 @@ def _named_class(e: BaseException) -> type[CnrError]:
         # The nearest class that errors.py defines: the name must resolve on every rank.
         return next(c for c in type(e).__mro__ if c.__module__ == errors.__name__ and issubclass(c, CnrError))
     return StorageError if _is_storage_error(e) else CheckpointError
+
+
+
+def heard(store: Any, result_key: str, heard_key: str, world_size: int) -> None:
+    """Counts one more of the ``world_size - 1`` ranks that wait for rank 0's outcome at ``result_key`` as having
+    heard it; the last to hear it deletes both keys, so that the store holds nothing of the step once every rank
+    knows how it ended. A store that is gone (it may live in rank 0's process) is left as it is.
+    """
+    try:
+        if store.add(heard_key, 1) == world_size - 1:
+            store.delete_key(result_key)
+            store.delete_key(heard_key)
+    except Exception as e:  # noqa: BLE001 - the outcome was heard; clearing the store is housekeeping
+        log.debug("could not clear %s from the store: %s", result_key, e)
 
 
 @dataclass(frozen=True)

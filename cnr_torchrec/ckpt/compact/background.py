@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt import fault_injection
+from cnr_torchrec.ckpt._collective import heard
 from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.config import CompactionConfig
 from cnr_torchrec.ckpt.format.blocks import Region, shard_key
@@ -188,12 +189,7 @@ class Compaction:
             got = json.loads(self._store.get(self._key("result")))
         except Exception as e:
             return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
-        try:  # the last rank to hear the outcome clears it from the store
-            if self._store.add(self._key("heard"), 1) == self.world_size - 1:
-                self._store.delete_key(self._key("result"))
-                self._store.delete_key(self._key("heard"))
-        except Exception as e:
-            log.debug("compaction %d: could not clear the outcome's store keys: %s", self.new_id, e)
+        heard(self._store, self._key("result"), self._key("heard"), self.world_size)
         return Outcome(got["ok"], got.get("nbytes", 0), got.get("error", ""))
 
     def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:

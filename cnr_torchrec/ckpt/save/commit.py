@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt import fault_injection
+from cnr_torchrec.ckpt._collective import heard
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
@@ -221,18 +222,8 @@ class Committer:
             result = json.loads(self._store.get(self._key(d, "result")))
         except Exception as e:  # the store lives in rank 0's process under some launchers: it may be gone with it
             return {"ok": False, "heard": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
-        self._heard(d)
+        heard(self._store, self._key(d, "result"), self._key(d, "heard"), self.world_size)
         return result
-
-    def _heard(self, d: Decision) -> None:
-        """Counts this rank as having heard the outcome; the last rank to hear it deletes the outcome's keys, so
-        that the store holds nothing of a save once every rank knows how it ended."""
-        try:
-            if self._store.add(self._key(d, "heard"), 1) == self.world_size - 1:
-                self._store.delete_key(self._key(d, "result"))
-                self._store.delete_key(self._key(d, "heard"))
-        except Exception as e:  # the store may be gone with rank 0; the outcome is what matters
-            log.debug("save %d: could not clear the outcome's store keys: %s", d.ckpt_id, e)
 
     def _gather_reports(self, d: Decision, own: dict[str, Any]) -> list[dict[str, Any]]:
         reports = [own]
