@@ -23,6 +23,10 @@ DEFAULT_CUDA_ARCHS = "8.0;9.0"
 # GPU machine's toolchain, each error raised by an op killed the process; docs/gpu.md). Linked
 # ahead of the compiler's own libraries, the shared libstdc++ resolves every C++ runtime symbol.
 SHARED_LIBSTDCXX_FLAGS = ["-Wl,--push-state,--no-as-needed", "-lstdc++", "-Wl,--pop-state"]
+# torch 2.14's headers need C++20 (std::strong_ordering in c10/util/intrusive_ptr.h, requires-clauses in
+# ATen/core/TensorBase.h); 2.13's compile under it as well, so every host C++ unit is built with it. The .cu
+# files include no torch header and keep C++17, which every supported nvcc accepts.
+CXX_STD = "-std=c++20"
 
 
 def _find_cuda_home() -> str | None:
@@ -80,7 +84,7 @@ def _cxx_flags() -> list[str]:
     picked at run time). ``CNR_PORTABLE=1`` builds the generic-vector code that other
     CPUs run, with no x86 intrinsics and no ``-march``, so that path is tested on x86.
     """
-    flags = ["-O3", "-std=c++17", "-fopenmp", "-DNDEBUG", *_debug_info()]
+    flags = ["-O3", CXX_STD, "-fopenmp", "-DNDEBUG", *_debug_info()]
     if os.environ.get("CNR_PORTABLE", "0") == "1":
         flags.append("-DCNR_NO_X86_INTRINSICS")
     elif platform.machine().lower() in ("x86_64", "amd64"):
@@ -126,7 +130,7 @@ def _emulated_cuda_extension():
     builds it so). No FMA contraction: the kernels' ``_rn`` arithmetic must round like
     the GPU's.
     """
-    flags = ["-O2", "-std=c++17", "-ffp-contract=off", "-fvisibility=hidden", "-DCNR_CUDA_EMU", *_debug_info()]
+    flags = ["-O2", CXX_STD, "-ffp-contract=off", "-fvisibility=hidden", "-DCNR_CUDA_EMU", *_debug_info()]
     return CppExtension(
         "cnr_torchrec._C_cuda_emu",
         _sources("csrc/cuda_emu/*.cpp"),

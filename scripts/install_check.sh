@@ -113,7 +113,7 @@ aarch64_compiles() {
 print(" ".join("-I" + p for p in include_paths() + [sysconfig.get_paths()["include"]]))')
   # $inc is a list of flags, split on purpose.
   printf '%s\0' "$src"/csrc/*.cpp "$src"/csrc/cpu/*.cpp |
-    xargs -0 -n 1 -P "${MAX_JOBS:-2}" aarch64-linux-gnu-g++ -c -std=c++17 -O3 -fopenmp -DNDEBUG -fPIC -w $inc -o /dev/null
+    xargs -0 -n 1 -P "${MAX_JOBS:-2}" aarch64-linux-gnu-g++ -c -std=c++20 -O3 -fopenmp -DNDEBUG -fPIC -w $inc -o /dev/null
   echo "  csrc/*.cpp and csrc/cpu/*.cpp compile for aarch64"
 }
 imports_ok() {  # imports_ok NAME VENV

@@ -30,12 +30,14 @@ def test_fault_specs_parse():
     assert faults.parse(" write.mid , gc.mid:nth=3") == [faults.FaultSpec("write.mid"),
                                                          faults.FaultSpec("gc.mid", None, 3)]
     assert faults.parse("") == [] and faults.parse(None) == []
+    assert faults.parse("image.mid:rank=1:pause=1500") == [faults.FaultSpec("image.mid", 1, pause_ms=1500)]
 
 
 @pytest.mark.parametrize("text,match", [
     ("commit.before_manifst", "unknown fault point 'commit.before_manifst'"),
-    ("write.mid:rank=x", "rank=<int>, local_rank=<int> or nth=<int>"),
-    ("write.mid:when=3", "rank=<int>, local_rank=<int> or nth=<int>"),
+    ("write.mid:rank=x", "rank=<int>, local_rank=<int>, nth=<int> or pause=<ms>"),
+    ("write.mid:when=3", "rank=<int>, local_rank=<int>, nth=<int> or pause=<ms>"),
+    ("write.mid:pause=1.5", "rank=<int>, local_rank=<int>, nth=<int> or pause=<ms>"),
     ("write.mid:nth=0", "nth counts from 1"),
 ])
 def test_bad_fault_specs_are_refused(text, match):

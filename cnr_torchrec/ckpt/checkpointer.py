@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cnr_torchrec import _exit
 from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
@@ -209,6 +210,7 @@ class Checkpointer:
         self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
+        _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools
         self._inflight: SaveHandle | None = None
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.

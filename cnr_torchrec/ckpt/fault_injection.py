@@ -1,4 +1,4 @@
-"""Fault injection: named points in the save path where a test can SIGKILL the process.
+"""Fault injection: named points in the save path where a test can SIGKILL the process, or stall it.
 
 Kill tests need crashes at exact moments of the commit protocol (a half-written rank
 file, a commit that stopped just before or after the manifest rename, a garbage
@@ -10,9 +10,12 @@ collection cut short), which a timer hits only by luck. The save path calls
     CNR_FAULT=write.mid:rank=1:nth=3                  # the 3rd time rank 1 gets there
     CNR_FAULT=write.after:rank=0,gc.mid:nth=2         # several points, comma-separated
     CNR_FAULT=write.mid:local_rank=1:nth=2            # by LOCAL_RANK (one node of a torchrun job)
+    CNR_FAULT=image.mid:rank=1:pause=1500             # no kill: that thread stalls there for 1.5 s
 
-A fault stands for one crash. Under torchrun, workers that an agent restarted after a failure
-(``TORCHELASTIC_RESTART_COUNT`` above 0) arm nothing, so the restarted job can finish.
+A fault stands for one crash; ``pause=<ms>`` makes it a stall instead, for tests of what the
+process does while that step is under way (a job that exits in the middle of it, say). Under
+torchrun, workers that an agent restarted after a failure (``TORCHELASTIC_RESTART_COUNT`` above 0)
+arm nothing, so the restarted job can finish.
 
 The variable is read once, when this module is imported (:func:`configure` re-reads it,
 for harnesses that fork workers from a process that imported it earlier). With nothing
@@ -45,6 +48,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import time
 from dataclasses import dataclass
 
 from cnr_torchrec.errors import ConfigError
@@ -72,16 +76,20 @@ POINTS: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """Kill the process the ``nth`` time it reaches ``point`` (only on ``rank`` and ``local_rank``, if given)."""
+    """Kill the process the ``nth`` time it reaches ``point`` (only on ``rank`` and ``local_rank``, if given),
+    or with ``pause_ms`` stall the thread that got there for that long instead."""
 
     point: str
     rank: int | None = None
     nth: int = 1
     local_rank: int | None = None
+    pause_ms: int | None = None
 
     def __str__(self) -> str:
-        where = "".join(f":{k}={v}" for k, v in (("rank", self.rank), ("local_rank", self.local_rank)) if v is not None)
-        return f"{self.point}{where}:nth={self.nth}"
+        opts = (("rank", self.rank), ("local_rank", self.local_rank))
+        where = "".join(f":{k}={v}" for k, v in opts if v is not None)
+        pause = "" if self.pause_ms is None else f":pause={self.pause_ms}"
+        return f"{self.point}{where}:nth={self.nth}{pause}"
 
     def matches(self, rank: int, local_rank: int) -> bool:
         return self.rank in (None, rank) and self.local_rank in (None, local_rank)
@@ -91,7 +99,7 @@ def parse(text: str | None) -> list[FaultSpec]:
     """Parses a ``CNR_FAULT`` value.
 
     Raises:
-        ConfigError: an unknown point or option, or a rank/nth that is not a whole number
+        ConfigError: an unknown point or option, or a rank/nth/pause that is not a whole number
             (a misspelt fault would otherwise never fire and the test would prove nothing).
     """
     specs = []
@@ -105,9 +113,10 @@ def parse(text: str | None) -> list[FaultSpec]:
         kw: dict[str, int] = {}
         for opt in opts:
             key, _, value = opt.partition("=")
-            if key not in ("rank", "local_rank", "nth") or not value.strip().isdigit():
-                raise ConfigError(f"{ENV}: {opt!r} in {item!r} is not rank=<int>, local_rank=<int> or nth=<int>")
-            kw[key] = int(value)
+            if key not in ("rank", "local_rank", "nth", "pause") or not value.strip().isdigit():
+                raise ConfigError(f"{ENV}: {opt!r} in {item!r} is not rank=<int>, local_rank=<int>, nth=<int> or "
+                                  "pause=<ms>")
+            kw["pause_ms" if key == "pause" else key] = int(value)
         if kw.get("nth", 1) < 1:
             raise ConfigError(f"{ENV}: nth counts from 1, got {kw['nth']} in {item!r}")
         specs.append(FaultSpec(point, **kw))
@@ -142,7 +151,8 @@ def armed(point: str) -> bool:
 
 
 def hit(point: str) -> None:
-    """Kills this process with SIGKILL if a fault is armed for the count-th arrival at ``point``."""
+    """Kills this process with SIGKILL (or stalls the calling thread, for a ``pause``) if a fault is armed for
+    the count-th arrival at ``point``."""
     specs = _armed.get(point)
     if not specs:
         return
@@ -152,7 +162,10 @@ def hit(point: str) -> None:
         return
     n = _counts[point] = _counts.get(point, 0) + 1
     for s in mine:
-        if s.nth == n:
+        if s.nth == n and s.pause_ms is not None:
+            log.warning("fault %s: rank %s stalls for %d ms", s, rank, s.pause_ms)
+            time.sleep(s.pause_ms / 1e3)
+        elif s.nth == n:
             log.warning("fault %s: killing rank %s (pid %d)", s, rank, os.getpid())
             _kill()
 

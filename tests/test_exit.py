@@ -1,0 +1,77 @@
+"""A job that finishes exits 0, whatever state its Checkpointer is in when main returns.
+
+Each case runs tests/_exit_job.py under torchrun on 2 gloo ranks (the quickstart's model, residual 4-bit deltas,
+a compaction every 2 deltas, memory images on) and ends it in one state: ``close()`` called or not, the process
+group destroyed or kept, and a save's write, its memory-image update or a background compaction stalled on rank 1
+(``CNR_FAULT=...:pause=MS``) so that it is still under way when main returns. Each job ends, as jobs do, with a
+few collectives. The process must exit 0 with no ``terminate called`` (a gloo worker thread that asks for the GIL
+once the interpreter is finalizing aborts the process: cnr_torchrec/_exit.py), and what it left on storage must
+verify, its newest checkpoint the last save (or the compaction that was under way).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from cnr_torchrec.ckpt.format.commits import committed_ids
+from cnr_torchrec.ckpt.tools.root import open_storage
+from cnr_torchrec.ckpt.tools.verify import verify_root
+
+JOB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_exit_job.py")
+TIMEOUT_S = 200
+
+pytestmark = pytest.mark.multirank
+
+# state: (CNR_FAULT, what the newest committed checkpoint is: the last save (4) or the compaction (3) too)
+CASES = {
+    "closed": ("", {3, 4}),
+    "unclosed": ("", {3, 4}),
+    "unclosed-group-kept": ("", {3, 4}),
+    "closed-group-kept": ("", {3, 4}),
+    "save-writing": ("write.after:rank=1:nth=4:pause=1500", {3, 4}),
+    "image-updating": ("image.mid:rank=1:nth=4:pause=1500", {3, 4}),
+    "compaction-starting": ("", {3, 4}),
+    "compaction-running": ("compact.after_write:rank=1:pause=1500", {3, 4}),
+    "compaction-closed": ("compact.after_write:rank=1:pause=1500", {3, 4}),
+}
+
+
+def _run(tmp_path, state: str, fault: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env |= {"OMP_NUM_THREADS": "1", "CNR_FAULT": fault}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", JOB,
+           "--root", str(tmp_path / "root"), "--images", str(tmp_path / "images"), "--state", state]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # its own session: a timeout takes the ranks down too
+    try:
+        log, _ = proc.communicate(timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail(f"{state}: the job ran past {TIMEOUT_S} s (an exit that hangs):\n{log[-3000:]}")
+    assert "terminate called" not in log, f"{state}: a C++ thread aborted the exit:\n{log[-4000:]}"
+    assert proc.returncode == 0, f"{state}: torchrun exited {proc.returncode}:\n{log[-4000:]}"
+    return log
+
+
+@pytest.mark.timeout(TIMEOUT_S + 30)
+@pytest.mark.parametrize("state", sorted(CASES))
+def test_a_job_exits_0_and_leaves_a_sound_root(tmp_path, state):
+    fault, newest = CASES[state]
+    log = _run(tmp_path, state, fault)
+    assert "last save 4" in log, log[-2000:]
+    if fault:
+        assert "stalls for 1500 ms" in log, f"{state}: the fault never fired, so the state was not reached"
+    root = str(tmp_path / "root")
+    assert verify_root(root) == []
+    storage = open_storage(root)
+    try:
+        ids = committed_ids(storage)
+    finally:
+        storage.close()
+    assert max(ids) in newest and 4 in ids, ids  # the last save committed even when its write outlived main
