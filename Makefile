@@ -1,8 +1,11 @@
 # Set-up is incremental: the venv is rebuilt only when the pins change, and the
 # extension only when its sources change.
+# STACK: which tested TorchRec stack (stacks/STACK.env) the venv holds; 1.9 is the default, and
+# `make test-stack STACK=1.8` runs the named suite on the previous one in .venv-1.8 (docs/install.md).
+STACK  ?= 1.9
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-DEPS   := $(VENV)/.deps-stamp
+DEPS   := $(VENV)/.deps-stamp-$(STACK)
 EXT    := $(VENV)/.ext-stamp
 EMU    := $(VENV)/.emu-stamp
 TEST_DEPS := $(VENV)/.test-deps-stamp
@@ -10,19 +13,19 @@ CSRC   := $(shell find csrc -type f 2>/dev/null)
 NPROC  ?= $(shell nproc 2>/dev/null || echo 2)
 PYTEST_ARGS ?=
 
-.PHONY: install test lint demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
+.PHONY: install test test-stack lint demo bench bench-checkpoint bench-cpr scale soak accuracy accuracy-seed accuracy-combine nvcc-check cuda-check clean reliability
 
 install: $(EXT)
 
-$(DEPS): requirements.txt requirements-torchrec.txt scripts/install.sh
-	@echo "set-up, before anything else (the first run, or new pins): about 2 minutes on an idle 2-core machine, a venv with the pinned stack (1 minute), then the C++ extension (1 to 1.5 minutes). Later runs skip both."
-	bash scripts/install.sh $(VENV)
+$(DEPS): requirements.txt requirements-torchrec.txt stacks/$(STACK).env scripts/install.sh
+	@echo "set-up, before anything else (the first run, or new pins): about 4 minutes on an idle 2-core machine, a venv with the pinned stack $(STACK) (2.5 minutes with torch 2.14's CUDA build, 1 with 2.13's CPU one), then the C++ extension (1 to 1.5 minutes). Later runs skip both."
+	STACK=$(STACK) bash scripts/install.sh $(VENV)
 	@touch $@
 
 # What the tests need besides (pytest, the moto S3 server, matplotlib).
 $(TEST_DEPS): $(DEPS) requirements-test.txt
 	@echo "set-up: the tests' own requirements (about 1 minute)"
-	bash scripts/install.sh $(VENV) requirements-test.txt
+	STACK=$(STACK) bash scripts/install.sh $(VENV) requirements-test.txt
 	@touch $@
 
 # The library's extension, cnr_torchrec._C: all that the library, the demo and the benchmarks load.
@@ -55,8 +58,8 @@ nvcc-check:
 CUDA_VENV ?= .venv-cuda
 CUDA_DEPS := $(CUDA_VENV)/.deps-stamp
 
-$(CUDA_DEPS): requirements.txt requirements-torchrec.txt requirements-test.txt scripts/install_cuda.sh scripts/nvml_stub.c
-	bash scripts/install_cuda.sh $(CUDA_VENV)
+$(CUDA_DEPS): requirements.txt requirements-torchrec.txt requirements-test.txt stacks/$(STACK).env scripts/install_cuda.sh scripts/nvml_stub.c
+	STACK=$(STACK) bash scripts/install_cuda.sh $(CUDA_VENV)
 	@touch $@
 
 cuda-check: $(CUDA_DEPS) $(TEST_DEPS)
@@ -64,6 +67,21 @@ cuda-check: $(CUDA_DEPS) $(TEST_DEPS)
 
 test: lint $(EMU) $(TEST_DEPS) nvcc-check
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The named suite on another tested stack, in its own venv (.venv-1.8 for STACK=1.8): tracking on every
+# sharding type and kernel, exact restores of TorchRec's models, managed-collision tables, the pipelines,
+# the dense optimizers and a job's exit; docs/testing.md says why these files.
+STACK_SUITE := tests/test_stack.py tests/test_tracking_ops.py tests/test_tracker_multirank.py \
+  tests/test_torchrec_models.py tests/test_managed_collision.py tests/test_pipelines.py \
+  tests/test_dense_optimizers.py tests/test_tbe_cache.py tests/test_dropin.py tests/test_quickstart.py \
+  tests/test_exit.py
+# The extension is built in place, so the other stack builds in a copy of the tree (.stack-1.8/, refreshed
+# from the working tree each time: an unchanged source keeps its build there).
+test-stack:
+	mkdir -p .stack-$(STACK)
+	git ls-files -z --cached --others --exclude-standard | tar --null -T - -c | tar -x -C .stack-$(STACK)
+	$(MAKE) -C .stack-$(STACK) test STACK=$(STACK) VENV=$(CURDIR)/.venv-$(STACK) \
+	  PYTEST_ARGS="$(STACK_SUITE) $(PYTEST_ARGS)"
 
 # The linter and the type checker over the library (their config is in pyproject.toml).
 lint: $(TEST_DEPS)
@@ -127,7 +145,7 @@ accuracy-combine: install
 	  --json out/accuracy-production-residual-compaction-seeds.json --markdown out/accuracy-production-residual-compaction-seeds.md
 
 clean:
-	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) $(EMU) .cuda-build
+	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) $(EMU) .cuda-build .stack-*
 
 # 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto), then a job on
 # two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks; see docs/reliability.md.

@@ -1,8 +1,11 @@
 """Builds the ``cnr_torchrec._C`` extension.
 
 CPU kernels are always built. CUDA kernels (``csrc/cuda/*.cu`` plus their
-``*_bind.cpp`` bindings) are added only when torch itself is a CUDA build and a
-CUDA toolkit is found, because a CPU build of torch cannot build CUDAExtension.
+``*_bind.cpp`` bindings) are added only when torch itself is a CUDA build, a
+CUDA toolkit is found, and FBGEMM is its CUDA build (``fbgemm-gpu``): a CPU build
+of torch cannot build CUDAExtension, and beside ``fbgemm-gpu-cpu`` (which a CUDA
+torch on a CPU machine takes, PyPI's torch 2.14 being the CUDA build only) no
+table ever runs on a GPU, so the kernels would cost 4 minutes of build for nothing.
 
 A machine with the toolkit and no GPU builds them too. Without ``CUDA_HOME``, the
 toolkit is the first candidate root that holds its headers: torch's own guess, the
@@ -12,6 +15,7 @@ absent GPU, the kernels are built for sm_80 and sm_90.
 """
 
 import glob
+import importlib.metadata
 import os
 import platform
 import shutil
@@ -101,10 +105,22 @@ def _headers() -> list[str]:
     return _sources("csrc/*.h") + _sources("csrc/*/*.h") + _sources("csrc/*/*.cuh")
 
 
+def _cuda_fbgemm() -> bool:
+    """Whether the installed FBGEMM is the CUDA build: fbgemm-gpu, or no FBGEMM yet (a build ahead of it)."""
+    def installed(dist: str) -> bool:
+        try:
+            importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return False
+        return True
+
+    return installed("fbgemm-gpu") or not installed("fbgemm-gpu-cpu")
+
+
 def _extension():
     sources = _sources("csrc/*.cpp") + _sources("csrc/cpu/*.cpp")
     cxx_flags = _cxx_flags()
-    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None
+    with_cuda = torch.version.cuda is not None and CUDA_HOME is not None and _cuda_fbgemm()
     if os.environ.get("CNR_FORCE_CPU", "0") == "1":
         with_cuda = False
     if with_cuda:

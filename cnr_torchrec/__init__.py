@@ -1,5 +1,9 @@
 """cnr_torchrec: Check-N-Run / CPR differential, quantized checkpoints for TorchRec."""
 
+from cnr_torchrec import _stack
+
+_stack.warn_once()  # before the extension loads: an untested or mixed stack is named first (_stack.py)
+
 from cnr_torchrec import ops  # noqa: F401  (registers torch.ops.cnr)
 from cnr_torchrec.ckpt import (
     BudgetConfig,
@@ -34,6 +38,7 @@ from cnr_torchrec.errors import (
     UnknownTableError,
     UnsafeCheckpointError,
     UnsupportedShardingError,
+    UnsupportedStackError,
 )
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -69,4 +74,5 @@ __all__ = [
     "TrackingNotEnabledError",
     "UnknownTableError",
     "UnsupportedShardingError",
+    "UnsupportedStackError",
 ]

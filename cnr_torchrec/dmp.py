@@ -14,7 +14,7 @@ from torchrec.distributed.model_parallel import DataParallelWrapper, Distributed
 from torchrec.distributed.model_tracker.types import ModelTrackerConfigs
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
-from cnr_torchrec import _exit
+from cnr_torchrec import _exit, _stack
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
@@ -131,6 +131,7 @@ class CheckNRunDMP(DistributedModelParallel):
         sync_free: bool | None = None,
     ) -> None:
         _refuse_unrestartable_gloo_group()  # before any collective: a restart of this job would hang
+        _stack.refuse_mixed_build(cuda_model=device is not None and torch.device(device).type == "cuda")
         _exit.register()  # the job's collective threads settle before the interpreter finalizes (_exit.py)
         super().__init__(
             module,

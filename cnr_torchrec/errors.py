@@ -4,6 +4,7 @@ __all__ = [
     "CnrError",
     "CompactionError",
     "UnsupportedShardingError",
+    "UnsupportedStackError",
     "RowIdOutOfRangeError",
     "MalformedLookupError",
     "UnknownTableError",
@@ -42,6 +43,10 @@ def one_line(error: BaseException) -> str:
 
 class UnsupportedShardingError(CnrError, ValueError):
     """A sharded table cannot be tracked: its kernel is not an FBGEMM TBE, or its compute kernel is unsupported."""
+
+
+class UnsupportedStackError(CnrError, RuntimeError):
+    """A mixed build of the TorchRec stack (two fbgemm builds, or one that does not fit torch's build)."""
 
 
 class RowIdOutOfRangeError(CnrError, IndexError):

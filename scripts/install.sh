@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project virtualenv with the pinned stack.
-# Usage: scripts/install.sh VENV_DIR [REQUIREMENTS]
+# Usage: [STACK=1.9] scripts/install.sh VENV_DIR [REQUIREMENTS]
+#   STACK: which stacks/STACK.env pins torch, fbgemm and torchrec (1.9, the default, or 1.8).
 #   REQUIREMENTS: requirements.txt (the default: the library, the example job and the build)
 #   or requirements-test.txt (those and the tests' own).
 #
@@ -12,6 +13,10 @@ set -euo pipefail
 venv=${1:-.venv}
 requirements=${2:-requirements.txt}
 python=${PYTHON:-python3}
+stack_file="$(dirname "$0")/../stacks/${STACK:-1.9}.env"
+[ -f "$stack_file" ] || { echo "no stack ${STACK:-1.9}: stacks/ has $(ls "$(dirname "$0")/../stacks")" >&2; exit 2; }
+# shellcheck source=/dev/null
+. "$stack_file"  # TORCH, FBGEMM, TORCHREC
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
@@ -19,7 +24,7 @@ fi
 pip() { "$venv/bin/python" -m pip --disable-pip-version-check -qq "$@"; }
 
 # torch first, pinned: an unpinned torch requirement elsewhere would pull CUDA wheels.
-pip install --no-compile torch==2.13.0
+pip install --no-compile "torch==$TORCH"
 # Which build it is, read from torch/version.py alone: importing torch now would warn that
 # numpy is missing, and compile half of torch.
 if "$venv/bin/python" - <<'EOF'
@@ -31,15 +36,21 @@ spec.loader.exec_module(build)
 sys.exit(0 if build.cuda else 1)
 EOF
 then
-  pip install --no-compile fbgemm-gpu==1.8.0
+  # A CUDA torch: fbgemm-gpu where a GPU driver is, else the CPU build (PyPI's torch 2.14 is only the CUDA
+  # build, which runs on a CPU machine; fbgemm-gpu's CUDA build would not load there without a driver).
+  if [ -e /proc/driver/nvidia/version ]; then
+    pip install --no-compile "fbgemm-gpu==$FBGEMM"
+  else
+    pip install --no-compile "fbgemm-gpu-cpu==$FBGEMM"
+  fi
 else
-  pip install --no-compile fbgemm-gpu-cpu==1.8.0
+  pip install --no-compile "fbgemm-gpu-cpu==$FBGEMM"
 fi
 pip install --no-compile -r "$requirements"
 # Last and without its dependencies: torchrec declares the CUDA build `fbgemm-gpu`, which a CPU
 # environment must not get (requirements-torchrec.txt names the rest, installed above). Installed
 # last, pip has nothing of torchrec's left to check, so it prints no resolver complaint.
-pip install --no-compile --no-deps torchrec==1.8.0
+pip install --no-compile --no-deps "torchrec==$TORCHREC"
 
 # Bytecode for what the jobs and the tests import, written once, here. Python would write it at
 # the first import, but not where PYTHONDONTWRITEBYTECODE is set (as on this project's

@@ -84,7 +84,7 @@ def test_the_readmes_install_is_the_one_the_install_test_runs():
 
 PAGES = [README] + sorted(os.path.join(REPO, "docs", f) for f in os.listdir(os.path.join(REPO, "docs"))
                           if f.endswith(".md"))
-TOP_DIRS = ("benchmarks", "cnr_dlrm", "cnr_torchrec", "configs", "csrc", "docs", "examples", "scripts", "tests")
+TOP_DIRS = ("benchmarks", "cnr_dlrm", "cnr_torchrec", "configs", "csrc", "docs", "examples", "scripts", "stacks", "tests")
 
 
 def _block_lines(page: str) -> list[str]:
