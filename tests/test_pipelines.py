@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import importlib.metadata
 import os
 
 import pytest
@@ -57,6 +58,9 @@ pytestmark = pytest.mark.multirank
 
 ROWS, DIM = 200, 8
 SHARDED = ("table_wise", "row_wise", "column_wise", "table_row_wise")
+# Where TorchRec's CPU behaviour differs between the tested stacks (docs/pipelines.md): 1.9's stream-synced
+# embedding lookup records an event, which the CPU backend refuses.
+TORCHREC_LINE = tuple(int(x) for x in importlib.metadata.version("torchrec").split(".")[:2])
 
 
 class _PipelineModel(nn.Module):
@@ -351,6 +355,11 @@ def _staged_worker(rank, world_size, root):
         pipeline = StagedTrainPipeline(pipeline_stages=stages, compute_stream=torch.Stream("cpu"))
         batches = _batches(specs, 10, seed=40 + rank)
         it = iter(batches)
+        if semi and TORCHREC_LINE >= (1, 9):  # TorchRec's own refusal on CPU, before any step
+            with pytest.raises(RuntimeError, match="cpu backend doesn't support events"):
+                pipeline.progress(it)
+            ckpt.close()
+            continue
         saved, step, pending = {}, 0, []
         while (batch := pipeline.progress(it)) is not None:
             opt.zero_grad()
@@ -543,10 +552,12 @@ def _refused():
 
     record_stream = (RuntimeError, "unknown parameter type")
     no_cuda_stream = (RuntimeError, "torch.cuda.Stream requires CUDA support")
+    # TorchRec 1.9's fused pipelines ask a CPU stream for its device before they get to record_stream.
+    fused = record_stream if TORCHREC_LINE < (1, 9) else (AttributeError, "'Stream' object has no attribute 'device'")
     return {
         "TrainPipelineSemiSync": (lambda m, o: tp.TrainPipelineSemiSync(m, o, cpu, start_batch=0), *record_stream),
-        "TrainPipelineFusedSparseDist": (lambda m, o: tp.TrainPipelineFusedSparseDist(m, o, cpu), *record_stream),
-        "EvalPipelineFusedSparseDist": (lambda m, o: tp.EvalPipelineFusedSparseDist(m, o, cpu), *record_stream),
+        "TrainPipelineFusedSparseDist": (lambda m, o: tp.TrainPipelineFusedSparseDist(m, o, cpu), *fused),
+        "EvalPipelineFusedSparseDist": (lambda m, o: tp.EvalPipelineFusedSparseDist(m, o, cpu), *fused),
         "PrefetchTrainPipelineSparseDist": (lambda m, o: tp.PrefetchTrainPipelineSparseDist(m, o, cpu),
                                             AssertionError, "Invalid PrefetchPipelinedForward usage"),
         "StagedTrainPipeline": (staged, AttributeError, "'Stream' object has no attribute 'device'"),
