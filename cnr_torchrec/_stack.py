@@ -46,7 +46,7 @@ class Stack:
         return (_line(torch), _line(fbgemm), _line(torchrec)) == (self.torch, self.fbgemm, self.torchrec)
 
 
-# Newest first; the first is the repository's default (stacks/*.env pins the exact releases).
+# Newest first (stacks/*.env pins the exact releases; the repository's own venv takes 1.8, the lighter).
 TESTED: tuple[Stack, ...] = (
     Stack("1.9", torch="2.14", fbgemm="1.9", torchrec="1.9",
           pins="torch==2.14.1 fbgemm-gpu-cpu==1.9.0 torchrec==1.9.2 (fbgemm-gpu==1.9.0 on CUDA)"),

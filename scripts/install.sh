@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project virtualenv with the pinned stack.
-# Usage: [STACK=1.9] scripts/install.sh VENV_DIR [REQUIREMENTS]
-#   STACK: which stacks/STACK.env pins torch, fbgemm and torchrec (1.9, the default, or 1.8).
+# Usage: [STACK=1.8] scripts/install.sh VENV_DIR [REQUIREMENTS]
+#   STACK: which stacks/STACK.env pins torch, fbgemm and torchrec (1.8, the default, or 1.9).
 #   REQUIREMENTS: requirements.txt (the default: the library, the example job and the build)
 #   or requirements-test.txt (those and the tests' own).
 #
@@ -13,8 +13,8 @@ set -euo pipefail
 venv=${1:-.venv}
 requirements=${2:-requirements.txt}
 python=${PYTHON:-python3}
-stack_file="$(dirname "$0")/../stacks/${STACK:-1.9}.env"
-[ -f "$stack_file" ] || { echo "no stack ${STACK:-1.9}: stacks/ has $(ls "$(dirname "$0")/../stacks")" >&2; exit 2; }
+stack_file="$(dirname "$0")/../stacks/${STACK:-1.8}.env"
+[ -f "$stack_file" ] || { echo "no stack ${STACK:-1.8}: stacks/ has $(ls "$(dirname "$0")/../stacks")" >&2; exit 2; }
 # shellcheck source=/dev/null
 . "$stack_file"  # TORCH, FBGEMM, TORCHREC
 

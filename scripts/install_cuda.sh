@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) a second virtualenv with the CUDA builds of the pinned stack, for
 # `make cuda-check` on a machine that has the CUDA toolkit (a GPU is not needed).
-# Usage: [STACK=1.9] scripts/install_cuda.sh VENV_DIR   (stacks/STACK.env pins the releases)
+# Usage: [STACK=1.8] scripts/install_cuda.sh VENV_DIR   (stacks/STACK.env pins the releases)
 set -euo pipefail
 venv=${1:-.venv-cuda}
 python=${PYTHON:-python3}
 # shellcheck source=/dev/null
-. "$(dirname "$0")/../stacks/${STACK:-1.9}.env"  # TORCH, FBGEMM, TORCHREC
+. "$(dirname "$0")/../stacks/${STACK:-1.8}.env"  # TORCH, FBGEMM, TORCHREC
 
 if [ ! -x "$venv/bin/python" ]; then
   "$python" -m venv "$venv"
