@@ -6,7 +6,7 @@ supported only once the suite has run on it. Each supported stack is one torch r
 line built for it and the TorchRec line released with that FBGEMM (:data:`TESTED`; docs/install.md has the
 matrix and the install of each).
 
-:func:`check` reads the installed distributions (their metadata: nothing is imported for it) and finds:
+:func:`check` reads the installed distributions' metadata and torch's build, and finds:
 
 * **an untested stack** (a torch, fbgemm or torchrec outside :data:`TESTED`, or a mix of two tested stacks):
   one warning, at ``import cnr_torchrec``, naming what it found and what is tested;
@@ -125,7 +125,8 @@ def mixed(f: Found, *, cuda_model: bool = False) -> str | None:
                 f"does not load. Install fbgemm-gpu-cpu=={f.fbgemm_gpu} in its place, or a CUDA torch.")
     if f.fbgemm_gpu_cpu and f.torch_cuda and (f.gpu or cuda_model):
         return (f"fbgemm-gpu-cpu {f.fbgemm_gpu_cpu} is installed beside a CUDA torch {f.torch} on a machine with a "
-                "GPU: its tables run on the CPU only, and a model on a CUDA device fails at its first lookup. Install "
+                "GPU, or a model going onto one: its tables run on the CPU only, and a model on a CUDA device fails at "
+                "its first lookup. Install "
                 f"fbgemm-gpu=={f.fbgemm_gpu_cpu} in its place (after uninstalling fbgemm-gpu-cpu).")
     return None
 

@@ -12,11 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
 
 import pytest
+from _torchrun import torchrun
 
 GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "golden_training.py")
 STEPS, SAVE_EVERY, FAIL_AT = 80, 20, 46  # the kill comes 6 steps after the save of step 40
@@ -27,22 +25,12 @@ pytestmark = pytest.mark.multirank
 
 def _golden(tmp_path, name: str, *args: str) -> tuple[dict, str]:
     """Runs the program under torchrun (2 ranks, one restart allowed) from ``tmp_path``; its JSON and its log."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    env |= {"OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # the latter: pytorch#135712
     out = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--max-restarts", "1", GOLDEN, "--root", str(tmp_path / name), "--steps", str(STEPS),
-           "--save-every", str(SAVE_EVERY), "--out", str(out), *args]
-    # Its own session, so that a timeout takes the ranks down with torchrun.
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        log, _ = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
-        pytest.fail(f"{name}: torchrun ran past {TIMEOUT_S} s:\n{log[-3000:]}")
-    assert proc.returncode == 0, f"{name}: torchrun exited {proc.returncode}:\n{log[-4000:]}"
+    rc, log = torchrun(GOLDEN, ["--root", str(tmp_path / name), "--steps", str(STEPS), "--save-every", str(SAVE_EVERY),
+                                "--out", str(out), *args],
+                       cwd=tmp_path, env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"},  # pytorch#135712
+                       timeout_s=TIMEOUT_S, name=name, restarts=1)
+    assert rc == 0, f"{name}: torchrun exited {rc}:\n{log[-4000:]}"
     return json.loads(out.read_text()), log
 
 
