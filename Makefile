@@ -149,7 +149,9 @@ clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) $(EMU) .cuda-build .stack-*
 
 # 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto), then a job on
-# two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks; see docs/reliability.md.
+# two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks, then 80 jobs that end right after their
+# collectives, half without the exit handler; see docs/reliability.md.
 reliability: install $(TEST_DEPS)
 	OMP_NUM_THREADS=1 $(PY) benchmarks/reliability.py --kills 100 --json out/reliability.json
 	OMP_NUM_THREADS=1 $(PY) benchmarks/multinode.py --json out/multinode.json
+	$(PY) benchmarks/exit_race.py --jobs 40 --json out/exit_race.json

@@ -191,6 +191,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
     ck.wait()
     ck.close()
     total_rows = len(specs) * args.rows
+    kept = set(committed_ids_of(root)) if rank == 0 else set()
     rows = []
     for h, d in zip(handles, dirty):
         info = h.wait()
@@ -199,9 +200,21 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
             "stall_ms": info.stall_ms, "write_ms": info.write_ms, "rows_written": info.rows_written,
             "dirty_fraction": info.rows_written / total_rows, "dirty_since_previous_fraction": d / total_rows,
         })
-        if rank == 0:
-            rows[-1]["stored_whole"], rows[-1]["row_mode_bytes"] = row_modes(root, info.id)
+        if rank == 0:  # None: retention has collected it by now (full keeps its newest baselines only)
+            rows[-1]["stored_whole"], rows[-1]["row_mode_bytes"] = (row_modes(root, info.id) if info.id in kept
+                                                                    else (None, 0))
     return dmp, opt, config, rows
+
+
+def committed_ids_of(root: str) -> list[int]:
+    from cnr_torchrec.ckpt.format.commits import committed_ids
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(root)
+    try:
+        return committed_ids(storage)
+    finally:
+        storage.close()
 
 
 def row_modes(root: str, ckpt_id: int) -> tuple[float, int]:
@@ -454,8 +467,10 @@ def main() -> None:
             for r in rows:
                 print(f"{label:<18s}{r['id']:>4d}{r['step']:>6d}  {r['kind']:<9s}{r['nbytes']:>13,d}"
                       f"{r['stall_ms']:>10.1f}{r['write_ms']:>10.1f}{r['dirty_fraction']:>8.2%}"
-                      f"{r['stored_whole']:>8.1%}", flush=True)
-            print("whole: the share of the rows written that are stored whole (the rest: residuals)")
+                      + (f"{r['stored_whole']:>8.1%}" if r["stored_whole"] is not None else f"{'gone':>8s}"),
+                      flush=True)
+            print("whole: the share of the rows written that are stored whole (the rest: residuals); gone: "
+                  "collected by retention before it was read")
         if label == REFERENCE:
             peer = peers(dmp, opt, config, args, rank, args.out_dir)
             restores[label] = peer["ours_restore"]["restore_ms"]
@@ -526,7 +541,7 @@ def main() -> None:
               f"median stall {f['median_stall_ms']:.1f} ms)")
         print(f"dirty fraction per interval ({REFERENCE}): "
               + ", ".join(f"{r['dirty_fraction']:.1%}" for r in runs[REFERENCE][1:]))
-        deltas = [r for r in runs.get("default", ()) if r["kind"] == "delta"]
+        deltas = [r for r in runs.get("default", ()) if r["kind"] == "delta" and r["stored_whole"] is not None]
         if deltas:  # the default codes residuals: each row whole or as a residual
             modes, delta_bytes = sum(r["row_mode_bytes"] for r in deltas), sum(r["nbytes"] for r in deltas)
             print("rows stored whole per interval (default): "
