@@ -104,3 +104,43 @@ def test_a_host_short_of_memory_is_coded_plainly_under_auto_and_refused_under_tr
     assert "residual: auto steps aside" in caplog.text and "which has" in caplog.text
     assert used.quantization.residual is False
     assert _residual_flags(root) == [False, False]
+
+
+def _entry_flags(root, ckpt_id):
+    """table -> whether each of checkpoint ``ckpt_id``'s entries of that table is stored as residuals."""
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    storage = Storage(root)
+    try:
+        flags: dict[str, list[bool]] = {}
+        for report in load_manifest(storage, ckpt_id).ranks:
+            for table, e in report.entries():
+                flags.setdefault(table, []).append(e.residual)
+        return flags
+    finally:
+        storage.close()
+
+
+def test_a_delta_whose_first_shard_has_no_dirty_rows_codes_the_later_shards_as_residuals(group, tmp_path):
+    """The delta's first shard (t0's) comes out plain, having no rows to code; t1's rows are still residuals."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from cnr_torchrec import Checkpointer, load_config
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs)
+    root = str(tmp_path / "root")
+    with Checkpointer(dmp, load_config({"root": root}), dense_optimizer=opt) as ck:
+        train(dmp, specs, opt, 2, torch.Generator().manual_seed(0))
+        ck.save(1).wait()
+        t1_ids = torch.tensor([1, 5, 9, 30] * 2)
+        only_t1 = KeyedJaggedTensor.from_lengths_sync(
+            keys=[s.feature for s in specs], values=t1_ids,
+            lengths=torch.cat([torch.zeros(8, dtype=torch.int64), torch.ones(8, dtype=torch.int64)]))
+        dmp(only_t1).backward()
+        opt.step()
+        ck.save(2).wait()
+        assert ck.config.quantization.residual is True
+    flags = _entry_flags(root, 1)
+    assert flags["t0"] == [False] and flags["t1"] == [True], flags

@@ -93,19 +93,19 @@ def write_rank(
             kind, packed = encode_ids(s.ids, n_rows)
             ids = (kind, int(s.ids.numel()), blobs.add(f"{prefix}/ids", packed))
         encoded, whole = _encode_shard(codec, s, d, reconstruction, residual)
-        residual = whole is not None and not bool(whole.all())  # a delta whose rows all coded whole is a plain one
+        is_residual = whole is not None and not bool(whole.all())  # a delta whose rows all coded whole is plain
         whole_ref = None
-        if whole is not None and residual and bool(whole.any()):
+        if whole is not None and is_residual and bool(whole.any()):
             whole_ref = (int(whole.sum()), blobs.add(f"{prefix}/whole", encode_modes(whole)))
             whole_rows += whole_ref[0]
-        residual_entries += residual
+        residual_entries += is_residual
         states = [(t.to(state_dtype) if t.is_floating_point() else t, rowwise) for t, rowwise in s.states]
         if reconstruction is not None:
             reconstruction.stage_states(shard_key(s.table, s.rows, s.cols), s.ids, [t for t, _ in states], s.mc)
         stored = write_rows(blobs, prefix, encoded, states, None if s.mc is None else (s.mc, s.mc_fields))
         rows_written += encoded.num_rows
         tables.setdefault(s.table, []).append(
-            table_entry(s.rows, s.cols, s.encoding, stored, ids=ids, residual=residual, whole=whole_ref))
+            table_entry(s.rows, s.cols, s.encoding, stored, ids=ids, residual=is_residual, whole=whole_ref))
     replicated = {name: blobs.add(f"rep/{name}", t) for name, t in staged.replicated_tables.items()}
     dense = {name: blobs.add(f"dense/{name}", t) for name, t in staged.dense.items()}
     where = f"rank {staged.rank}"
