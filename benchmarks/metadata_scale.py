@@ -141,6 +141,10 @@ def synth_report(rank: int, ckpt_id: int, shards: list[tuple[str, tuple[int, int
         tables.setdefault(table, []).append(e)
         index.update(b)
         stored += e["ids"]["count"]
+    # Per-rank state, as a save writes it: torch's CPU RNG state (a 5,056-byte tensor) and Python's.
+    index["rng/torch"] = {"offset": offset, "nbytes": 5056, "dtype": "uint8", "shape": [5056], "xxh3": "0" * 32}
+    offset += 5056
+    rng = {"torch": {"$tensor": "rng/torch"}, "python": [3, list(range(8)), None]}
     n_chunks = max(1, -(-offset // CHUNK_BYTES))
     chunks = [{"nbytes": min(CHUNK_BYTES, offset - k * CHUNK_BYTES) if offset else 0, "xxh3": "0" * 32}
               for k in range(n_chunks)]
@@ -149,7 +153,7 @@ def synth_report(rank: int, ckpt_id: int, shards: list[tuple[str, tuple[int, int
     residual = sum(1 for es in tables.values() for e in es if e.get("residual"))
     whole = sum(e["whole"]["count"] for es in tables.values() for e in es if "whole" in e)
     return rank_report(rank, payload, tables=tables, table_shapes={t: shapes[t] for t in tables},
-                       rows_written=stored, tbe_iter=7, residual_entries=residual, whole_rows=whole)
+                       rows_written=stored, tbe_iter=7, residual_entries=residual, whole_rows=whole, rng=rng)
 
 
 # ---------------------------------------------------------------------- measurements

@@ -94,7 +94,7 @@ def _worker(args) -> None:
 
     if args.cell == "host_lost" and host == 1 and int(os.environ.get("LOCAL_RANK", rank)) % 2 == 0:
         for name in os.listdir(shm):  # host 1 was replaced: its memory is gone (its first rank clears it)
-            os.unlink(os.path.join(shm, name))
+            shutil.rmtree(os.path.join(shm, name))  # a root's images lie in a directory of their own
     dist.barrier()  # before any Checkpointer of this incarnation makes an image
     torch.manual_seed(99)
     dmp, opt = build(specs, world)

@@ -658,7 +658,7 @@ class KillSuite:
             root = f"{base_root.rstrip('/')}/g{i}-{policy}-{method}"
             gside = os.path.join(side, f"g{i}")
             os.makedirs(gside, exist_ok=True)
-            shm = os.path.join(gside, "shm")  # a directory of its own: opening a root removes other roots' images
+            shm = os.path.join(gside, "shm")  # a directory of its own: the group's host, apart from the others
             os.makedirs(shm, exist_ok=True)
             self.groups.append(_Group(i, root, gside, shm, policy, method, bits))
         self.trials: list[Trial] = []

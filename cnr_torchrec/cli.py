@@ -1,9 +1,11 @@
-"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline.
+"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline, and clean the
+host's memory images (``cnr clean-images``).
 
 Exit codes: 0 success (``verify``: sound; ``cnr`` alone prints the commands); 1 a checkpoint is
 corrupt (``verify`` found problems, or ``compact``/``export``/``import-dcp`` met a corrupt file);
 2 the command could not run (bad arguments, missing root, nothing committed, unknown id, bad
-``--storage-option``, an existing ``export --out``, a DCP checkpoint of another layout). Errors
+``--storage-option``, an existing ``export --out``, a DCP checkpoint of another layout, a ``clean-images
+--path`` that is not a directory). Errors
 are one line on stderr, the error's class and what to do; ``--debug`` prints the traceback
 before it.
 """
@@ -359,6 +361,29 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------- clean-images
+
+
+def _cmd_clean_images(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.memory import directory
+
+    if not args.max_age_s > 0:
+        raise ConfigError(f"--max-age-s {args.max_age_s:g}: give a positive number of seconds")
+    entries = directory.scan(args.path)
+    picked = directory.select(entries, root=args.root, everything=args.all, max_age_s=args.max_age_s)
+    verb = "would remove" if args.dry_run else "removed"
+    for entry, why in picked:
+        if not args.dry_run:
+            directory.remove(entry)
+        what = "old-layout files" if entry.legacy else f"root {entry.root or '(unnamed)'}"
+        print(f"{verb} {entry.path} ({what}, {len(entry.files)} file(s), {_human_bytes(entry.nbytes)}): {why}")
+    kept = len(entries) - len(picked)
+    gone = f"the images of {len(picked)} root(s), {_human_bytes(sum(e.nbytes for e, _ in picked))}" if picked \
+        else "nothing"
+    print(f"{verb} {gone} under {args.path}; kept the images of {kept} root(s)")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -368,8 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnr",
         description="Inspect, verify, compact, export and import cnr_torchrec checkpoint roots (offline: no "
-                    "model, no process group). Do not run compact or import-dcp while a training job writes to the "
-                    "same root.",
+                    "model, no process group), and clean this host's memory images. Do not run compact or import-dcp "
+                    "while a training job writes to the same root.",
         epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
     )
     debug_help = "on an error, print its traceback before the one-line message"
@@ -447,7 +472,32 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training step the baseline records (default: the step DCP_DIR records, else 0)")
     p.set_defaults(func=_cmd_import_dcp)
 
+    _add_clean_images_parser(sub)
     return parser
+
+
+def _add_clean_images_parser(sub: Any) -> None:
+    from cnr_torchrec.ckpt.config import DEFAULT_IMAGE_MAX_AGE_S, MemoryTierConfig
+
+    debug = argparse.ArgumentParser(add_help=False)
+    debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="on an error, print its traceback before the one-line message")
+    default = MemoryTierConfig().path
+    p = sub.add_parser("clean-images", parents=[debug], help="remove this host's memory images (memory_tier)",
+                       description="Remove this user's memory images (memory_tier) under memory_tier.path, one "
+                                   "directory per root: by default those whose local root is gone or that are "
+                                   "older than --max-age-s (what a job that opens a root removes); --root R: R's; "
+                                   "--all: every one. Another user's files are never touched. A job that restarts "
+                                   "after its images were removed reads storage.")
+    p.add_argument("--path", default=default, help=f"the jobs' memory_tier.path (default {default})")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--root", metavar="ROOT", help="remove the images of this checkpoint root")
+    which.add_argument("--all", action="store_true", help="remove every memory image of this user under --path")
+    p.add_argument("--max-age-s", type=float, default=DEFAULT_IMAGE_MAX_AGE_S, metavar="S",
+                   help=f"by default, remove images unchanged for longer than S seconds (default "
+                        f"{DEFAULT_IMAGE_MAX_AGE_S:g}, memory_tier.max_age_s's default)")
+    p.add_argument("--dry-run", action="store_true", help="list what would be removed, and remove nothing")
+    p.set_defaults(func=_cmd_clean_images)
 
 
 def _error(args: argparse.Namespace, e: CnrError, advice: str = "") -> None:

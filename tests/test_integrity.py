@@ -309,3 +309,23 @@ def _two_keys_worker(rank, world_size, tmp):
     key_file = _key_file(pathlib.Path(tmp), KEY if rank == 0 else OTHER, f"key{rank}")
     with pytest.raises(ConfigError, match="the ranks hold different keys"):
         _checkpointer(os.path.join(tmp, "root"), 0, key_file)
+
+
+@pytest.mark.parametrize("mac", ["", "truncated"])
+def test_an_empty_or_truncated_mac_is_refused_by_restore_and_verify(keyed, mac):
+    """A MAC compared over the stored digest's length alone would take an empty one (or its first bytes) as a
+    match: the whole HMAC-SHA256 must agree."""
+    from cnr_torchrec import UnauthenticatedCheckpointError
+
+    root, key_file, _, manifest = keyed
+    raw = open(manifest, "rb").read()
+    stored = json.loads(raw)["hmac_sha256"]
+    forged = stored[:8] if mac == "truncated" else ""
+    with open(manifest, "wb") as f:  # the header's MAC alone changed: the body and its xxh3 are as written
+        f.write(raw.replace(f'"hmac_sha256": "{stored}"'.encode(), f'"hmac_sha256": "{forged}"'.encode(), 1))
+    assert json.loads(open(manifest, "rb").read())["hmac_sha256"] == forged
+    restorer, *_ = _checkpointer(root, 1, key_file)
+    with pytest.raises(UnauthenticatedCheckpointError, match="does not match its hmac_sha256"):
+        restorer.restore()
+    restorer.close()
+    assert any("hmac_sha256" in p.message for p in _verify(root, key_file))

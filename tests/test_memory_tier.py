@@ -8,8 +8,9 @@ built model with the memory tier off (which reads storage alone), state for stat
 - the residual reconstruction, which the image keeps, is a storage restore of the chain to the bit;
 - crafted images (a flipped byte, another layout, another root, truncated, a symlink, another user's
   file, readable by others) are refused by name, and the rank reads storage;
-- the lifecycle: other roots' images removed when a root is opened, a clean close removes the rank's,
-  an exception keeps it for the restart, and a directory without room means storage, with a warning;
+- the lifecycle: each root's images in a directory of its own, another root's kept when a root is opened,
+  a clean close removes the rank's, an exception keeps it for the restart, and a directory without room
+  means storage, with a warning (tests/test_memory_dirs.py: several jobs on one host, and when images go);
 - TorchRec's TestSparseNN (shared tables, weighted features, EBC sharding types) and its mixed
   EmbeddingCollection model on 2 ranks: both ranks from memory, then one "host" lost (rank 1's image
   deleted: a mixed restore), then a restore onto another plan, which never uses an image;
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -81,7 +83,15 @@ def _assert_same(got, want):
 
 
 def _files(shm):
-    return sorted(os.listdir(shm))
+    """Every file under ``shm``, by its path relative to it (a root's images lie in a directory of their own)."""
+    return sorted(os.path.relpath(os.path.join(d, f), shm) for d, _, files in os.walk(shm) for f in files)
+
+
+def _image_dir(shm, root):
+    """The directory of ``root``'s images under ``shm``, relative to it."""
+    from cnr_torchrec.ckpt.memory.directory import root_dir
+
+    return os.path.basename(root_dir(shm, root))
 
 
 def test_the_reconstruction_is_a_storage_restore_of_its_chain_to_the_bit(group, tmp_path):
@@ -115,7 +125,8 @@ def test_a_restart_restores_from_its_image_the_bits_of_a_storage_restore(group, 
     root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
     os.makedirs(shm)
     _job(root, shm, mode=mode, residual=residual)
-    assert _files(shm) == [f for f in _files(shm) if f.endswith((".img", ".seal"))] and len(_files(shm)) == 2
+    d = _image_dir(shm, root)
+    assert _files(shm) == [f"{d}/r00000.img", f"{d}/r00000.seal", f"{d}/root"]
     got, sources, stats = _restart(root, shm, seed=7, mode=mode, residual=residual)
     assert sources == [(0, "memory", "sealed for the agreed checkpoint")]
     assert stats["from_memory"] == 1.0 and stats["memory_ranks"] == 1.0
@@ -247,7 +258,10 @@ def test_a_fold_then_a_delta_restore_from_the_image(group, tmp_path):
     _assert_same(got, _storage_restore(root, shm))
 
 
-def test_opening_a_root_removes_other_roots_images_and_a_clean_close_removes_its_own(group, tmp_path):
+def test_opening_a_root_keeps_other_roots_images_and_a_clean_close_removes_its_own(group, tmp_path):
+    """Each root's images lie in a directory of their own: opening a root leaves another root's (whose job may
+    wait for its restart) and removes this root's of ranks the job no longer has; a clean close removes the
+    rank's images and the directory, a failure keeps them."""
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt.memory.tier import image_stem
 
@@ -255,24 +269,31 @@ def test_opening_a_root_removes_other_roots_images_and_a_clean_close_removes_its
     os.makedirs(shm)
     other, root = str(tmp_path / "other"), str(tmp_path / "root")
     _job(other, shm, saves=1)
+    kept = [f for f in _files(shm) if f.startswith(_image_dir(shm, other))]
+    assert len(kept) == 3  # the other root's image, seal and root file
+    os.makedirs(os.path.dirname(image_stem(shm, root, 3)), mode=0o700)
     beyond = image_stem(shm, root, 3) + ".img"  # this root's image of a rank the job no longer has
     open(beyond, "wb").close()
     os.chmod(beyond, 0o600)
     stranger = os.path.join(shm, "not-an-image")
     open(stranger, "wb").close()
+    d = _image_dir(shm, root)
     dmp, opt = build_dmp(_specs())
     with Checkpointer(dmp, _config(root, shm), dense_optimizer=opt) as ck:
-        assert _files(shm) == sorted(["not-an-image", os.path.basename(image_stem(shm, root, 0)) + ".img"])
+        assert _files(shm) == sorted(kept + ["not-an-image", f"{d}/r00000.img", f"{d}/root"])
         train(dmp, _specs(), opt, 1, torch.Generator().manual_seed(0))
         ck.save(1).wait()
-        assert len(_files(shm)) == 3  # image, seal, and the file that is not an image
-    assert _files(shm) == ["not-an-image"]  # a clean end of the job
+        assert f"{d}/r00000.seal" in _files(shm)
+    assert _files(shm) == sorted(kept + ["not-an-image"])  # a clean end of the job: its directory is gone too
+    assert not os.path.exists(os.path.join(shm, d))
 
     with pytest.raises(RuntimeError, match="the job failed"):
         with Checkpointer(dmp, _config(root, shm), dense_optimizer=opt) as ck:
             ck.restore()
             raise RuntimeError("the job failed")
-    assert len(_files(shm)) == 3  # kept for the restart on this host
+    assert _files(shm) == sorted(kept + ["not-an-image", f"{d}/r00000.img", f"{d}/r00000.seal", f"{d}/root"])
+    _, sources, _ = _restart(other, shm, seed=7)
+    assert [s for _, s, _ in sources] == ["memory"]  # the other root's job restarts from its images
 
 
 def test_a_directory_without_room_means_storage_with_one_warning(group, tmp_path, monkeypatch, caplog):
@@ -345,7 +366,7 @@ def _torchrec_worker(rank, world_size, root, shm_dirs, model):
     torch.distributed.barrier()
     if rank == 1:  # its host is lost: its images are gone
         for name in os.listdir(shm_dirs[1]):
-            os.unlink(os.path.join(shm_dirs[1], name))
+            shutil.rmtree(os.path.join(shm_dirs[1], name))
     torch.distributed.barrier()
     got, sources = restart(seed=6)
     assert [s for _, s, _ in sources] == ["memory", "storage"], sources

@@ -26,6 +26,7 @@ __all__ = [
     "CheckpointConfig",
     "CompactionConfig",
     "DEFAULT_COMPACTION",
+    "DEFAULT_IMAGE_MAX_AGE_S",
     "FailureConfig",
     "IntegrityConfig",
     "KeepConfig",
@@ -212,6 +213,11 @@ class BudgetConfig:
             raise ConfigError(f"ssu_rate must be in (0, 1], got {self.ssu_rate}")
 
 
+DEFAULT_IMAGE_MAX_AGE_S = 86400.0
+"""How long another root's memory images outlive their last change by default: a day, longer than a killed job
+waits for its restart, short enough that images no job will take do not hold a host's memory for long."""
+
+
 @dataclass(frozen=True)
 class MemoryTierConfig:
     """The memory tier: each rank's restore image kept in host shared memory (docs/memory-tier.md).
@@ -224,17 +230,25 @@ class MemoryTierConfig:
             reconstruction (a float32 copy of the rank's shards) becomes the image. ``on`` keeps one with
             plain coding too, as an extra host copy. ``off`` keeps none.
         path: the directory of the images, on a memory file system (``/dev/shm``; in a container,
-            give it room: Docker ``--shm-size``, Kubernetes an ``emptyDir`` with ``medium: Memory``).
+            give it room: Docker ``--shm-size``, Kubernetes an ``emptyDir`` with ``medium: Memory``). Each
+            root keeps its images in a directory of its own under it, so several jobs can share it.
+        max_age_s: a job that opens a root removes another root's images once nothing in them changed for
+            this long (no commit, no job opening that root): the images of a job that will not be restarted
+            do not hold the host's memory for ever. A killed job's images survive a restart within it.
     """
 
     mode: Literal["auto", "on", "off"] = "auto"
     path: str = "/dev/shm"
+    max_age_s: float = DEFAULT_IMAGE_MAX_AGE_S
 
     def __post_init__(self) -> None:
         if self.mode not in ("auto", "on", "off"):
             raise ConfigError(f"memory_tier.mode: {self.mode!r} is not one of ['auto', 'on', 'off']")
         if not self.path:
             raise ConfigError("memory_tier.path: give a directory on a memory file system, such as /dev/shm")
+        if not self.max_age_s > 0:
+            raise ConfigError(f"memory_tier.max_age_s: {self.max_age_s!r} is not a positive number of seconds "
+                              f"(the default, {DEFAULT_IMAGE_MAX_AGE_S:g}, is a day)")
 
     @classmethod
     def from_scalar(cls, value: Any, where: str) -> MemoryTierConfig:
@@ -242,7 +256,7 @@ class MemoryTierConfig:
         modes: dict[Any, Literal["auto", "on", "off"]] = {True: "on", False: "off", "on": "on", "off": "off",
                                                            "auto": "auto"}
         if isinstance(value, (dict, list)) or value not in modes:
-            raise ConfigError(f"{where}: expected auto, on, off or a mapping (mode, path), got {value!r}")
+            raise ConfigError(f"{where}: expected auto, on, off or a mapping (mode, path, max_age_s), got {value!r}")
         return cls(mode=modes[value])
 
 

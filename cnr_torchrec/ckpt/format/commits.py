@@ -37,7 +37,7 @@ from cnr_torchrec.ckpt.format.integrity import RootKey, check_seal, seal_fields
 from cnr_torchrec.ckpt.format.manifest import Manifest, part_path_of, rank_file_of
 from cnr_torchrec.ckpt.format.parts import with_parts
 from cnr_torchrec.ckpt.format.payload import checksum
-from cnr_torchrec.ckpt.format.schema import check_manifest
+from cnr_torchrec.ckpt.format.schema import check_manifest, parse_json
 from cnr_torchrec.ckpt.format.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -140,10 +140,7 @@ def read_body(storage: Storage, ckpt_id: int) -> dict[str, Any]:
     """
     path = manifest_path(ckpt_id)
     raw = storage.read(path)
-    try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt", path=path) from None
+    doc = parse_json(raw, path)
     if not isinstance(doc, dict) or doc.get("format") != FORMAT or "body" not in doc:
         raise CorruptCheckpointError(f"{path} is not a cnr_torchrec manifest", path=path)
     version = doc.get("version")
@@ -295,7 +292,8 @@ def committed_ids(storage: Storage) -> list[int]:
         return [i for i in ids if storage.exists(manifest_path(i))]
     # Stores that cannot list: the index, plus any commit that landed after the index was last written.
     try:
-        ids = [int(i) for i in json.loads(storage.read(INDEX)).get("committed", [])]
+        doc = parse_json(storage.read(INDEX), INDEX)
+        ids = [i for i in doc.get("committed", []) if type(i) is int] if isinstance(doc, dict) else []
     except CheckpointNotFoundError:
         ids = []
     except (ValueError, AttributeError, TypeError):

@@ -30,7 +30,7 @@ from typing import Any, overload
 from cnr_torchrec.ckpt.format.integrity import check_chunk, chunk_hasher, chunk_record
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, part_path_of
 from cnr_torchrec.ckpt.format.placement import Box, layout_digest
-from cnr_torchrec.ckpt.format.schema import check_part, check_report, part_digest
+from cnr_torchrec.ckpt.format.schema import check_part, check_report, parse_json, part_digest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
@@ -128,7 +128,8 @@ class Parts(Sequence[RankReport]):
     def __init__(self, storage: Storage, manifest: Manifest) -> None:
         self._storage, self._manifest = storage, manifest
         self._own: Storage | None = None
-        self.shards_checked: Mapping[str, Any] | None = None  # the index's shards, once checked (placement.py)
+        self.boxes_checked: Sequence[Sequence[Any]] | None = None  # each rank's shards, once checked (placement.py)
+        self.checked_together = False  # every part checked against the others (structure.py's check_parts)
         self._loaded: dict[int, RankReport] = {}
         self._lock = threading.Lock()
 
@@ -180,12 +181,7 @@ class Parts(Sequence[RankReport]):
                                          path=path) from None
         digest, keyed = part_digest(m.body["parts"][r])
         check_chunk(storage.key, path, data, m.body["parts"][r]["nbytes"], digest, keyed)
-        try:
-            raw = json.loads(data)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise CorruptCheckpointError(f"{path} is not valid JSON ({e}); the checkpoint is corrupt", path=path) \
-                from None
-        return check_part(expand_part(raw), path, m)
+        return check_part(expand_part(parse_json(data, path)), path, m, r)
 
 
 def with_parts(manifest: Manifest, storage: Storage) -> Manifest:

@@ -76,13 +76,12 @@ class BlobWriter:
         return b"".join(self._parts)
 
 
-def read_blob(file: str, blob: Blob, what: str, data: Any, verified: bool = False) -> torch.Tensor:
+def read_blob(file: str, blob: Blob, what: str, data: Any) -> torch.Tensor:
     """The tensor of one blob, from its bytes ``data``, checked against its size and checksum.
 
     Args:
         data: the blob's bytes. A writable memoryview (of a bytearray or a private mmap) is
             shared by the returned tensor, not copied.
-        verified: the bytes were already checked (their chunk matched its xxh3); skip the blob's.
 
     Raises:
         CorruptCheckpointError: the bytes are missing, short, or do not match the checksum.
@@ -97,7 +96,7 @@ def read_blob(file: str, blob: Blob, what: str, data: Any, verified: bool = Fals
             f"{file} is truncated: blob {what} needs bytes [{start}, {start + nbytes}), got {len(data)}",
             path=file,
         )
-    if not verified and checksum(data) != blob.xxh3:
+    if checksum(data) != blob.xxh3:
         raise CorruptCheckpointError(f"{file}: blob {what} does not match its checksum", path=file)
     if not nbytes:
         out = torch.empty(0, dtype=torch.uint8)

@@ -18,9 +18,11 @@ from typing import Any
 import xxhash
 
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
+from cnr_torchrec.ckpt.format.structure import check_parts
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["Box", "checked_shards", "fits", "holders", "layout_digest", "reports_for"]
+__all__ = ["Box", "checked_boxes", "checked_shards", "every_part", "fits", "holders", "layout_digest", "records_layout",
+           "reports_for"]
 
 Box = list[Any]
 """A shard as JSON: ``[table, row_start, row_end, col_start, col_end]``."""
@@ -44,9 +46,8 @@ def reports_for(manifest: Manifest, rank: int, boxes: Sequence[Box], data_parall
     part; on another plan or world size, the parts of the ranks whose shards overlap this rank's; and rank 0's
     where the rank holds data_parallel tables or the checkpoint stores replicated tables. Else every part."""
     lines = manifest.summaries
-    shards = manifest.body.get("shards")
-    if manifest.version < 7 or not lines or any(line.layout is None for line in lines) or shards is None:
-        return manifest.ranks
+    if not records_layout(manifest):
+        return every_part(manifest)
     if rank < len(lines) and lines[rank].layout == layout_digest(boxes):
         ranks = {rank}
     else:
@@ -57,6 +58,24 @@ def reports_for(manifest: Manifest, rank: int, boxes: Sequence[Box], data_parall
     return [manifest.ranks[r] for r in sorted(ranks)]
 
 
+def records_layout(manifest: Manifest) -> bool:
+    """Whether ``manifest`` records where its rows live: a format 7 index whose lines all carry their rank's
+    ``layout`` digest and which lists the ``shards``."""
+    lines = manifest.summaries
+    return (manifest.version >= 7 and bool(lines) and all(line.layout is not None for line in lines)
+            and manifest.body.get("shards") is not None)
+
+
+def every_part(manifest: Manifest) -> Sequence[RankReport]:
+    """All of ``manifest``'s reports, checked together (:func:`~.structure.check_parts`) once per manifest."""
+    parts = manifest.ranks
+    if not getattr(parts, "checked_together", False):
+        check_parts(manifest, list(parts))
+        if hasattr(parts, "checked_together"):
+            parts.checked_together = True
+    return parts
+
+
 def checked_shards(manifest: Manifest) -> Mapping[str, Any]:
     """The index's ``shards``, once each rank's boxes it implies digest to that rank's line (so a crafted or
     damaged entry is refused before it steers a read). Checked once per manifest.
@@ -64,8 +83,19 @@ def checked_shards(manifest: Manifest) -> Mapping[str, Any]:
     Raises:
         CorruptCheckpointError: a malformed entry, or boxes that are not the ones the ranks recorded.
     """
+    checked_boxes(manifest)
+    return manifest.body["shards"]
+
+
+def checked_boxes(manifest: Manifest) -> Sequence[Sequence[Box]]:
+    """Each rank's boxes by the index's ``shards`` (sorted, as :func:`layout_digest` takes them), once they digest
+    to the ranks' lines. Checked once per manifest.
+
+    Raises:
+        CorruptCheckpointError: as :func:`checked_shards`.
+    """
     parts = manifest.ranks
-    cached = getattr(parts, "shards_checked", None)
+    cached = getattr(parts, "boxes_checked", None)
     if cached is not None:
         return cached
     path, shards = f"ckpt-{manifest.id:08d}/manifest.json", manifest.body["shards"]
@@ -87,13 +117,14 @@ def checked_shards(manifest: Manifest) -> Mapping[str, Any]:
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptCheckpointError(f"{path}: shards is malformed ({type(e).__name__}: {e}); the manifest was "
                                      "edited or crafted", path=path) from None
+    per_rank = [sorted(boxes) for boxes in per_rank]
     for r, boxes in enumerate(per_rank):
-        if layout_digest(sorted(boxes)) != manifest.summaries[r].layout:
+        if layout_digest(boxes) != manifest.summaries[r].layout:
             raise CorruptCheckpointError(f"{path}: shards does not give rank {r} the shards its line records; the "
                                          "manifest was edited or crafted", path=path)
-    if hasattr(parts, "shards_checked"):
-        parts.shards_checked = shards
-    return shards
+    if hasattr(parts, "boxes_checked"):
+        parts.boxes_checked = per_rank
+    return per_rank
 
 
 def holders(layout: Any, rows: tuple[int, int], cols: tuple[int, int]) -> set[int]:

@@ -22,6 +22,7 @@ the README's Format section).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -46,11 +47,32 @@ from cnr_torchrec.ckpt.format.manifest import (
     rank_file_of,
 )
 from cnr_torchrec.ckpt.format.payload import DTYPES
+from cnr_torchrec.ckpt.format.placement import checked_boxes, records_layout
+from cnr_torchrec.ckpt.format.structure import check_part_layout, check_parts
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
 from cnr_torchrec.quant.registry import METHODS
 
-__all__ = ["check_manifest", "check_payload"]
+__all__ = ["MAX_DEPTH", "check_manifest", "check_payload", "parse_json"]
+
+MAX_DEPTH = 64
+"""How deeply a manifest's free-form values (codec parameters, saved state trees) may nest. Written ones nest a
+few levels; the limit keeps every reader's walk of a crafted one far from Python's recursion limit."""
+
+
+def parse_json(data: bytes, path: str) -> Any:
+    """The JSON document ``data`` (a manifest, a part, an index), read from ``path``.
+
+    Raises:
+        CorruptCheckpointError: not UTF-8 JSON, or beyond the parser's limits (nesting past the recursion
+            limit, an integer of more digits than Python converts); names ``path``.
+    """
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, huge integers
+        why = "nests too deeply" if isinstance(e, RecursionError) else str(e)[:200]
+        raise CorruptCheckpointError(f"{path} is not valid JSON within the format's limits ({why}); the checkpoint "
+                                     "is corrupt", path=path) from None
 
 Check = Callable[[Any], str]
 """A field's check: the empty string when the value is fine, else what is wrong with it."""
@@ -74,6 +96,23 @@ def _type(*types: type) -> Check:
         else f"must be a {names}, not {type(v).__name__}"
 
 
+def _nested(v: Any) -> str:
+    """Plain JSON nested at most ``MAX_DEPTH`` levels (walked without recursion)."""
+    stack = [(v, 0)]
+    while stack:
+        x, depth = stack.pop()
+        if isinstance(x, (dict, list)):
+            if depth >= MAX_DEPTH:
+                return f"nests deeper than {MAX_DEPTH} levels"
+            stack.extend((y, depth + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return ""
+
+
+def _free_form(v: Any) -> str:
+    """An object whose keys the format leaves open (codec parameters, the tables' module names)."""
+    return _type(dict)(v) or _nested(v)
+
+
 def _number(v: Any) -> str:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
     return "" if ok else f"must be a finite number >= 0, not {v!r}"
@@ -82,8 +121,8 @@ def _number(v: Any) -> str:
 _BODY: dict[str, Check] = {
     "id": _int(), "step": _int(), "kind": _of("baseline", "delta"), "since": _opt(_of("baseline", "previous")),
     "parent": _opt(_int()), "base": _int(), "depth": _int(), "encodings": _type(dict), "reason": _type(str),
-    "policy": _opt(_type(str)), "world_size": _int(1, 1 << 20), "codec": _type(dict), "restores": _int(),
-    "tables": _type(dict), "table_fqns": _type(dict), "replicated": _type(list), "nbytes": _int(),
+    "policy": _opt(_type(str)), "world_size": _int(1, 1 << 20), "codec": _free_form, "restores": _int(),
+    "tables": _type(dict), "table_fqns": _free_form, "replicated": _type(list), "nbytes": _int(),
     "created_unix": _number,
 }
 _BODY_OPTIONAL: dict[str, Check] = {"equals": _int(), "compacted_from": _type(list), "per_rank_state": _type(bool),
@@ -106,7 +145,7 @@ _BLOB: dict[str, Check] = {"offset": _int(), "nbytes": _int(), "dtype": _of(*DTY
 
 _META: dict[str, Check] = {
     "format": _of(EncodedRows.FORMAT), "version": _of(EncodedRows.VERSION), "method": _of(*METHODS),
-    "bits": _int(1, 32), "dim": _int(1), "num_rows": _int(), "params": _type(dict),
+    "bits": _int(1, 32), "dim": _int(1), "num_rows": _int(), "params": _free_form,
 }
 
 
@@ -174,7 +213,9 @@ def check_manifest(body: Any, path: str) -> Manifest:
         f.fail("nbytes", f"is {body['nbytes']}, but the rank files hold {sum(r.nbytes for r in reports)} bytes")
     summaries = tuple(RankSummary(r.rank, r.nbytes, len(r.payload.chunks), r.rows_written, r.stall_ms, r.write_ms,
                                   r.tbe_iter) for r in reports)
-    return _manifest(body, reports, summaries, 6)
+    manifest = _manifest(body, reports, summaries, 6)
+    check_parts(manifest, reports)  # a format 6 manifest holds every report: they are checked together as it loads
+    return manifest
 
 
 def _manifest(body: Mapping[str, Any], reports: tuple[RankReport, ...], summaries: tuple[RankSummary, ...],
@@ -234,20 +275,22 @@ def part_digest(line: Mapping[str, Any]) -> tuple[str, bool]:
     return line[CHUNK_DIGESTS[keyed]], keyed
 
 
-def check_part(raw: Any, path: str, manifest: Manifest) -> RankReport:
-    """Checks a rank's part of a format 7 checkpoint against the schema and against the index's line for it,
-    and builds its :class:`RankReport`.
+def check_part(raw: Any, path: str, manifest: Manifest, slot: int) -> RankReport:
+    """Checks rank ``slot``'s part of a format 7 checkpoint against the schema, the index's line for it and the
+    layout the index records (:func:`~cnr_torchrec.ckpt.format.structure.check_part_layout`), and builds its
+    :class:`RankReport`.
 
     Raises:
         CorruptCheckpointError: as :func:`check_manifest`, naming the part ``path``; or the part disagrees with
-            the index (another checkpoint's or rank's part, other sizes or counts).
+            the index (another checkpoint's or rank's part, other sizes or counts, entries off its rank's shards).
         UnsafeCheckpointError: a blob has a dtype that is never written.
     """
     f = _Fields(path)
     f.record(raw, "", {"ckpt": _int(), "rank": _int()})
     rank = raw["rank"]
-    if raw["ckpt"] != manifest.id or not 0 <= rank < len(manifest.summaries):
-        f.fail("ckpt", f"and rank say checkpoint {raw['ckpt']}, rank {rank}: not a part of checkpoint {manifest.id}")
+    if raw["ckpt"] != manifest.id or rank != slot:
+        f.fail("ckpt", f"and rank say checkpoint {raw['ckpt']}, rank {rank}: not rank {slot}'s part of checkpoint "
+                       f"{manifest.id}")
     report = _check_rank(f, raw, "", rank, manifest.tables)
     line = manifest.summaries[rank]
     if report.file != rank_file_of(manifest.id, rank):  # reads aimed at other files: refused, never skipped
@@ -261,6 +304,13 @@ def check_part(raw: Any, path: str, manifest: Manifest) -> RankReport:
     extra = sorted(set(report.replicated_tables) - set(manifest.replicated))
     if extra:
         f.fail("replicated_tables", f"stores {extra} whole, which the index does not list as replicated")
+    lacking = sorted(set(manifest.replicated) - set(report.replicated_tables)) if rank == 0 else []
+    if lacking or (rank != 0 and report.replicated_tables):  # rank 0 stores them for all (every restore reads it)
+        f.fail("replicated_tables", f"of rank {rank} are {sorted(report.replicated_tables)}; rank 0 stores every "
+                                    f"table the index lists as replicated ({sorted(manifest.replicated)}), no other")
+    if manifest.per_rank_state and report.rng is None:
+        f.fail("rng", "is missing, but the index says every part holds its rank's state (per_rank_state)")
+    check_part_layout(report, manifest, path, checked_boxes(manifest)[rank] if records_layout(manifest) else None)
     return report
 
 
@@ -298,6 +348,8 @@ def _check_links(f: _Fields, body: Mapping[str, Any]) -> None:
     elif parent is None or not body["base"] <= parent < cid or body["depth"] < 1:
         f.fail("parent", f"base and depth of a delta must satisfy base <= parent < id and depth >= 1, not parent "
                          f"{parent!r}, base {body['base']}, depth {body['depth']} (id {cid})")
+    if "equals" in body and (body["kind"] != "baseline" or "compacted_from" not in body):
+        f.fail("equals", "is a compacted baseline's (the tip it restores as), set on a checkpoint that is not one")
     if "equals" in body and not body["equals"] < cid:
         f.fail("equals", f"must name an older checkpoint than {cid}, not {body['equals']}")
 
@@ -523,22 +575,25 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
                    f"names a blob of {got[0]} {got[1]}; the codec writes {want[0]} {want[1]}")
 
 
-def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any]) -> None:
+def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any], depth: int = 0) -> None:
     """A flattened state tree (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`): plain JSON values,
     lists, string-keyed objects, and the tagged forms ``$tensor`` (a blob of the report), ``$float``
-    (inf or nan), ``$tuple`` (a list) and ``$items`` (``[key, tree]`` pairs)."""
+    (inf or nan), ``$tuple`` (a list) and ``$items`` (``[key, tree]`` pairs), nested at most ``MAX_DEPTH``."""
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return
+    if depth >= MAX_DEPTH:
+        f.fail(field, f"nests deeper than {MAX_DEPTH} levels")
+    depth += 1
     if isinstance(tree, list):
         for i, v in enumerate(tree):
-            _check_tree(f, v, f"{field}[{i}]", blobs)
+            _check_tree(f, v, f"{field}[{i}]", blobs, depth)
         return
     if not isinstance(tree, dict):
         f.fail(field, f"holds a {type(tree).__name__}")
     tags = [k for k in tree if k.startswith("$")]
     if not tags:
         for k, v in tree.items():
-            _check_tree(f, v, f"{field}[{k!r}]", blobs)
+            _check_tree(f, v, f"{field}[{k!r}]", blobs, depth)
         return
     if len(tree) != 1 or tags[0] not in _TAGS:
         f.fail(field, f"must be one of {sorted(_TAGS)} alone, not keys {sorted(tree)}")
@@ -549,14 +604,14 @@ def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any]) -> 
         f.value(v, f"{field}.$float", _of("inf", "-inf", "nan"))
     elif tag == "$tuple":
         f.value(v, f"{field}.$tuple", _type(list))
-        _check_tree(f, v, f"{field}.$tuple", blobs)
+        _check_tree(f, v, f"{field}.$tuple", blobs, depth)
     else:
         if not isinstance(v, list) or not all(isinstance(p, list) and len(p) == 2 for p in v):
             f.fail(f"{field}.$items", "must be a list of [key, value] pairs")
         for i, (k, item) in enumerate(v):
             f.value(k, f"{field}.$items[{i}][0]", lambda x: "" if x is None or isinstance(x, (bool, int, float, str))
                     else f"must be a plain key, not {type(x).__name__}")
-            _check_tree(f, item, f"{field}.$items[{i}][1]", blobs)
+            _check_tree(f, item, f"{field}.$items[{i}][1]", blobs, depth)
 
 
 _TAGS = ("$tensor", "$float", "$tuple", "$items")

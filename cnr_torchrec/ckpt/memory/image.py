@@ -291,7 +291,7 @@ class ImageFile:
             os.close(fd)
         try:
             body = json.loads(raw)
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:
             raise ImageRefused(f"{self.seal_path}: a malformed seal ({e})") from None
         return Seal.from_json(body, self.seal_path)
 

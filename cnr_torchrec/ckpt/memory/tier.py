@@ -13,9 +13,11 @@ commits. A restore asks :meth:`MemoryTier.candidate` whether the image is sealed
 checkpoint every rank agreed on, on this layout and world size; if so the rank copies its shards
 from it (:mod:`~cnr_torchrec.ckpt.restore.from_memory`), else it reads storage.
 
-Images are files ``cnr-<root digest>-r<rank>.img`` (and ``.seal``) under ``memory_tier.path``.
-Opening a root removes the user's images of other roots, and this root's of ranks beyond the
-world size; :meth:`MemoryTier.remove` (a clean ``close()``) removes this rank's.
+Images are files ``r<rank>.img`` (and ``.seal``) in the root's own directory under
+``memory_tier.path`` (:mod:`.directory`), so that the jobs of a host never take each other's.
+Opening a root removes this root's images of ranks beyond the world size, and other roots' only
+where their root is gone or they are older than ``memory_tier.max_age_s``; a clean ``close()``
+removes this rank's (and the directory, once the host's last rank closed).
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -35,25 +36,15 @@ from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
 from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
 from cnr_torchrec.ckpt.host_memory import host_uses, shard_states, short_of_memory
+from cnr_torchrec.ckpt.memory import directory
+from cnr_torchrec.ckpt.memory.directory import image_stem, root_digest
 from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
+from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["MemoryTier", "image_stem", "image_tables", "payload_identity", "root_digest"]
 
 log = logging.getLogger(__name__)
-
-_NAME = re.compile(r"^cnr-([0-9a-f]{16})-r(\d{5})\.(img|seal|seal\.\d+\.tmp)$")
-
-
-def root_digest(root: str) -> str:
-    """The 16 hex digits an image's name and seal give its root by."""
-    return hashlib.blake2b(root.rstrip("/").encode(), digest_size=8).hexdigest()
-
-
-def image_stem(path: str, root: str, rank: int) -> str:
-    """Rank ``rank``'s image of ``root`` under ``path``, without its suffix."""
-    return os.path.join(path, f"cnr-{root_digest(root)}-r{rank:05d}")
-
 
 def payload_identity(payload: Payload | Mapping[str, Any]) -> str:
     """A rank's payload of a checkpoint, by its chunks' digests (a manifest's :class:`Payload`, or a report's dict)."""
@@ -106,7 +97,9 @@ class MemoryTier:
                  residual: bool, distributed: bool = False) -> None:
         tier = config.memory_tier
         self.rank, self.world_size, self._tracker = rank, world_size, tracker
-        self._dir, self._root = tier.path, root_digest(config.root)
+        self._path, self._max_age_s, self._root_name = tier.path, tier.max_age_s, config.root
+        self._root = root_digest(config.root)
+        self._dir: str | None = None  # the root's image directory, once checked to be the user's own
         self._file = ImageFile(image_stem(tier.path, config.root, rank))
         self._layout = Layout(tuple(_shard_layouts(tracker)))
         q = config.quantization
@@ -135,29 +128,33 @@ class MemoryTier:
     # ------------------------------------------------------------------ opening a root
 
     def _open_root(self) -> None:
-        """Removes stale images (other roots', this root's of ranks beyond the world size) and checks that the
-        directory has room for this rank's; where it has not, the tier is off, with one warning."""
-        if not os.path.isdir(self._dir):
-            self._off(f"memory_tier.path {self._dir} is not a directory", warn=True)
+        """Tidies the path (:func:`~.directory.tidy`), makes this root's directory, and checks that it has room
+        for this rank's image; where it has not, or the directory is refused, the tier is off, with one
+        warning."""
+        if not os.path.isdir(self._path):
+            self._off(f"memory_tier.path {self._path} is not a directory", warn=True)
+            return
+        try:
+            removed = directory.tidy(self._path, self._root_name, self._max_age_s)
+        except (ConfigError, OSError) as e:  # a path it cannot list: nothing removed, this rank's image still kept
+            log.warning("rank %d: could not tidy the memory images under %s (%s: %s)", self.rank, self._path,
+                        type(e).__name__, e)
+            removed = []
+        for entry, why in removed:
+            log.info("rank %d: removed the memory images %s (%d file(s), %.2f GB): %s", self.rank, entry.path,
+                     len(entry.files), entry.nbytes / 1e9, why)
+        try:
+            self._dir = directory.open_root_dir(self._path, self._root_name, self.world_size)
+        except (ImageRefused, OSError) as e:
+            self._off(f"the image directory could not be used ({type(e).__name__}: {e})", warn=True)
             return
         own = 0
-        for name in os.listdir(self._dir):
-            m = _NAME.match(name)
-            if m is None:
-                continue
-            path = os.path.join(self._dir, name)
-            if m.group(1) == self._root and int(m.group(2)) < self.world_size:
-                if int(m.group(2)) == self.rank and m.group(3) == "img":
-                    with contextlib.suppress(OSError):
-                        own = os.lstat(path).st_size
-                continue
-            with contextlib.suppress(OSError):  # not ours to remove (another user's), or gone already
-                if os.lstat(path).st_uid == os.getuid():
-                    os.unlink(path)
-        st = os.statvfs(self._dir)
+        with contextlib.suppress(OSError):
+            own = os.lstat(self._file.data_path).st_size
+        st = os.statvfs(self._path)
         free = st.f_bavail * st.f_frsize + own
         if free < self._layout.nbytes:
-            self._off(f"{self._dir} has {free / 1e9:.2f} GB free and this rank's image needs "
+            self._off(f"{self._path} has {free / 1e9:.2f} GB free and this rank's image needs "
                       f"{self._layout.nbytes / 1e9:.2f} GB", warn=True)
             return
         try:  # the pages now (a sealed image of this root is kept as it is): a full directory fails here, not later
@@ -172,8 +169,17 @@ class MemoryTier:
                         "the directory room for the image (%.2f GB on this rank; Docker: --shm-size, Kubernetes: an "
                         "emptyDir volume with medium: Memory), or set memory_tier.path to one that has it",
                         self.rank, why, self._layout.nbytes / 1e9)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        """Removes this rank's files, and the directory once no rank's are left, where the directory was checked
+        to be the user's own (never through a directory someone else made)."""
+        if self._dir is None:
+            self._file.close()
+            return
         with contextlib.suppress(OSError):
             self._file.remove()
+        directory.release_root_dir(self._dir)
 
     # ------------------------------------------------------------------ the reconstruction's backing
 
@@ -290,8 +296,9 @@ class MemoryTier:
     # ------------------------------------------------------------------ end
 
     def close(self, remove: bool) -> None:
-        """Unmaps the image; with ``remove`` (a clean end of the job) deletes its files."""
+        """Unmaps the image; with ``remove`` (a clean end of the job) deletes its files (and the root's directory,
+        once the host's last rank removed its own)."""
         if remove:
-            self._file.remove()
+            self._remove_files()
         else:
             self._file.close()

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import shard_key
+from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.state import stored_offsets
@@ -416,6 +417,27 @@ class Applier:
                 if not t.done:
                     t.refresh()
 
+    def check_complete(self, tracker: DirtyRowTracker, baseline: Manifest, tables: Sequence[str]) -> None:
+        """Once the whole chain down to ``baseline`` is applied: every row of every shard of ``tables`` (those
+        this rank restores from the chain) has had a whole copy. A chain without one (a baseline that lacks a
+        table's entries, a table listed replicated that no part stores, entries moved off their rank's shard)
+        would leave those rows as the model held them: refused instead.
+
+        Raises:
+            CorruptCheckpointError: rows of a table have no copy in the chain (names the table and a row).
+        """
+        for table in tables:
+            targets = self.targets.get(table)
+            if targets is None:  # no entry of the chain touches the table
+                shard = next((s for _, s in tracker.shards(table) if s.num_rows), None)
+                if shard is not None:
+                    raise _uncovered(baseline, table, shard, shard.rows[0])
+                continue
+            for t in targets:
+                for mask in t.filled.values():
+                    if not _all(mask):
+                        raise _uncovered(baseline, table, t.shard, t.shard.rows[0] + int(_nonzero(~mask)[0]))
+
     def finish(self) -> StagedWeights:
         """Gives each managed-collision module the by-row state the chain restored (its sorted buffers rebuilt).
         Returns the weights restored into host copies (``stage``), which reach the shards at their commit."""
@@ -425,6 +447,14 @@ class Applier:
             t.fill_staged()
         return StagedWeights([(t.key, t.live, t.weights) for ts in self.targets.values() for t in ts
                               if t.live is not None])
+
+
+def _uncovered(baseline: Manifest, table: str, shard: Any, row: int) -> CorruptCheckpointError:
+    path = manifest_path(baseline.id)
+    return CorruptCheckpointError(
+        f"{path}: the chain on checkpoint {baseline.id} holds no copy of row {row} of table '{table}' (this rank's "
+        f"shard: rows {list(shard.rows)}, columns {list(shard.cols)}); a restore would leave it as the model holds "
+        "it. The checkpoint was edited, crafted or half copied; restore another with restore(step=...)", path=path)
 
 
 def _all(mask: torch.Tensor) -> bool:

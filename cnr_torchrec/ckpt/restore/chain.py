@@ -175,6 +175,10 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
             for load, plan in ordered[i + 1] if i + 1 < len(ordered) else ():
                 load.prefetch(plan.entry, plan.sel)
             _apply_work(applier, work, stats)
+        # Every row this rank restores from the chain has had a whole copy (the walk stops early only once the
+        # tables it found entries of are done: a table none of the parts it read holds is caught here too).
+        applier.check_complete(tracker, manifests[0], [t for t in tracker.tables() if t not in relocated
+                                                       and (replicated or not tracker.is_data_parallel(t))])
         staged = applier.finish()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines

@@ -182,6 +182,13 @@ class Restorer:
                     "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
                     "the model and optimizers and start that state afresh."
                 )
+            if not chain[-1].per_rank_state and self.extra_state and per_rank_state == "strict":
+                raise IncompatibleCheckpointError(
+                    f"checkpoint {ids[-1]} holds no per-rank state (its index says per_rank_state: false: an import, "
+                    f"or a compaction by another number of ranks), so extra_state {sorted(self.extra_state)} cannot "
+                    "be restored from it. Call restore(per_rank_state='drop') to restore the model and optimizers "
+                    "and start that state afresh."
+                )
             if self._snapshot is None and self.config.restore_rollback:  # nothing is written before this
                 with timed(self.stats, "snapshot_ms"):
                     self._snapshot = Snapshot.take(model=self.model, tracker=self.tracker,

@@ -2,7 +2,11 @@
 
 For each committed checkpoint: the manifest loads, matches its seal and passes the schema
 (:func:`~cnr_torchrec.ckpt.format.schema.check_manifest`, which checks everything a manifest
-says about itself: ranges, shapes, dtypes, references), and is byte for byte the sealed form
+says about itself: ranges, shapes, dtypes, references), its parts pass the same checks a restore
+makes as it reads them (:func:`~cnr_torchrec.ckpt.format.schema.check_part`: the index's line, its
+``shards`` and each part's entries against them) and together
+(:func:`~cnr_torchrec.ckpt.format.structure.check_parts`: no entry twice, a baseline that covers
+every table, the replicated tables and per-rank state the index says), and is byte for byte the sealed form
 of its body (so even a flipped whitespace byte is caught). What the schema cannot see is
 checked here, from the bytes: every rank file lies in its checkpoint's directory, and each
 chunk exists with the size and digest the manifest gives (xxh3; on a root with a key, the
@@ -39,8 +43,10 @@ from cnr_torchrec.ckpt.format.integrity import RootKey, check_chunk
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
 from cnr_torchrec.ckpt.format.rows import as_rows
+from cnr_torchrec.ckpt.format.schema import parse_json
 from cnr_torchrec.ckpt.format.state import stored_modes, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.structure import check_parts
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.ops import row_crc32c
@@ -135,10 +141,10 @@ class _Verifier:
                 self.dense_optimizers[ckpt_id] = describe(reports[0].dense_optimizer)
             except CorruptCheckpointError as e:
                 problems.append(Problem(ckpt_id, mpath, str(e)))
-            stored_whole = sorted(t for r in reports for t in r.replicated_tables)
-            if manifest.version >= 7 and stored_whole != sorted(manifest.replicated):  # spans ranks: not in parts
-                problems.append(Problem(ckpt_id, mpath, f"replicated lists {sorted(manifest.replicated)}, but the "
-                                                        f"ranks' parts store {stored_whole} whole"))
+            try:  # what spans the parts, as a restore that reads them all checks it (format/structure.py)
+                check_parts(manifest, reports)
+            except CorruptCheckpointError as e:
+                problems.append(Problem(ckpt_id, mpath, _strip_path(str(e), mpath)))
         for report in reports:
             self._check_rank(ckpt_id, report, problems)
 
@@ -276,9 +282,9 @@ def _check_index(storage: Storage, committed: set[int]) -> list[Problem]:
         return []
     raw = storage.read(INDEX)
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        return [Problem(None, INDEX, f"is not valid JSON ({e})")]
+        doc = parse_json(raw, INDEX)
+    except CorruptCheckpointError as e:
+        return [Problem(None, INDEX, _strip_path(str(e), INDEX))]
     if not isinstance(doc, dict) or doc.get("format") != "cnr-index" or not isinstance(doc.get("committed"), list):
         return [Problem(None, INDEX, 'is not a cnr_torchrec index ({"format": "cnr-index", "committed": [...]})')]
     ids = doc["committed"]
