@@ -148,10 +148,12 @@ accuracy-combine: install
 clean:
 	rm -rf build *.egg-info cnr_torchrec/_C*.so $(EXT) $(EMU) .cuda-build .stack-*
 
+# The long end-to-end tests (`pytest -m long`: faster cases of the same checks run in `make test`), then
 # 100 SIGKILLs at fault points and random moments, the corruption matrix, ENOSPC and S3 (moto), then a job on
 # two torchrun nodes killed mid-save and resharded 4 -> 2 -> 4 ranks, then 80 jobs that end right after their
 # collectives, half without the exit handler; see docs/reliability.md.
 reliability: install $(TEST_DEPS)
+	$(PY) -m pytest -m long
 	OMP_NUM_THREADS=1 $(PY) benchmarks/reliability.py --kills 100 --json out/reliability.json
 	OMP_NUM_THREADS=1 $(PY) benchmarks/multinode.py --json out/multinode.json
 	$(PY) benchmarks/exit_race.py --jobs 40 --json out/exit_race.json

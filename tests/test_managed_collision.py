@@ -23,6 +23,8 @@ from _dist import run_ranks
 
 EMPTY = torch.iinfo(torch.int64).max
 
+LONG = pytest.mark.long  # in `make reliability`: a faster case of the same test runs in `make test`
+
 
 def _config(root, **kw):
     from cnr_torchrec import load_config
@@ -128,7 +130,7 @@ def _tracking_worker(rank, world_size, kind, policy, optimizer):
 
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("kind,policy,optimizer", [("ebc", "lfu", "adagrad"), ("ec", "lru", "sgd"),
-                                                   ("ebc", "distance_lfu", "sgd")])
+                                                   pytest.param("ebc", "distance_lfu", "sgd", marks=LONG)])
 def test_tracked_rows_are_the_rows_whose_weights_state_or_remapping_changed(kind, policy, optimizer):
     run_ranks(_tracking_worker, world_size=2, timeout=150, args=(kind, policy, optimizer))
 
@@ -167,7 +169,7 @@ def _continuation_worker(rank, world_size, root, kind, policy, optimizer, restor
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world_size,kind,policy,optimizer,rows", [
     (1, "ebc", "lfu", "adagrad", (48, 32)), (2, "ec", "lru", "sgd", (512, 256)),
-    (2, "ebc", "distance_lfu", "adagrad", (48, 32)), (4, "ebc", "lru", "sgd", (48, 32)),
+    (2, "ebc", "distance_lfu", "adagrad", (48, 32)), pytest.param(4, "ebc", "lru", "sgd", (48, 32), marks=LONG),
 ])
 def test_a_restore_continues_bit_for_bit_like_the_uninterrupted_job(tmp_path, world_size, kind, policy, optimizer,
                                                                     rows):
@@ -273,7 +275,8 @@ def _moved_worker(rank, world_size, root, kind, policy, optimizer, held_path, lo
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("before,after,kind,policy,optimizer", [
-    (2, 1, "ebc", "lfu", "adagrad"), (1, 2, "ec", "lru", "sgd"), (4, 2, "ebc", "distance_lfu", "adagrad"),
+    pytest.param(2, 1, "ebc", "lfu", "adagrad", marks=LONG), (1, 2, "ec", "lru", "sgd"),
+    pytest.param(4, 2, "ebc", "distance_lfu", "adagrad", marks=LONG),
 ])
 def test_a_restore_onto_another_world_size_moves_rows_by_raw_id(tmp_path, before, after, kind, policy, optimizer):
     root, held, log = str(tmp_path / "ck"), str(tmp_path / "held.pt"), str(tmp_path / "log")
@@ -395,7 +398,7 @@ def _compacted_ids(root):
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("quantization", [{"method": "none", "residual": False},
-                                          {"method": "adaptive", "bits": 4, "residual": True}],
+                                          pytest.param({"method": "adaptive", "bits": 4, "residual": True}, marks=LONG)],
                          ids=["merge", "residual-fold"])
 def test_compaction_keeps_the_remapping_state(tmp_path, quantization):
     """Background compaction (a lossless merge, or residual folds at 8 bits) and ``cnr compact`` carry every row's

@@ -21,6 +21,7 @@ pytest.importorskip("moto")
 
 
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_two_nodes_on_s3_survive_a_kill_mid_save_and_reshard_to_two_ranks_and_back(tmp_path):
     moto = multinode.Moto()

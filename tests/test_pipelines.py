@@ -459,6 +459,7 @@ def test_cpu_pipelines_restore_exactly(tmp_path):
     run_ranks(_pipeline_worker, world_size=2, timeout=170, args=(str(tmp_path), names))
 
 
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_pt2_pipeline_restores_exactly(tmp_path):
     """TrainPipelinePT2 compiles the model (inductor) at its 4th step; the steps after it run compiled."""

@@ -42,6 +42,7 @@ def demo_root(tmp_path_factory):
     return root
 
 
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_the_readmes_cnr_commands_run_against_the_demos_root(demo_root, tmp_path):
     lines = _cnr_lines(open(README).read())

@@ -501,7 +501,7 @@ def _torchrec_restore_worker(rank, world_size, root, model, ref_path):
 
 @pytest.mark.multirank
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("model", ["sparse_nn", "mixed"])
+@pytest.mark.parametrize("model", ["sparse_nn", pytest.param("mixed", marks=pytest.mark.long)])
 def test_a_residual_chain_of_torchrecs_models_restores_onto_other_plans(tmp_path, model):
     """TorchRec's TestSparseNN (shared tables, weighted features) and an EBC + EC model, on the default config:
     it codes residuals (every delta entry is residual) and restores onto other plans as the closed loop says."""

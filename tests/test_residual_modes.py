@@ -156,7 +156,7 @@ def _restore_worker(rank, world_size, root, model, arms, plan, live_path, out_pa
 
 @pytest.mark.multirank
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model", ["sparse_nn", "mixed"])
+@pytest.mark.parametrize("model", ["sparse_nn", pytest.param("mixed", marks=pytest.mark.long)])
 def test_every_restored_row_is_within_what_coding_it_whole_gives(tmp_path, model):
     root, live, out = str(tmp_path / "ck"), str(tmp_path / "live.pt"), str(tmp_path / "out.json")
     arms = [f"{m}/{b}/{modes}" for m, b in ARMS.items() for modes in ("on", "off")]

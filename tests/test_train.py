@@ -321,6 +321,7 @@ def test_another_models_checkpoint_is_refused_in_one_line_naming_a_few_differenc
 
 
 @pytest.mark.multirank
+@pytest.mark.long
 @pytest.mark.timeout(300)
 def test_a_job_resumed_on_another_models_root_fails_in_one_line(tmp_path):
     config = _write(tmp_path, {**TINY, "train": {**TINY["train"], "steps": 4}})
