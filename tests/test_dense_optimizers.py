@@ -394,3 +394,46 @@ def test_dense_optimizer_state_errors_are_named():
         load_named_state(other, torch.optim.Adam([other.weight]), positional, "checkpoint 1")
     with pytest.raises(ConfigError, match="not in the model"):
         param_names(model, torch.optim.Adam([torch.nn.Parameter(torch.zeros(2))]))
+
+
+def _combined_reversed(named):
+    """:func:`_combined`'s members, listed the other way round."""
+    from torchrec.optim.keyed import CombinedOptimizer
+
+    members = _combined(named).optimizers
+    return CombinedOptimizer(list(reversed(members)))
+
+
+def _hyper_by_params(opt):
+    """Each group's hyperparameters, by the sorted keys of the parameters it holds."""
+    key_of = {id(p): k for k, p in opt.params.items()}
+    return {tuple(sorted(key_of[id(p)] for p in g["params"])): {k: v for k, v in g.items() if k != "params"}
+            for g in opt.param_groups}
+
+
+def test_a_combined_optimizer_whose_members_come_in_another_order_takes_each_groups_own_hyperparameters(
+        group, tmp_path):
+    """Hyperparameters follow the parameters they were saved for, never a group's position: with the members
+    swapped, a group taken by position would resume with the other member's learning rate and weight decay."""
+    from cnr_torchrec import Checkpointer
+
+    batches = _batches(3, 4)
+    dmp, opt = _build(0, _combined)
+    with Checkpointer(dmp, _config(tmp_path / "ck"), dense_optimizer=opt) as ck:
+        for i in range(3):
+            _step(dmp, opt, batches[i])
+            if i == 1:
+                _halve_lr(opt)
+        ck.save(3).wait()
+    want_hyper = _hyper_by_params(opt)
+    _step(dmp, opt, batches[3])
+    want_model = _model_state(dmp)
+
+    dmp2, opt2 = _build(1, _combined_reversed)
+    with Checkpointer(dmp2, _config(tmp_path / "ck"), dense_optimizer=opt2) as ck:
+        assert ck.restore() == 3
+    got_hyper = _hyper_by_params(opt2)
+    assert list(got_hyper) == list(want_hyper)[::-1]  # the groups come in the other order
+    _assert_same(got_hyper, want_hyper, "hyperparameters by parameter")
+    _step(dmp2, opt2, batches[3])
+    _assert_same(_model_state(dmp2), want_model, "weights one step after the save")

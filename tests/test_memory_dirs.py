@@ -195,3 +195,25 @@ def test_cnr_clean_images_removes_what_it_says_and_never_another_users(group, tm
     assert code == 2 and "positive number of seconds" in err
     code, _, err = _clean(capsys, "--root", a, "--all")
     assert code == 2 and "not allowed with" in err
+
+
+def test_a_root_wiped_and_reused_under_its_path_never_restores_the_old_jobs_images(group, tmp_path):
+    """Job A leaves images sealed for its checkpoint 1; its root is wiped and job B (without the tier) writes its
+    own checkpoints 0 and 1 there. The images name the same root and checkpoint id, but not B's payload: a restart
+    reads storage, and restores B's model."""
+    from cnr_torchrec import Checkpointer
+
+    shm, root = str(tmp_path / "shm"), str(tmp_path / "root")
+    os.mkdir(shm)
+    _killed_job(root, shm)
+    assert os.path.exists(os.path.join(_dir(shm, root), "r00000.seal"))
+    shutil.rmtree(root)
+    specs = _specs()
+    dmp, opt = build_dmp(specs, seed=3)
+    gen = torch.Generator().manual_seed(3)
+    with Checkpointer(dmp, _config(root, shm, mode="off"), dense_optimizer=opt) as ck:
+        for step in (1, 2):
+            train(dmp, specs, opt, 2, gen)
+            ck.save(step).wait()
+    assert os.path.exists(os.path.join(_dir(shm, root), "r00000.seal"))  # A's images are still there
+    assert _restart_source(root, shm, keep=False)[0] == "storage"
