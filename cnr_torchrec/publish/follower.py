@@ -1,0 +1,241 @@
+"""A follower: every committed checkpoint of a root, applied in order to a serving copy of the model.
+
+:meth:`Follower.poll` looks at the root's newest committed state (the one ``Checkpointer.restore()``
+would take first). If its chain holds the checkpoint the follower serves, the members after it are
+applied one by one, oldest first, each touching only the rows it stores (:mod:`.updates`); otherwise
+(a new baseline, a compaction, the served checkpoint collected by retention, a first poll) the follower
+reloads from that chain whole (:func:`~cnr_torchrec.ckpt.format.tables.assemble_tables`). Every
+manifest, part and row goes through the checks a restore makes, and an update is applied whole or
+not at all: its changes are staged first, and the served copy is written only once they all decoded.
+A checkpoint that fails its checks is named and left out: the copy stays at the version before it,
+and the next poll reloads from a newer chain.
+
+The follower keeps the float32 rows of the tables it serves (the rows under each residual: their bytes,
+``tables``' shapes times 4), and a cursor: what it serves (root, checkpoint, step, chain), written
+atomically after each update where ``cursor`` names a file; a follower given another root's cursor
+refuses it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Mapping, MutableMapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.tables import assemble_tables
+from cnr_torchrec.ckpt.memory.directory import normal_root
+from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
+from cnr_torchrec.errors import CnrError, ConfigError, IncompatibleCheckpointError
+from cnr_torchrec.publish.targets import FloatTables, float_tables
+from cnr_torchrec.publish.updates import Change, stage_checkpoint
+
+__all__ = ["Cursor", "Follower", "Update"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """What a follower serves: ``ckpt`` of ``root`` (at ``step``), whose chain is ``chain``."""
+
+    root: str
+    ckpt: int
+    step: int
+    chain: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Update:
+    """One checkpoint applied: ``how`` is ``"delta"`` (its rows onto the served copy) or ``"reload"`` (the
+    whole chain, with ``why``); ``rows`` the rows written, ``lag_s`` the time from its commit to served."""
+
+    ckpt: int
+    step: int
+    how: str
+    why: str
+    rows: int
+    apply_ms: float
+    lag_s: float
+
+
+class Follower:
+    """Serves the newest committed checkpoint of ``root`` into ``target``, following each new one.
+
+    Args:
+        root: the checkpoint root (a path, ``fs://``, ``s3://``; ``storage_options`` as the Checkpointer's).
+        target: an unsharded model (its EmbeddingBagCollections and EmbeddingCollections) or a state_dict
+            by the training model's names.
+        tables: the tables to serve (default: every table the target holds); the others are never read.
+        cursor: a file to keep the cursor in, written atomically after each update (None: none).
+        key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`).
+
+    Raises:
+        ConfigError: a target without tables, tables it does not hold, or a cursor of another root.
+    """
+
+    def __init__(self, root: str, target: nn.Module | MutableMapping[str, torch.Tensor], *,
+                 tables: Sequence[str] | None = None, cursor: str | None = None,
+                 storage_options: Mapping[str, Any] | None = None, key: Any = None) -> None:
+        self._root, self._target, self._cursor_path = normal_root(root), target, cursor
+        if cursor is not None and os.path.exists(cursor):
+            saved = _read_cursor(cursor)
+            if saved.root != self._root:
+                raise ConfigError(f"{cursor} is the cursor of a follower of {saved.root}, not of {self._root}; give "
+                                  "this follower a cursor file of its own")
+        self._storage: Storage = open_storage(root, storage_options, key)
+        self._only = None if tables is None else list(tables)
+        self._served: FloatTables = {}  # float32 rows of the served tables, as the chain gave them
+        self._live: FloatTables = {}  # the target's own tensors
+        self.cursor: Cursor | None = None
+        self._bad: set[int] = set()  # checkpoints that failed their checks: never applied
+
+    def close(self) -> None:
+        self._storage.close()
+
+    def __enter__(self) -> Follower:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ following
+
+    def poll(self) -> list[Update]:
+        """Applies every checkpoint committed since the last poll, oldest first. Returns what was applied.
+
+        Raises:
+            CheckpointNotFoundError: nothing is committed under the root.
+            IncompatibleCheckpointError: the root's tables do not fit the target's (another model).
+            CorruptCheckpointError (and the other CheckpointErrors): the newest chain fails its checks; the
+                served copy is left as it was, and that checkpoint is never applied.
+        """
+        newest = resolve_id(self._storage)
+        if self.cursor is not None and newest == self.cursor.ckpt:
+            return []
+        tip = load_manifest(self._storage, newest)
+        chain = walk_chain(tip, lambda i: load_manifest(self._storage, i))
+        ids = [m.id for m in chain]
+        if any(i in self._bad for i in ids):
+            return []
+        try:
+            if self.cursor is not None and self.cursor.ckpt in ids:
+                return [self._apply_delta(m) for m in chain[ids.index(self.cursor.ckpt) + 1 :]]
+            return [self._reload(chain, self._why_reload(chain))]
+        except CnrError as e:
+            self._bad.add(newest)
+            log.warning("follower of %s: checkpoint %d is not served (%s: %s); still serving %s", self._root,
+                        newest, type(e).__name__, e, "nothing" if self.cursor is None else
+                        f"checkpoint {self.cursor.ckpt}")
+            raise
+
+    def _why_reload(self, chain: list[Manifest]) -> str:
+        tip, base = chain[-1], chain[0]
+        if self.cursor is None:
+            return "the first load"
+        if base.compacted_from is not None and self.cursor.ckpt in range(base.compacted_from[0],
+                                                                             base.compacted_from[-1] + 1):
+            return f"a compaction of checkpoints {base.compacted_from[0]}..{base.compacted_from[-1]}"
+        if self.cursor.ckpt not in self._committed():
+            return f"checkpoint {self.cursor.ckpt}, which it served, is gone (collected by retention)"
+        return f"a new baseline, {base.id}, under checkpoint {tip.id}"
+
+    def _committed(self) -> set[int]:
+        return set(committed_ids(self._storage))
+
+    def _reload(self, chain: list[Manifest], why: str) -> Update:
+        t0 = time.perf_counter()
+        tip = chain[-1]
+        live = self._bind(tip)
+        tables = assemble_tables(self._storage, chain, tables=sorted(live))
+        _refuse_managed_collision([t for t in live if tables[t].mc is not None])
+        served = {t: tables[t].weights for t in live}
+        with torch.no_grad():
+            for t, w in served.items():
+                live[t].copy_(w)
+        self._served, self._live = served, live
+        return self._done(tip, [m.id for m in chain], "reload", why, sum(w.shape[0] for w in served.values()), t0)
+
+    def _apply_delta(self, m: Manifest) -> Update:
+        t0 = time.perf_counter()
+        _check_fits(m, self._served)
+        changes = stage_checkpoint(self._storage, m, self._served)  # nothing written until every row decoded
+        _refuse_managed_collision(sorted({c.table for c in changes if c.remaps}))
+        _write(changes, self._served, self._live)
+        assert self.cursor is not None  # a delta follows what is served
+        chain = (*self.cursor.chain, m.id)
+        return self._done(m, list(chain), "delta", f"on checkpoint {m.parent}", sum(c.rows.numel() for c in changes),
+                          t0)
+
+    def _bind(self, tip: Manifest) -> FloatTables:
+        """The target's tensors of the served tables, checked against ``tip``'s shapes."""
+        found = float_tables(self._target, tip.table_fqns)
+        wanted = self._only if self._only is not None else sorted(t for t in found if t in tip.tables)
+        missing = sorted(set(wanted) - set(found))
+        if missing:
+            raise ConfigError(f"the target holds no table {missing} (it holds {sorted(found)})")
+        live = {t: found[t] for t in wanted}
+        _check_fits(tip, live)
+        return live
+
+    def _done(self, m: Manifest, chain: list[int], how: str, why: str, rows: int, t0: float) -> Update:
+        self.cursor = Cursor(self._root, m.id, m.step, tuple(chain))
+        if self._cursor_path is not None:
+            _write_cursor(self._cursor_path, self.cursor)
+        update = Update(m.id, m.step, how, why, rows, (time.perf_counter() - t0) * 1e3,
+                        max(0.0, time.time() - m.created_unix))
+        log.info("follower of %s: serving checkpoint %d (step %d): %s %s, %d rows in %.1f ms, %.2f s after its "
+                 "commit", self._root, m.id, m.step, how, why, rows, update.apply_ms, update.lag_s)
+        return update
+
+
+def _refuse_managed_collision(tables: Sequence[str]) -> None:
+    if tables:
+        raise ConfigError(f"table(s) {sorted(tables)} are managed-collision tables, whose rows move with the ids "
+                          "they hold: a follower does not serve them yet. Leave them out with tables=[...]")
+
+
+def _check_fits(m: Manifest, tables: Mapping[str, torch.Tensor]) -> None:
+    for t, w in tables.items():
+        shape = m.tables.get(t)
+        if shape is None or tuple(w.shape) != tuple(shape):
+            raise IncompatibleCheckpointError(
+                f"checkpoint {m.id} holds table '{t}' as {None if shape is None else list(shape)}, the target as "
+                f"{list(w.shape)}: the root is another model's. Follow the root of the model you serve")
+
+
+def _write(changes: list[Change], served: FloatTables, live: FloatTables) -> None:
+    """Writes staged changes to the float rows and to the target (its dtype), in the order they were staged."""
+    with torch.no_grad():
+        for c in changes:
+            c0, c1 = c.cols
+            served[c.table][c.rows, c0:c1] = c.values
+            live[c.table][c.rows, c0:c1] = c.values.to(live[c.table].dtype)
+
+
+def _write_cursor(path: str, cursor: Cursor) -> None:
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({**asdict(cursor), "chain": list(cursor.chain)}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_cursor(path: str) -> Cursor:
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+        return Cursor(str(doc["root"]), int(doc["ckpt"]), int(doc["step"]), tuple(int(i) for i in doc["chain"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"{path} is not a follower's cursor ({type(e).__name__}: {e}); remove it to start "
+                          "afresh") from None

@@ -1,0 +1,102 @@
+"""One committed checkpoint's rows of the served tables, decoded into the changes a follower applies.
+
+A delta stores, per table entry, the rows that changed since its parent: whole copies, or (with
+``quantization.residual``) residuals that add onto what the chain restored before. Applied to the float
+rows the chain gave until its parent, each changed row becomes what a restore of the delta gives: a whole
+copy replaces the row, a residual is added to it, one rounded float32 add per checkpoint, oldest first,
+as the chain's one rule says (:mod:`~cnr_torchrec.ckpt.format.precedence`). Nothing here writes: the
+changes are staged (:class:`Change`), so that an update that fails part way leaves the served copy whole.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
+from cnr_torchrec.ckpt.format.placement import checked_shards, every_part, holders, records_layout
+from cnr_torchrec.ckpt.format.precedence import closes
+from cnr_torchrec.ckpt.format.rows import RowReader
+from cnr_torchrec.ckpt.format.state import stored_offsets
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.errors import CorruptCheckpointError
+from cnr_torchrec.quant import EncodingFormatError, decode, rebuild
+
+__all__ = ["Change", "reports_serving", "stage_checkpoint"]
+
+
+@dataclass(frozen=True)
+class Change:
+    """New float32 values of some rows of a table: ``values[i]`` goes to row ``rows[i]``, columns ``cols``."""
+
+    table: str
+    rows: torch.Tensor  # int64 [n], global row ids
+    cols: tuple[int, int]
+    values: torch.Tensor  # float32 [n, cols[1] - cols[0]]
+    remaps: bool = False  # the entry also moves managed-collision ids (which a follower does not serve yet)
+
+
+def reports_serving(manifest: Manifest, tables: Sequence[str]) -> Sequence[RankReport]:
+    """The parts of ``manifest`` that can hold rows of ``tables``: where the index records the ranks' shards, the
+    ranks that hold a shard of one of them (rank 0 for a table the shards leave out: it stores the data_parallel
+    ones); else every part, checked together as a restore checks them."""
+    if not records_layout(manifest):
+        return every_part(manifest)
+    shards = checked_shards(manifest)
+    ranks: set[int] = set()
+    for t in tables:
+        n, dim = manifest.tables[t]
+        ranks |= holders(shards[t], (0, n), (0, dim)) if t in shards else {0}
+    return [manifest.ranks[r] for r in sorted(ranks)]
+
+
+def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, torch.Tensor]) -> list[Change]:
+    """The changes checkpoint ``manifest`` (a delta on what ``served`` holds) makes to the served tables.
+
+    Args:
+        served: each served table's float32 rows as the chain gave them up to the delta's parent (read only).
+
+    Raises:
+        CorruptCheckpointError: a part or row fails its checks, or rows do not decode (names the file).
+    """
+    out = []
+    for report in reports_serving(manifest, sorted(served)):
+        load = RowReader(storage, report.payload)
+        for table, blob in report.replicated_tables.items():
+            if table in served:
+                whole = load(blob).float()
+                out.append(Change(table, torch.arange(whole.shape[0]), (0, whole.shape[1]), whole.clone()))
+        for table, entries in report.tables.items():
+            if table in served:
+                out += [c for e in entries if (c := _entry_change(table, e, load, served[table], report.file))]
+    return out
+
+
+def _entry_change(table: str, entry: TableEntry, load: RowReader, rows_before: torch.Tensor,
+                  file: str) -> Change | None:
+    """What one entry makes of its rows: decoded whole copies, or residuals added onto ``rows_before``."""
+    n = entry.num_stored
+    if n == 0:
+        return None
+    where = f"{file}: table '{table}': "
+    offsets = stored_offsets(entry, load, where, file)
+    whole = closes(entry, load, where, file)
+    pick = torch.arange(n)
+    parts = load.rows(entry, pick)
+    keys = sorted(entry.coded.blobs)
+    try:
+        encoded = rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": n})
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(f"{where}encoded rows are inconsistent: {e}", path=file) from None
+    values = decode(encoded)
+    (r0, _), (c0, c1) = entry.rows, entry.cols
+    if values.shape != (n, c1 - c0):
+        raise CorruptCheckpointError(f"{where}{list(values.shape)} rows decoded for {n} rows of columns "
+                                     f"[{c0}, {c1})", path=file)
+    rows = (offsets if offsets is not None else pick) + r0
+    if whole is not True:  # residuals add onto the rows below them; rows marked whole replace theirs
+        summed = rows_before[rows, c0:c1] + values
+        values = summed if whole is False else torch.where(whole.unsqueeze(1), values, summed)
+    return Change(table, rows, (c0, c1), values, remaps=entry.mc is not None)
