@@ -292,11 +292,10 @@ def committed_ids(storage: Storage) -> list[int]:
         return [i for i in ids if storage.exists(manifest_path(i))]
     # Stores that cannot list: the index, plus any commit that landed after the index was last written.
     try:
-        doc = parse_json(storage.read(INDEX), INDEX)
-        ids = [i for i in doc.get("committed", []) if type(i) is int] if isinstance(doc, dict) else []
+        ids = [int(i) for i in parse_json(storage.read(INDEX), INDEX).get("committed", [])]
     except CheckpointNotFoundError:
         ids = []
-    except (ValueError, AttributeError, TypeError):
+    except (CorruptCheckpointError, ValueError, AttributeError, TypeError):
         raise CorruptCheckpointError(
             f"{INDEX} is corrupt. This store cannot list directories, so the index is the catalog of "
             "committed checkpoints: rewrite it as {\"committed\": [ids...]} from the ckpt-*/manifest.json "
