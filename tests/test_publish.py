@@ -223,3 +223,48 @@ def test_another_models_root_and_another_roots_cursor_are_refused_by_name(group,
         follower.poll()
     with pytest.raises(ConfigError, match="the cursor of a follower of .*root, not of"):
         Follower(str(tmp_path / "elsewhere"), _serving_model(), cursor=cursor)
+
+
+INT4 = {"t2": torch.quint4x2, "s0": torch.quint4x2}  # the rest int8, TorchRec's default
+
+
+def _quantized(tables=None):
+    """TorchRec's inference model of the toy model (its own quantization), from ``tables`` (float, by name) or
+    from a fresh initialisation."""
+    from torchrec.inference.modules import quantize_inference_model
+
+    model = _serving_model()
+    if tables is not None:
+        with torch.no_grad():
+            for t, w in _served(model).items():
+                w.copy_(tables[t])
+    return quantize_inference_model(model, per_table_weight_dtype=INT4)
+
+
+def _quant_rows(model):
+    """Each table's rows as TorchRec's quantized modules hold them (codes with scale and bias, and padding)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen):
+            for (table, *_), (rows, _) in zip(m.embedding_specs, m.split_embedding_weights(split_scale_shifts=False)):
+                out[table] = rows.clone()
+    return out
+
+
+def test_torchrecs_quantized_modules_serve_each_commit_as_torchrec_quantizes_the_restored_rows(group, job, tmp_path):
+    """int8 and int4 tables of TorchRec's inference model, written through FBGEMM's embedding_inplace_update:
+    after each commit, byte for byte what quantize_inference_model makes of the restored float tables."""
+    from cnr_torchrec.publish import Follower
+
+    root = str(tmp_path / "root")
+    serving = _quantized()
+    with Follower(_first(job, root), serving) as follower:
+        for snapshot in job:
+            _show(snapshot, root)
+            follower.poll()
+            want, got = _quant_rows(_quantized(_restored_tables(root))), _quant_rows(serving)
+            assert set(got) == set(want) == {s.name for s in _specs()}
+            for t in want:
+                assert torch.equal(got[t], want[t]), (t, int((got[t] != want[t]).sum()))

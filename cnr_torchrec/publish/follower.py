@@ -36,7 +36,7 @@ from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CnrError, ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.publish.targets import FloatTables, float_tables
+from cnr_torchrec.publish.targets import Sink, sinks_of
 from cnr_torchrec.publish.updates import Change, stage_checkpoint
 
 __all__ = ["Cursor", "Follower", "Update"]
@@ -73,8 +73,8 @@ class Follower:
 
     Args:
         root: the checkpoint root (a path, ``fs://``, ``s3://``; ``storage_options`` as the Checkpointer's).
-        target: an unsharded model (its EmbeddingBagCollections and EmbeddingCollections) or a state_dict
-            by the training model's names.
+        target: an unsharded model (its EmbeddingBagCollections and EmbeddingCollections, or TorchRec's
+            quantized inference modules: :mod:`.targets`) or a state_dict by the training model's names.
         tables: the tables to serve (default: every table the target holds); the others are never read.
         cursor: a file to keep the cursor in, written atomically after each update (None: none).
         key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`).
@@ -94,8 +94,8 @@ class Follower:
                                   "this follower a cursor file of its own")
         self._storage: Storage = open_storage(root, storage_options, key)
         self._only = None if tables is None else list(tables)
-        self._served: FloatTables = {}  # float32 rows of the served tables, as the chain gave them
-        self._live: FloatTables = {}  # the target's own tensors
+        self._served: dict[str, torch.Tensor] = {}  # float32 rows of the served tables, as the chain gave them
+        self._live: dict[str, Sink] = {}  # the target's own tables
         self.cursor: Cursor | None = None
         self._bad: set[int] = set()  # checkpoints that failed their checks: never applied
 
@@ -159,15 +159,14 @@ class Follower:
         tables = assemble_tables(self._storage, chain, tables=sorted(live))
         _refuse_managed_collision([t for t in live if tables[t].mc is not None])
         served = {t: tables[t].weights for t in live}
-        with torch.no_grad():
-            for t, w in served.items():
-                live[t].copy_(w)
+        for t, w in served.items():
+            live[t].write(torch.arange(w.shape[0]), w)
         self._served, self._live = served, live
         return self._done(tip, [m.id for m in chain], "reload", why, sum(w.shape[0] for w in served.values()), t0)
 
     def _apply_delta(self, m: Manifest) -> Update:
         t0 = time.perf_counter()
-        _check_fits(m, self._served)
+        _check_fits(m, {t: (w.shape[0], w.shape[1]) for t, w in self._served.items()})
         changes = stage_checkpoint(self._storage, m, self._served)  # nothing written until every row decoded
         _refuse_managed_collision(sorted({c.table for c in changes if c.remaps}))
         _write(changes, self._served, self._live)
@@ -176,15 +175,15 @@ class Follower:
         return self._done(m, list(chain), "delta", f"on checkpoint {m.parent}", sum(c.rows.numel() for c in changes),
                           t0)
 
-    def _bind(self, tip: Manifest) -> FloatTables:
-        """The target's tensors of the served tables, checked against ``tip``'s shapes."""
-        found = float_tables(self._target, tip.table_fqns)
+    def _bind(self, tip: Manifest) -> dict[str, Sink]:
+        """The target's served tables, checked against ``tip``'s shapes."""
+        found = sinks_of(self._target, tip.table_fqns)
         wanted = self._only if self._only is not None else sorted(t for t in found if t in tip.tables)
         missing = sorted(set(wanted) - set(found))
         if missing:
             raise ConfigError(f"the target holds no table {missing} (it holds {sorted(found)})")
         live = {t: found[t] for t in wanted}
-        _check_fits(tip, live)
+        _check_fits(tip, {t: sink.shape for t, sink in live.items()})
         return live
 
     def _done(self, m: Manifest, chain: list[int], how: str, why: str, rows: int, t0: float) -> Update:
@@ -204,22 +203,26 @@ def _refuse_managed_collision(tables: Sequence[str]) -> None:
                           "they hold: a follower does not serve them yet. Leave them out with tables=[...]")
 
 
-def _check_fits(m: Manifest, tables: Mapping[str, torch.Tensor]) -> None:
-    for t, w in tables.items():
+def _check_fits(m: Manifest, shapes: Mapping[str, tuple[int, int]]) -> None:
+    for t, have in shapes.items():
         shape = m.tables.get(t)
-        if shape is None or tuple(w.shape) != tuple(shape):
+        if shape is None or tuple(have) != tuple(shape):
             raise IncompatibleCheckpointError(
                 f"checkpoint {m.id} holds table '{t}' as {None if shape is None else list(shape)}, the target as "
-                f"{list(w.shape)}: the root is another model's. Follow the root of the model you serve")
+                f"{list(have)}: the root is another model's. Follow the root of the model you serve")
 
 
-def _write(changes: list[Change], served: FloatTables, live: FloatTables) -> None:
-    """Writes staged changes to the float rows and to the target (its dtype), in the order they were staged."""
-    with torch.no_grad():
-        for c in changes:
-            c0, c1 = c.cols
-            served[c.table][c.rows, c0:c1] = c.values
-            live[c.table][c.rows, c0:c1] = c.values.to(live[c.table].dtype)
+def _write(changes: list[Change], served: dict[str, torch.Tensor], live: Mapping[str, Sink]) -> None:
+    """Writes staged changes to the float rows, in the order they were staged, then each touched row whole to
+    the target (a quantized row is quantized over all its columns)."""
+    touched: dict[str, list[torch.Tensor]] = {}
+    for c in changes:
+        c0, c1 = c.cols
+        served[c.table][c.rows, c0:c1] = c.values
+        touched.setdefault(c.table, []).append(c.rows)
+    for t, rows in touched.items():
+        ids = torch.unique(torch.cat(rows))
+        live[t].write(ids, served[t].index_select(0, ids))
 
 
 def _write_cursor(path: str, cursor: Cursor) -> None:

@@ -1,38 +1,91 @@
-"""What a follower serves into: the float tables of an unsharded model, or of a state_dict.
+"""What a follower serves into, by table name: the float tables of an unsharded model or a state_dict, or the
+quantized tables of TorchRec's inference modules.
 
-A target is found by table name. In a module, every unsharded ``EmbeddingBagCollection`` and
-``EmbeddingCollection`` gives its tables' weights (``embedding_bags[name].weight``,
-``embeddings[name].weight``); a state_dict gives the tensors under the names the checkpoint's
-``table_fqns`` record (the training model's names). Rows are written in place, under ``no_grad``,
-in the target's own dtype.
+In a module, every unsharded ``EmbeddingBagCollection`` and ``EmbeddingCollection`` gives its tables'
+weights, and every FBGEMM ``IntNBitTableBatchedEmbeddingBagsCodegen`` (what TorchRec's
+``quantize_inference_model`` builds, for pooled and sequence tables alike) its tables by the names in its
+``embedding_specs``. A state_dict gives the tensors under the names the checkpoint's ``table_fqns``
+record. Each table is a :class:`Sink`: given whole float32 rows, it writes them in its own form.
+
+A quantized row is quantized as TorchRec's own conversion quantizes a table
+(``torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``, row by row, so a row's bytes depend on
+that row alone), laid out as the TBE holds it (its fp16 scale and bias first, then the codes, then the
+row's padding as it was) and written with FBGEMM's ``embedding_inplace_update``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["FloatTables", "float_tables"]
-
-FloatTables = dict[str, torch.Tensor]
-"""Table name -> the target's weight tensor ``[rows, dim]``."""
+__all__ = ["FloatSink", "QuantSink", "Sink", "sinks_of"]
 
 
-def float_tables(target: nn.Module | MutableMapping[str, torch.Tensor], table_fqns: Mapping[str, str]) -> FloatTables:
-    """The weight tensors of ``target`` by table name.
+class Sink(Protocol):
+    """One served table."""
+
+    shape: tuple[int, int]
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """Writes float32 ``values`` (``[len(rows), dim]``, whole rows) to rows ``rows``."""
+
+
+class FloatSink:
+    """A float table (a module's weight, a state_dict's tensor): rows written in place, in its dtype."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight, self.shape = weight, (int(weight.shape[0]), int(weight.shape[1]))
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.weight[rows] = values.to(self.weight.dtype)
+
+
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+class QuantSink:
+    """Table ``index`` of an FBGEMM inference TBE (int8/int4/int2 row-wise with fp16 scale and bias, fp16, fp32)."""
+
+    def __init__(self, tbe: Any, index: int, rows: int, dim: int, weight_type: Any) -> None:
+        self.tbe, self.index, self.shape = tbe, index, (rows, dim)
+        self.kind = str(weight_type.value)
+        if self.kind not in (*_BITS, "fp16", "fp32"):
+            raise ConfigError(f"table '{tbe.embedding_specs[index][0]}' is stored as {self.kind}; a follower "
+                              f"writes {sorted((*_BITS, 'fp16', 'fp32'))}")
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        if not rows.numel():
+            return
+        current = self.tbe.split_embedding_weights(split_scale_shifts=False)[self.index][0]
+        out = current.index_select(0, rows.to(current.device)).clone()  # the padding stays as it was
+        if self.kind in _BITS:
+            fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(values.contiguous(),
+                                                                                   _BITS[self.kind])
+            codes = fused.shape[1] - 4
+            out[:, :4] = fused[:, codes:]  # the TBE's row: scale and bias first, then the codes
+            out[:, 4 : 4 + codes] = fused[:, :codes]
+        else:
+            raw = values.to(torch.float16 if self.kind == "fp16" else torch.float32).contiguous().view(torch.uint8)
+            out[:, : raw.shape[1]] = raw
+        self.tbe.embedding_inplace_update([self.index], [rows.tolist()], [out.to(current.device)])
+
+
+def sinks_of(target: nn.Module | MutableMapping[str, torch.Tensor], table_fqns: Mapping[str, str]) -> dict[str, Sink]:
+    """The tables of ``target`` by name.
 
     Raises:
-        ConfigError: a module with no unsharded EmbeddingBagCollection or EmbeddingCollection, or one whose
-            tables are sharded; a state_dict with none of the checkpoint's table names.
+        ConfigError: a module that holds no table to serve, or a sharded one; a state_dict with none of the
+            checkpoint's table names.
     """
     if isinstance(target, nn.Module):
-        return _module_tables(target)
-    found = {t: target[name] for t, name in table_fqns.items() if name in target}
+        return _module_sinks(target)
+    found: dict[str, Sink] = {t: FloatSink(target[name]) for t, name in table_fqns.items() if name in target}
     if not found:
         raise ConfigError(f"the state_dict given to follow holds none of the checkpoint's tables (it names them "
                           f"{sorted(table_fqns.values())[:4]}...); pass the training model's state_dict, or an "
@@ -40,29 +93,27 @@ def float_tables(target: nn.Module | MutableMapping[str, torch.Tensor], table_fq
     return found
 
 
-def _module_tables(model: nn.Module) -> FloatTables:
+def _module_sinks(model: nn.Module) -> dict[str, Sink]:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
-    out: FloatTables = {}
+    out: dict[str, Sink] = {}
     for name, module in model.named_modules():
-        if isinstance(module, EmbeddingBagCollection):
-            out.update(_weights(module.embedding_bags, name))
-        elif isinstance(module, EmbeddingCollection):
-            out.update(_weights(module.embeddings, name))
+        if isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
+            for i, (table, rows, dim, weight_type, *_) in enumerate(module.embedding_specs):
+                out[table] = QuantSink(module, i, rows, dim, weight_type)
+        elif isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
+            tables = module.embedding_bags if isinstance(module, EmbeddingBagCollection) else module.embeddings
+            for table, emb in tables.items():
+                if emb.weight.is_meta:
+                    raise ConfigError(f"{name}.{table} is on the meta device; build the serving model on a real "
+                                      "device")
+                out[table] = FloatSink(emb.weight)
         elif type(module).__name__.startswith("Sharded"):
             raise ConfigError(f"{name or 'the model'} is sharded ({type(module).__name__}); a follower serves an "
                               "unsharded model (build it as TorchRec's inference does, without "
                               "DistributedModelParallel)")
     if not out:
-        raise ConfigError(f"{type(model).__name__} holds no EmbeddingBagCollection or EmbeddingCollection to serve")
-    return out
-
-
-def _weights(tables: Any, where: str) -> FloatTables:
-    out = {}
-    for table, emb in tables.items():
-        weight = emb.weight
-        if weight.is_meta:
-            raise ConfigError(f"{where}.{table} is on the meta device; build the serving model on a real device")
-        out[table] = weight
+        raise ConfigError(f"{type(model).__name__} holds no EmbeddingBagCollection, EmbeddingCollection or "
+                          "quantized embedding tables to serve")
     return out
