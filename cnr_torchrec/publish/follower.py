@@ -57,7 +57,8 @@ class Cursor:
 @dataclass(frozen=True)
 class Update:
     """One checkpoint applied: ``how`` is ``"delta"`` (its rows onto the served copy) or ``"reload"`` (the
-    whole chain, with ``why``); ``rows`` the rows written, ``lag_s`` the time from its commit to served."""
+    whole chain, with ``why``); ``rows`` the rows written, ``bytes_read`` what a delta read of its parts and
+    payloads (0 for a reload), ``lag_s`` the time from its commit to served."""
 
     ckpt: int
     step: int
@@ -66,6 +67,7 @@ class Update:
     rows: int
     apply_ms: float
     lag_s: float
+    bytes_read: int = 0
 
 
 class Follower:
@@ -167,13 +169,14 @@ class Follower:
     def _apply_delta(self, m: Manifest) -> Update:
         t0 = time.perf_counter()
         _check_fits(m, {t: (w.shape[0], w.shape[1]) for t, w in self._served.items()})
-        changes = stage_checkpoint(self._storage, m, self._served)  # nothing written until every row decoded
+        stats: dict[str, float] = {}
+        changes = stage_checkpoint(self._storage, m, self._served, stats)  # nothing written until every row decoded
         _refuse_managed_collision(sorted({c.table for c in changes if c.remaps}))
         _write(changes, self._served, self._live)
         assert self.cursor is not None  # a delta follows what is served
         chain = (*self.cursor.chain, m.id)
         return self._done(m, list(chain), "delta", f"on checkpoint {m.parent}", sum(c.rows.numel() for c in changes),
-                          t0)
+                          t0, int(stats.get("bytes_read", 0) + stats.get("part_bytes", 0)))
 
     def _bind(self, tip: Manifest) -> dict[str, Sink]:
         """The target's served tables, checked against ``tip``'s shapes."""
@@ -186,12 +189,13 @@ class Follower:
         _check_fits(tip, {t: sink.shape for t, sink in live.items()})
         return live
 
-    def _done(self, m: Manifest, chain: list[int], how: str, why: str, rows: int, t0: float) -> Update:
+    def _done(self, m: Manifest, chain: list[int], how: str, why: str, rows: int, t0: float,
+              nbytes: int = 0) -> Update:
         self.cursor = Cursor(self._root, m.id, m.step, tuple(chain))
         if self._cursor_path is not None:
             _write_cursor(self._cursor_path, self.cursor)
         update = Update(m.id, m.step, how, why, rows, (time.perf_counter() - t0) * 1e3,
-                        max(0.0, time.time() - m.created_unix))
+                        max(0.0, time.time() - m.created_unix), nbytes)
         log.info("follower of %s: serving checkpoint %d (step %d): %s %s, %d rows in %.1f ms, %.2f s after its "
                  "commit", self._root, m.id, m.step, how, why, rows, update.apply_ms, update.lag_s)
         return update

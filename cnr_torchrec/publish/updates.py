@@ -52,18 +52,23 @@ def reports_serving(manifest: Manifest, tables: Sequence[str]) -> Sequence[RankR
     return [manifest.ranks[r] for r in sorted(ranks)]
 
 
-def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, torch.Tensor]) -> list[Change]:
+def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, torch.Tensor],
+                     stats: dict[str, float] | None = None) -> list[Change]:
     """The changes checkpoint ``manifest`` (a delta on what ``served`` holds) makes to the served tables.
 
     Args:
         served: each served table's float32 rows as the chain gave them up to the delta's parent (read only).
+        stats: gets the payload's ``bytes_read`` and ``reads`` (RowReader's), and the parts' bytes under
+            ``part_bytes``.
 
     Raises:
         CorruptCheckpointError: a part or row fails its checks, or rows do not decode (names the file).
     """
     out = []
     for report in reports_serving(manifest, sorted(served)):
-        load = RowReader(storage, report.payload)
+        load = RowReader(storage, report.payload, stats)
+        if stats is not None and manifest.version >= 7:
+            stats["part_bytes"] = stats.get("part_bytes", 0) + manifest.body["parts"][report.rank]["nbytes"]
         for table, blob in report.replicated_tables.items():
             if table in served:
                 whole = load(blob).float()
