@@ -329,3 +329,27 @@ def test_an_empty_or_truncated_mac_is_refused_by_restore_and_verify(keyed, mac):
         restorer.restore()
     restorer.close()
     assert any("hmac_sha256" in p.message for p in _verify(root, key_file))
+
+
+@pytest.mark.parametrize("command", ["compact", "export-dcp"])
+def test_compaction_and_dcp_export_of_a_keyed_root_read_whole_chunks_only(keyed, tmp_path, monkeypatch, command):
+    """On a keyed root only a whole chunk's keyed digest vouches for its bytes: every payload read of `cnr compact`
+    and `cnr export --format dcp` is of whole chunks, never a range checked by an xxh3 the key does not cover."""
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.cli import main
+
+    root, key_file, _, _ = keyed
+    reads = []
+    read = Storage.read
+
+    def recorded(self, path, byte_range=None):
+        reads.append((path, byte_range))
+        return read(self, path, byte_range)
+
+    monkeypatch.setattr(Storage, "read", recorded)
+    argv = (["compact", root] if command == "compact" else
+            ["export", "--format", "dcp", root, "--out", str(tmp_path / "dcp")])
+    assert main([*argv, "--key-file", key_file]) == 0
+    payload = [(p, r) for p, r in reads if p.endswith(".bin")]
+    assert payload and all(r is None for _, r in payload), [x for x in payload if x[1] is not None][:3]
+    assert {p for p, _ in payload} >= {"ckpt-00000001/rank-00000.bin"}  # the tip's chunk was read, whole
