@@ -217,3 +217,32 @@ def test_a_root_wiped_and_reused_under_its_path_never_restores_the_old_jobs_imag
             ck.save(step).wait()
     assert os.path.exists(os.path.join(_dir(shm, root), "r00000.seal"))  # A's images are still there
     assert _restart_source(root, shm, keep=False)[0] == "storage"
+
+
+def _restored_state(root, shm, **memory_tier):
+    """(where the shards came from, this rank's shards and optimizer states) after a restart's restore."""
+    from _toy import local_state
+
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = build_dmp(_specs(), seed=7)
+    ck = Checkpointer(dmp, _config(root, shm, **memory_tier), dense_optimizer=opt)
+    ck.restore()
+    (_, source, _), = ck.last_restore_sources
+    ck.close(keep_images=True)
+    return source, local_state(dmp)
+
+
+def test_an_image_sealed_by_a_storage_restore_holds_the_optimizer_state_the_restore_gave(group, tmp_path):
+    """The host lost its images; the restart reads storage and seals a new image. A second restart takes that
+    image: its weights and row-wise optimizer state must be a storage restore's, bit for bit."""
+    shm, root = str(tmp_path / "shm"), str(tmp_path / "root")
+    os.mkdir(shm)
+    _killed_job(root, shm)
+    shutil.rmtree(_dir(shm, root))
+    assert _restored_state(root, shm)[0] == "storage"
+    source, got = _restored_state(root, shm)
+    assert source == "memory"
+    _, want = _restored_state(root, shm, mode="off")
+    assert got.keys() == want.keys() and any(isinstance(k[2], int) for k in want if isinstance(k, tuple))
+    assert [k for k in want if not torch.equal(got[k], want[k])] == []
