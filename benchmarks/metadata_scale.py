@@ -195,7 +195,10 @@ def one_cell(root: str, name: str, world: int, depth: int, tpl: tuple, v6: bool)
     # The tip's parts are all written; in the older members only rank 0's and the reading rank's (the parts a
     # same-plan restore reads), the other ranks' lines copied from the tip's (their parts are never read here).
     reader = world // 2
-    tip_lines = [write_part(storage, depth - 1, synth_report(r, depth - 1, where[r], tpl, shapes))
+    def boxes(r):  # the rank's shards, as a save records them (its line's layout, the index's shards)
+        return sorted([t, a, b, 0, shapes[t][1]] for t, (a, b) in where[r])
+
+    tip_lines = [write_part(storage, depth - 1, synth_report(r, depth - 1, where[r], tpl, shapes), boxes(r))
                  for r in range(world)]
     out["part_bytes"] = tip_lines[reader]["line"]["nbytes"]
     out["entries_per_part"] = len(where[reader])
@@ -204,7 +207,7 @@ def one_cell(root: str, name: str, world: int, depth: int, tpl: tuple, v6: bool)
         lines = list(tip_lines)
         if cid != depth - 1:
             for r in {0, reader}:
-                lines[r] = write_part(storage, cid, synth_report(r, cid, where[r], tpl, shapes))
+                lines[r] = write_part(storage, cid, synth_report(r, cid, where[r], tpl, shapes), boxes(r))
 
         def commit(cid=cid, lines=lines):
             body = manifest_body(links(cid, cid, tables), job, tables=shapes, parts=lines)

@@ -129,6 +129,7 @@ class Parts(Sequence[RankReport]):
         self._storage, self._manifest = storage, manifest
         self._own: Storage | None = None
         self.boxes_checked: Sequence[Sequence[Any]] | None = None  # each rank's shards, once checked (placement.py)
+        self.rank_boxes: dict[int, Sequence[Any]] = {}  # some ranks' shards, once checked (placement.py)
         self.checked_together = False  # every part checked against the others (structure.py's check_parts)
         self._loaded: dict[int, RankReport] = {}
         self._lock = threading.Lock()

@@ -21,8 +21,8 @@ from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.structure import check_parts
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["Box", "checked_boxes", "checked_shards", "every_part", "fits", "holders", "layout_digest", "records_layout",
-           "reports_for"]
+__all__ = ["Box", "checked_boxes", "checked_shards", "every_part", "fits", "holders", "layout_digest", "rank_boxes",
+           "records_layout", "reports_for"]
 
 Box = list[Any]
 """A shard as JSON: ``[table, row_start, row_end, col_start, col_end]``."""
@@ -96,35 +96,72 @@ def checked_boxes(manifest: Manifest) -> Sequence[Sequence[Box]]:
     """
     parts = manifest.ranks
     cached = getattr(parts, "boxes_checked", None)
-    if cached is not None:
-        return cached
+    if cached is None:
+        cached = [_checked(manifest, r, boxes) for r, boxes in enumerate(_boxes(manifest, None))]
+        if hasattr(parts, "boxes_checked"):
+            parts.boxes_checked = cached
+    return cached
+
+
+def rank_boxes(manifest: Manifest, rank: int) -> Sequence[Box]:
+    """Rank ``rank``'s boxes by the index's ``shards``, once they digest to its line: what a reader of the rank's
+    own part needs, without every other rank's (cheap at any world size). Checked once per rank and manifest.
+
+    Raises:
+        CorruptCheckpointError: as :func:`checked_shards`, for this rank.
+    """
+    parts = manifest.ranks
+    every = getattr(parts, "boxes_checked", None)
+    if every is not None:
+        return every[rank]
+    cache = getattr(parts, "rank_boxes", None)
+    if cache is not None and rank in cache:
+        return cache[rank]
+    (boxes,) = _boxes(manifest, rank)
+    out = _checked(manifest, rank, boxes)
+    if cache is not None:
+        cache[rank] = out
+    return out
+
+
+def _boxes(manifest: Manifest, only: int | None) -> list[list[Box]]:
+    """The boxes the index's ``shards`` give each rank (``only``: that rank's alone), every entry checked."""
     path, shards = f"ckpt-{manifest.id:08d}/manifest.json", manifest.body["shards"]
-    per_rank: list[list[Box]] = [[] for _ in manifest.summaries]
+    ranks = len(manifest.summaries)
+    per_rank: list[list[Box]] = [[] for _ in (range(ranks) if only is None else (only,))]
+
+    def add(r: int, box: Box) -> None:
+        if only is None:
+            per_rank[r].append(box)
+        elif r == only:
+            per_rank[0].append(box)
+
     try:
         for t, layout in shards.items():
             n, dim = manifest.tables[t]
             if isinstance(layout, dict):
                 block = int(layout["rows"])
-                if block < 1 or -(-n // block) > len(per_rank):
-                    raise ValueError(f"a block of {block} rows does not fit {n} rows on {len(per_rank)} ranks")
-                for r in range(-(-n // block)):
-                    per_rank[r].append([t, r * block, min((r + 1) * block, n), 0, dim])
+                if block < 1 or -(-n // block) > ranks:
+                    raise ValueError(f"a block of {block} rows does not fit {n} rows on {ranks} ranks")
+                for r in range(-(-n // block)) if only is None else [only] if only < -(-n // block) else []:
+                    add(r, [t, r * block, min((r + 1) * block, n), 0, dim])
                 continue
             for r, a, b, c, d in layout:
-                if not (0 <= a <= b <= n and 0 <= c <= d <= dim):
-                    raise ValueError(f"[{r}, {a}, {b}, {c}, {d}] lies outside the table ({n} x {dim})")
-                per_rank[r].append([t, a, b, c, d])
+                if not (0 <= a <= b <= n and 0 <= c <= d <= dim and 0 <= r < ranks):
+                    raise ValueError(f"[{r}, {a}, {b}, {c}, {d}] lies outside the table ({n} x {dim}) or the ranks")
+                add(r, [t, a, b, c, d])
     except (KeyError, TypeError, ValueError, IndexError) as e:
         raise CorruptCheckpointError(f"{path}: shards is malformed ({type(e).__name__}: {e}); the manifest was "
                                      "edited or crafted", path=path) from None
-    per_rank = [sorted(boxes) for boxes in per_rank]
-    for r, boxes in enumerate(per_rank):
-        if layout_digest(boxes) != manifest.summaries[r].layout:
-            raise CorruptCheckpointError(f"{path}: shards does not give rank {r} the shards its line records; the "
-                                         "manifest was edited or crafted", path=path)
-    if hasattr(parts, "boxes_checked"):
-        parts.boxes_checked = per_rank
-    return per_rank
+    return [sorted(boxes) for boxes in per_rank]
+
+
+def _checked(manifest: Manifest, rank: int, boxes: list[Box]) -> list[Box]:
+    if layout_digest(boxes) != manifest.summaries[rank].layout:
+        path = f"ckpt-{manifest.id:08d}/manifest.json"
+        raise CorruptCheckpointError(f"{path}: shards does not give rank {rank} the shards its line records; the "
+                                     "manifest was edited or crafted", path=path)
+    return boxes
 
 
 def holders(layout: Any, rows: tuple[int, int], cols: tuple[int, int]) -> set[int]:

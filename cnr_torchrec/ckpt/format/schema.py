@@ -47,7 +47,7 @@ from cnr_torchrec.ckpt.format.manifest import (
     rank_file_of,
 )
 from cnr_torchrec.ckpt.format.payload import DTYPES
-from cnr_torchrec.ckpt.format.placement import checked_boxes, records_layout
+from cnr_torchrec.ckpt.format.placement import rank_boxes, records_layout
 from cnr_torchrec.ckpt.format.structure import check_part_layout, check_parts
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.quant import EncodedRows, UnknownCodecError, get_codec
@@ -310,7 +310,7 @@ def check_part(raw: Any, path: str, manifest: Manifest, slot: int) -> RankReport
                                     f"table the index lists as replicated ({sorted(manifest.replicated)}), no other")
     if manifest.per_rank_state and report.rng is None:
         f.fail("rng", "is missing, but the index says every part holds its rank's state (per_rank_state)")
-    check_part_layout(report, manifest, path, checked_boxes(manifest)[rank] if records_layout(manifest) else None)
+    check_part_layout(report, manifest, path, rank_boxes(manifest, rank) if records_layout(manifest) else None)
     return report
 
 
