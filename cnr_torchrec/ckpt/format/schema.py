@@ -98,6 +98,8 @@ def _type(*types: type) -> Check:
 
 def _nested(v: Any) -> str:
     """Plain JSON nested at most ``MAX_DEPTH`` levels (walked without recursion)."""
+    if isinstance(v, dict) and not any(isinstance(x, (dict, list)) for x in v.values()):
+        return ""  # the common case: codec parameters, module names
     stack = [(v, 0)]
     while stack:
         x, depth = stack.pop()
