@@ -391,19 +391,20 @@ def _fallback_restore(rank, world_size, root, out):
     cfg = load_config({"root": root, "policy": "consecutive", "on_corrupt": "fallback", "memory_tier": "off"})
     with Checkpointer(dmp, cfg, dense_optimizer=opt, extra_state={"reader": _Reader()}) as ck:
         step = ck.restore()
-    with open(out, "w") as f:
-        json.dump(step, f)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(step, f)
 
 
 def test_a_part_of_another_checkpoint_is_corrupt_and_on_corrupt_fallback_takes_the_one_before(crafted, tmp_path):
     """The delta's part replaced by the baseline's (its line made to match): refused as corrupt, not as unsafe,
     so that ``on_corrupt: fallback`` restores the baseline instead of stopping."""
     root = str(tmp_path / "root")
-    shutil.copytree(crafted[1]["untouched"], root)
-    base_part = os.path.join(root, f"ckpt-{BASELINE:08d}", "rank-00000.json")
-    _edit_part_text(root, DELTA, 0, lambda _: open(base_part, "rb").read())
-    _edit_index(root, DELTA, lambda body: body["parts"][0].update(
-        {k: v for k, v in _index_body(root, BASELINE)["parts"][0].items() if k not in ("nbytes", "xxh3")}))
+    shutil.copytree(crafted[2]["untouched"], root)
+    base_part = os.path.join(root, f"ckpt-{BASELINE:08d}", "rank-00001.json")  # read by rank 1 alone, as it applies
+    _edit_part_text(root, DELTA, 1, lambda _: open(base_part, "rb").read())
+    _edit_index(root, DELTA, lambda body: body["parts"][1].update(
+        {k: v for k, v in _index_body(root, BASELINE)["parts"][1].items() if k not in ("nbytes", "xxh3")}))
     out = str(tmp_path / "step")
-    run_ranks(_fallback_restore, 1, args=(root, out))
+    run_ranks(_fallback_restore, 2, args=(root, out))
     assert json.load(open(out)) == 1  # the baseline's step
