@@ -122,21 +122,25 @@ class Follower:
                 served copy is left as it was, and that checkpoint is never applied.
         """
         newest = resolve_id(self._storage)
-        if self.cursor is not None and newest == self.cursor.ckpt:
+        if (self.cursor is not None and newest == self.cursor.ckpt) or newest in self._bad:
             return []
-        tip = load_manifest(self._storage, newest)
-        chain = walk_chain(tip, lambda i: load_manifest(self._storage, i))
-        ids = [m.id for m in chain]
-        if any(i in self._bad for i in ids):
-            return []
+        trying = newest  # the checkpoint being read: the one named, and never tried again, if it fails
+        updates: list[Update] = []
         try:
-            if self.cursor is not None and self.cursor.ckpt in ids:
-                return [self._apply_delta(m) for m in chain[ids.index(self.cursor.ckpt) + 1 :]]
-            return [self._reload(chain, self._why_reload(chain))]
+            chain = walk_chain(load_manifest(self._storage, newest), lambda i: load_manifest(self._storage, i))
+            ids = [m.id for m in chain]
+            if any(i in self._bad for i in ids):
+                return []
+            if self.cursor is None or self.cursor.ckpt not in ids:
+                return [self._reload(chain, self._why_reload(chain))]
+            for m in chain[ids.index(self.cursor.ckpt) + 1 :]:
+                trying = m.id
+                updates.append(self._apply_delta(m))
+            return updates
         except CnrError as e:
-            self._bad.add(newest)
+            self._bad.add(trying)
             log.warning("follower of %s: checkpoint %d is not served (%s: %s); still serving %s", self._root,
-                        newest, type(e).__name__, e, "nothing" if self.cursor is None else
+                        trying, type(e).__name__, e, "nothing" if self.cursor is None else
                         f"checkpoint {self.cursor.ckpt}")
             raise
 
