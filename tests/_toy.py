@@ -51,3 +51,16 @@ def local_state(dmp):
         if n.startswith("dense"):
             out[n] = p.detach().clone()
     return out
+
+
+class Reader:
+    """Per-rank state a job keeps beside the model (a data reader's position), for ``extra_state``."""
+
+    def __init__(self) -> None:
+        self.pos = torch.zeros(1, dtype=torch.int64)
+
+    def state_dict(self):
+        return {"pos": self.pos.clone()}
+
+    def load_state_dict(self, sd):
+        self.pos.copy_(sd["pos"])

@@ -24,21 +24,11 @@ import pytest
 import torch
 from _dist import run_ranks
 from _format_checks import combined_body, write_combined, xxh3_reference
+from _toy import Reader as _Reader
 from _toy import build_dmp, local_state, train
 
 PLAN = ("table_wise", "row_wise", "column_wise", "data_parallel")
 BASELINE, DELTA = 0, 1
-
-
-class _Reader:
-    def __init__(self) -> None:
-        self.pos = torch.zeros(1, dtype=torch.int64)
-
-    def state_dict(self):
-        return {"pos": self.pos.clone()}
-
-    def load_state_dict(self, sd):
-        self.pos.copy_(sd["pos"])
 
 
 def _specs():

@@ -21,20 +21,10 @@ import pytest
 import torch
 
 from _format_checks import combined_body, put_back, read_combined_at, snapshot_dir, write_combined_at
+from _toy import Reader as _Reader
 from _toy import build_dmp, local_state, train
 
 PLAN = ("table_wise", "row_wise", "column_wise", "data_parallel")
-
-
-class _Reader:
-    def __init__(self) -> None:
-        self.pos = torch.zeros(1, dtype=torch.int64)
-
-    def state_dict(self):
-        return {"pos": self.pos.clone()}
-
-    def load_state_dict(self, sd):
-        self.pos.copy_(sd["pos"])
 
 
 def _checkpointer(root, seed):
