@@ -151,12 +151,9 @@ class Follower:
         if base.compacted_from is not None and self.cursor.ckpt in range(base.compacted_from[0],
                                                                              base.compacted_from[-1] + 1):
             return f"a compaction of checkpoints {base.compacted_from[0]}..{base.compacted_from[-1]}"
-        if self.cursor.ckpt not in self._committed():
+        if self.cursor.ckpt not in committed_ids(self._storage):
             return f"checkpoint {self.cursor.ckpt}, which it served, is gone (collected by retention)"
         return f"a new baseline, {base.id}, under checkpoint {tip.id}"
-
-    def _committed(self) -> set[int]:
-        return set(committed_ids(self._storage))
 
     def _reload(self, chain: list[Manifest], why: str) -> Update:
         t0 = time.perf_counter()

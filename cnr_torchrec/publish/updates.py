@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
-from cnr_torchrec.ckpt.format.placement import checked_shards, every_part, holders, records_layout
+from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.precedence import closes
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
@@ -39,17 +39,13 @@ class Change:
 
 
 def reports_serving(manifest: Manifest, tables: Sequence[str]) -> Sequence[RankReport]:
-    """The parts of ``manifest`` that can hold rows of ``tables``: where the index records the ranks' shards, the
-    ranks that hold a shard of one of them (rank 0 for a table the shards leave out: it stores the data_parallel
-    ones); else every part, checked together as a restore checks them."""
-    if not records_layout(manifest):
-        return every_part(manifest)
-    shards = checked_shards(manifest)
-    ranks: set[int] = set()
-    for t in tables:
-        n, dim = manifest.tables[t]
-        ranks |= holders(shards[t], (0, n), (0, dim)) if t in shards else {0}
-    return [manifest.ranks[r] for r in sorted(ranks)]
+    """The parts of ``manifest`` that can hold rows of ``tables``: a restore's choice
+    (:func:`~cnr_torchrec.ckpt.format.placement.reports_for`) for a reader that holds those tables whole on no
+    plan of the job's, so it reads the ranks whose shards overlap them (rank 0 for data_parallel ones), or every
+    part, checked together, where the index records no layout."""
+    whole = [[t, 0, manifest.tables[t][0], 0, manifest.tables[t][1]] for t in sorted(tables)]
+    sharded = manifest.body.get("shards") or {}
+    return reports_for(manifest, len(manifest.summaries), whole, any(t not in sharded for t in tables))
 
 
 def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, torch.Tensor],

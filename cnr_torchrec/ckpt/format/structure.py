@@ -28,7 +28,7 @@ from typing import Any
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["check_part_layout", "check_parts", "first_overlap"]
+__all__ = ["check_part_layout", "check_parts"]
 
 _Placed = tuple[TableEntry, int]
 """An entry and the rank whose part holds it."""
@@ -60,7 +60,7 @@ def _covers(entries: Sequence[TableEntry], rows: tuple[int, int], cols: tuple[in
     return True
 
 
-def first_overlap(entries: Iterable[_Placed], *, merged: bool = False) -> tuple[_Placed, _Placed] | None:
+def _first_overlap(entries: Iterable[_Placed], *, merged: bool = False) -> tuple[_Placed, _Placed] | None:
     """Two of one table's ``entries`` whose regions overlap (or that name the same region), or None; with
     ``merged`` (a compacted baseline's), two that name the same region only.
 
@@ -86,7 +86,7 @@ def first_overlap(entries: Iterable[_Placed], *, merged: bool = False) -> tuple[
 def _check_apart(tables: Mapping[str, Sequence[_Placed]], manifest: Manifest, path: str, across: str) -> None:
     merged = manifest.compacted_from is not None
     for table, entries in tables.items():
-        pair = first_overlap(entries, merged=merged)
+        pair = _first_overlap(entries, merged=merged)
         if pair is not None:
             (a, ra), (b, rb) = pair
             which = f" (in the parts of ranks {ra} and {rb})" if across and ra != rb else ""
@@ -96,7 +96,7 @@ def _check_apart(tables: Mapping[str, Sequence[_Placed]], manifest: Manifest, pa
 
 def check_part_layout(report: RankReport, manifest: Manifest, path: str, boxes: Sequence[Sequence[Any]] | None) -> None:
     """Checks one part's entries against each other and, where the index records the ranks' shards (``boxes``:
-    this rank's, by :func:`~.placement.checked_boxes`; None where it records none), against its rank's own: each
+    this rank's, by :func:`~.placement.rank_boxes`; None where it records none), against its rank's own: each
     entry inside one of them (data_parallel tables on rank 0 only), and a baseline's covering each of them.
 
     Raises:
