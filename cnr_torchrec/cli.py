@@ -1,5 +1,5 @@
-"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline, and clean the
-host's memory images (``cnr clean-images``).
+"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline, publish a serving
+snapshot of one (``cnr publish``), and clean the host's memory images (``cnr clean-images``).
 
 Exit codes: 0 success (``verify``: sound; ``cnr`` alone prints the commands); 1 a checkpoint is
 corrupt (``verify`` found problems, or ``compact``/``export``/``import-dcp`` met a corrupt file);
@@ -384,6 +384,42 @@ def _cmd_clean_images(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------- publish
+
+
+def _cmd_publish(args: argparse.Namespace) -> int:
+    import time
+
+    from cnr_torchrec.ckpt.tools.root import parse_storage_options
+    from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError
+    from cnr_torchrec.publish.snapshot import Publisher
+
+    if not args.poll_s > 0:
+        raise ConfigError(f"--poll-s {args.poll_s:g}: give a positive number of seconds")
+    with Publisher(args.root, args.out, args.dtype, args.tables, key=_key(args),
+                   storage_options=parse_storage_options(args.storage_option)) as publisher:
+        while True:
+            try:
+                updates = publisher.step()
+            except CheckpointNotFoundError:
+                if not args.follow:
+                    raise
+                updates = []  # nothing committed yet
+            except CheckpointError as e:
+                if not args.follow:
+                    raise
+                print(f"cnr publish: {one_line(e)}; still serving what {args.out}/current holds", file=sys.stderr)
+                updates = []
+            for u in updates:
+                print(f"published checkpoint {u.ckpt} (step {u.step}) to {args.out}/current: {u.how} {u.why}, "
+                      f"{u.rows} rows in {u.apply_ms:.0f} ms, {u.lag_s:.2f} s after its commit", flush=True)
+            if not args.follow:
+                if not updates:
+                    print(f"{args.out}/current already serves the newest committed checkpoint")
+                return EXIT_OK
+            time.sleep(args.poll_s)
+
+
 # ---------------------------------------------------------------------- parser
 
 
@@ -393,7 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="cnr",
         description="Inspect, verify, compact, export and import cnr_torchrec checkpoint roots (offline: no "
-                    "model, no process group), and clean this host's memory images. Do not run compact or import-dcp "
+                    "model, no process group), publish a serving snapshot of one, and clean this host's memory "
+                    "images. Do not run compact or import-dcp "
                     "while a training job writes to the same root.",
         epilog="exit codes: 0 ok; 1 corrupt checkpoint (verify found problems); 2 the command could not run",
     )
@@ -471,6 +508,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None,
                    help="the training step the baseline records (default: the step DCP_DIR records, else 0)")
     p.set_defaults(func=_cmd_import_dcp)
+
+    p = sub.add_parser("publish", parents=[common], help="keep a serving snapshot in a directory current",
+                       description="Write the newest committed checkpoint's tables to OUT/current/model.pt (a "
+                                   "state_dict by the training model's names, in --dtype; int8/int4 as FBGEMM's "
+                                   "fused row-wise rows), then, with --follow, each checkpoint committed after it, "
+                                   "reading only the rows that changed. OUT/current is a link replaced in one "
+                                   "rename, so a server never reads a torn snapshot; a restart resumes from it "
+                                   "(docs/publish.md).")
+    p.add_argument("root", metavar="ROOT", help="the checkpoint root a training job writes")
+    p.add_argument("--out", required=True, metavar="DIR", help="the snapshot's directory (created if missing)")
+    p.add_argument("--follow", action="store_true", help="keep polling the root and publish each new commit")
+    p.add_argument("--poll-s", type=float, default=5.0, metavar="S", help="seconds between polls (default 5)")
+    p.add_argument("--tables", nargs="+", metavar="TABLE", help="publish only these tables (default: all)")
+    p.add_argument("--dtype", choices=("int8", "int4", "fp16", "fp32"), default="fp32",
+                   help="the served rows' type (default fp32)")
+    p.set_defaults(func=_cmd_publish)
 
     _add_clean_images_parser(sub)
     return parser

@@ -41,6 +41,14 @@ def group(tmp_path_factory):
     dist.destroy_process_group()
 
 
+@pytest.fixture(scope="session")
+def publish_job(tmp_path_factory):
+    """The publishing tests' training job: its root as it stood after each save (``_publish_job``)."""
+    from _publish_job import saved_roots
+
+    return saved_roots(tmp_path_factory.mktemp("publish"))
+
+
 @pytest.fixture
 def storage(tmp_path):
     """A Storage over a fresh root under ``tmp_path``, closed after the test."""

@@ -1,13 +1,10 @@
 """The follower: a training job's committed checkpoints applied in order to an unsharded serving model.
 
-A 2-rank job of the toy model (pooled and sequence tables, every sharding type, TorchRec's
-EXACT_ROWWISE_ADAGRAD) saves residual deltas, then a new baseline and a delta on it; after each commit
-its root is copied aside, so the follower can be shown the root as it stood after each one. After each
-poll, every served table must equal what ``Checkpointer.restore()`` of that checkpoint gives a sharded
-model (restored on 1 rank, its shards then whole tables): the restore is the reference, not the
-follower's own chain reader. Then the cases a follower must name: the checkpoint it serves collected, a
-checkpoint that fails its checks (the copy stays at the version before), another model's root, another
-root's cursor.
+The job (``_publish_job``) saves residual deltas, then a new baseline and a delta on it; the follower is
+shown its root as it stood after each save. After each poll, every served table must equal what
+``Checkpointer.restore()`` of that checkpoint gives a sharded model. Then the cases a follower must
+name: the checkpoint it serves collected, a checkpoint that fails its checks (the copy stays at the
+version before), another model's root, another root's cursor.
 """
 
 from __future__ import annotations
@@ -19,107 +16,16 @@ import shutil
 import pytest
 import torch
 
-from _dist import run_ranks
-from _toy import build_dmp, train
+from _publish_job import assert_serves, restored_tables, served, serving_model, show, specs
 
-SAVES = (("consecutive", 1), ("consecutive", 2), ("consecutive", 3), ("full", 4), ("consecutive", 5))
-"""(policy, step) of each save: a baseline and two residual deltas, then a new baseline and a delta on it."""
-
-
-def _specs():
-    from examples.toy import TableSpec
-
-    return [TableSpec("t0", 64, 8, "row_wise"), TableSpec("t1", 48, 8, "column_wise"),
-            TableSpec("t2", 40, 4, "table_wise"), TableSpec("t3", 32, 4, "data_parallel"),
-            TableSpec("s0", 56, 8, "row_wise", "ec")]
-
-
-def _config(root, policy="consecutive"):
-    from cnr_torchrec import load_config
-
-    return load_config({"root": root, "policy": policy, "keep_last": 100, "memory_tier": "off"})
-
-
-def _train_and_save(rank, world_size, root, snapshots):
-    from cnr_torchrec import Checkpointer
-
-    dmp, opt = build_dmp(_specs(), seed=0)
-    gen = torch.Generator().manual_seed(rank)
-    ck, policy = None, None
-    for i, (want, step) in enumerate(SAVES):
-        if want != policy:  # a job restarted with another policy: it restores, then goes on
-            if ck is not None:
-                ck.close()
-            ck, policy = Checkpointer(dmp, _config(root, want), dense_optimizer=opt), want
-            if i:
-                ck.restore()
-        train(dmp, _specs(), opt, 2, gen)
-        ck.save(step).wait()
-        torch.distributed.barrier()
-        if rank == 0:
-            shutil.copytree(root, os.path.join(snapshots, str(i)))
-        torch.distributed.barrier()
-    ck.close()
-
-
-@pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    """The roots as they stood after each save, by save index."""
-    base = tmp_path_factory.mktemp("publish")
-    root, snapshots = str(base / "root"), str(base / "snapshots")
-    os.mkdir(snapshots)
-    run_ranks(_train_and_save, 2, args=(root, snapshots), timeout=300)
-    return [os.path.join(snapshots, str(i)) for i in range(len(SAVES))]
-
-
-def _show(snapshot, root):
-    """The follower's root becomes the root as it stood at ``snapshot`` (files only ever added, as by commits)."""
-    shutil.copytree(snapshot, root, dirs_exist_ok=True)
-
-
-def _restored_tables(root):
-    """Each table of the newest checkpoint under ``root`` as a sharded model's restore gives it (on 1 rank)."""
-    from cnr_torchrec import Checkpointer
-
-    dmp, opt = build_dmp(_specs(), seed=5)
-    with Checkpointer(dmp, _config(root), dense_optimizer=opt) as ck:
-        ck.restore()
-    tracker = dmp.dirty_tracker
-    out = {}
-    for t in tracker.tables():
-        shards = tracker.shards(t)
-        rows = max(s.rows[1] for _, s in shards)
-        dim = max(s.cols[1] for _, s in shards)
-        whole = torch.full((rows, dim), float("nan"))
-        for k, s in shards:  # a column-wise table is several shards, on one rank too
-            whole[s.rows[0] : s.rows[1], s.cols[0] : s.cols[1]] = k.tbe.split_embedding_weights()[s.local_index]
-        out[t] = whole
-    return out
-
-
-def _served(model):
-    tables = {t: e.weight.detach() for t, e in model.ebc.embedding_bags.items()}
-    return tables | {t: e.weight.detach() for t, e in model.ec.embeddings.items()}
-
-
-def _serving_model():
-    from examples.toy import ToyModel
-
-    torch.manual_seed(9)
-    return ToyModel(_specs(), device="cpu")  # unsharded: what a server builds
-
-
-def _assert_serves(model, root):
-    want = _restored_tables(root)
-    got = _served(model)
-    assert set(got) <= set(want)
-    for t in got:
-        assert torch.equal(got[t], want[t]), (t, float((got[t] - want[t]).abs().max()))
+@pytest.fixture
+def job(publish_job):
+    return publish_job
 
 
 def _first(job, root):
     """``root`` as it stood after the first save."""
-    _show(job[0], root)
+    show(job[0], root)
     return root
 
 
@@ -127,14 +33,14 @@ def test_a_follower_applies_each_commit_in_order_and_serves_what_a_restore_gives
     from cnr_torchrec.publish import Follower
 
     root, cursor = str(tmp_path / "root"), str(tmp_path / "cursor.json")
-    model = _serving_model()
+    model = serving_model()
     seen = []
     with Follower(_first(job, root), model, cursor=cursor) as follower:
         for i, snapshot in enumerate(job):
-            _show(snapshot, root)
+            show(snapshot, root)
             updates = follower.poll()
             seen += [(u.ckpt, u.how) for u in updates]
-            _assert_serves(model, root)
+            assert_serves(model, root)
             assert json.load(open(cursor))["ckpt"] == follower.cursor.ckpt == updates[-1].ckpt
             if i in (0, 3):  # the first load, the new baseline
                 assert updates[-1].how == "reload" and updates[-1].rows > 0
@@ -148,29 +54,29 @@ def test_a_follower_that_missed_commits_applies_each_of_them_once_in_order(group
     from cnr_torchrec.publish import Follower
 
     root = str(tmp_path / "root")
-    model = _serving_model()
+    model = serving_model()
     with Follower(_first(job, root), model) as follower:
         assert [u.ckpt for u in follower.poll()] == [0]
-        _show(job[2], root)  # two deltas committed between polls
+        show(job[2], root)  # two deltas committed between polls
         assert [(u.ckpt, u.how) for u in follower.poll()] == [(1, "delta"), (2, "delta")]
-        _assert_serves(model, root)
+        assert_serves(model, root)
 
 
 def test_a_served_checkpoint_collected_is_named_and_the_follower_reloads(group, job, tmp_path, caplog):
     from cnr_torchrec.publish import Follower
 
     root = str(tmp_path / "root")
-    model = _serving_model()
+    model = serving_model()
     with Follower(_first(job, root), model) as follower:
         follower.poll()
-        _show(job[3], root)
+        show(job[3], root)
         for cid in (0, 1, 2):  # the old chain, as retention collects it once the new baseline committed
             shutil.rmtree(os.path.join(root, f"ckpt-{cid:08d}"))
         with caplog.at_level("INFO", logger="cnr_torchrec.publish.follower"):
             (update,) = follower.poll()
         assert update.how == "reload" and "checkpoint 0, which it served, is gone" in update.why
         assert "checkpoint 0, which it served, is gone" in caplog.text
-        _assert_serves(model, root)
+        assert_serves(model, root)
 
 
 def _flip_a_stored_row(root, ckpt_id, rank):
@@ -192,20 +98,20 @@ def test_a_checkpoint_that_fails_its_checks_is_never_served(group, job, tmp_path
     from cnr_torchrec.publish import Follower
 
     root = str(tmp_path / "root")
-    model = _serving_model()
+    model = serving_model()
     with Follower(_first(job, root), model) as follower:
         follower.poll()
-        before = {t: w.clone() for t, w in _served(model).items()}
-        _show(job[1], root)
+        before = {t: w.clone() for t, w in served(model).items()}
+        show(job[1], root)
         _flip_a_stored_row(root, 1, rank=1)
         with pytest.raises(CorruptCheckpointError, match="ckpt-00000001"):
             follower.poll()
-        assert all(torch.equal(w, before[t]) for t, w in _served(model).items())  # still checkpoint 0, whole
+        assert all(torch.equal(w, before[t]) for t, w in served(model).items())  # still checkpoint 0, whole
         assert follower.cursor.ckpt == 0
         assert follower.poll() == []  # not tried again: deltas on it cannot be served either
-        _show(job[3], root)  # a new baseline: served again
+        show(job[3], root)  # a new baseline: served again
         assert [u.how for u in follower.poll()] == ["reload"]
-        _assert_serves(model, root)
+        assert_serves(model, root)
 
 
 def test_another_models_root_and_another_roots_cursor_are_refused_by_name(group, job, tmp_path):
@@ -219,10 +125,10 @@ def test_another_models_root_and_another_roots_cursor_are_refused_by_name(group,
     with Follower(_first(job, root), other, cursor=cursor) as follower:
         with pytest.raises(IncompatibleCheckpointError, match=r"table 't0' as \[64, 8\], the target as \[65, 8\]"):
             follower.poll()
-    with Follower(root, _serving_model(), cursor=cursor) as follower:
+    with Follower(root, serving_model(), cursor=cursor) as follower:
         follower.poll()
     with pytest.raises(ConfigError, match="the cursor of a follower of .*root, not of"):
-        Follower(str(tmp_path / "elsewhere"), _serving_model(), cursor=cursor)
+        Follower(str(tmp_path / "elsewhere"), serving_model(), cursor=cursor)
 
 
 INT4 = {"t2": torch.quint4x2, "s0": torch.quint4x2}  # the rest int8, TorchRec's default
@@ -233,10 +139,10 @@ def _quantized(tables=None):
     from a fresh initialisation."""
     from torchrec.inference.modules import quantize_inference_model
 
-    model = _serving_model()
+    model = serving_model()
     if tables is not None:
         with torch.no_grad():
-            for t, w in _served(model).items():
+            for t, w in served(model).items():
                 w.copy_(tables[t])
     return quantize_inference_model(model, per_table_weight_dtype=INT4)
 
@@ -262,9 +168,9 @@ def test_torchrecs_quantized_modules_serve_each_commit_as_torchrec_quantizes_the
     serving = _quantized()
     with Follower(_first(job, root), serving) as follower:
         for snapshot in job:
-            _show(snapshot, root)
+            show(snapshot, root)
             follower.poll()
-            want, got = _quant_rows(_quantized(_restored_tables(root))), _quant_rows(serving)
-            assert set(got) == set(want) == {s.name for s in _specs()}
+            want, got = _quant_rows(_quantized(restored_tables(root))), _quant_rows(serving)
+            assert set(got) == set(want) == {s.name for s in specs()}
             for t in want:
                 assert torch.equal(got[t], want[t]), (t, int((got[t] != want[t]).sum()))

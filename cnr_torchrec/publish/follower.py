@@ -11,9 +11,12 @@ A checkpoint that fails its checks is named and left out: the copy stays at the 
 and the next poll reloads from a newer chain.
 
 The follower keeps the float32 rows of the tables it serves (the rows under each residual: their bytes,
-``tables``' shapes times 4), and a cursor: what it serves (root, checkpoint, step, chain), written
-atomically after each update where ``cursor`` names a file; a follower given another root's cursor
-refuses it.
+``tables``' shapes times 4), and a cursor: what it serves (root, checkpoint, step, chain, and a digest of
+the manifests it applied, in order), written atomically after each update where ``cursor`` names a file;
+a follower given another root's cursor refuses it. :meth:`Follower.resume` takes a saved cursor and the
+float rows it stood for (what ``cnr publish`` keeps, :mod:`.snapshot`): the next poll goes on from it,
+with deltas, after checking that the root's chain up to the cursor is the one whose manifests the digest
+covers (a root rewritten under the same ids is reloaded from, and says so).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import xxhash
 from torch import nn
 
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
@@ -36,22 +40,34 @@ from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CnrError, ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.publish.targets import Sink, sinks_of
+from cnr_torchrec.publish.targets import Sink, Tables, sinks_of
 from cnr_torchrec.publish.updates import Change, stage_checkpoint
 
-__all__ = ["Cursor", "Follower", "Update"]
+__all__ = ["Cursor", "Follower", "Update", "chain_digest"]
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class Cursor:
-    """What a follower serves: ``ckpt`` of ``root`` (at ``step``), whose chain is ``chain``."""
+    """What a follower serves: ``ckpt`` of ``root`` (at ``step``), whose chain is ``chain``; ``digest`` is
+    :func:`chain_digest` of the manifests it applied, the chain's in order."""
 
     root: str
     ckpt: int
     step: int
     chain: tuple[int, ...]
+    digest: str
+
+
+def chain_digest(manifests: Sequence[Manifest], start: str = "") -> str:
+    """xxh3-128 folded over ``manifests`` in order, from ``start`` (a digest of the ones before): each
+    manifest's id and its body as canonical JSON. A reload of a chain and a follower that applied the same
+    chain one delta at a time reach the same digest."""
+    digest = start
+    for m in manifests:
+        digest = xxhash.xxh3_128_hexdigest(f"{digest}|{m.id}|{json.dumps(m.body, sort_keys=True)}".encode())
+    return digest
 
 
 @dataclass(frozen=True)
@@ -81,11 +97,14 @@ class Follower:
         cursor: a file to keep the cursor in, written atomically after each update (None: none).
         key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`).
 
+    A target may also give its own tables (:class:`~cnr_torchrec.publish.targets.Tables`), as ``cnr publish``'s
+    snapshot does.
+
     Raises:
         ConfigError: a target without tables, tables it does not hold, or a cursor of another root.
     """
 
-    def __init__(self, root: str, target: nn.Module | MutableMapping[str, torch.Tensor], *,
+    def __init__(self, root: str, target: nn.Module | MutableMapping[str, torch.Tensor] | Tables, *,
                  tables: Sequence[str] | None = None, cursor: str | None = None,
                  storage_options: Mapping[str, Any] | None = None, key: Any = None) -> None:
         self._root, self._target, self._cursor_path = normal_root(root), target, cursor
@@ -110,6 +129,33 @@ class Follower:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @property
+    def root(self) -> str:
+        """The root followed, as a job on this host names it (a local one as an absolute path)."""
+        return self._root
+
+    @property
+    def served_rows(self) -> Mapping[str, torch.Tensor]:
+        """The float32 rows of each served table, as the chain gave them (the follower's own: do not write)."""
+        return self._served
+
+    def resume(self, cursor: Cursor, rows: Mapping[str, torch.Tensor]) -> None:
+        """Goes on from ``cursor`` and the float32 ``rows`` (by table) it stood for, as a follower of this root
+        kept them (:attr:`cursor`, :attr:`served_rows`). The next :meth:`poll` writes them to the target and
+        applies what was committed since, or reloads (and says why) where the root's chain no longer holds
+        that checkpoint, or holds another one under its id.
+
+        Raises:
+            ConfigError: a cursor of another root, or rows of other tables than this follower serves.
+        """
+        if cursor.root != self._root:
+            raise ConfigError(f"the cursor given to resume is a follower's of {cursor.root}, not of {self._root}; "
+                              "resume from this root's own, or start without one")
+        if self._only is not None and sorted(rows) != sorted(self._only):
+            raise ConfigError(f"the rows given to resume hold tables {sorted(rows)}; this follower serves "
+                              f"{sorted(self._only)}")
+        self._served, self._live, self.cursor = {t: w.float() for t, w in rows.items()}, {}, cursor
+
     # ------------------------------------------------------------------ following
 
     def poll(self) -> list[Update]:
@@ -122,7 +168,8 @@ class Follower:
                 served copy is left as it was, and that checkpoint is never applied.
         """
         newest = resolve_id(self._storage)
-        if (self.cursor is not None and newest == self.cursor.ckpt) or newest in self._bad:
+        resumed = self.cursor is not None and not self._live  # rows given to resume(), not yet written
+        if (self.cursor is not None and newest == self.cursor.ckpt and not resumed) or newest in self._bad:
             return []
         trying = newest  # the checkpoint being read: the one named, and never tried again, if it fails
         updates: list[Update] = []
@@ -133,7 +180,15 @@ class Follower:
                 return []
             if self.cursor is None or self.cursor.ckpt not in ids:
                 return [self._reload(chain, self._why_reload(chain))]
-            for m in chain[ids.index(self.cursor.ckpt) + 1 :]:
+            at = ids.index(self.cursor.ckpt)
+            if chain_digest(chain[: at + 1]) != self.cursor.digest:
+                return [self._reload(chain, f"checkpoint {self.cursor.ckpt} of the root is not the one served "
+                                            "(its chain's manifests differ from the cursor's digest: the root was "
+                                            "rewritten)")]
+            if resumed and not self._rebind(chain[at]):
+                return [self._reload(chain, "the rows given to resume are not the served tables' "
+                                            f"{sorted(self._live)}")]
+            for m in chain[at + 1 :]:
                 trying = m.id
                 updates.append(self._apply_delta(m))
             return updates
@@ -165,7 +220,8 @@ class Follower:
         for t, w in served.items():
             live[t].write(torch.arange(w.shape[0]), w)
         self._served, self._live = served, live
-        return self._done(tip, [m.id for m in chain], "reload", why, sum(w.shape[0] for w in served.values()), t0)
+        return self._done(tip, [m.id for m in chain], chain_digest(chain), "reload", why,
+                          sum(w.shape[0] for w in served.values()), t0)
 
     def _apply_delta(self, m: Manifest) -> Update:
         t0 = time.perf_counter()
@@ -176,12 +232,27 @@ class Follower:
         _write(changes, self._served, self._live)
         assert self.cursor is not None  # a delta follows what is served
         chain = (*self.cursor.chain, m.id)
-        return self._done(m, list(chain), "delta", f"on checkpoint {m.parent}", sum(c.rows.numel() for c in changes),
-                          t0, int(stats.get("bytes_read", 0) + stats.get("part_bytes", 0)))
+        return self._done(m, list(chain), chain_digest([m], self.cursor.digest), "delta", f"on checkpoint {m.parent}",
+                          sum(c.rows.numel() for c in changes), t0,
+                          int(stats.get("bytes_read", 0) + stats.get("part_bytes", 0)))
+
+    def _rebind(self, at: Manifest) -> bool:
+        """Writes the rows given to :meth:`resume` to the target, if they are its served tables in ``at``'s
+        shapes (the cursor's checkpoint); False otherwise (the target is bound, and nothing written)."""
+        live = self._bind(at)
+        self._live = live
+        if sorted(live) != sorted(self._served) or any(tuple(w.shape) != tuple(at.tables[t])
+                                                       for t, w in self._served.items()):
+            return False
+        for t, w in self._served.items():
+            live[t].write(torch.arange(w.shape[0]), w)
+        log.info("follower of %s: resumed at checkpoint %d (step %d)", self._root, at.id, at.step)
+        return True
 
     def _bind(self, tip: Manifest) -> dict[str, Sink]:
         """The target's served tables, checked against ``tip``'s shapes."""
-        found = sinks_of(self._target, tip.table_fqns)
+        target = self._target
+        found = target.sinks(tip) if isinstance(target, Tables) else sinks_of(target, tip.table_fqns)
         wanted = self._only if self._only is not None else sorted(t for t in found if t in tip.tables)
         missing = sorted(set(wanted) - set(found))
         if missing:
@@ -190,9 +261,9 @@ class Follower:
         _check_fits(tip, {t: sink.shape for t, sink in live.items()})
         return live
 
-    def _done(self, m: Manifest, chain: list[int], how: str, why: str, rows: int, t0: float,
+    def _done(self, m: Manifest, chain: list[int], digest: str, how: str, why: str, rows: int, t0: float,
               nbytes: int = 0) -> Update:
-        self.cursor = Cursor(self._root, m.id, m.step, tuple(chain))
+        self.cursor = Cursor(self._root, m.id, m.step, tuple(chain), digest)
         if self._cursor_path is not None:
             _write_cursor(self._cursor_path, self.cursor)
         update = Update(m.id, m.step, how, why, rows, (time.perf_counter() - t0) * 1e3,
@@ -239,11 +310,18 @@ def _write_cursor(path: str, cursor: Cursor) -> None:
     os.replace(tmp, path)
 
 
+def cursor_of(doc: Mapping[str, Any]) -> Cursor:
+    """The cursor a JSON object holds (as :func:`_write_cursor` writes it). Raises KeyError, TypeError or
+    ValueError for one that is not."""
+    return Cursor(str(doc["root"]), int(doc["ckpt"]), int(doc["step"]), tuple(int(i) for i in doc["chain"]),
+                  str(doc["digest"]))
+
+
 def _read_cursor(path: str) -> Cursor:
     try:
         with open(path) as f:
             doc = json.load(f)
-        return Cursor(str(doc["root"]), int(doc["ckpt"]), int(doc["step"]), tuple(int(i) for i in doc["chain"]))
+        return cursor_of(doc)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConfigError(f"{path} is not a follower's cursor ({type(e).__name__}: {e}); remove it to start "
                           "afresh") from None

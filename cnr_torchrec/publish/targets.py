@@ -16,14 +16,15 @@ row's padding as it was) and written with FBGEMM's ``embedding_inplace_update``.
 from __future__ import annotations
 
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["FloatSink", "QuantSink", "Sink", "sinks_of"]
+__all__ = ["FloatSink", "FusedSink", "QuantSink", "Sink", "Tables", "sinks_of"]
 
 
 class Sink(Protocol):
@@ -33,6 +34,14 @@ class Sink(Protocol):
 
     def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """Writes float32 ``values`` (``[len(rows), dim]``, whole rows) to rows ``rows``."""
+
+
+@runtime_checkable
+class Tables(Protocol):
+    """A target that gives its own tables for a checkpoint (``cnr publish``'s snapshot does)."""
+
+    def sinks(self, tip: Manifest) -> dict[str, Sink]:
+        """A sink per table of ``tip`` the target holds."""
 
 
 class FloatSink:
@@ -47,6 +56,26 @@ class FloatSink:
 
 
 _BITS = {"int8": 8, "int4": 4, "int2": 2}
+
+
+def quantize_rows(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Float32 rows quantized as TorchRec's inference conversion quantizes a table: FBGEMM's fused row-wise
+    layout, each row's codes then its fp16 scale and bias (a row's bytes depend on that row alone)."""
+    return torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(values.contiguous(), bits)
+
+
+class FusedSink:
+    """A table held as FBGEMM's fused row-wise ``bits``-bit rows (``rows``: uint8, one row per table row), as
+    ``cnr publish`` writes it; ``rows`` is allocated where None or of another shape."""
+
+    def __init__(self, rows: torch.Tensor | None, num_rows: int, dim: int, bits: int) -> None:
+        width = quantize_rows(torch.zeros(1, dim), bits).shape[1]
+        if rows is None or tuple(rows.shape) != (num_rows, width):
+            rows = torch.zeros(num_rows, width, dtype=torch.uint8)
+        self.rows, self.bits, self.shape = rows, bits, (num_rows, dim)
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.rows[rows] = quantize_rows(values, self.bits)
 
 
 class QuantSink:
@@ -65,8 +94,7 @@ class QuantSink:
         current = self.tbe.split_embedding_weights(split_scale_shifts=False)[self.index][0]
         out = current.index_select(0, rows.to(current.device)).clone()  # the padding stays as it was
         if self.kind in _BITS:
-            fused = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf(values.contiguous(),
-                                                                                   _BITS[self.kind])
+            fused = quantize_rows(values, _BITS[self.kind])
             codes = fused.shape[1] - 4
             out[:, :4] = fused[:, codes:]  # the TBE's row: scale and bias first, then the codes
             out[:, 4 : 4 + codes] = fused[:, :codes]
