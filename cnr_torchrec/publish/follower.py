@@ -27,7 +27,7 @@ import os
 import time
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import xxhash
@@ -40,7 +40,7 @@ from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CnrError, ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.publish.targets import Sink, Tables, sinks_of
+from cnr_torchrec.publish.targets import McSink, Sink, Tables, sinks_of
 from cnr_torchrec.publish.updates import Change, stage_checkpoint
 
 __all__ = ["Cursor", "Follower", "Update", "chain_digest"]
@@ -116,6 +116,7 @@ class Follower:
         self._storage: Storage = open_storage(root, storage_options, key)
         self._only = None if tables is None else list(tables)
         self._served: dict[str, torch.Tensor] = {}  # float32 rows of the served tables, as the chain gave them
+        self._remapping: dict[str, torch.Tensor] = {}  # managed-collision tables' state by row (raw id first)
         self._live: dict[str, Sink] = {}  # the target's own tables
         self.cursor: Cursor | None = None
         self._bad: set[int] = set()  # checkpoints that failed their checks: never applied
@@ -185,9 +186,8 @@ class Follower:
                 return [self._reload(chain, f"checkpoint {self.cursor.ckpt} of the root is not the one served "
                                             "(its chain's manifests differ from the cursor's digest: the root was "
                                             "rewritten)")]
-            if resumed and not self._rebind(chain[at]):
-                return [self._reload(chain, "the rows given to resume are not the served tables' "
-                                            f"{sorted(self._live)}")]
+            if resumed and (why := self._rebind(chain[at])):
+                return [self._reload(chain, why)]
             for m in chain[at + 1 :]:
                 trying = m.id
                 updates.append(self._apply_delta(m))
@@ -215,11 +215,14 @@ class Follower:
         tip = chain[-1]
         live = self._bind(tip)
         tables = assemble_tables(self._storage, chain, tables=sorted(live))
-        _refuse_managed_collision([t for t in live if tables[t].mc is not None])
+        remapping = {t: mc for t in live if (mc := tables[t].mc) is not None}
+        _check_remapped(tip, live, {t: tables[t].mc_fields for t in remapping}, whole=True)
         served = {t: tables[t].weights for t in live}
         for t, w in served.items():
             live[t].write(torch.arange(w.shape[0]), w)
-        self._served, self._live = served, live
+        for t, state in remapping.items():
+            cast(McSink, live[t]).write_remapping(state)
+        self._served, self._live, self._remapping = served, live, remapping
         return self._done(tip, [m.id for m in chain], chain_digest(chain), "reload", why,
                           sum(w.shape[0] for w in served.values()), t0)
 
@@ -228,26 +231,28 @@ class Follower:
         _check_fits(m, {t: (w.shape[0], w.shape[1]) for t, w in self._served.items()})
         stats: dict[str, float] = {}
         changes = stage_checkpoint(self._storage, m, self._served, stats)  # nothing written until every row decoded
-        _refuse_managed_collision(sorted({c.table for c in changes if c.remaps}))
-        _write(changes, self._served, self._live)
+        _check_remapped(m, self._live, {c.table: c.mc_fields for c in changes if c.mc is not None}, whole=False)
+        _write(changes, self._served, self._remapping, self._live)
         assert self.cursor is not None  # a delta follows what is served
         chain = (*self.cursor.chain, m.id)
         return self._done(m, list(chain), chain_digest([m], self.cursor.digest), "delta", f"on checkpoint {m.parent}",
                           sum(c.rows.numel() for c in changes), t0,
                           int(stats.get("bytes_read", 0) + stats.get("part_bytes", 0)))
 
-    def _rebind(self, at: Manifest) -> bool:
+    def _rebind(self, at: Manifest) -> str | None:
         """Writes the rows given to :meth:`resume` to the target, if they are its served tables in ``at``'s
-        shapes (the cursor's checkpoint); False otherwise (the target is bound, and nothing written)."""
+        shapes (the cursor's checkpoint); otherwise binds the target, writes nothing, and says why not."""
         live = self._bind(at)
         self._live = live
         if sorted(live) != sorted(self._served) or any(tuple(w.shape) != tuple(at.tables[t])
                                                        for t, w in self._served.items()):
-            return False
+            return f"the rows given to resume are not the served tables' {sorted(live)}"
+        if any(isinstance(sink, McSink) for sink in live.values()):
+            return "the rows given to resume hold no remapping of the managed-collision tables"
         for t, w in self._served.items():
             live[t].write(torch.arange(w.shape[0]), w)
         log.info("follower of %s: resumed at checkpoint %d (step %d)", self._root, at.id, at.step)
-        return True
+        return None
 
     def _bind(self, tip: Manifest) -> dict[str, Sink]:
         """The target's served tables, checked against ``tip``'s shapes."""
@@ -273,10 +278,20 @@ class Follower:
         return update
 
 
-def _refuse_managed_collision(tables: Sequence[str]) -> None:
-    if tables:
-        raise ConfigError(f"table(s) {sorted(tables)} are managed-collision tables, whose rows move with the ids "
-                          "they hold: a follower does not serve them yet. Leave them out with tables=[...]")
+def _check_remapped(m: Manifest, live: Mapping[str, Sink], fields: Mapping[str, tuple[str, ...]], *,
+                    whole: bool) -> None:
+    """Refuses managed-collision state (``fields``: its fields by table) for a table the target does not remap,
+    state of other fields, and, where ``whole`` (a chain read whole), a remapped table without it."""
+    for t, sink in sorted(live.items()):
+        if isinstance(sink, McSink) and t in fields and fields[t] != sink.mc.fields:
+            raise IncompatibleCheckpointError(
+                f"checkpoint {m.id} holds table '{t}''s remapping with fields {list(fields[t])}, the target's module "
+                f"{list(sink.mc.fields)}; serve it with the eviction policy it was trained with")
+        if (t in fields) != isinstance(sink, McSink) and (t in fields or whole):
+            raise ConfigError(
+                f"table '{t}' is a managed-collision table in checkpoint {m.id} and not in the target, or the other "
+                "way round: serve it with the module it was trained with (a ManagedCollisionEmbedding(Bag)Collection "
+                "with an MCHManagedCollisionModule), or leave it out with tables=[...]")
 
 
 def _check_fits(m: Manifest, shapes: Mapping[str, tuple[int, int]]) -> None:
@@ -288,17 +303,23 @@ def _check_fits(m: Manifest, shapes: Mapping[str, tuple[int, int]]) -> None:
                 f"{list(have)}: the root is another model's. Follow the root of the model you serve")
 
 
-def _write(changes: list[Change], served: dict[str, torch.Tensor], live: Mapping[str, Sink]) -> None:
-    """Writes staged changes to the float rows, in the order they were staged, then each touched row whole to
-    the target (a quantized row is quantized over all its columns)."""
+def _write(changes: list[Change], served: dict[str, torch.Tensor], remapping: dict[str, torch.Tensor],
+           live: Mapping[str, Sink]) -> None:
+    """Writes staged changes to the float rows (and remapping states), in the order they were staged, then
+    each touched row whole to the target (a quantized row is quantized over all its columns), and each
+    touched remapping."""
     touched: dict[str, list[torch.Tensor]] = {}
     for c in changes:
         c0, c1 = c.cols
         served[c.table][c.rows, c0:c1] = c.values
         touched.setdefault(c.table, []).append(c.rows)
+        if c.mc is not None:
+            remapping[c.table][c.rows] = c.mc
     for t, rows in touched.items():
         ids = torch.unique(torch.cat(rows))
         live[t].write(ids, served[t].index_select(0, ids))
+        if t in remapping:
+            cast(McSink, live[t]).write_remapping(remapping[t])
 
 
 def _write_cursor(path: str, cursor: Cursor) -> None:

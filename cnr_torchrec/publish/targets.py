@@ -24,7 +24,7 @@ from torch import nn
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["FloatSink", "FusedSink", "QuantSink", "Sink", "Tables", "sinks_of"]
+__all__ = ["FloatSink", "FusedSink", "McSink", "QuantSink", "Sink", "Tables", "sinks_of"]
 
 
 class Sink(Protocol):
@@ -104,6 +104,29 @@ class QuantSink:
         self.tbe.embedding_inplace_update([self.index], [rows.tolist()], [out.to(current.device)])
 
 
+class McSink:
+    """A managed-collision table of an unsharded ``ManagedCollisionEmbedding(Bag)Collection``: its rows through
+    ``inner``, its remapping through its ``MCHManagedCollisionModule``, whose sorted buffers are rebuilt from
+    the whole table's state by row as a restore rebuilds a shard's
+    (:meth:`~cnr_torchrec.track.managed_collision.McTable.load_by_row`): a raw id then remaps to the row
+    that holds it, and an evicted one to no row of its own (TorchRec's miss row)."""
+
+    def __init__(self, table: str, inner: Sink, mch: Any) -> None:
+        from cnr_torchrec.track.managed_collision import McTable
+
+        self.inner, self.shape, self.mc = inner, inner.shape, McTable(table, None, mch)
+        if self.mc.num_rows != self.shape[0] or self.mc.start != 0:
+            raise ConfigError(f"table '{table}': its managed-collision module holds {self.mc.num_rows} slots from row "
+                              f"{self.mc.start}, the table {self.shape[0]} rows; serve an unsharded module")
+
+    def write(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.inner.write(rows, values)
+
+    def write_remapping(self, state: torch.Tensor) -> None:
+        """Rebuilds the module's remapping from ``state`` (int64 ``[rows, len(fields)]``, raw id first)."""
+        self.mc.load_by_row(state)
+
+
 def sinks_of(target: nn.Module | MutableMapping[str, torch.Tensor], table_fqns: Mapping[str, str]) -> dict[str, Sink]:
     """The tables of ``target`` by name.
 
@@ -124,10 +147,19 @@ def sinks_of(target: nn.Module | MutableMapping[str, torch.Tensor], table_fqns: 
 def _module_sinks(model: nn.Module) -> dict[str, Sink]:
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
     from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
     out: dict[str, Sink] = {}
+    remapped: dict[str, Any] = {}
     for name, module in model.named_modules():
-        if isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
+        if isinstance(module, BaseManagedCollisionEmbeddingCollection):
+            for table, mch in module._managed_collision_collection._managed_collision_modules.items():
+                if type(mch) is not MCHManagedCollisionModule:
+                    raise ConfigError(f"table '{table}' is remapped by a {type(mch).__name__}; a follower serves "
+                                      "sort-zch tables (MCHManagedCollisionModule), as the checkpoints hold them")
+                remapped[table] = mch
+        elif isinstance(module, IntNBitTableBatchedEmbeddingBagsCodegen):
             for i, (table, rows, dim, weight_type, *_) in enumerate(module.embedding_specs):
                 out[table] = QuantSink(module, i, rows, dim, weight_type)
         elif isinstance(module, (EmbeddingBagCollection, EmbeddingCollection)):
@@ -141,6 +173,8 @@ def _module_sinks(model: nn.Module) -> dict[str, Sink]:
             raise ConfigError(f"{name or 'the model'} is sharded ({type(module).__name__}); a follower serves an "
                               "unsharded model (build it as TorchRec's inference does, without "
                               "DistributedModelParallel)")
+    for table, mch in remapped.items():
+        out[table] = McSink(table, out[table], mch)
     if not out:
         raise ConfigError(f"{type(model).__name__} holds no EmbeddingBagCollection, EmbeddingCollection or "
                           "quantized embedding tables to serve")

@@ -4,8 +4,10 @@ A delta stores, per table entry, the rows that changed since its parent: whole c
 ``quantization.residual``) residuals that add onto what the chain restored before. Applied to the float
 rows the chain gave until its parent, each changed row becomes what a restore of the delta gives: a whole
 copy replaces the row, a residual is added to it, one rounded float32 add per checkpoint, oldest first,
-as the chain's one rule says (:mod:`~cnr_torchrec.ckpt.format.precedence`). Nothing here writes: the
-changes are staged (:class:`Change`), so that an update that fails part way leaves the served copy whole.
+as the chain's one rule says (:mod:`~cnr_torchrec.ckpt.format.precedence`). A managed-collision table's
+entry also gives its rows' remapping state (raw id and eviction metadata, by row), stored whole.
+Nothing here writes: the changes are staged (:class:`Change`), so that an update that fails part way
+leaves the served copy whole.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ class Change:
     rows: torch.Tensor  # int64 [n], global row ids
     cols: tuple[int, int]
     values: torch.Tensor  # float32 [n, cols[1] - cols[0]]
-    remaps: bool = False  # the entry also moves managed-collision ids (which a follower does not serve yet)
+    mc: torch.Tensor | None = None  # the rows' managed-collision state (int64 [n, len(mc_fields)]), by row
+    mc_fields: tuple[str, ...] = ()
 
 
 def reports_serving(manifest: Manifest, tables: Sequence[str]) -> Sequence[RankReport]:
@@ -97,7 +100,8 @@ def _entry_change(table: str, entry: TableEntry, load: RowReader, rows_before: t
         raise CorruptCheckpointError(f"{where}{list(values.shape)} rows decoded for {n} rows of columns "
                                      f"[{c0}, {c1})", path=file)
     rows = (offsets if offsets is not None else pick) + r0
+    mc = (parts[-1], entry.mc.fields) if entry.mc is not None else (None, ())
     if whole is not True:  # residuals add onto the rows below them; rows marked whole replace theirs
         summed = rows_before[rows, c0:c1] + values
         values = summed if whole is False else torch.where(whole.unsqueeze(1), values, summed)
-    return Change(table, rows, (c0, c1), values, remaps=entry.mc is not None)
+    return Change(table, rows, (c0, c1), values, *mc)
