@@ -396,7 +396,7 @@ def _cmd_publish(args: argparse.Namespace) -> int:
 
     if not args.poll_s > 0:
         raise ConfigError(f"--poll-s {args.poll_s:g}: give a positive number of seconds")
-    with Publisher(args.root, args.out, args.dtype, args.tables, key=_key(args),
+    with Publisher(args.root, args.out, args.dtype, args.tables, key=_key(args), lease=args.lease,
                    storage_options=parse_storage_options(args.storage_option)) as publisher:
         while True:
             try:
@@ -523,6 +523,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tables", nargs="+", metavar="TABLE", help="publish only these tables (default: all)")
     p.add_argument("--dtype", choices=("int8", "int4", "fp16", "fp32"), default="fp32",
                    help="the served rows' type (default fp32)")
+    p.add_argument("--lease", metavar="NAME",
+                   help="write a lease under ROOT/followers/NAME.json after each update: a job whose keep.followers "
+                        "names NAME keeps what this publisher has not read yet")
     p.set_defaults(func=_cmd_publish)
 
     _add_clean_images_parser(sub)

@@ -291,17 +291,30 @@ class KeepConfig:
         bytes: keep the newest checkpoints while what they need, together, fits in this many
             bytes (None: no limit by size). With ``checkpoints`` too, both limits hold.
         chains: also keep every checkpoint of the newest K chains (None: none beyond the above).
+        followers: the names of the followers (``Follower(lease=NAME)``, ``cnr publish --lease NAME``) whose
+            leases keep what they have not read yet: every checkpoint committed from the one a follower
+            serves on, with what their chains need (docs/publish.md).
+        follower_max_age_s: a lease not renewed for this long keeps nothing (a follower that stopped).
     """
 
     checkpoints: int | None = None
     bytes: int | None = None
     chains: int | None = None
+    followers: tuple[str, ...] = ()
+    follower_max_age_s: float = 86400.0
 
     def __post_init__(self) -> None:
+        from cnr_torchrec.ckpt.format.leases import check_name
+
         for name in ("checkpoints", "bytes", "chains"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"keep.{name}: must be at least 1 or null, got {value}")
+        for follower in self.followers:
+            check_name(follower, "keep.followers")
+        if not (math.isfinite(self.follower_max_age_s) and self.follower_max_age_s > 0):
+            raise ConfigError(f"keep.follower_max_age_s: must be a positive number of seconds, got "
+                              f"{self.follower_max_age_s}")
         if self.checkpoints is None and self.bytes is None and self.chains is None:
             raise ConfigError("keep: give checkpoints, bytes or chains (or leave keep out: the newest 2 checkpoints "
                               "are kept)")

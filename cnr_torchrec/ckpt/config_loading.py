@@ -271,7 +271,8 @@ def _required(f: dataclasses.Field) -> bool:
 
 def convert_value(tp: Any, value: Any, where: str) -> Any:
     """``value`` as the annotated type ``tp``: a nested config dataclass (from a mapping, or an instance
-    of it, taken as it is), a Literal, a union, a dict, a bool, int, float or str (an int is taken
+    of it, taken as it is), a Literal, a union, a tuple of one type (from a list), a dict, a bool, int,
+    float or str (an int is taken
     for a float, nothing else is coerced).
 
     Raises:
@@ -306,6 +307,10 @@ def convert_value(tp: Any, value: Any, where: str) -> Any:
         if len(errors) == 1:
             raise ConfigError(errors[0])
         raise ConfigError(f"{where}: expected {' or '.join(_describe(a) for a in args)}, got {value!r}")
+    if origin is tuple and len(typing.get_args(tp)) == 2 and typing.get_args(tp)[1] is Ellipsis:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return tuple(convert_value(typing.get_args(tp)[0], v, f"{where}[{i}]") for i, v in enumerate(value))
     if origin is dict or tp is dict:
         if not isinstance(value, Mapping):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")

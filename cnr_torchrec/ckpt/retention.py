@@ -29,6 +29,7 @@ from cnr_torchrec.ckpt.format.commits import (
     remove_uncommitted,
     write_index,
 )
+from cnr_torchrec.ckpt.format.leases import read_leases
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
@@ -180,7 +181,8 @@ class Retention:
     """Rank 0's catalog, and the retention rule run after each commit.
 
     Saves and compactions commit on threads of their own, so every change goes through
-    one lock. ``pinned()`` names what must stay besides the rule (a compaction's source).
+    one lock. ``pinned()`` names what must stay besides the rule (a compaction's source), and so do the
+    leases of the followers ``keep.followers`` names.
     """
 
     def __init__(self, keep: KeepConfig, pinned: Callable[[], Iterable[int]]) -> None:
@@ -211,8 +213,20 @@ class Retention:
                                 "root: retention keeps by commit, so it keeps this branch and collects the other one "
                                 "as it ages out, and restore() with no step restores this branch", manifest.id,
                                 manifest.step, top)
-                drop = self._catalog.collect(storage, self.keep, pinned=pinned)
+                drop = self._catalog.collect(storage, self.keep, pinned=pinned + self._leased(storage))
             if drop:
                 log.info("garbage-collected checkpoints %s (%s)", drop, self.keep)
         except Exception as e:
             log.warning("after commit: could not update the index or collect garbage: %s: %s", type(e).__name__, e)
+
+    def _leased(self, storage: Storage) -> tuple[int, ...]:
+        """What the followers' leases keep (:mod:`~cnr_torchrec.ckpt.format.leases`): every checkpoint from the
+        oldest one a named follower serves on."""
+        if not self.keep.followers:
+            return ()
+        leases = read_leases(storage, self.keep.followers, self.keep.follower_max_age_s)
+        if not leases:
+            return ()
+        assert self._catalog is not None  # loaded by the commit that asks
+        oldest = min(leases.values())
+        return tuple(i for i in self._catalog.entries if i >= oldest)

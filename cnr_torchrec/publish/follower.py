@@ -2,9 +2,14 @@
 
 :meth:`Follower.poll` looks at the root's newest committed state (the one ``Checkpointer.restore()``
 would take first). If its chain holds the checkpoint the follower serves, the members after it are
-applied one by one, oldest first, each touching only the rows it stores (:mod:`.updates`); otherwise
-(a new baseline, a compaction, the served checkpoint collected by retention, a first poll) the follower
-reloads from that chain whole (:func:`~cnr_torchrec.ckpt.format.tables.assemble_tables`). Every
+applied one by one, oldest first, each touching only the rows it stores (:mod:`.updates`). If it hangs on
+a background merge of the chain served (a compaction that keeps every row's stored bytes), the folded
+chain's members up to the merge's tip are applied, the merge adopted (it restores as its tip, bit for
+bit) and the new chain's members applied. Otherwise (a new baseline, a fold of residuals, the served
+checkpoint collected by retention, a first poll) the follower reloads from that chain whole
+(:func:`~cnr_torchrec.ckpt.format.tables.assemble_tables`). A follower with a ``lease`` writes what it
+serves under the root after each update, which a job's ``keep.followers`` keeps the rest from
+(:mod:`~cnr_torchrec.ckpt.format.leases`). Every
 manifest, part and row goes through the checks a restore makes, and an update is applied whole or
 not at all: its changes are staged first, and the served copy is written only once they all decoded.
 A checkpoint that fails its checks is named and left out: the copy stays at the version before it,
@@ -34,12 +39,13 @@ import xxhash
 from torch import nn
 
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
+from cnr_torchrec.ckpt.format.leases import check_name, write_lease
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
-from cnr_torchrec.errors import CnrError, ConfigError, IncompatibleCheckpointError
+from cnr_torchrec.errors import CheckpointError, CnrError, ConfigError, IncompatibleCheckpointError
 from cnr_torchrec.publish.targets import McSink, Sink, Tables, sinks_of
 from cnr_torchrec.publish.updates import Change, stage_checkpoint
 
@@ -72,8 +78,8 @@ def chain_digest(manifests: Sequence[Manifest], start: str = "") -> str:
 
 @dataclass(frozen=True)
 class Update:
-    """One checkpoint applied: ``how`` is ``"delta"`` (its rows onto the served copy) or ``"reload"`` (the
-    whole chain, with ``why``); ``rows`` the rows written, ``bytes_read`` what a delta read of its parts and
+    """One checkpoint applied: ``how`` is ``"delta"`` (its rows onto the served copy), ``"adopt"`` (a merge
+    equal to the checkpoint served: nothing written) or ``"reload"`` (the whole chain, with ``why``); ``rows`` the rows written, ``bytes_read`` what a delta read of its parts and
     payloads (0 for a reload), ``lag_s`` the time from its commit to served."""
 
     ckpt: int
@@ -96,6 +102,9 @@ class Follower:
         tables: the tables to serve (default: every table the target holds); the others are never read.
         cursor: a file to keep the cursor in, written atomically after each update (None: none).
         key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`).
+        lease: a name to write this follower's lease under in the root after each update
+            (:mod:`~cnr_torchrec.ckpt.format.leases`): a job whose ``keep.followers`` names it keeps every
+            checkpoint from the one served on, so a compaction or retention never makes it reload.
 
     A target may also give its own tables (:class:`~cnr_torchrec.publish.targets.Tables`), as ``cnr publish``'s
     snapshot does.
@@ -106,8 +115,10 @@ class Follower:
 
     def __init__(self, root: str, target: nn.Module | MutableMapping[str, torch.Tensor] | Tables, *,
                  tables: Sequence[str] | None = None, cursor: str | None = None,
-                 storage_options: Mapping[str, Any] | None = None, key: Any = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, key: Any = None,
+                 lease: str | None = None) -> None:
         self._root, self._target, self._cursor_path = normal_root(root), target, cursor
+        self._lease = None if lease is None else check_name(lease, "lease")
         if cursor is not None and os.path.exists(cursor):
             saved = _read_cursor(cursor)
             if saved.root != self._root:
@@ -175,22 +186,23 @@ class Follower:
         trying = newest  # the checkpoint being read: the one named, and never tried again, if it fails
         updates: list[Update] = []
         try:
-            chain = walk_chain(load_manifest(self._storage, newest), lambda i: load_manifest(self._storage, i))
-            ids = [m.id for m in chain]
-            if any(i in self._bad for i in ids):
+            chain = self._chain(newest)
+            if any(m.id in self._bad for m in chain):
                 return []
-            if self.cursor is None or self.cursor.ckpt not in ids:
+            route = self._route(chain)
+            if route is None:
                 return [self._reload(chain, self._why_reload(chain))]
-            at = ids.index(self.cursor.ckpt)
-            if chain_digest(chain[: at + 1]) != self.cursor.digest:
+            below, steps = route
+            assert self.cursor is not None  # a route starts at it
+            if chain_digest(below) != self.cursor.digest:
                 return [self._reload(chain, f"checkpoint {self.cursor.ckpt} of the root is not the one served "
                                             "(its chain's manifests differ from the cursor's digest: the root was "
                                             "rewritten)")]
-            if resumed and (why := self._rebind(chain[at])):
+            if resumed and (why := self._rebind(below[-1])):
                 return [self._reload(chain, why)]
-            for m in chain[at + 1 :]:
+            for how, m in steps:
                 trying = m.id
-                updates.append(self._apply_delta(m))
+                updates.append(self._apply_delta(m) if how == "delta" else self._adopt(m))
             return updates
         except CnrError as e:
             self._bad.add(trying)
@@ -199,15 +211,58 @@ class Follower:
                         f"checkpoint {self.cursor.ckpt}")
             raise
 
+    def _chain(self, ckpt: int) -> list[Manifest]:
+        return walk_chain(load_manifest(self._storage, ckpt), lambda i: load_manifest(self._storage, i))
+
+    def _route(self, chain: list[Manifest]) -> tuple[list[Manifest], list[tuple[str, Manifest]]] | None:
+        """How the served copy reaches ``chain``'s tip from the cursor without a reload: the chain up to the
+        cursor's checkpoint (what the cursor's digest covers), then the steps after it, in commit order: each
+        delta, and a background merge of the chain served (a compaction that keeps every row's stored bytes:
+        it restores as the checkpoint it ``equals``, bit for bit), adopted once the copy is at that checkpoint.
+        None where only a reload reaches the tip, a residual chain's fold included (its sums are stored at 8
+        bits)."""
+        if self.cursor is None:
+            return None
+        at, ids = self.cursor.ckpt, [m.id for m in chain]
+        if at in ids:
+            k = ids.index(at)
+            return chain[: k + 1], [("delta", m) for m in chain[k + 1 :]]
+        base = chain[0]
+        if base.equals is None or base.compacted_from is None or " by cnr compact" in base.reason:
+            return None  # no compaction, or cnr compact's, which may re-encode: the restore is the reference
+        try:
+            folded = self._chain(base.equals)
+        except CheckpointError:  # collected with the chain it folds, or failing: the new chain is reloaded
+            return None
+        below = [m.id for m in folded]
+        if at not in below or dict(base.codec) != dict(folded[-1].codec):
+            return None  # not on the folded chain, or a fold of residuals (8-bit sums, not the tip's rows)
+        k = below.index(at)
+        return folded[: k + 1], [*(("delta", m) for m in folded[k + 1 :]), ("adopt", base),
+                                 *(("delta", m) for m in chain[1:])]
+
+    def _adopt(self, base: Manifest) -> Update:
+        """Serves compacted baseline ``base``, which restores as the checkpoint served: nothing to write."""
+        t0 = time.perf_counter()
+        _check_fits(base, {t: (w.shape[0], w.shape[1]) for t, w in self._served.items()})
+        assert base.compacted_from is not None and base.equals is not None  # as _route chose it
+        span = f"{base.compacted_from[0]}..{base.compacted_from[-1]}"
+        return self._done(base, [base.id], chain_digest([base]), "adopt",
+                          f"a compaction of checkpoints {span}, equal to checkpoint {base.equals}, served", 0, t0)
+
     def _why_reload(self, chain: list[Manifest]) -> str:
         tip, base = chain[-1], chain[0]
         if self.cursor is None:
             return "the first load"
-        if base.compacted_from is not None and self.cursor.ckpt in range(base.compacted_from[0],
-                                                                             base.compacted_from[-1] + 1):
-            return f"a compaction of checkpoints {base.compacted_from[0]}..{base.compacted_from[-1]}"
-        if self.cursor.ckpt not in committed_ids(self._storage):
-            return f"checkpoint {self.cursor.ckpt}, which it served, is gone (collected by retention)"
+        at = self.cursor.ckpt
+        if base.compacted_from is not None:
+            span = f"{base.compacted_from[0]}..{base.compacted_from[-1]}"
+            if at in range(base.compacted_from[0], base.compacted_from[-1] + 1):
+                return f"a compaction of checkpoints {span} ({base.reason})"
+            return (f"checkpoint {at}, which it served, went on beside the compaction of checkpoints {span} into "
+                    f"{base.id}, which the job now goes on from")
+        if at not in committed_ids(self._storage):
+            return f"checkpoint {at}, which it served, is gone (collected by retention)"
         return f"a new baseline, {base.id}, under checkpoint {tip.id}"
 
     def _reload(self, chain: list[Manifest], why: str) -> Update:
@@ -251,6 +306,8 @@ class Follower:
             return "the rows given to resume hold no remapping of the managed-collision tables"
         for t, w in self._served.items():
             live[t].write(torch.arange(w.shape[0]), w)
+        if self._lease is not None:
+            write_lease(self._storage, self._lease, at.id)
         log.info("follower of %s: resumed at checkpoint %d (step %d)", self._root, at.id, at.step)
         return None
 
@@ -271,6 +328,8 @@ class Follower:
         self.cursor = Cursor(self._root, m.id, m.step, tuple(chain), digest)
         if self._cursor_path is not None:
             _write_cursor(self._cursor_path, self.cursor)
+        if self._lease is not None:
+            write_lease(self._storage, self._lease, m.id)
         update = Update(m.id, m.step, how, why, rows, (time.perf_counter() - t0) * 1e3,
                         max(0.0, time.time() - m.created_unix), nbytes)
         log.info("follower of %s: serving checkpoint %d (step %d): %s %s, %d rows in %.1f ms, %.2f s after its "

@@ -88,12 +88,13 @@ class Publisher:
     """
 
     def __init__(self, root: str, out: str, dtype: str = "fp32", tables: Sequence[str] | None = None, *,
-                 storage_options: Mapping[str, Any] | None = None, key: Any = None) -> None:
+                 storage_options: Mapping[str, Any] | None = None, key: Any = None, lease: str | None = None) -> None:
         if os.path.exists(out) and not os.path.isdir(out):
             raise ConfigError(f"--out {out} is a file; give cnr publish a directory (created if missing)")
         os.makedirs(out, exist_ok=True)
         self.out, self.target = os.path.abspath(out), SnapshotTarget(dtype, tables)
-        self.follower = Follower(root, self.target, tables=tables, storage_options=storage_options, key=key)
+        self.follower = Follower(root, self.target, tables=tables, storage_options=storage_options, key=key,
+                                 lease=lease)
         for name in os.listdir(self.out):  # what an interrupted publish left
             if name.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(self.out, name), ignore_errors=True)
