@@ -79,8 +79,9 @@ def chain_digest(manifests: Sequence[Manifest], start: str = "") -> str:
 @dataclass(frozen=True)
 class Update:
     """One checkpoint applied: ``how`` is ``"delta"`` (its rows onto the served copy), ``"adopt"`` (a merge
-    equal to the checkpoint served: nothing written) or ``"reload"`` (the whole chain, with ``why``); ``rows`` the rows written, ``bytes_read`` what a delta read of its parts and
-    payloads (0 for a reload), ``lag_s`` the time from its commit to served."""
+    equal to the checkpoint served: nothing written) or ``"reload"`` (the whole chain), with ``why``;
+    ``rows`` the rows written, ``bytes_read`` what a delta read of its parts and payloads (0 for a reload),
+    ``lag_s`` the time from its commit to served."""
 
     ckpt: int
     step: int
