@@ -72,11 +72,18 @@ def show(snapshot, root):
 
 def restored_tables(root):
     """Each table of the newest checkpoint under ``root`` as a sharded model's restore gives it (on 1 rank)."""
+    return restored(root)[0]
+
+
+def restored(root):
+    """The newest checkpoint under ``root`` as a sharded model's restore gives it (on 1 rank): its tables by name,
+    and its dense parameters and buffers by the model's state_dict names."""
     from cnr_torchrec import Checkpointer
 
     dmp, opt = build_dmp(specs(), seed=5)
     with Checkpointer(dmp, config(root), dense_optimizer=opt) as ck:
         ck.restore()
+    dense = {k: v.detach().clone() for k, v in dmp.state_dict().items() if k.startswith("dense.")}
     tracker = dmp.dirty_tracker
     out = {}
     for t in tracker.tables():
@@ -87,7 +94,7 @@ def restored_tables(root):
         for k, s in shards:  # a column-wise table is several shards, on one rank too
             whole[s.rows[0] : s.rows[1], s.cols[0] : s.cols[1]] = k.tbe.split_embedding_weights()[s.local_index]
         out[t] = whole
-    return out
+    return out, dense
 
 
 def served(model):
@@ -104,9 +111,12 @@ def serving_model():
 
 
 def assert_serves(model, root):
-    """Every table ``model`` serves equals the restore of the newest checkpoint under ``root``."""
-    want = restored_tables(root)
+    """Every table ``model`` serves, and its dense layer, equal the restore of the newest checkpoint under
+    ``root``."""
+    want, dense = restored(root)
     got = served(model)
     assert set(got) <= set(want)
     for t in got:
         assert torch.equal(got[t], want[t]), (t, float((got[t] - want[t]).abs().max()))
+    mine = {k: v for k, v in model.state_dict().items() if k.startswith("dense.")}
+    assert mine.keys() == dense.keys() and all(torch.equal(mine[k], dense[k]) for k in dense)

@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from _publish_job import restored_tables, show
+from _publish_job import restored, show
 
 
 @pytest.fixture
@@ -34,12 +34,11 @@ def _model_pt(out):
     return torch.load(os.path.join(out, "current", "model.pt"), weights_only=True)
 
 
-def _by_table(state):
-    return {name.split(".")[-2]: w for name, w in state.items()}  # "ebc.embedding_bags.t0.weight" -> t0
-
-
 def _assert_published(out, root, dtype="fp32"):
-    want, got = restored_tables(root), _by_table(_model_pt(out))
+    """OUT/current/model.pt holds the restore's tables in ``dtype`` and its dense layer as restored."""
+    (want, dense), state = restored(root), _model_pt(out)
+    assert all(torch.equal(state[k], v) for k, v in dense.items())
+    got = {name.split(".")[-2]: w for name, w in state.items() if ".embedding" in name}  # ebc.embedding_bags.t0.weight
     assert set(got) == set(want)
     for t, w in want.items():
         if dtype == "int8":

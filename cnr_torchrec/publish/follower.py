@@ -41,13 +41,14 @@ from torch import nn
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.leases import check_name, write_lease
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointError, CnrError, ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.publish.targets import McSink, Sink, Tables, sinks_of
-from cnr_torchrec.publish.updates import Change, stage_checkpoint
+from cnr_torchrec.publish.targets import Dense, McSink, Sink, Tables, dense_of, sinks_of
+from cnr_torchrec.publish.updates import Change, read_dense, stage_checkpoint
 
 __all__ = ["Cursor", "Follower", "Update", "chain_digest"]
 
@@ -129,6 +130,7 @@ class Follower:
         self._only = None if tables is None else list(tables)
         self._served: dict[str, torch.Tensor] = {}  # float32 rows of the served tables, as the chain gave them
         self._remapping: dict[str, torch.Tensor] = {}  # managed-collision tables' state by row (raw id first)
+        self._dense = Dense({})  # the target's dense parameters and buffers, bound with its tables
         self._live: dict[str, Sink] = {}  # the target's own tables
         self.cursor: Cursor | None = None
         self._bad: set[int] = set()  # checkpoints that failed their checks: never applied
@@ -273,11 +275,14 @@ class Follower:
         tables = assemble_tables(self._storage, chain, tables=sorted(live))
         remapping = {t: mc for t in live if (mc := tables[t].mc) is not None}
         _check_remapped(tip, live, {t: tables[t].mc_fields for t in remapping}, whole=True)
+        dense = read_dense(RowReader(self._storage, tip.ranks[0].payload), tip.ranks[0], self._dense.names)
+        self._dense.check(dense, f"checkpoint {tip.id}")
         served = {t: tables[t].weights for t in live}
         for t, w in served.items():
             live[t].write(torch.arange(w.shape[0]), w)
         for t, state in remapping.items():
             cast(McSink, live[t]).write_remapping(state)
+        self._dense.write(dense)
         self._served, self._live, self._remapping = served, live, remapping
         return self._done(tip, [m.id for m in chain], chain_digest(chain), "reload", why,
                           sum(w.shape[0] for w in served.values()), t0)
@@ -286,9 +291,12 @@ class Follower:
         t0 = time.perf_counter()
         _check_fits(m, {t: (w.shape[0], w.shape[1]) for t, w in self._served.items()})
         stats: dict[str, float] = {}
-        changes = stage_checkpoint(self._storage, m, self._served, stats)  # nothing written until every row decoded
+        staged = stage_checkpoint(self._storage, m, self._served, self._dense.names, stats)  # nothing written yet
+        changes = staged.changes
         _check_remapped(m, self._live, {c.table: c.mc_fields for c in changes if c.mc is not None}, whole=False)
+        self._dense.check(staged.dense, f"checkpoint {m.id}")
         _write(changes, self._served, self._remapping, self._live)
+        self._dense.write(staged.dense)
         assert self.cursor is not None  # a delta follows what is served
         chain = (*self.cursor.chain, m.id)
         return self._done(m, list(chain), chain_digest([m], self.cursor.digest), "delta", f"on checkpoint {m.parent}",
@@ -322,6 +330,7 @@ class Follower:
             raise ConfigError(f"the target holds no table {missing} (it holds {sorted(found)})")
         live = {t: found[t] for t in wanted}
         _check_fits(tip, {t: sink.shape for t, sink in live.items()})
+        self._dense = dense_of(target, tip.table_fqns)
         return live
 
     def _done(self, m: Manifest, chain: list[int], digest: str, how: str, why: str, rows: int, t0: float,

@@ -2,11 +2,13 @@
 
 ``DIR/current`` is a symbolic link to the directory of the checkpoint served, ``DIR/v<id>/``, which holds:
 
-- ``model.pt``: ``torch.save`` of ``{weight name: tensor}`` by the training model's names (``table_fqns``):
-  float32 or float16 rows, or for int8 and int4 uint8 rows in FBGEMM's fused row-wise layout (each row its
-  codes, then its fp16 scale and bias: ``torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(t, bits)``
-  reads it back), each row quantized by ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` as TorchRec's
-  inference conversion quantizes a table;
+- ``model.pt``: ``torch.save`` of ``{name: tensor}`` by the training model's names: each table's weight
+  (``table_fqns``) as float32 or float16 rows, or for int8 and int4 uint8 rows in FBGEMM's fused row-wise
+  layout (each row its codes, then its fp16 scale and bias:
+  ``torch.ops.fbgemm.FusedNBitRowwiseQuantizedSBHalfToFloat(t, bits)`` reads it back), each row quantized by
+  ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf`` as TorchRec's inference conversion quantizes a table;
+  and the dense parameters and buffers as the checkpoint stores them (unquantized), as ``cnr export`` names
+  them;
 - ``rows.pt`` (int8, int4 and fp16 only; fp32's are ``model.pt``'s): the follower's float32 rows by table,
   which a restarted ``cnr publish`` resumes from;
 - ``cursor.json``: the follower's cursor, the dtype, the tables, and each file's xxh3-128.
@@ -55,6 +57,7 @@ class SnapshotTarget:
         self.dtype, self._only = dtype, None if tables is None else list(tables)
         self.tensors: dict[str, torch.Tensor] = {}
         self.names: dict[str, str] = {}
+        self.dense: dict[str, torch.Tensor] = {}
 
     def sinks(self, tip: Manifest) -> dict[str, Sink]:
         """A sink per table of ``tip`` served (a tensor kept where its shape is unchanged)."""
@@ -75,8 +78,12 @@ class SnapshotTarget:
                 out[t] = sink
         return out
 
+    def write_dense(self, values: Mapping[str, torch.Tensor]) -> None:
+        self.dense = dict(values)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return {self.names[t]: w for t, w in sorted(self.tensors.items())}
+        """The served tables by their weights' names, and the dense parameters and buffers as stored."""
+        return {**self.dense, **{self.names[t]: w for t, w in sorted(self.tensors.items())}}
 
 
 class Publisher:
@@ -128,7 +135,7 @@ class Publisher:
         rows = torch.load(os.path.join(version, rows_file), weights_only=True)
         if dtype == "fp32":
             by_name = {v: k for k, v in doc["names"].items()}
-            rows = {by_name[n]: w for n, w in rows.items()}
+            rows = {by_name[n]: w for n, w in rows.items() if n in by_name}  # the tables, not the dense state
         self.follower.resume(cursor, rows)
 
     def step(self) -> list[Update]:

@@ -24,7 +24,7 @@ from torch import nn
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["FloatSink", "FusedSink", "McSink", "QuantSink", "Sink", "Tables", "sinks_of"]
+__all__ = ["Dense", "FloatSink", "FusedSink", "McSink", "QuantSink", "Sink", "Tables", "dense_of", "sinks_of"]
 
 
 class Sink(Protocol):
@@ -42,6 +42,9 @@ class Tables(Protocol):
 
     def sinks(self, tip: Manifest) -> dict[str, Sink]:
         """A sink per table of ``tip`` the target holds."""
+
+    def write_dense(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Takes every dense parameter and buffer a checkpoint stores, by name."""
 
 
 class FloatSink:
@@ -125,6 +128,46 @@ class McSink:
     def write_remapping(self, state: torch.Tensor) -> None:
         """Rebuilds the module's remapping from ``state`` (int64 ``[rows, len(fields)]``, raw id first)."""
         self.mc.load_by_row(state)
+
+
+class Dense:
+    """The dense parameters and buffers a target serves, by the training model's names: ``tensors`` (written in
+    place), or, where None, every one a checkpoint stores, handed to ``take``."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor] | None, take: Any = None) -> None:
+        self.tensors, self.take = tensors, take
+
+    @property
+    def names(self) -> list[str] | None:
+        return None if self.tensors is None else sorted(self.tensors)
+
+    def check(self, values: Mapping[str, torch.Tensor], where: str) -> None:
+        """Raises IncompatibleCheckpointError for a value of another shape than the target's tensor."""
+        from cnr_torchrec.errors import IncompatibleCheckpointError
+
+        for name, v in values.items():
+            have = None if self.tensors is None else self.tensors[name]
+            if have is not None and tuple(have.shape) != tuple(v.shape):
+                raise IncompatibleCheckpointError(f"{where} holds dense {name!r} as {list(v.shape)}, the target as "
+                                                  f"{list(have.shape)}: the root is another model's")
+
+    def write(self, values: Mapping[str, torch.Tensor]) -> None:
+        if self.tensors is None:
+            self.take(values)
+            return
+        with torch.no_grad():
+            for name, v in values.items():
+                self.tensors[name].copy_(v)
+
+
+def dense_of(target: nn.Module | Mapping[str, torch.Tensor] | Tables, table_fqns: Mapping[str, str]) -> Dense:
+    """What of a checkpoint's dense state ``target`` serves: a module's parameters and buffers by their
+    state_dict names, a state_dict's tensors other than the tables, or all of it for a :class:`Tables`."""
+    if isinstance(target, Tables):
+        return Dense(None, target.write_dense)
+    tables = set(table_fqns.values())
+    tensors = target.state_dict(keep_vars=True) if isinstance(target, nn.Module) else target
+    return Dense({name: t for name, t in tensors.items() if name not in tables and isinstance(t, torch.Tensor)})
 
 
 def sinks_of(target: nn.Module | MutableMapping[str, torch.Tensor], table_fqns: Mapping[str, str]) -> dict[str, Sink]:

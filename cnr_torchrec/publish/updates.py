@@ -26,7 +26,7 @@ from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import EncodingFormatError, decode, rebuild
 
-__all__ = ["Change", "reports_serving", "stage_checkpoint"]
+__all__ = ["Change", "Staged", "read_dense", "reports_serving", "stage_checkpoint"]
 
 
 @dataclass(frozen=True)
@@ -51,9 +51,18 @@ def reports_serving(manifest: Manifest, tables: Sequence[str]) -> Sequence[RankR
     return reports_for(manifest, len(manifest.summaries), whole, any(t not in sharded for t in tables))
 
 
+@dataclass(frozen=True)
+class Staged:
+    """What one checkpoint changes: the served tables' rows, and the dense tensors it stores, by name."""
+
+    changes: list[Change]
+    dense: dict[str, torch.Tensor]
+
+
 def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, torch.Tensor],
-                     stats: dict[str, float] | None = None) -> list[Change]:
-    """The changes checkpoint ``manifest`` (a delta on what ``served`` holds) makes to the served tables.
+                     dense: Sequence[str] | None = (), stats: dict[str, float] | None = None) -> Staged:
+    """What checkpoint ``manifest`` (a delta on what ``served`` holds) changes of the served tables, and its
+    dense parameters and buffers ``dense`` (stored whole in rank 0's part in every checkpoint; None: all).
 
     Args:
         served: each served table's float32 rows as the chain gave them up to the delta's parent (read only).
@@ -64,10 +73,16 @@ def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, 
         CorruptCheckpointError: a part or row fails its checks, or rows do not decode (names the file).
     """
     out = []
-    for report in reports_serving(manifest, sorted(served)):
+    reports = list(reports_serving(manifest, sorted(served)))
+    if (dense is None or dense) and all(r.rank != 0 for r in reports):
+        reports.insert(0, manifest.ranks[0])
+    values: dict[str, torch.Tensor] = {}
+    for report in reports:
         load = RowReader(storage, report.payload, stats)
         if stats is not None and manifest.version >= 7:
             stats["part_bytes"] = stats.get("part_bytes", 0) + manifest.body["parts"][report.rank]["nbytes"]
+        if report.rank == 0:
+            values = read_dense(load, report, dense)
         for table, blob in report.replicated_tables.items():
             if table in served:
                 whole = load(blob).float()
@@ -75,7 +90,7 @@ def stage_checkpoint(storage: Storage, manifest: Manifest, served: Mapping[str, 
         for table, entries in report.tables.items():
             if table in served:
                 out += [c for e in entries if (c := _entry_change(table, e, load, served[table], report.file))]
-    return out
+    return Staged(out, values)
 
 
 def _entry_change(table: str, entry: TableEntry, load: RowReader, rows_before: torch.Tensor,
@@ -105,3 +120,10 @@ def _entry_change(table: str, entry: TableEntry, load: RowReader, rows_before: t
         summed = rows_before[rows, c0:c1] + values
         values = summed if whole is False else torch.where(whole.unsqueeze(1), values, summed)
     return Change(table, rows, (c0, c1), values, *mc)
+
+
+
+def read_dense(load: RowReader, first: RankReport, names: Sequence[str] | None) -> dict[str, torch.Tensor]:
+    """The dense tensors ``names`` (None: all) that rank 0's part ``first`` stores, by name, read by ``load``."""
+    stored = first.dense if names is None else [name for name in names if name in first.dense]
+    return {name: load(first.dense[name]).clone() for name in stored}
