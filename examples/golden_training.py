@@ -62,20 +62,26 @@ BATCH_SIZE = 64
 LEARNING_RATE = 0.1
 
 
-def build_model(device: torch.device) -> tuple[CheckNRunDMP, KeyedOptimizerWrapper]:
-    """The sharded DLRMTrain (its tables updated in the backward by row-wise Adagrad) and its dense optimizer."""
+def dlrm_train(tables_device: torch.device, device: torch.device) -> DLRMTrain:
+    """The program's DLRMTrain, unsharded: its tables on ``tables_device`` (``meta`` for DMP, which allocates
+    the shards), the dense layers on ``device``."""
     tables = [
         EmbeddingBagConfig(name=f"t_{feature}", embedding_dim=DIM, num_embeddings=rows, feature_names=[feature])
         for feature, rows in zip(FEATURES, TABLE_ROWS)
     ]
     dlrm = DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=torch.device("meta")),
+        embedding_bag_collection=EmbeddingBagCollection(tables=tables, device=tables_device),
         dense_in_features=NUM_DENSE,
         dense_arch_layer_sizes=[32, DIM],
         over_arch_layer_sizes=[32, 1],
         dense_device=device,
     )
-    train_model = DLRMTrain(dlrm)
+    return DLRMTrain(dlrm)
+
+
+def build_model(device: torch.device) -> tuple[CheckNRunDMP, KeyedOptimizerWrapper]:
+    """The sharded DLRMTrain (its tables updated in the backward by row-wise Adagrad) and its dense optimizer."""
+    train_model = dlrm_train(torch.device("meta"), device)
     # FBGEMM runs it on CPU as EXACT_ROWWISE_ADAGRAD, fused into the tables' backward.
     apply_optimizer_in_backward(RowWiseAdagrad, train_model.model.sparse_arch.parameters(), {"lr": LEARNING_RATE})
     model = CheckNRunDMP(module=train_model, device=device, sharders=[EmbeddingBagCollectionSharder()])
@@ -98,6 +104,11 @@ def dataset(seed: int) -> RandomRecDataset:
         manual_seed=seed,
         num_generated_batches=-1,
     )
+
+
+def eval_seed(seed: int) -> int:
+    """The held-out stream's seed of rank 0 (rank r reads ``eval_seed(seed) + r``)."""
+    return 10_000 * (seed + 1)
 
 
 @torch.no_grad()
@@ -190,7 +201,7 @@ def main() -> None:
                     print(f"step {step}: loss {float(loss):.4f}, save: {what}", flush=True)
         pipeline.detach()  # the model's own forward again, for the eval
 
-    loss = eval_loss(model, seed=10_000 * (args.seed + 1), batches=args.eval_batches)
+    loss = eval_loss(model, seed=eval_seed(args.seed), batches=args.eval_batches)
     state = {"model": model.state_dict(), "fused_optimizer": model.fused_optimizer.state_dict(),
              "dense_optimizer": dense_optimizer.state_dict()}
     every_rank: list[Any] = [None] * dist.get_world_size()
