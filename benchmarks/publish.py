@@ -62,7 +62,8 @@ def int8_row_bytes(dim: int) -> int:
     return -(-(dim + 4) // 16) * 16
 
 
-def run_cell(dmp, ref, opt, specs, size: float, frac: float, args, rank: int, world: int) -> dict | None:
+def run_cell(dmp, ref, opt, specs, size: float, frac: float, args, rank: int, world: int,
+             with_int8: bool) -> dict | None:
     root = os.path.join(args.out_dir, f"x{size:g}-d{frac:g}")
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -77,18 +78,20 @@ def run_cell(dmp, ref, opt, specs, size: float, frac: float, args, rank: int, wo
             train_interval(dmp, opt, specs, frac, k, pooling, args, rank, world)
             info = ck.save(k + 1).wait()
             dist.barrier()
-            if rank == 0 and float_f is None:  # the first checkpoint: both followers load it
+            if rank == 0 and float_f is None:  # the first checkpoint: the followers load it
                 target = {n: torch.zeros(s.rows, DIM) for s, n in zip(specs, _fqns(root, specs))}
-                quant = quantize_inference_model(ToyModel(specs, device="cpu"))
-                float_f, int8_f = Follower(root, target), Follower(root, quant)
+                float_f = Follower(root, target)
                 out["first_load_ms"] = float_f.poll()[0].apply_ms
-                int8_f.poll()
+                if with_int8:
+                    quant = quantize_inference_model(ToyModel(specs, device="cpu"))
+                    int8_f = Follower(root, quant)
+                    int8_f.poll()
                 continue
             if k == 0:
                 continue
             cell = _delta(float_f, int8_f, target, specs, root, info) if rank == 0 else {}
             restorer.restore()  # the reference: the trainer's restore of the same checkpoint, on every rank
-            cell.update(_errors(float_f, quant, ref, specs, rank))
+            cell.update(_errors(float_f, quant, ref, specs, rank, with_int8))
             if rank == 0:
                 out["deltas"].append(cell)
     for f in (float_f, int8_f):
@@ -101,20 +104,20 @@ def run_cell(dmp, ref, opt, specs, size: float, frac: float, args, rank: int, wo
         return None
     int8 = sum(s.rows * int8_row_bytes(DIM) for s in specs)
     med = {k: statistics.median(d[k] for d in out["deltas"]) for k in out["deltas"][0] if k != "ckpt"}
-    worst = {k: max(d[k] for d in out["deltas"]) for k in ("float_max_error", "int8_max_error", "int8_bytes_differing")}
-    out.update(median=med, worst=worst, int8_publish_bytes=int8, int8_over_read=int8 / med["bytes_read"],
-               apply_over_export=med["apply_ms"] / med["export_reload_ms"],
-               int8_apply_over_quantize=med["int8_apply_ms"] / med["quantize_ms"],
+    errors = [k for k in ("float_max_error", "int8_max_error", "int8_bytes_differing") if k in out["deltas"][0]]
+    out.update(median=med, worst={k: max(d[k] for d in out["deltas"]) for k in errors}, int8_publish_bytes=int8,
+               int8_over_read=int8 / med["bytes_read"], apply_over_export=med["apply_ms"] / med["export_reload_ms"],
                read_over_checkpoint=med["bytes_read"] / med["checkpoint_bytes"])
+    if with_int8:
+        out["int8_apply_over_quantize"] = med["int8_apply_ms"] / med["quantize_ms"]
     return out
 
 
-def _delta(float_f: Follower, int8_f: Follower, target: dict, specs, root: str, info) -> dict:
-    """Rank 0: both followers poll the delta just committed; the peers (a full export and reload, and
+def _delta(float_f: Follower, int8_f: Follower | None, target: dict, specs, root: str, info) -> dict:
+    """Rank 0: the followers poll the delta just committed; the peers (a full export and reload, and
     TorchRec's quantize_inference_model of a model holding the restored rows) are timed beside them."""
     (update,) = float_f.poll()
-    (int8_update,) = int8_f.poll()
-    assert update.how == int8_update.how == "delta", (update, int8_update)
+    assert update.how == "delta", update
     storage = Storage(root)
     t0 = time.perf_counter()
     full = export_state_dict(storage, info.id)
@@ -122,6 +125,12 @@ def _delta(float_f: Follower, int8_f: Follower, target: dict, specs, root: str, 
         t.copy_(full[name])
     peer_ms = (time.perf_counter() - t0) * 1e3
     storage.close()
+    cell = {"ckpt": update.ckpt, "bytes_read": update.bytes_read, "rows": update.rows, "apply_ms": update.apply_ms,
+            "lag_s": update.lag_s, "export_reload_ms": peer_ms, "checkpoint_bytes": info.nbytes}
+    if int8_f is None:
+        return cell
+    (int8_update,) = int8_f.poll()
+    assert int8_update.how == "delta", int8_update
     model = ToyModel(specs, device="cpu")
     with torch.no_grad():
         for name, w in model.state_dict(keep_vars=True).items():
@@ -130,12 +139,10 @@ def _delta(float_f: Follower, int8_f: Follower, target: dict, specs, root: str, 
     t0 = time.perf_counter()
     quantize_inference_model(model)
     quantize_ms = (time.perf_counter() - t0) * 1e3
-    return {"ckpt": update.ckpt, "bytes_read": update.bytes_read, "rows": update.rows, "apply_ms": update.apply_ms,
-            "lag_s": update.lag_s, "export_reload_ms": peer_ms, "checkpoint_bytes": info.nbytes,
-            "int8_apply_ms": int8_update.apply_ms, "quantize_ms": quantize_ms}
+    return cell | {"int8_apply_ms": int8_update.apply_ms, "quantize_ms": quantize_ms}
 
 
-def _errors(float_f: Follower | None, quant, ref, specs, rank: int) -> dict:
+def _errors(float_f: Follower | None, quant, ref, specs, rank: int, with_int8: bool) -> dict:
     """Every rank: the served rows (broadcast by rank 0) against its shards of the trainer's restore: the float
     copy's largest difference, the int8 rows' bytes that differ from FBGEMM's row-wise quantizer run on the
     restored rows (the conversion TorchRec's quantize_inference_model makes), and their largest error."""
@@ -144,7 +151,7 @@ def _errors(float_f: Follower | None, quant, ref, specs, rank: int) -> dict:
     from cnr_torchrec.publish.targets import quantize_rows
 
     int8_rows = {}
-    if rank == 0:
+    if rank == 0 and with_int8:
         for m in quant.modules():
             if isinstance(m, IntNBitTableBatchedEmbeddingBagsCodegen):
                 for (t, *_), (w, _) in zip(m.embedding_specs, m.split_embedding_weights(split_scale_shifts=False)):
@@ -153,14 +160,17 @@ def _errors(float_f: Follower | None, quant, ref, specs, rank: int) -> dict:
     tracker = ref.dirty_tracker
     for s in specs:
         served = float_f.served_rows[s.name].contiguous() if rank == 0 else torch.empty(s.rows, DIM)
-        held = int8_rows[s.name].contiguous() if rank == 0 else torch.empty(s.rows, int8_row_bytes(DIM),
-                                                                              dtype=torch.uint8)
         dist.broadcast(served, 0)
-        dist.broadcast(held, 0)
+        if with_int8:
+            held = int8_rows[s.name].contiguous() if rank == 0 else torch.empty(s.rows, int8_row_bytes(DIM),
+                                                                                  dtype=torch.uint8)
+            dist.broadcast(held, 0)
         for kernel, shard in tracker.shards(s.name):
             (r0, r1), (c0, c1) = shard.rows, shard.cols
             restored = kernel.tbe.split_embedding_weights()[shard.local_index].detach()
             worst[0] = max(worst[0], float((served[r0:r1, c0:c1] - restored).abs().max()))
+            if not with_int8:
+                continue
             fused = quantize_rows(restored.float(), 8)  # codes, then the fp16 scale and bias
             mine = held[r0:r1]
             differ = int((mine[:, 4 : 4 + DIM] != fused[:, :DIM]).sum() + (mine[:, :4] != fused[:, DIM:]).sum())
@@ -169,8 +179,27 @@ def _errors(float_f: Follower | None, quant, ref, specs, rank: int) -> dict:
             worst[2] += differ
     dist.all_reduce(worst[:2], op=dist.ReduceOp.MAX)
     dist.all_reduce(worst[2:])
+    if not with_int8:
+        return {"float_max_error": float(worst[0])}
     return {"float_max_error": float(worst[0]), "int8_max_error": float(worst[1]),
             "int8_bytes_differing": int(worst[2])}
+
+
+def _summary(cell: dict, rows: int) -> str:
+    m, worst = cell["median"], cell["worst"]
+    line = (f"x{cell['size']:g} ({TABLES * rows * DIM * 4 / 1e6:.0f} MB of float tables), dirty {cell['dirty']:g}: a "
+            f"delta read {m['bytes_read'] / 1e6:.2f} MB ({cell['read_over_checkpoint']:.2f}x its checkpoint's "
+            f"{m['checkpoint_bytes'] / 1e6:.2f} MB), wrote {m['rows']:,.0f} rows in {m['apply_ms']:.0f} ms "
+            f"({cell['apply_over_export']:.3f}x the {m['export_reload_ms']:.0f} ms of a full export and reload), "
+            f"served {m['lag_s']:.2f} s after its commit; a full int8 publish is "
+            f"{cell['int8_publish_bytes'] / 1e6:.1f} MB, {cell['int8_over_read']:.1f}x the delta's bytes. Against the "
+            f"trainer's restore, worst of the deltas: float rows off by {worst['float_max_error']:g}")
+    if "int8_apply_ms" in m:
+        line += (f". int8 target: {m['int8_apply_ms']:.0f} ms ({cell['int8_apply_over_quantize']:.3f}x the "
+                 f"{m['quantize_ms']:.0f} ms of quantize_inference_model on the restored model); its rows "
+                 f"{worst['int8_bytes_differing']} bytes from FBGEMM's quantizer on the restored rows, off by "
+                 f"{worst['int8_max_error']:.3g}")
+    return line
 
 
 def _fqns(root: str, specs) -> list[str]:
@@ -189,6 +218,9 @@ def main() -> None:
     p.add_argument("--sizes", type=lambda v: [float(x) for x in v.split(",")], default=[1.0])
     p.add_argument("--dirty", type=lambda v: [float(x) for x in v.split(",")], default=[0.01, 0.1, 0.27])
     p.add_argument("--deltas", type=int, default=3)
+    p.add_argument("--int8-sizes", type=lambda v: [float(x) for x in v.split(",")], default=[1.0],
+                   help="the sizes at which an int8 follower and its peer run too (default 1: at 10x the machine's "
+                        "24 GB do not hold both followers, the peers and two sharded models)")
     p.add_argument("--steps-per-interval", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=2048, help="per rank")
     p.add_argument("--min-pooling", type=int, default=1)
@@ -208,22 +240,10 @@ def main() -> None:
         dmp, opt = build(specs, world)
         ref, _ = build(specs, world)  # the trainer's restore of each checkpoint goes here
         for frac in args.dirty:
-            cell = run_cell(dmp, ref, opt, specs, size, frac, args, rank, world)
+            cell = run_cell(dmp, ref, opt, specs, size, frac, args, rank, world, size in args.int8_sizes)
             if cell is not None:
                 cells.append(cell)
-                m = cell["median"]
-                print(f"x{size:g} ({TABLES * rows * DIM * 4 / 1e6:.0f} MB of float tables), dirty {frac:g}: a delta "
-                      f"read {m['bytes_read'] / 1e6:.2f} MB ({cell['read_over_checkpoint']:.2f}x its checkpoint's "
-                      f"{m['checkpoint_bytes'] / 1e6:.2f} MB), wrote {m['rows']:,.0f} rows in {m['apply_ms']:.0f} ms "
-                      f"({cell['apply_over_export']:.3f}x the {m['export_reload_ms']:.0f} ms of a full export and "
-                      f"reload), served {m['lag_s']:.2f} s after its commit; a full int8 publish is "
-                      f"{cell['int8_publish_bytes'] / 1e6:.1f} MB, {cell['int8_over_read']:.1f}x the delta's bytes. "
-                      f"int8 target: {m['int8_apply_ms']:.0f} ms ({cell['int8_apply_over_quantize']:.3f}x the "
-                      f"{m['quantize_ms']:.0f} ms of quantize_inference_model on the restored model). Against the "
-                      f"trainer's restore, worst of the deltas: float rows off by "
-                      f"{cell['worst']['float_max_error']:g}; "
-                      f"int8 rows {cell['worst']['int8_bytes_differing']} bytes from FBGEMM's quantizer, off by "
-                      f"{cell['worst']['int8_max_error']:.3g}", flush=True)
+                print(_summary(cell, rows), flush=True)
         del dmp, ref, opt
     if rank == 0 and args.json:
         with open(args.json, "w") as f:

@@ -92,8 +92,9 @@ def tables_of(model: str) -> dict[str, Table]:
     return {t.name: t for t in MODELS[model]}
 
 
-def make_model(model: str) -> torch.nn.Module:
-    """The unsharded TorchRec test model (embedding tables on meta; sharding materialises them)."""
+def make_model(model: str, sparse_device: str = "meta") -> torch.nn.Module:
+    """The unsharded TorchRec test model (embedding tables on meta, which sharding materialises, unless
+    ``sparse_device`` says otherwise)."""
     from torchrec.distributed.test_utils.test_model import TestMixedEmbeddingSparseArch, TestSparseNN
 
     tables = MODELS[model]
@@ -103,7 +104,7 @@ def make_model(model: str) -> torch.nn.Module:
             weighted_tables=[t.config() for t in tables if t.kind == "weighted"],
             num_float_features=NUM_FLOAT,
             dense_device=torch.device("cpu"),
-            sparse_device=torch.device("meta"),
+            sparse_device=torch.device(sparse_device),
         )
     return TestMixedEmbeddingSparseArch(
         tables=[t.config() for t in tables], num_float_features=NUM_FLOAT, dense_device=torch.device("cpu"),
