@@ -41,9 +41,12 @@ from cnr_torchrec.errors import (
     UnsupportedStackError,
 )
 from cnr_torchrec.track import DirtyRowTracker
+from cnr_torchrec.transfer import vocabulary_remap, warm_start
 
 __all__ = [
     "CheckNRunDMP",
+    "warm_start",
+    "vocabulary_remap",
     "Checkpointer",
     "CheckpointConfig",
     "CheckpointInfo",

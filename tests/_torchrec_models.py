@@ -139,8 +139,9 @@ def _generator(sharding: str, world_size: int, placed: int, dim: int):
     raise ValueError(sharding)
 
 
-def build_plan(module: torch.nn.Module, model: str, plan: str, world_size: int):
-    """A ShardingPlan for every EBC/EC inside ``module``, honouring each table's sharding type in ``plan``."""
+def build_plan(module: torch.nn.Module, model: str, plan: str, world_size: int, kinds: dict[str, str] | None = None):
+    """A ShardingPlan for every EBC/EC inside ``module``, honouring each table's sharding type in ``plan``
+    (or in ``kinds``, by table name, for a module of other tables)."""
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan
     from torchrec.distributed.types import ShardingPlan
@@ -150,23 +151,25 @@ def build_plan(module: torch.nn.Module, model: str, plan: str, world_size: int):
     out = {}
     for fqn, sub in module.named_modules():
         if isinstance(sub, EmbeddingBagCollection):
-            names, sharder = [c.name for c in sub.embedding_bag_configs()], ebc_sharder
+            configs, sharder = sub.embedding_bag_configs(), ebc_sharder
         elif isinstance(sub, EmbeddingCollection):
-            names, sharder = [c.name for c in sub.embedding_configs()], ec_sharder
+            configs, sharder = sub.embedding_configs(), ec_sharder
         else:
             continue
+        names = [c.name for c in configs]
+        kind_of = {n: kinds[n] if kinds is not None else by_name[n].plans.get(plan, "table_wise") for n in names}
         placed: dict[str, int] = {}
         gens = {}
-        for n in names:
-            kind = by_name[n].plans.get(plan, "table_wise")  # a plan that does not name a table: table_wise
-            gens[n] = _generator(kind, world_size, placed.get(kind, 0), by_name[n].dim)
+        for c in configs:  # a plan that does not name a table: table_wise
+            kind = kind_of[c.name]
+            gens[c.name] = _generator(kind, world_size, placed.get(kind, 0), c.embedding_dim)
             placed[kind] = placed.get(kind, 0) + 1
         module_plan = construct_module_sharding_plan(
             sub, per_param_sharding=gens, local_size=world_size, world_size=world_size, device_type="cpu",
             sharder=sharder,
         )
         for n in names:
-            if by_name[n].plans.get(plan) == "table_row_wise":  # table_row_wise() takes no compute_kernel
+            if kind_of[n] == "table_row_wise":  # table_row_wise() takes no compute_kernel
                 module_plan[n].compute_kernel = "fused"
         out[fqn] = module_plan
     return ShardingPlan(out)

@@ -1,0 +1,386 @@
+"""Warm start: chosen tables of any checkpoint into a model that may differ from the one that wrote it.
+
+:func:`warm_start` takes, for each of the model's tables it is told to fill, a table of the checkpoint (the
+same name, or another: a rename), and optionally a row map (``remap[table][new_row]`` is the old row, or -1
+for a new id the old vocabulary lacks: :func:`vocabulary_remap` builds one from two vocabulary files). Each
+rank reads, through the chain assembly a restore's rule and checks apply (:func:`~cnr_torchrec.ckpt.format.
+tables.assemble_regions`), only the block of old rows and columns its own shards need, on any plan and world
+size, from any chain (plain, residual, folded, keyed). The model's other tables, and the rows no old row maps
+to, keep their own values.
+
+It is all or nothing: every rank decodes what it will write first, the ranks agree that every one of them
+succeeded, and only then is anything written; a failure anywhere leaves the model as it was and raises the
+same named error on every rank. The source root is only read.
+
+Refused by name: a table the checkpoint lacks, a table of the model told twice, another embedding dim unless
+``columns="fit"`` (copy the columns both have, leave the rest), fused optimizer state of another layout than
+the model's unless ``optimizer_state="reset"``, a row map of the wrong length or into rows the old table lacks,
+and managed-collision tables (not served yet).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from cnr_torchrec.ckpt._collective import Failure, Ranks
+from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.commits import load_manifest, walk_chain
+from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.rows import RowReader
+from cnr_torchrec.ckpt.format.state import dense_named_state
+from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_regions
+from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
+from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
+from cnr_torchrec.track.discovery import ShardSlice
+
+__all__ = ["TableReport", "WarmStartReport", "vocabulary_remap", "warm_start"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TableReport:
+    """What one table of the model got: ``loaded`` rows from table ``source`` (``remapped`` through a row map),
+    ``fresh`` rows left as the model had them, the ``columns`` copied, and its fused optimizer state
+    (``"kept"``, moved with its rows; ``"reset"``, left as the model had it, as asked or because the
+    checkpoint holds none for it, a data_parallel table's being the dense optimizer's; ``"none"``: the model's
+    table has none)."""
+
+    table: str
+    source: str
+    loaded: int
+    fresh: int
+    remapped: bool
+    columns: int
+    optimizer: str
+
+
+@dataclass(frozen=True)
+class WarmStartReport:
+    """What :func:`warm_start` did, the same on every rank: the checkpoint read (``root``, ``ckpt``, ``step``),
+    each table filled, the model's tables left ``untouched``, the dense tensors loaded, and ``digest``, a
+    sha256 of the mapping (tables, row maps, columns, optimizer, dense) that a new root can record."""
+
+    root: str
+    ckpt: int
+    step: int
+    tables: dict[str, TableReport]
+    untouched: list[str]
+    dense: list[str] = field(default_factory=list)
+    digest: str = ""
+
+
+@dataclass
+class _Write:
+    """One shard's staged rows: ``rows`` (offsets into the shard) get ``values`` in columns ``[c0, c1)`` of the
+    shard, and each fused optimizer state ``states[j]`` (per row, or per row and column)."""
+
+    weights: torch.Tensor
+    live_states: list[torch.Tensor]
+    rows: torch.Tensor
+    cols: tuple[int, int]
+    values: torch.Tensor
+    states: list[torch.Tensor]
+
+
+def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Sequence[str] | None = None,
+               remap: Mapping[str, torch.Tensor] | None = None, columns: Literal["exact", "fit"] = "exact",
+               optimizer_state: Literal["keep", "reset"] = "keep", dense: Mapping[str, str] | None = None,
+               ckpt: int | None = None, storage_options: Mapping[str, Any] | None = None,
+               key: Any = None) -> WarmStartReport:
+    """Fills tables of ``model`` (a ``CheckNRunDMP``, any plan and world size) from checkpoint ``ckpt`` of
+    ``root`` (default: the newest committed state). Every rank calls it at once.
+
+    Args:
+        tables: ``{model's table: checkpoint's table}``; a list names tables kept under their names; None:
+            every table of the model the checkpoint holds under the same name.
+        remap: per model table, an int64 tensor with one entry per row of the model's table: the checkpoint
+            table's row it takes, or -1 to keep the model's own (a new id). Without one, row ``r`` takes row
+            ``r`` (a grown table keeps its new rows, a shrunk one drops the old rows past its end).
+        columns: ``"exact"`` refuses another embedding dim; ``"fit"`` copies the columns both tables have.
+        optimizer_state: ``"keep"`` moves each row's fused optimizer state with it (the layouts must match);
+            ``"reset"`` leaves the model's own.
+        dense: ``{model's name prefix: checkpoint's name prefix}`` for dense parameters and buffers (``{"":
+            ""}``: every one by its own name); None: none. The dense optimizer, RNG and extra state are never
+            taken.
+        key: the root's key (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`), for a keyed root.
+
+    Returns:
+        A :class:`WarmStartReport`, the same on every rank.
+
+    Raises:
+        ConfigError: a table, row map or option that does not fit the model or the checkpoint (named).
+        IncompatibleCheckpointError: another dim without ``columns="fit"``, optimizer state of another
+            layout with ``optimizer_state="keep"``, a dense tensor of another shape.
+        CheckpointNotFoundError, CorruptCheckpointError, UnauthenticatedCheckpointError: as a restore raises
+            them. Whatever is raised, on every rank, and the model is left as it was.
+    """
+    ranks = Ranks()
+    tracker = getattr(model, "dirty_tracker", None)
+    if tracker is None:
+        raise ConfigError(f"warm_start takes a CheckNRunDMP; got a {type(model).__name__}")
+    shapes = _shapes(ranks, tracker)
+    storage = open_storage(root, storage_options, key)
+    failure, cause = None, None
+    try:
+        cid = int(ranks.from_rank0(lambda: resolve_id(storage, ckpt), what="choosing the checkpoint to warm start"))
+        writes: list[_Write] = []
+        report, dense_values = None, {}
+        try:
+            chain = walk_chain(load_manifest(storage, cid), lambda i: load_manifest(storage, i))
+            pairs = _pairs(shapes, chain[-1], tables)
+            _check(tracker, shapes, chain[-1], pairs, remap or {}, columns, optimizer_state)
+            writes, counts, kept = _stage(storage, chain, tracker, pairs, remap or {}, optimizer_state)
+            dense_values = _dense(storage, chain[-1], model, tracker, dense)
+            report = _report(root, chain[-1], tracker, shapes, pairs, remap or {}, columns, optimizer_state, counts,
+                             kept, sorted(dense_values))
+        except Exception as e:  # every rank must hear of it before anything is written
+            failure, cause = Failure.of(e, ranks.rank, "warm start"), e
+        ranks.raise_any(failure, cause)
+        assert report is not None  # no rank failed
+        _write(writes, model, dense_values)
+    finally:
+        storage.close()
+    told = ranks.exchange({t: [r.loaded, r.optimizer] for t, r in report.tables.items()})
+    for t, r in list(report.tables.items()):  # data_parallel tables count once (every rank holds them)
+        loaded = told[0][t][0] if tracker.is_data_parallel(t) else sum(x[t][0] for x in told)
+        labels = {x[t][1] for x in told}
+        state = "kept" if "kept" in labels else "reset" if "reset" in labels else "none"
+        report.tables[t] = TableReport(t, r.source, loaded, shapes[t][0] - loaded, r.remapped, r.columns, state)
+    log.info("warm start from checkpoint %d (step %d) of %s: %s", report.ckpt, report.step, root,
+             ", ".join(f"{t} <- {r.source}: {r.loaded} rows" for t, r in sorted(report.tables.items())))
+    return report
+
+
+def vocabulary_remap(old_vocabulary: str | Sequence[str], new_vocabulary: str | Sequence[str]) -> torch.Tensor:
+    """The row map of a table whose rows are a vocabulary's entries, in order: for each entry of the new
+    vocabulary its row in the old one, or -1 where the old one lacks it. A vocabulary is a file (one entry
+    per line, as TensorFlow's ``VocabInfo`` reads them) or a sequence of entries.
+
+    Raises:
+        ConfigError: a file that cannot be read, or a vocabulary that names an entry twice.
+    """
+    old, new = _vocabulary(old_vocabulary), _vocabulary(new_vocabulary)
+    index = {entry: i for i, entry in enumerate(old)}
+    return torch.tensor([index.get(entry, -1) for entry in new], dtype=torch.int64)
+
+
+def _vocabulary(source: str | Sequence[str]) -> list[str]:
+    if isinstance(source, str):
+        try:
+            with open(source) as f:
+                entries = [line.rstrip("\n") for line in f]
+        except OSError as e:
+            raise ConfigError(f"vocabulary file {source}: {e.strerror or e}; give a file of one entry per line") from e
+    else:
+        entries = [str(e) for e in source]
+    seen: set[str] = set()
+    for entry in entries:
+        if entry in seen:
+            raise ConfigError(f"the vocabulary names {entry!r} twice; each entry names one row")
+        seen.add(entry)
+    return entries
+
+
+# ---------------------------------------------------------------------- checks
+
+
+def _shapes(ranks: Ranks, tracker: Any) -> dict[str, tuple[int, int]]:
+    """Every table of the model and its whole shape (a rank knows those it holds shards of; all ranks tell)."""
+    mine = {t: list(shape) for t in tracker.tables() if (shape := tracker.table_shape(t)) is not None}
+    out: dict[str, tuple[int, int]] = {}
+    for told in ranks.exchange(mine):
+        out |= {t: (int(r), int(d)) for t, (r, d) in told.items()}
+    return out
+
+
+def _pairs(shapes: Mapping[str, tuple[int, int]], tip: Manifest,
+           tables: Mapping[str, str] | Sequence[str] | None) -> dict[str, str]:
+    """``{model table: checkpoint table}`` as asked, checked against both."""
+    mine = set(shapes)
+    if tables is None:
+        pairs = {t: t for t in sorted(mine) if t in tip.tables}
+    elif isinstance(tables, Mapping):
+        pairs = dict(tables)
+    else:
+        if len(set(tables)) != len(tables):
+            raise ConfigError(f"tables names a table twice: {list(tables)}")
+        pairs = {t: t for t in tables}
+    unknown = sorted(set(pairs) - mine)
+    if unknown:
+        raise ConfigError(f"the model has no table {unknown} (it has {sorted(mine)}); name the model's tables as "
+                          "tables={model's table: checkpoint's table}")
+    missing = sorted({old for old in pairs.values() if old not in tip.tables})
+    if missing:
+        raise ConfigError(f"checkpoint {tip.id} holds no table {missing} (it holds {sorted(tip.tables)})")
+    if not pairs:
+        raise ConfigError(f"checkpoint {tip.id} holds none of the model's tables {sorted(mine)} by name; say which "
+                          "to take with tables={model's table: checkpoint's table}")
+    return pairs
+
+
+def _check(tracker: Any, shapes: Mapping[str, tuple[int, int]], tip: Manifest, pairs: Mapping[str, str],
+           remap: Mapping[str, torch.Tensor], columns: str, optimizer_state: str) -> None:
+    if columns not in ("exact", "fit"):
+        raise ConfigError(f"columns={columns!r}: give 'exact' (the same dim) or 'fit' (the columns both have)")
+    if optimizer_state not in ("keep", "reset"):
+        raise ConfigError(f"optimizer_state={optimizer_state!r}: give 'keep' or 'reset'")
+    unknown = sorted(set(remap) - set(pairs))
+    if unknown:
+        raise ConfigError(f"remap names {unknown}, which this warm start does not fill (it fills {sorted(pairs)})")
+    for new, old in pairs.items():
+        if tracker.mc_table(new) is not None or old in _mc_tables(tip):
+            raise ConfigError(f"table '{new}' (from '{old}') is a managed-collision table: warm start does not take "
+                              "those yet; leave it out of tables=")
+        (rows, dim), (old_rows, old_dim) = shapes[new], tip.tables[old]
+        if dim != old_dim and columns == "exact":
+            raise IncompatibleCheckpointError(
+                f"table '{new}' has {dim} columns, checkpoint {tip.id}'s '{old}' {old_dim}: pass columns='fit' to copy "
+                f"the {min(dim, old_dim)} columns both have, or warm start another table")
+        if new in remap:
+            m = remap[new]
+            if m.dtype != torch.int64 or m.dim() != 1 or m.numel() != rows:
+                raise ConfigError(f"remap['{new}'] must be an int64 tensor of {rows} entries (one per row of the "
+                                  f"model's table), got {m.dtype} {list(m.shape)}")
+            if m.numel() and (int(m.max()) >= old_rows or int(m.min()) < -1):
+                raise ConfigError(f"remap['{new}'] names rows outside [-1, {old_rows}) of checkpoint table '{old}'")
+
+
+def _mc_tables(tip: Manifest) -> set[str]:
+    return {t for _, t, e in tip.entries() if e.mc is not None} if tip.kind == "baseline" else set()
+
+
+# ---------------------------------------------------------------------- staging
+
+
+def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str, str],
+           remap: Mapping[str, torch.Tensor],
+           optimizer_state: str) -> tuple[list[_Write], dict[str, int], set[str]]:
+    """Every shard's rows of this rank, decoded (nothing written): the writes, the rows loaded per table, and
+    the tables whose fused optimizer state moves with them."""
+    tip = chain[-1]
+    wanted: list[tuple[str, Any, ShardSlice, torch.Tensor, torch.Tensor, Region]] = []
+    for new, old in sorted(pairs.items()):
+        old_rows, old_dim = tip.tables[old]
+        for kernel, shard in tracker.shards(new):
+            (r0, r1), (c0, c1) = shard.rows, shard.cols
+            c1 = min(c1, old_dim)
+            if c0 >= c1:
+                continue  # a column shard past the old dim: left as the model has it
+            source = remap[new][r0:r1] if new in remap else torch.arange(r0, r1)
+            local = torch.nonzero((source >= 0) & (source < old_rows)).view(-1)
+            if not local.numel():
+                continue
+            src = source[local]
+            lo, hi = (0, old_rows) if old in tip.replicated else (int(src.min()), int(src.max()) + 1)
+            wanted.append((new, kernel, shard, local, src - lo, Region(old, (lo, hi), (c0, c1))))
+    assembled: Mapping[Region, TableData] = assemble_regions(storage, chain, {w[5] for w in wanted}) if wanted \
+        else {}
+    writes, counts, kept = [], {t: 0 for t in pairs}, set()
+    for new, kernel, shard, local, pick, region in wanted:
+        data = assembled[region]
+        live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
+        live_states = list(live[shard.local_index]) if live else []
+        states = _states(new, data.states, pick, region, live_states, tracker, optimizer_state)
+        cols = (region.cols[0] - shard.cols[0], region.cols[1] - shard.cols[0])
+        writes.append(_Write(kernel.tbe.split_embedding_weights()[shard.local_index], live_states, local, cols,
+                             data.weights.index_select(0, pick), states))
+        if shard.cols[0] == 0:  # a row counts once, whatever its column shards
+            counts[new] += int(local.numel())
+        if states:
+            kept.add(new)
+    return writes, counts, kept
+
+
+def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Region, live: list[torch.Tensor],
+            tracker: Any, optimizer_state: str) -> list[torch.Tensor]:
+    """The fused optimizer states to move with the rows ``pick`` of ``region``, as the model's shard holds them."""
+    if optimizer_state == "reset" or tracker.is_data_parallel(table) or not live or not stored:
+        return []  # reset, none in the model, or none in the checkpoint (a data_parallel table's is the dense one's)
+    if len(stored) != len(live):
+        raise IncompatibleCheckpointError(
+            f"table '{table}': the checkpoint's '{region.table}' stores {len(stored)} fused optimizer states, the "
+            f"model's optimizer keeps {len(live)}: pass optimizer_state='reset' to leave the model's own")
+    out = []
+    n, width = int(pick.numel()), region.cols[1] - region.cols[0]
+    for s, have in zip(stored, live):
+        mine = RowState(s.rowwise, s.values.index_select(0, pick)).for_shard((0, n), (0, width))
+        if (have.dim() == 1) != s.rowwise:
+            raise IncompatibleCheckpointError(
+                f"table '{table}': the checkpoint's '{region.table}' stores "
+                f"{'row-wise' if s.rowwise else 'per-element'} optimizer state, the model's optimizer the other kind: "
+                "pass optimizer_state='reset'")
+        out.append(mine)
+    return out
+
+
+def _dense(storage: Any, tip: Manifest, model: nn.Module, tracker: Any,
+           prefixes: Mapping[str, str] | None) -> dict[str, torch.Tensor]:
+    """The model's dense tensors the checkpoint holds under the mapped names, read from rank 0's part."""
+    if not prefixes:
+        return {}
+    first = tip.ranks[0]
+    load = RowReader(storage, first.payload)
+    out = {}
+    for name, t in dense_named_state(model, tracker.module_fqns()).items():
+        prefix = max((p for p in prefixes if name.startswith(p)), key=len, default=None)
+        if prefix is None:
+            continue
+        old = prefixes[prefix] + name[len(prefix):]
+        if old not in first.dense:
+            continue
+        value = load(first.dense[old])
+        if tuple(value.shape) != tuple(t.shape):
+            raise IncompatibleCheckpointError(f"dense {name!r} is {list(t.shape)} in the model, checkpoint "
+                                              f"{tip.id}'s {old!r} {list(value.shape)}; map it elsewhere or leave it "
+                                              "out of dense=")
+        out[name] = value.clone()
+    return out
+
+
+def _report(root: str, tip: Manifest, tracker: Any, shapes: Mapping[str, tuple[int, int]], pairs: Mapping[str, str],
+            remap: Mapping[str, torch.Tensor], columns: str, optimizer_state: str, counts: Mapping[str, int],
+            kept: set[str], dense: list[str]) -> WarmStartReport:
+    """This rank's report (:func:`warm_start` merges the ranks')."""
+    tables = {}
+    for new, old in pairs.items():
+        has_state = not tracker.is_data_parallel(new) and any(
+            hasattr(k.tbe, "split_optimizer_states") and k.tbe.split_optimizer_states() for k, _ in tracker.shards(new))
+        tables[new] = TableReport(new, old, counts[new], 0, new in remap, min(shapes[new][1], tip.tables[old][1]),
+                                  "kept" if new in kept else "reset" if has_state else "none")
+    h = hashlib.sha256(json.dumps({"tables": dict(sorted(pairs.items())), "columns": columns,
+                                   "optimizer": optimizer_state, "dense": dense}, sort_keys=True).encode())
+    for t in sorted(remap):
+        h.update(t.encode() + remap[t].numpy().tobytes())
+    untouched = sorted(set(shapes) - set(pairs))
+    return WarmStartReport(root, tip.id, tip.step, tables, untouched, dense, h.hexdigest())
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def _write(writes: list[_Write], model: nn.Module, dense: Mapping[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for w in writes:
+            c0, c1 = w.cols
+            view = w.weights if (c0, c1) == (0, w.weights.shape[1]) else w.weights[:, c0:c1]
+            view[w.rows] = w.values.to(w.weights.dtype)
+            for live, value in zip(w.live_states, w.states):
+                if live.dim() == 1:
+                    live[w.rows] = value.to(live.dtype)
+                else:
+                    target = live if (c0, c1) == (0, live.shape[1]) else live[:, c0:c1]
+                    target[w.rows] = value.to(live.dtype)
+        if dense:
+            tracker = getattr(model, "dirty_tracker")
+            mine = dense_named_state(model, tracker.module_fqns())
+            for name, value in dense.items():
+                mine[name].copy_(value)
