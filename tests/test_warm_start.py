@@ -180,3 +180,29 @@ def test_columns_fit_copies_the_columns_both_tables_have(group, source):
     want = live["tables"]["abc"][0]
     assert torch.equal(got.double(), want[:48, :8]) and report.tables["ui"].columns == 8
     assert before["ui"][1] is not None and torch.equal(_whole(dmp)["ui"][1], before["ui"][1])  # reset: the model's
+
+
+def test_without_tables_every_table_of_the_same_name_is_taken_and_a_grown_one_keeps_its_new_rows(group, source):
+    from cnr_torchrec import warm_start
+
+    root, live = source
+    dmp = _target()
+    before = _whole(dmp)
+    report = warm_start(dmp, root)
+    after = _whole(dmp)
+    assert report.untouched == ["fresh", "ui"] and sorted(report.tables) == ["abc", "repl", "scored", "scored1",
+                                                                             "solo", "trio"]
+    assert torch.equal(after["abc"][0][:56].double(), live["tables"]["abc"][0])  # row r takes old row r
+    assert torch.equal(after["abc"][0][56:], before["abc"][0][56:]) and report.tables["abc"].fresh == REGROWN - 56
+    assert all(torch.equal(after[t][0], before[t][0]) for t in report.untouched)
+
+
+def test_a_vocabulary_that_names_an_entry_twice_is_refused(tmp_path):
+    from cnr_torchrec import vocabulary_remap
+    from cnr_torchrec.errors import ConfigError
+
+    assert vocabulary_remap(["a", "b", "c"], ["c", "x", "a"]).tolist() == [2, -1, 0]
+    with pytest.raises(ConfigError, match="names 'b' twice"):
+        vocabulary_remap(["a", "b", "b"], ["a"])
+    with pytest.raises(ConfigError, match="vocabulary file .*missing.txt"):
+        vocabulary_remap(str(tmp_path / "missing.txt"), ["a"])
