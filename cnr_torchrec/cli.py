@@ -384,6 +384,33 @@ def _cmd_clean_images(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------- copy
+
+
+def _cmd_copy(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.tools.copy import copy_checkpoints
+    from cnr_torchrec.ckpt.tools.root import open_storage, parse_storage_options
+
+    local = args.dst.removeprefix("fs://") if "://" not in args.dst or args.dst.startswith("fs://") else None
+    if local is not None:
+        os.makedirs(local, exist_ok=True)
+    key = _key(args)
+    src = open_storage(args.root, parse_storage_options(args.storage_option), key)
+    try:
+        dst = open_storage(args.dst, parse_storage_options(args.dst_storage_option), key)
+        try:
+            report = copy_checkpoints(src, dst, everything=args.all, ckpt=args.id)
+        finally:
+            dst.close()
+    finally:
+        src.close()
+    copied = _id_ranges(report.copied) if report.copied else "none"
+    skipped = f"; already there: {_id_ranges(report.skipped)}" if report.skipped else ""
+    print(f"copied checkpoints {copied} of {args.root} to {args.dst}{skipped}: {report.files} files, "
+          f"{_human_bytes(report.nbytes)} written, {report.files_present} files found whole already")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------- publish
 
 
@@ -508,6 +535,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=None,
                    help="the training step the baseline records (default: the step DCP_DIR records, else 0)")
     p.set_defaults(func=_cmd_import_dcp)
+
+    p = sub.add_parser("copy", parents=[common], help="copy committed checkpoints to another root, never torn",
+                       description="Copy the newest committed chain of ROOT (--all: every committed checkpoint; "
+                                   "--id N: N's chain) to DST, any storage to any (a directory, s3://...). Every "
+                                   "file is checked as it is read (manifest seals, part and chunk digests, the key on "
+                                   "a keyed root), and each checkpoint's manifest, its commit, is written last: a "
+                                   "copy stopped anywhere leaves DST restorable at what it committed, and a copy run "
+                                   "again skips what is there already (docs/cli.md).")
+    p.add_argument("root", metavar="ROOT", help="the root to copy from")
+    p.add_argument("dst", metavar="DST", help="the root to copy to (a directory is created if missing)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every committed checkpoint, not only the newest chain")
+    which.add_argument("--id", type=int, help="copy this checkpoint's chain")
+    p.add_argument("--dst-storage-option", action="append", metavar="KEY=VALUE",
+                   help="passed to DST's storage plugin (repeatable), as --storage-option is to ROOT's")
+    p.set_defaults(func=_cmd_copy)
 
     p = sub.add_parser("publish", parents=[common], help="keep a serving snapshot in a directory current",
                        description="Write the newest committed checkpoint's tables to OUT/current/model.pt (a "

@@ -1,0 +1,146 @@
+"""``cnr copy``: committed checkpoints from one root to another (any storage: a directory, ``s3://``), never torn.
+
+Each checkpoint is copied as its bytes, after they pass the checks a restore makes as it reads them: the
+manifest's seal (its HMAC on a keyed root), each part's digest and structure, each payload chunk's size and
+digest (xxh3, or the keyed BLAKE2b). Its payload chunks go first, then its parts, then its manifest: the
+commit marker, written atomically, last. So a copy stopped at any point leaves the destination restorable at
+the checkpoints whose manifests it wrote, and nothing half-written looks committed. ``index.json`` is written
+once the checkpoints are. A copy run again skips each checkpoint already committed there with the same
+manifest, and each file already there whole (its size and digest checked), so an interrupted copy resumes.
+
+Checkpoints are copied oldest first, so every delta's parents are committed before it. A destination that
+holds another checkpoint under an id being copied is refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from cnr_torchrec.ckpt.format.commits import (
+    committed_ids,
+    load_manifest,
+    manifest_path,
+    part_path,
+    walk_chain,
+    write_index,
+)
+from cnr_torchrec.ckpt.format.integrity import check_chunk
+from cnr_torchrec.ckpt.format.manifest import Chunk, Manifest
+from cnr_torchrec.ckpt.format.schema import part_digest
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.tools.root import resolve_id
+from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
+
+__all__ = ["CopyReport", "copy_checkpoints"]
+
+
+@dataclass
+class CopyReport:
+    """What a copy did: the checkpoints ``copied`` and those ``skipped`` (already committed at the destination
+    with the same manifest), the files and bytes it wrote, and the files it found already there whole."""
+
+    copied: list[int] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    files: int = 0
+    nbytes: int = 0
+    files_present: int = 0
+
+
+def copy_checkpoints(src: Storage, dst: Storage, *, everything: bool = False, ckpt: int | None = None,
+                     progress: Callable[[int], None] | None = None) -> CopyReport:
+    """Copies the chain of ``ckpt`` (default: the newest committed state), or every committed checkpoint with
+    ``everything``, from ``src`` to ``dst``.
+
+    Args:
+        progress: called with the bytes of each file as it is copied.
+
+    Raises:
+        CheckpointNotFoundError: nothing committed in ``src``, or ``ckpt`` is not.
+        CorruptCheckpointError (UnauthenticatedCheckpointError on a keyed root): a file of ``src`` fails its
+            checks; what was copied before it stays committed at ``dst``, the checkpoint it belongs to is not.
+        ConfigError: ``dst`` holds another checkpoint under an id being copied.
+    """
+    if everything:
+        ids = committed_ids(src)
+        if not ids:
+            raise CheckpointNotFoundError(f"no committed checkpoint under {src.root}")
+    else:
+        tip = load_manifest(src, resolve_id(src, ckpt))
+        ids = [m.id for m in walk_chain(tip, lambda i: load_manifest(src, i))]
+    report = CopyReport()
+    for cid in sorted(ids):
+        _copy_one(src, dst, cid, report, progress)
+    write_index(dst, committed_ids(dst))
+    return report
+
+
+def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport,
+              progress: Callable[[int], None] | None) -> None:
+    manifest = load_manifest(src, cid)  # its seal checked
+    raw = bytes(src.read(manifest_path(cid)))
+    if dst.exists(manifest_path(cid)):
+        if bytes(dst.read(manifest_path(cid))) == raw:
+            report.skipped.append(cid)
+            return
+        raise ConfigError(f"{dst.root} holds another checkpoint {cid} than {src.root} does; copy into an empty root, "
+                          "or into an earlier copy of this one")
+    for chunk in _chunks(manifest):
+        data = src.read(chunk.path)
+        check_chunk(src.key, chunk.path, data, chunk.nbytes, chunk.digest, chunk.keyed)
+        _put(dst, chunk.path, data, report, progress, chunk)
+    if manifest.version >= 7:
+        for r in range(len(manifest.summaries)):
+            path = part_path(cid, r)
+            data = src.read(path)
+            digest, keyed = part_digest(manifest.body["parts"][r])
+            check_chunk(src.key, path, data, manifest.body["parts"][r]["nbytes"], digest, keyed)
+            _put(dst, path, data, report, progress)
+    dst.write_atomic(manifest_path(cid), raw)  # the commit, last
+    report.copied.append(cid)
+    report.files += 1
+    report.nbytes += len(raw)
+
+
+def _chunks(manifest: Manifest) -> list[Chunk]:
+    """Every payload chunk of every rank (reading each part, which checks it)."""
+    try:
+        return [c for report in manifest.ranks for c in report.payload.chunks]
+    except CheckpointNotFoundError as e:
+        raise CorruptCheckpointError(f"checkpoint {manifest.id}: {e}") from None
+
+
+def _put(dst: Storage, path: str, data: bytes | bytearray, report: CopyReport,
+         progress: Callable[[int], None] | None, chunk: Chunk | None = None) -> None:
+    """Writes ``data`` to ``path`` unless the destination holds it whole already (an interrupted copy's): a
+    chunk checked against its digest, a part compared byte for byte."""
+    if _size(dst, path) in (len(data), None) and _whole(dst, path, data, chunk):
+        report.files_present += 1
+        return
+    dst.write(path, memoryview(data))
+    report.files += 1
+    report.nbytes += len(data)
+    if progress is not None:
+        progress(len(data))
+
+
+def _size(dst: Storage, path: str) -> int | None:
+    """The file's size, -1 where it is not there, None where the store cannot tell without reading it."""
+    try:
+        return dst.size(path)
+    except CheckpointNotFoundError:
+        return -1
+
+
+def _whole(dst: Storage, path: str, data: bytes | bytearray, chunk: Chunk | None) -> bool:
+    try:
+        there = dst.read(path)
+    except CheckpointNotFoundError:
+        return False
+    if chunk is None:
+        return bytes(there) == bytes(data)
+    try:
+        check_chunk(dst.key, path, there, chunk.nbytes, chunk.digest, chunk.keyed)
+    except (CorruptCheckpointError, UnsafeCheckpointError):
+        return False  # there, but not whole: written again
+    return True
