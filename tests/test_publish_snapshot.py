@@ -159,3 +159,18 @@ def test_cnr_publish_refuses_another_roots_or_dtypes_snapshot_by_name(group, job
     open(str(tmp_path / "file"), "w").close()
     assert _publish(root, str(tmp_path / "file")) == 2
     assert "is a file; give cnr publish a directory" in capsys.readouterr().err
+
+
+def test_a_corrupt_checkpoint_after_good_ones_publishes_the_good_ones_and_exits_1(group, job, tmp_path, capsys):
+    from test_publish import _flip_a_stored_row
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "serving")
+    show(job[0], root)
+    assert _publish(root, out) == 0
+    show(job[2], root)
+    _flip_a_stored_row(root, 2, rank=1)
+    assert _publish(root, out) == 1  # delta 1 applied, delta 2 refused
+    assert "ckpt-00000002" in capsys.readouterr().err
+    assert _cursor(out)["ckpt"] == 1
+    show(job[1], str(tmp_path / "at1"))
+    _assert_published(out, str(tmp_path / "at1"))

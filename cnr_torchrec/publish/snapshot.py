@@ -140,12 +140,15 @@ class Publisher:
 
     def step(self) -> list[Update]:
         """Applies every checkpoint committed since the last step and, if any was, writes a new version.
-        Raises what :meth:`Follower.poll` raises (``current`` is then unchanged)."""
-        updates = self.follower.poll()
-        if updates:
+        Raises what :meth:`Follower.poll` raises, after writing the version of the checkpoints it applied before
+        the one that failed (none: ``current`` is unchanged)."""
+        before = self.follower.cursor
+        try:
+            updates = self.follower.poll()
+        finally:
             cursor = self.follower.cursor
-            assert cursor is not None  # an update sets it
-            self._write(cursor)
+            if cursor is not None and (before is None or cursor.digest != before.digest):
+                self._write(cursor)
         return updates
 
     def _write(self, cursor: Cursor) -> None:
