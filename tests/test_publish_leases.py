@@ -114,3 +114,39 @@ def test_a_follower_name_that_cannot_name_a_file_is_refused(group, tmp_path):
         load_config({"root": str(tmp_path), "keep": {"checkpoints": 1, "followers": ["../x"]}})
     with pytest.raises(ConfigError, match=r"keep: followers: expected a list"):
         load_config({"root": str(tmp_path), "keep": {"checkpoints": 1, "followers": "serving"}})
+
+
+def test_a_keyed_root_is_followed_with_its_key_and_an_unkeyed_checkpoint_in_it_is_never_served(group, tmp_path):
+    """A follower given the root's key serves its checkpoints; without the key, or with another, it refuses the
+    root by name; a checkpoint written into the keyed root without the key is refused and never served."""
+    from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.ckpt.format.integrity import load_key
+    from cnr_torchrec.errors import UnauthenticatedCheckpointError
+    from cnr_torchrec.publish import Follower
+
+    key_file, other_file = str(tmp_path / "key"), str(tmp_path / "other")
+    for path, secret in ((key_file, b"0123456789abcdef0123456789abcdef"), (other_file, b"f" * 32)):
+        with open(path, "wb") as f:
+            f.write(secret)
+        os.chmod(path, 0o600)
+    root = str(tmp_path / "root")
+    dmp, opt = build_dmp(specs(), seed=0)
+    gen = torch.Generator().manual_seed(0)
+    keyed = load_config({"root": root, "policy": "consecutive", "memory_tier": "off",
+                         "integrity": {"key_file": key_file}})
+    with Checkpointer(dmp, keyed, dense_optimizer=opt) as ck:
+        _save(ck, dmp, opt, gen, 0)
+    model = serving_model()
+    for key in (None, load_key(other_file, None)):
+        with Follower(root, serving_model(), key=key) as stranger:
+            with pytest.raises(UnauthenticatedCheckpointError):
+                stranger.poll()
+    with Follower(root, model, key=load_key(key_file, None)) as follower:
+        assert [u.how for u in follower.poll()] == ["reload"]
+        served = {k: v.clone() for k, v in model.state_dict().items()}
+        unkeyed = load_config({"root": root, "policy": "consecutive", "memory_tier": "off"})
+        with Checkpointer(dmp, unkeyed, dense_optimizer=opt) as ck:  # a job that lost its key
+            _save(ck, dmp, opt, gen, 2)
+        with pytest.raises(UnauthenticatedCheckpointError):
+            follower.poll()
+        assert follower.cursor.ckpt == 0 and all(torch.equal(v, served[k]) for k, v in model.state_dict().items())
