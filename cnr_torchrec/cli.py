@@ -153,6 +153,10 @@ def _chain_lines(rows: list[dict[str, Any]], corrupt: set[int]) -> list[str]:
 def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
     rows = summary["checkpoints"]
     lines = [f"root {summary['root']}: {len(rows)} committed checkpoint(s), world size {summary['world_size']}"]
+    origin = summary.get("origin")
+    if origin:
+        lines.append(f"warm-started from {origin['root']} (checkpoint {origin['ckpt']}, step {origin['step']}; "
+                     f"{len(origin['tables'])} table(s); mapping sha256 {str(origin['mapping_digest'])[:16]})")
     shown = rows if last is None or len(rows) <= last else rows[-last:]
     if len(shown) < len(rows):
         lines.append(f"(the newest {len(shown)} by id; {len(rows) - len(shown)} older ones not shown: --all shows "

@@ -10,6 +10,8 @@ model left as it was.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -206,3 +208,26 @@ def test_a_vocabulary_that_names_an_entry_twice_is_refused(tmp_path):
         vocabulary_remap(["a", "b", "b"], ["a"])
     with pytest.raises(ConfigError, match="vocabulary file .*missing.txt"):
         vocabulary_remap(str(tmp_path / "missing.txt"), ["a"])
+
+
+def test_a_warm_started_job_saves_into_its_own_root_which_records_its_origin(group, source, tmp_path, capsys):
+    from cnr_torchrec import Checkpointer, warm_start
+    from cnr_torchrec.cli import main
+    from cnr_torchrec.errors import ConfigError
+
+    root, _ = source
+    dmp = _target()
+    report = warm_start(dmp, root, tables={"ui": "user_item"})
+    with pytest.raises(ConfigError, match="save it into a root of its own"):
+        Checkpointer(dmp, _config(root))
+    mine = str(tmp_path / "mine")
+    with Checkpointer(dmp, _config(mine)) as ck:
+        assert ck.save(1).wait().kind == "baseline"
+    capsys.readouterr()
+    assert main(["inspect", mine]) == 0
+    out = capsys.readouterr().out
+    assert f"warm-started from {root} (checkpoint {report.ckpt}, step {report.step}; 1 table(s); mapping sha256 " \
+           f"{report.digest[:16]})" in out
+    assert main(["inspect", mine, "--json"]) == 0
+    origin = json.loads(capsys.readouterr().out)["origin"]
+    assert origin["tables"] == {"ui": "user_item"} and origin["mapping_digest"] == report.digest

@@ -25,8 +25,10 @@ from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_
 from cnr_torchrec.ckpt.format.dense_optim import check_dense_optimizer
 from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.origin import write_origin
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.layout import shard_boxes
+from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
@@ -214,8 +216,12 @@ class Checkpointer:
         self._inflight: SaveHandle | None = None
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.
+        origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.transfer)
+        if origin is not None and normal_root(config.root) == origin.root:
+            raise ConfigError(f"this model was warm-started from {origin.root}; save it into a root of its own, not "
+                              "into the root it was warm-started from")
         token, next_id = self._ranks.from_rank0(
-            lambda: [int.from_bytes(os.urandom(7), "little"), self._next_id(-1)],
+            lambda: [int.from_bytes(os.urandom(7), "little"), self._open_root(origin)],
             what=f"listing the checkpoints under {config.root}",
         )
         self._store = self._make_store(token)
@@ -610,6 +616,13 @@ class Checkpointer:
             return None
         # Keys are namespaced per Checkpointer: a stale report of an earlier one must never be read.
         return dist.PrefixStore(f"cnr/{token}", dist.distributed_c10d._get_default_store())
+
+    def _open_root(self, origin: Any) -> int:
+        """Rank 0, once: the first free id, after recording warm start ``origin`` as the root's origin if the
+        root holds no checkpoint yet (:mod:`~cnr_torchrec.ckpt.format.origin`)."""
+        if origin is not None and not committed_ids(self._storage):
+            write_origin(self._storage, origin)
+        return self._next_id(-1)
 
     def _next_id(self, newest: int) -> int:
         """The id after every checkpoint directory under the root and after ``newest`` (rank 0 lists)."""

@@ -8,6 +8,10 @@ tables.assemble_regions`), only the block of old rows and columns its own shards
 size, from any chain (plain, residual, folded, keyed). The model's other tables, and the rows no old row maps
 to, keep their own values.
 
+The model remembers the report: the first ``Checkpointer`` on it records it as its root's origin
+(``origin.json``, :mod:`~cnr_torchrec.ckpt.format.origin`, shown by ``cnr inspect``), and one on the source
+root is refused, so a warm-started job saves into a root of its own, its first save a baseline.
+
 It is all or nothing: every rank decodes what it will write first, the ranks agree that every one of them
 succeeded, and only then is anything written; a failure anywhere leaves the model as it was and raises the
 same named error on every rank. The source root is only read.
@@ -37,6 +41,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_regions
+from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
 from cnr_torchrec.track.discovery import ShardSlice
@@ -140,8 +145,8 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
             _check(tracker, shapes, chain[-1], pairs, remap or {}, columns, optimizer_state)
             writes, counts, kept = _stage(storage, chain, tracker, pairs, remap or {}, optimizer_state)
             dense_values = _dense(storage, chain[-1], model, tracker, dense)
-            report = _report(root, chain[-1], tracker, shapes, pairs, remap or {}, columns, optimizer_state, counts,
-                             kept, sorted(dense_values))
+            report = _report(normal_root(root), chain[-1], tracker, shapes, pairs, remap or {}, columns,
+                             optimizer_state, counts, kept, sorted(dense_values))
         except Exception as e:  # every rank must hear of it before anything is written
             failure, cause = Failure.of(e, ranks.rank, "warm start"), e
         ranks.raise_any(failure, cause)
@@ -155,6 +160,7 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
         labels = {x[t][1] for x in told}
         state = "kept" if "kept" in labels else "reset" if "reset" in labels else "none"
         report.tables[t] = TableReport(t, r.source, loaded, shapes[t][0] - loaded, r.remapped, r.columns, state)
+    model._cnr_warm_start = report  # type: ignore[assignment]  # the Checkpointer records it as the root's origin
     log.info("warm start from checkpoint %d (step %d) of %s: %s", report.ckpt, report.step, root,
              ", ".join(f"{t} <- {r.source}: {r.loaded} rows" for t, r in sorted(report.tables.items())))
     return report

@@ -19,6 +19,7 @@ from cnr_torchrec.ckpt.format.commits import (
 )
 from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.origin import read_origin
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
@@ -110,6 +111,7 @@ def summarize(storage: Storage) -> dict[str, Any]:
         ``full_snapshot_table_nbytes`` (weights alone), ``total_nbytes``, ``uncommitted``
         (directories without a manifest: ``{"id", "files"}``) and ``corrupt``
         (``{"id", "path", "message"}`` for manifests that do not load or break the schema), and
+        ``origin``: where a warm-started root came from (:mod:`~cnr_torchrec.ckpt.format.origin`; None), and
         ``reconstruction_nbytes``: the host memory a job resuming the newest checkpoint keeps when it holds
         residual rows (0 otherwise). Each row also holds ``chain`` (its members' ids, baseline first, as far as
         their manifests load) and ``broken_member``: None, or the id of a member of its chain whose manifest
@@ -154,6 +156,7 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "checkpoints": rows,
         "uncommitted": uncommitted,
         "corrupt": corrupt,
+        "origin": read_origin(storage),
         "newest_restorable": pick.chain[-1] if pick.chain else None,
         "unrestorable": [{"id": i, "why": why} for i, why in pick.skipped],
     }
