@@ -231,3 +231,28 @@ def test_a_warm_started_job_saves_into_its_own_root_which_records_its_origin(gro
     assert main(["inspect", mine, "--json"]) == 0
     origin = json.loads(capsys.readouterr().out)["origin"]
     assert origin["tables"] == {"ui": "user_item"} and origin["mapping_digest"] == report.digest
+
+
+def test_tables_dcp_can_express_warm_start_as_dcps_partial_load_of_the_export_does(group, source, tmp_path):
+    """Tables kept under their names and shapes, the case DCP's partial load expresses: a warm start gives what
+    ``dcp.load(..., DefaultLoadPlanner(allow_partial_load=True))`` of ``cnr export --format dcp`` gives."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    from cnr_torchrec import warm_start
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp
+
+    root, _ = source
+    export = str(tmp_path / "dcp")
+    storage = Storage(root)
+    export_dcp(storage, export)
+    storage.close()
+    kept = ["trio", "solo", "repl", "scored", "scored1"]
+    ours, theirs = _target(), _target()
+    warm_start(ours, root, tables=kept, optimizer_state="reset")
+    state = {k: v for k, v in theirs.state_dict().items() if any(f".{t}." in k for t in kept)}
+    dcp.load(state, checkpoint_id=export, planner=DefaultLoadPlanner(allow_partial_load=True))
+    a, b, fresh = _whole(ours), _whole(theirs), _whole(_target())
+    for t in kept:
+        assert torch.equal(a[t][0], b[t][0]) and not torch.equal(a[t][0], fresh[t][0]), t
