@@ -256,3 +256,39 @@ def test_tables_dcp_can_express_warm_start_as_dcps_partial_load_of_the_export_do
     a, b, fresh = _whole(ours), _whole(theirs), _whole(_target())
     for t in kept:
         assert torch.equal(a[t][0], b[t][0]) and not torch.equal(a[t][0], fresh[t][0]), t
+
+
+def _mixed_job(rank, world_size, root, out):
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer
+
+    dmp, opt = M.build_dmp("mixed", "A", seed=0)
+    with Checkpointer(dmp, _config(root), dense_optimizer=opt) as ck:
+        for i in range(2):
+            M.train_step(dmp, opt, M.make_batch("mixed", seed=100 * i + rank))
+            ck.save(i + 1).wait()
+    tables = M.full_tables(dmp, "mixed")
+    if rank == 0:
+        torch.save(tables, out)
+
+
+def test_sequence_tables_warm_start_onto_another_plan_and_world_size(group, tmp_path):
+    """TorchRec's TestMixedEmbeddingSparseArch (EmbeddingCollection tables sharing features, beside a pooled
+    one) from 2 ranks on plan "A" onto 1 rank on plan "B", a sequence table renamed into another's place."""
+    import _torchrec_models as M
+
+    from cnr_torchrec import warm_start
+
+    root, out = str(tmp_path / "root"), str(tmp_path / "live.pt")
+    run_ranks(_mixed_job, 2, args=(root, out), timeout=240)
+    live = torch.load(out)
+    dmp, _ = M.build_dmp("mixed", "B", seed=4)
+    before = _whole(dmp)
+    report = warm_start(dmp, root, tables={"seq1": "seq2", "seq3": "seq3", "bag": "bag"}, columns="fit")
+    after = _whole(dmp)
+    assert torch.equal(after["seq1"][0][:48].double(), live["seq2"][0])  # 48 old rows into a 64-row table
+    assert torch.equal(after["seq1"][0][48:], before["seq1"][0][48:]) and report.tables["seq1"].fresh == 16
+    assert torch.equal(after["seq3"][0].double(), live["seq3"][0])
+    assert torch.equal(after["bag"][0].double(), live["bag"][0])
+    assert torch.equal(after["seq2"][0], before["seq2"][0]) and report.untouched == ["seq2"]
