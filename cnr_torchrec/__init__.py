@@ -19,6 +19,7 @@ from cnr_torchrec.ckpt import (
     SaveHandle,
     load_config,
 )
+from cnr_torchrec.ckpt.warm_start import vocabulary_remap, warm_start
 from cnr_torchrec.dmp import CheckNRunDMP
 from cnr_torchrec.errors import (
     CheckpointerClosedError,
@@ -41,7 +42,6 @@ from cnr_torchrec.errors import (
     UnsupportedStackError,
 )
 from cnr_torchrec.track import DirtyRowTracker
-from cnr_torchrec.transfer import vocabulary_remap, warm_start
 
 __all__ = [
     "CheckNRunDMP",

@@ -216,7 +216,7 @@ class Checkpointer:
         self._inflight: SaveHandle | None = None
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.
-        origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.transfer)
+        origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.ckpt.warm_start)
         if origin is not None and normal_root(config.root) == origin.root:
             raise ConfigError(f"this model was warm-started from {origin.root}; save it into a root of its own, not "
                               "into the root it was warm-started from")

@@ -3,7 +3,7 @@
 ``{"format": "cnr-origin", "root", "root_digest", "ckpt", "step", "tables", "mapping_digest", "unix"}``: the
 source root (as a job on its host names it) and its digest, the checkpoint and step the warm start read, the
 tables it filled (``{this model's table: the source's}``) and the sha256 of its whole mapping
-(:class:`~cnr_torchrec.transfer.warm_start.WarmStartReport`). The job's first Checkpointer on an empty root
+(:class:`~cnr_torchrec.ckpt.warm_start.WarmStartReport`). The job's first Checkpointer on an empty root
 writes it (rank 0, atomically); ``cnr inspect`` shows it. It is never rewritten, and nothing restores from it.
 """
 
