@@ -32,7 +32,10 @@ COMMANDS = {
                                "--batch-size", "256"], "x0.01"),
     "mc_delta": ([sys.executable, "benchmarks/mc_delta.py", "--rows", "2000", "--dim", "16"], "delta"),
     "metadata_scale": ([sys.executable, "benchmarks/metadata_scale.py", "--worlds", "2", "--layouts", "table8",
-                        "--depth", "2"], "2 ranks"),
+                        "--depth", "2"], "x DCP"),
+    "recovery": ([sys.executable, "benchmarks/recovery.py", "--sizes", "0.01", "--cells", "kept,off", "--nproc", "2",
+                  "--saves", "2", "--batch-size", "256"], "kill->step"),
+    "exit_race": ([sys.executable, "benchmarks/exit_race.py", "--jobs", "1", "--rounds", "2"], "aborted at exit"),
     "soak": (TORCHRUN + ["benchmarks/soak.py", "--quick", "--checkpoints", "6", "--rows", "2000", "--every", "3"],
              "checkpoints"),
 }
@@ -42,8 +45,10 @@ COMMANDS = {
 @pytest.mark.parametrize("name", sorted(COMMANDS))
 def test_a_documented_benchmark_runs_at_its_smallest_size(name, tmp_path):
     cmd, expect = COMMANDS[name]
-    if "--out-dir" not in cmd and name not in ("mc_delta", "metadata_scale", "tracking"):
+    if "--out-dir" not in cmd and name not in ("mc_delta", "metadata_scale", "tracking", "exit_race"):
         cmd = [*cmd, "--out-dir", str(tmp_path / "out")]
+    if name == "recovery":  # its hosts' memory images, apart from any other run's
+        cmd = [*cmd, "--shm", str(tmp_path / "shm")]
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=280)
     log = proc.stdout + proc.stderr

@@ -218,8 +218,9 @@ def test_a_warm_started_job_saves_into_its_own_root_which_records_its_origin(gro
     root, _ = source
     dmp = _target()
     report = warm_start(dmp, root, tables={"ui": "user_item"})
-    with pytest.raises(ConfigError, match="save it into a root of its own"):
-        Checkpointer(dmp, _config(root))
+    with Checkpointer(dmp, _config(root)) as into_source:
+        with pytest.raises(ConfigError, match="save it into a root of its own"):
+            into_source.save(1)
     mine = str(tmp_path / "mine")
     with Checkpointer(dmp, _config(mine)) as ck:
         assert ck.save(1).wait().kind == "baseline"

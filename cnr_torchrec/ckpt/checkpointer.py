@@ -212,14 +212,10 @@ class Checkpointer:
         self._staging = StagingBuffers()  # host memory each save copies into, reused from save to save
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
-        _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools
         self._inflight: SaveHandle | None = None
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.
         origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.ckpt.warm_start)
-        if origin is not None and normal_root(config.root) == origin.root:
-            raise ConfigError(f"this model was warm-started from {origin.root}; save it into a root of its own, not "
-                              "into the root it was warm-started from")
         token, next_id = self._ranks.from_rank0(
             lambda: [int.from_bytes(os.urandom(7), "little"), self._open_root(origin)],
             what=f"listing the checkpoints under {config.root}",
@@ -247,6 +243,7 @@ class Checkpointer:
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
                                     reconstruction=self._reconstruction(), memory=self._memory,
                                     boxes=shard_boxes(tracker))
+        _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools (once whole)
 
     # ------------------------------------------------------------------ public
 
@@ -280,13 +277,17 @@ class Checkpointer:
         the cause, and the previous checkpoint stays as it was.
 
         Raises:
-            ConfigError: the config asks for something this save cannot do (raised on every rank,
-                before anything is staged).
+            ConfigError: the config asks for something this save cannot do, or the model was warm-started
+                from this root (raised on every rank, before anything is staged).
             RowIdOutOfRangeError, MalformedLookupError: sync-free tracking recorded a bad lookup
                 on some rank since the last save (raised on every rank, before anything is staged).
         """
         t0 = time.perf_counter()
         self._check_open("save")
+        origin = getattr(self.model, "_cnr_warm_start", None)
+        if origin is not None and normal_root(self.config.root) == origin.root:
+            raise ConfigError(f"this model was warm-started from {origin.root}; save it into a root of its own, not "
+                              "into the root it was warm-started from")
         self._check_lookups()
         if self._inflight is not None and not self._inflight.done() and self.config.on_busy == "wait":
             self._settle(self._inflight)
@@ -459,6 +460,7 @@ class Checkpointer:
                 self._reset_reconstruction(reconstruction, chain, restored,
                                            from_memory=self._restorer.stats.get("from_memory") == 1.0)
         del restored
+        self.model.__dict__.pop("_cnr_warm_start", None)  # it holds this root's checkpoint now, not a warm start
         self.tracker.reset(baseline=True)
         self._continue_chain(chain)
         self._count_restore(m)

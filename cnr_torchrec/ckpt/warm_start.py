@@ -9,8 +9,8 @@ size, from any chain (plain, residual, folded, keyed). The model's other tables,
 to, keep their own values.
 
 The model remembers the report: the first ``Checkpointer`` on it records it as its root's origin
-(``origin.json``, :mod:`~cnr_torchrec.ckpt.format.origin`, shown by ``cnr inspect``), and one on the source
-root is refused, so a warm-started job saves into a root of its own, its first save a baseline.
+(``origin.json``, :mod:`~cnr_torchrec.ckpt.format.origin`, shown by ``cnr inspect``), and a save into the
+source root is refused, so a warm-started job saves into a root of its own, its first save a baseline.
 
 It is all or nothing: every rank decodes what it will write first, the ranks agree that every one of them
 succeeded, and only then is anything written; a failure anywhere leaves the model as it was and raises the
