@@ -1,5 +1,6 @@
-"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline, publish a serving
-snapshot of one (``cnr publish``), and clean the host's memory images (``cnr clean-images``).
+"""The ``cnr`` command: inspect, verify, compact, export and import checkpoint roots offline, copy one to other
+storage (``cnr copy``), publish a serving snapshot of one (``cnr publish``), and clean the host's memory images
+(``cnr clean-images``).
 
 Exit codes: 0 success (``verify``: sound; ``cnr`` alone prints the commands); 1 a checkpoint is
 corrupt (``verify`` found problems, or ``compact``/``export``/``import-dcp`` met a corrupt file);
@@ -540,6 +541,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the training step the baseline records (default: the step DCP_DIR records, else 0)")
     p.set_defaults(func=_cmd_import_dcp)
 
+    _add_copy_parser(sub, common)
+    _add_publish_parser(sub, common)
+    _add_clean_images_parser(sub)
+    return parser
+
+
+def _add_copy_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("copy", parents=[common], help="copy committed checkpoints to another root, never torn",
                        description="Copy the newest committed chain of ROOT (--all: every committed checkpoint; "
                                    "--id N: N's chain) to DST, any storage to any (a directory, s3://...). Every "
@@ -556,6 +564,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed to DST's storage plugin (repeatable), as --storage-option is to ROOT's")
     p.set_defaults(func=_cmd_copy)
 
+
+def _add_publish_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     p = sub.add_parser("publish", parents=[common], help="keep a serving snapshot in a directory current",
                        description="Write the newest committed checkpoint's tables to OUT/current/model.pt (a "
                                    "state_dict by the training model's names, in --dtype; int8/int4 as FBGEMM's "
@@ -574,9 +584,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write a lease under ROOT/followers/NAME.json after each update: a job whose keep.followers "
                         "names NAME keeps what this publisher has not read yet")
     p.set_defaults(func=_cmd_publish)
-
-    _add_clean_images_parser(sub)
-    return parser
 
 
 def _add_clean_images_parser(sub: Any) -> None:
