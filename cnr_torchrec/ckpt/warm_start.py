@@ -298,7 +298,7 @@ def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str
         states = _states(new, data.states, pick, region, live_states, tracker, optimizer_state)
         cols = (region.cols[0] - shard.cols[0], region.cols[1] - shard.cols[0])
         writes.append(_Write(kernel.tbe.split_embedding_weights()[shard.local_index], live_states, local, cols,
-                             data.weights.index_select(0, pick), states))
+                             _rows_of(data.weights, pick), states))
         if shard.cols[0] == 0:  # a row counts once, whatever its column shards
             counts[new] += int(local.numel())
         if states:
@@ -318,7 +318,7 @@ def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Regi
     out = []
     n, width = int(pick.numel()), region.cols[1] - region.cols[0]
     for s, have in zip(stored, live):
-        mine = RowState(s.rowwise, s.values.index_select(0, pick)).for_shard((0, n), (0, width))
+        mine = RowState(s.rowwise, _rows_of(s.values, pick)).for_shard((0, n), (0, width))
         if (have.dim() == 1) != s.rowwise:
             raise IncompatibleCheckpointError(
                 f"table '{table}': the checkpoint's '{region.table}' stores "
@@ -326,6 +326,13 @@ def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Regi
                 "pass optimizer_state='reset'")
         out.append(mine)
     return out
+
+
+def _rows_of(block: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
+    """Rows ``pick`` of ``block``: the block itself where they are all of its rows in order (no copy)."""
+    if pick.numel() == block.shape[0] and torch.equal(pick, torch.arange(block.shape[0])):
+        return block
+    return block.index_select(0, pick)
 
 
 def _dense(storage: Any, tip: Manifest, model: nn.Module, tracker: Any,

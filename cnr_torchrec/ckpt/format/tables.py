@@ -256,7 +256,9 @@ def _apply_entry(data: TableData, claim: _EntryClaim) -> TableData:
             f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
     for seg, mp in zip(segs, maps):
         src, dst = _kept(mp.index_select(0, pick))
-        data.weights[dst, seg[0] - v0 : seg[1] - v0] += weights[src, seg[0] - c0 : seg[1] - c0]
+        rows = weights if src.numel() == weights.shape[0] else weights.index_select(0, src)  # all kept: no gather
+        # One rounded add per element, as ``x[dst] += y`` makes it (no index repeats), without its gather/scatter.
+        data.weights[:, seg[0] - v0 : seg[1] - v0].index_add_(0, dst, rows[:, seg[0] - c0 : seg[1] - c0])
     n_rows, n_cols = data.weights.shape
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
