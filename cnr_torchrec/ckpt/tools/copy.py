@@ -3,8 +3,9 @@
 Each checkpoint is copied as its bytes, after they pass the checks a restore makes as it reads them: the
 manifest's seal (its HMAC on a keyed root), each part's digest and structure, each payload chunk's size and
 digest (xxh3, or the keyed BLAKE2b). Its payload chunks go first, then its parts, each fsynced as a save makes
-them, then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves the destination restorable at
-the checkpoints whose manifests it wrote, and nothing half-written looks committed. ``index.json`` is written
+them, then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves
+the destination restorable at the checkpoints whose manifests it wrote, and nothing half-written looks
+committed. ``index.json`` is written
 once the checkpoints are. A copy run again skips each checkpoint already committed there with the same
 manifest, and each file already there whole (its size and digest checked), so an interrupted copy resumes.
 
