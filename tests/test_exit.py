@@ -68,3 +68,33 @@ def test_a_job_exits_0_and_leaves_a_sound_root(tmp_path, state):
         storage.close()
     # The last save (4) and the compaction it started (3) committed, even where their work outlived main.
     assert max(ids) == 4 and 3 in ids, ids
+
+
+def test_a_checkpointer_that_fails_to_open_leaves_nothing_for_the_exit(group, tmp_path, monkeypatch, caplog):
+    """A constructor that raises (here: the root's listing) closes what it opened and is not tracked, so the exit
+    does not wait on it or log a failure of a half-built object."""
+    import gc
+
+    from _toy import build_dmp
+
+    from cnr_torchrec import Checkpointer, _exit, load_config
+    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.errors import StorageError
+    from examples.toy import TableSpec
+
+    dmp, opt = build_dmp([TableSpec("t0", 32, 8, "row_wise")], seed=0)
+    closed = []
+    real_close = Storage.close
+    monkeypatch.setattr(Storage, "close", lambda self: (closed.append(self.root), real_close(self))[1])
+
+    def refuse(self, origin):
+        raise OSError("the listing failed")
+
+    monkeypatch.setattr(Checkpointer, "_open_root", refuse)
+    with pytest.raises(StorageError, match="the listing failed"):
+        Checkpointer(dmp, load_config({"root": str(tmp_path / "root"), "memory_tier": "off"}), dense_optimizer=opt)
+    gc.collect()
+    assert closed, "the storage it opened was left open"
+    with caplog.at_level("WARNING", logger="cnr_torchrec._exit"):
+        _exit.finish_background_work()
+    assert "at exit" not in caplog.text

@@ -213,6 +213,22 @@ class Checkpointer:
         self._closed = False
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
         self._inflight: SaveHandle | None = None
+        try:
+            self._open(model, tracker, dense_optimizer)
+        except BaseException:  # a Checkpointer that did not open leaves nothing open
+            self._executor.shutdown(wait=False)
+            self._io.close()
+            self._storage.close()
+            memory = getattr(self, "_memory", None)
+            if memory is not None:
+                memory.close(remove=False)
+            raise
+        _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools (once whole)
+
+    def _open(self, model: torch.nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any) -> None:
+        """The rest of the constructor, once the storage is open: the root listed, the chain book, the
+        compactor, retention, the memory tier, the restore and commit paths."""
+        config = self.config
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.
         origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.ckpt.warm_start)
@@ -243,7 +259,6 @@ class Checkpointer:
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
                                     reconstruction=self._reconstruction(), memory=self._memory,
                                     boxes=shard_boxes(tracker))
-        _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools (once whole)
 
     # ------------------------------------------------------------------ public
 
