@@ -11,6 +11,7 @@ model left as it was.
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -293,3 +294,27 @@ def test_sequence_tables_warm_start_onto_another_plan_and_world_size(group, tmp_
     assert torch.equal(after["seq3"][0].double(), live["seq3"][0])
     assert torch.equal(after["bag"][0].double(), live["bag"][0])
     assert torch.equal(after["seq2"][0], before["seq2"][0]) and report.untouched == ["seq2"]
+
+
+@pytest.mark.timeout(300)
+def test_managed_collision_tables_warm_start_by_raw_id_onto_another_world_size(group, tmp_path):
+    """TorchRec's ManagedCollisionEmbeddingBagCollection trained on 2 ranks (evicting every 2 steps) into a model
+    of the same tables on 1 rank: every raw id the trainer held looks up, through TorchRec's own forward of the
+    warm-started model, the embedding the trainer's own forward gave it at its last save."""
+    import _mc_models as M
+    from test_managed_collision import _held, _looked_up
+    from test_publish_mc import _job
+
+    from cnr_torchrec import CheckNRunDMP, warm_start
+
+    saved = str(tmp_path / "saved")
+    os.mkdir(saved)
+    run_ranks(_job, 2, args=(str(tmp_path / "job"), "ebc", saved), timeout=240)
+    want = torch.load(os.path.join(saved, "looked_up.pt"))[-1]
+    model = M.build_mc_model("ebc", 1, dmp_cls=CheckNRunDMP, eviction_interval=2, seed=5)
+    last = sorted(int(n) for n in os.listdir(saved) if n.isdigit())[-1]
+    report = warm_start(model.dmp, os.path.join(saved, str(last)))
+    assert sorted(report.tables) == ["big", "small"] and report.tables["big"].loaded == sum(t == "big" for t, _ in want)
+    got = _looked_up(model, set(want))
+    assert _held(model).keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -18,12 +18,14 @@ same named error on every rank. The source root is only read.
 
 Refused by name: a table the checkpoint lacks, a table of the model told twice, another embedding dim unless
 ``columns="fit"`` (copy the columns both have, leave the rest), fused optimizer state of another layout than
-the model's unless ``optimizer_state="reset"``, a row map of the wrong length or into rows the old table lacks,
-and managed-collision tables (not served yet).
+the model's unless ``optimizer_state="reset"``, a row map of the wrong length or into rows the old table lacks.
+A managed-collision table's rows move by raw id, as a restore onto another world size relocates them
+(:func:`_stage_remapped`); a row map, another dim, or a managed-collision table into a plain one are refused.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
@@ -40,8 +43,9 @@ from cnr_torchrec.ckpt.format.commits import load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state
-from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_regions
+from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_regions, assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
+from cnr_torchrec.ckpt.restore.relocate import ids_for_rank, router, write_rows
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
 from cnr_torchrec.track.discovery import ShardSlice
@@ -132,17 +136,17 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
     tracker = getattr(model, "dirty_tracker", None)
     if tracker is None:
         raise ConfigError(f"warm_start takes a CheckNRunDMP; got a {type(model).__name__}")
-    shapes = _shapes(ranks, tracker)
+    shapes, mc_of = _shapes(ranks, tracker)
     storage = open_storage(root, storage_options, key)
     failure, cause = None, None
     try:
         cid = int(ranks.from_rank0(lambda: resolve_id(storage, ckpt), what="choosing the checkpoint to warm start"))
-        writes: list[_Write] = []
+        writes: list[Any] = []
         report, dense_values = None, {}
         try:
             chain = walk_chain(load_manifest(storage, cid), lambda i: load_manifest(storage, i))
             pairs = _pairs(shapes, chain[-1], tables)
-            _check(tracker, shapes, chain[-1], pairs, remap or {}, columns, optimizer_state)
+            _check(shapes, mc_of, chain, pairs, remap or {}, columns, optimizer_state)
             writes, counts, kept = _stage(storage, chain, tracker, pairs, remap or {}, optimizer_state)
             dense_values = _dense(storage, chain[-1], model, tracker, dense)
             report = _report(normal_root(root), chain[-1], tracker, shapes, pairs, remap or {}, columns,
@@ -199,13 +203,17 @@ def _vocabulary(source: str | Sequence[str]) -> list[str]:
 # ---------------------------------------------------------------------- checks
 
 
-def _shapes(ranks: Ranks, tracker: Any) -> dict[str, tuple[int, int]]:
-    """Every table of the model and its whole shape (a rank knows those it holds shards of; all ranks tell)."""
-    mine = {t: list(shape) for t in tracker.tables() if (shape := tracker.table_shape(t)) is not None}
-    out: dict[str, tuple[int, int]] = {}
+def _shapes(ranks: Ranks, tracker: Any) -> tuple[dict[str, tuple[int, int]], dict[str, bool]]:
+    """Every table of the model, its whole shape and whether it is a managed-collision table (a rank knows the
+    tables it holds shards of; all ranks tell)."""
+    mine = {t: [*shape, tracker.mc_table(t) is not None] for t in tracker.tables()
+            if (shape := tracker.table_shape(t)) is not None}
+    shapes: dict[str, tuple[int, int]] = {}
+    mc_of: dict[str, bool] = {}
     for told in ranks.exchange(mine):
-        out |= {t: (int(r), int(d)) for t, (r, d) in told.items()}
-    return out
+        shapes |= {t: (int(r), int(d)) for t, (r, d, _) in told.items()}
+        mc_of |= {t: bool(mc) for t, (_, _, mc) in told.items()}
+    return shapes, mc_of
 
 
 def _pairs(shapes: Mapping[str, tuple[int, int]], tip: Manifest,
@@ -233,8 +241,9 @@ def _pairs(shapes: Mapping[str, tuple[int, int]], tip: Manifest,
     return pairs
 
 
-def _check(tracker: Any, shapes: Mapping[str, tuple[int, int]], tip: Manifest, pairs: Mapping[str, str],
-           remap: Mapping[str, torch.Tensor], columns: str, optimizer_state: str) -> None:
+def _check(shapes: Mapping[str, tuple[int, int]], mc_of: Mapping[str, bool], chain: list[Manifest],
+           pairs: Mapping[str, str], remap: Mapping[str, torch.Tensor], columns: str, optimizer_state: str) -> None:
+    tip, remapped = chain[-1], _mc_tables(chain[0])
     if columns not in ("exact", "fit"):
         raise ConfigError(f"columns={columns!r}: give 'exact' (the same dim) or 'fit' (the columns both have)")
     if optimizer_state not in ("keep", "reset"):
@@ -243,10 +252,14 @@ def _check(tracker: Any, shapes: Mapping[str, tuple[int, int]], tip: Manifest, p
     if unknown:
         raise ConfigError(f"remap names {unknown}, which this warm start does not fill (it fills {sorted(pairs)})")
     for new, old in pairs.items():
-        if tracker.mc_table(new) is not None or old in _mc_tables(tip):
-            raise ConfigError(f"table '{new}' (from '{old}') is a managed-collision table: warm start does not take "
-                              "those yet; leave it out of tables=")
         (rows, dim), (old_rows, old_dim) = shapes[new], tip.tables[old]
+        if mc_of.get(new, False) != (old in remapped):
+            raise ConfigError(f"table '{new}' is {'a' if mc_of.get(new) else 'no'} managed-collision table and "
+                              f"checkpoint {tip.id}'s '{old}' is {'one' if old in remapped else 'not'}: take a "
+                              "managed-collision table into one, a plain table into a plain one")
+        if mc_of.get(new) and (new in remap or dim != old_dim):
+            raise ConfigError(f"table '{new}' is a managed-collision table: its raw ids are its vocabulary (each row "
+                              "moves to the slot its raw id routes to), so it takes no row map and the same dim")
         if dim != old_dim and columns == "exact":
             raise IncompatibleCheckpointError(
                 f"table '{new}' has {dim} columns, checkpoint {tip.id}'s '{old}' {old_dim}: pass columns='fit' to copy "
@@ -260,8 +273,9 @@ def _check(tracker: Any, shapes: Mapping[str, tuple[int, int]], tip: Manifest, p
                 raise ConfigError(f"remap['{new}'] names rows outside [-1, {old_rows}) of checkpoint table '{old}'")
 
 
-def _mc_tables(tip: Manifest) -> set[str]:
-    return {t for _, t, e in tip.entries() if e.mc is not None} if tip.kind == "baseline" else set()
+def _mc_tables(base: Manifest) -> set[str]:
+    """The managed-collision tables of a chain, by its baseline (which stores every table's rows)."""
+    return {t for _, t, e in base.entries() if e.mc is not None}
 
 
 # ---------------------------------------------------------------------- staging
@@ -269,12 +283,15 @@ def _mc_tables(tip: Manifest) -> set[str]:
 
 def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str, str],
            remap: Mapping[str, torch.Tensor],
-           optimizer_state: str) -> tuple[list[_Write], dict[str, int], set[str]]:
+           optimizer_state: str) -> tuple[list[Any], dict[str, int], set[str]]:
     """Every shard's rows of this rank, decoded (nothing written): the writes, the rows loaded per table, and
     the tables whose fused optimizer state moves with them."""
     tip = chain[-1]
+    mc_pairs = {new: old for new, old in pairs.items() if tracker.mc_table(new) is not None}
     wanted: list[tuple[str, Any, ShardSlice, torch.Tensor, torch.Tensor, Region]] = []
     for new, old in sorted(pairs.items()):
+        if new in mc_pairs:
+            continue
         old_rows, old_dim = tip.tables[old]
         for kernel, shard in tracker.shards(new):
             (r0, r1), (c0, c1) = shard.rows, shard.cols
@@ -290,7 +307,8 @@ def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str
             wanted.append((new, kernel, shard, local, src - lo, Region(old, (lo, hi), (c0, c1))))
     assembled: Mapping[Region, TableData] = assemble_regions(storage, chain, {w[5] for w in wanted}) if wanted \
         else {}
-    writes, counts, kept = [], {t: 0 for t in pairs}, set()
+    writes: list[Any] = []
+    counts, kept = {t: 0 for t in pairs}, set()
     for new, kernel, shard, local, pick, region in wanted:
         data = assembled[region]
         live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
@@ -303,7 +321,37 @@ def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str
             counts[new] += int(local.numel())
         if states:
             kept.add(new)
+    for new, rows, moves_state in _stage_remapped(storage, chain, tracker, mc_pairs, optimizer_state, writes):
+        counts[new] += rows
+        if moves_state:
+            kept.add(new)
     return writes, counts, kept
+
+
+def _stage_remapped(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str, str],
+                    optimizer_state: str, writes: list[Any]) -> list[tuple[str, int, bool]]:
+    """Managed-collision tables: each old row moves, by its raw id, to this rank's slots where the raw id routes
+    now, the ids the module's eviction policy keeps where they outnumber the slots, as a restore onto another
+    world size relocates them (:mod:`~cnr_torchrec.ckpt.restore.relocate`); the last slot, which the module's
+    misses read, and the eviction window (a new run's) stay the model's own. Staged as writes; returns (table,
+    rows, whether its optimizer state moves)."""
+    if not pairs:
+        return []
+    whole = assemble_tables(storage, chain, tables=set(pairs.values()))
+    out = []
+    for new, old in sorted(pairs.items()):
+        data, mc = whole[old], tracker.mc_table(new)
+        if data.mc is None or data.mc.shape[1] != len(mc.fields):
+            raise IncompatibleCheckpointError(
+                f"table '{new}': checkpoint table '{old}' keeps its remapping with "
+                f"{None if data.mc is None else data.mc.shape[1]} fields, the model's module {list(mc.fields)}; "
+                "warm start it into a module of the same eviction policy")
+        order = ids_for_rank(new, data, mc, [], dist.get_rank() if dist.is_initialized() else 0,
+                             router(mc, tracker, dist.get_world_size() if dist.is_initialized() else 1))
+        keep = optimizer_state == "keep" and bool(data.states)
+        writes.append(functools.partial(write_rows, new, data, order, None, mc, tracker, states=keep))
+        out.append((new, int(order.numel()), keep))
+    return out
 
 
 def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Region, live: list[torch.Tensor],
@@ -380,9 +428,12 @@ def _report(root: str, tip: Manifest, tracker: Any, shapes: Mapping[str, tuple[i
 # ---------------------------------------------------------------------- writing
 
 
-def _write(writes: list[_Write], model: nn.Module, dense: Mapping[str, torch.Tensor]) -> None:
+def _write(writes: list[Any], model: nn.Module, dense: Mapping[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for w in writes:
+            if not isinstance(w, _Write):  # a managed-collision table's staged relocation
+                w()
+                continue
             c0, c1 = w.cols
             view = w.weights if (c0, c1) == (0, w.weights.shape[1]) else w.weights[:, c0:c1]
             view[w.rows] = w.values.to(w.weights.dtype)

@@ -41,7 +41,7 @@ from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointEr
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import EMPTY, McTable, empty_state, route
 
-__all__ = ["needs_relocation", "relocate_tables"]
+__all__ = ["ids_for_rank", "needs_relocation", "relocate_tables", "router", "write_rows"]
 
 log = logging.getLogger(__name__)
 
@@ -79,13 +79,13 @@ def relocate_tables(tables: set[str], chain: list[Manifest], storage: Storage, t
                 f"table '{table}': the checkpoint's managed-collision state has {data.mc.shape[1]} fields, the "
                 f"model's module {list(mc.fields)}; restore with the eviction policy it was saved with")
         runtime = _saved_runtime(chain[-1], storage, mc)
-        ranks = _router(mc, tracker, world_size)
-        order = _ids_for_this_rank(table, data, mc, runtime, rank, ranks)
-        _write_rows(table, data, order, _saved_miss_row(chain[-1], mc), mc, tracker)
+        ranks = router(mc, tracker, world_size)
+        order = ids_for_rank(table, data, mc, runtime, rank, ranks)
+        write_rows(table, data, order, _saved_miss_row(chain[-1], mc), mc, tracker)
         mc.load_runtime(_routed_runtime(runtime, mc, rank, world_size, ranks))
 
 
-def _router(mc: McTable, tracker: DirtyRowTracker, world_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
+def router(mc: McTable, tracker: DirtyRowTracker, world_size: int) -> Callable[[torch.Tensor], torch.Tensor]:
     """The rank of each raw id of ``mc``'s table on this world, as the live module's input distribution sends
     it: by the module's ``input_size()`` and ``buckets()``, and laid out by position where a table that shares
     the distribution (one sharded managed-collision module) has a bucket count that is not a multiple of the
@@ -107,7 +107,7 @@ def _saved_miss_row(tip: Manifest, mc: McTable) -> int | None:
     return None
 
 
-def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[dict[str, Any]], rank: int,
+def ids_for_rank(table: str, data: TableData, mc: McTable, runtime: list[dict[str, Any]], rank: int,
                        ranks: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """The saved rows whose raw ids this rank holds now (``ranks`` routes them), in raw-id order, those the
     policy keeps."""
@@ -132,28 +132,29 @@ def _ids_for_this_rank(table: str, data: TableData, mc: McTable, runtime: list[d
     return mine[torch.argsort(raw[mine])]
 
 
-def _write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int | None, mc: McTable,
-                tracker: DirtyRowTracker) -> None:
-    """Saved rows ``order`` into this rank's first slots (weights, optimizer states and by-row state), and the
-    weights and optimizer states of saved row ``miss_row`` into its last slot."""
+def write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int | None, mc: McTable,
+               tracker: DirtyRowTracker, *, states: bool = True) -> None:
+    """Saved rows ``order`` into this rank's first slots of ``table`` (weights, optimizer states unless not
+    ``states``, and by-row state), and the weights and optimizer states of saved row ``miss_row`` into its last
+    slot (None: the last slot keeps its own)."""
     (kernel, shard), = tracker.shards(table)
     n = order.numel()
     weights = kernel.tbe.split_embedding_weights()[shard.local_index]
     live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
-    states = list(live[shard.local_index]) if live else []
-    if len(states) != len(data.states):
+    states_live = list(live[shard.local_index]) if live and states else []
+    if states and len(states_live) != len(data.states):
         raise IncompatibleCheckpointError(
-            f"table '{table}': checkpoint has {len(data.states)} optimizer states, the model {len(states)}; "
+            f"table '{table}': checkpoint has {len(data.states)} optimizer states, the model {len(states_live)}; "
             "restore with the optimizer it was saved with")
     cols = shard.cols
     with torch.no_grad():
         weights[:n] = data.weights[order, cols[0]:cols[1]].to(weights)
-        for live_state, saved in zip(states, data.states):
+        for live_state, saved in zip(states_live, data.states):
             moved = RowState(saved.rowwise, saved.values[order]).for_shard((0, n), cols)
             live_state.reshape(shard.num_rows, -1)[:n] = moved.reshape(n, -1).to(live_state)
         if miss_row is not None:
             weights[-1] = data.weights[miss_row, cols[0]:cols[1]].to(weights)
-            for live_state, saved in zip(states, data.states):
+            for live_state, saved in zip(states_live, data.states):
                 row = saved.for_shard((miss_row, miss_row + 1), cols)
                 live_state.reshape(shard.num_rows, -1)[-1] = row.reshape(-1).to(live_state)
     state = empty_state(mc.num_rows, len(mc.fields))
