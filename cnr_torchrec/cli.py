@@ -404,12 +404,14 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     try:
         dst = open_storage(args.dst, parse_storage_options(args.dst_storage_option), key)
         try:
-            report = copy_checkpoints(src, dst, everything=args.all, ckpt=args.id)
+            report = copy_checkpoints(src, dst, everything=args.all, ckpt=args.id, compact=args.compact)
         finally:
             dst.close()
     finally:
         src.close()
     copied = _id_ranges(report.copied) if report.copied else "none"
+    if args.compact:
+        copied += " as one baseline"
     skipped = f"; already there: {_id_ranges(report.skipped)}" if report.skipped else ""
     print(f"copied checkpoints {copied} of {args.root} to {args.dst}{skipped}: {report.files} files, "
           f"{_human_bytes(report.nbytes)} written, {report.files_present} files found whole already")
@@ -560,6 +562,8 @@ def _add_copy_parser(sub: Any, common: argparse.ArgumentParser) -> None:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--all", action="store_true", help="every committed checkpoint, not only the newest chain")
     which.add_argument("--id", type=int, help="copy this checkpoint's chain")
+    p.add_argument("--compact", action="store_true",
+                   help="write the chain into DST as one baseline (cnr compact's, lossless), not its members")
     p.add_argument("--dst-storage-option", action="append", metavar="KEY=VALUE",
                    help="passed to DST's storage plugin (repeatable), as --storage-option is to ROOT's")
     p.set_defaults(func=_cmd_copy)

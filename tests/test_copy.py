@@ -143,3 +143,24 @@ def test_a_destination_holding_another_checkpoint_under_the_same_id_is_refused(g
     code, _, err = _cnr(capsys, "copy", job[-1], other, "--all")
     assert code == 2 and "holds another checkpoint 1 than" in err
     assert json.loads(open(os.path.join(dst, "index.json")).read())["committed"] == [0, 1, 2, 3, 4]
+
+
+def test_a_compacting_copy_arrives_as_one_baseline_that_restores_as_the_chain(group, job, tmp_path, capsys):
+    from cnr_torchrec.ckpt.format.commits import load_manifest
+    from cnr_torchrec.ckpt.format.storage import Storage
+
+    src, dst = job[-1], str(tmp_path / "dst")
+    code, out, err = _cnr(capsys, "copy", src, dst, "--compact")
+    assert code == 0, err
+    assert "copied checkpoints 3-4 as one baseline" in out
+    (only,) = _committed(dst)
+    storage = Storage(dst)
+    m = load_manifest(storage, only)
+    storage.close()
+    assert m.kind == "baseline" and m.equals == 4 and m.parent is None
+    _assert_same_restore(dst, src)
+    assert _cnr(capsys, "verify", dst)[0] == 0
+    code, out, _ = _cnr(capsys, "copy", src, dst, "--compact")  # again: the compaction is there already
+    assert code == 0 and "already there: 3-4" in out and _committed(dst) == [only]
+    code, _, err = _cnr(capsys, "copy", src, str(tmp_path / "other"), "--compact", "--all")
+    assert code == 2 and "without --all" in err
