@@ -1,5 +1,6 @@
 """The README's commands, as a newcomer runs them: every ``cnr`` line of its shell blocks, against the root of the
-demo job (``configs/demo.yaml``, shortened), with the README's placeholders (``ROOT``, ``D``, ``NEW_ROOT``) and its
+demo job (``configs/demo.yaml``, shortened), with the README's placeholders (``ROOT``, ``D``, ``NEW_ROOT``, ``COPY``,
+``SERVING``) and its
 demo path replaced by directories of this test; and every file or page it links to exists."""
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def test_the_readmes_cnr_commands_run_against_the_demos_root(demo_root, tmp_path
     lines = _cnr_lines(open(README).read())
     assert len(lines) >= 6, lines  # the demo's two, and the six of "The cnr command"
     names = {DEMO_ROOT: demo_root, "ROOT": demo_root, "NEW_ROOT": str(tmp_path / "imported"),
-             "D": str(tmp_path / "dcp"), "model.pt": str(tmp_path / "model.pt")}
+             "D": str(tmp_path / "dcp"), "model.pt": str(tmp_path / "model.pt"), "COPY": str(tmp_path / "copy"),
+             "SERVING": str(tmp_path / "serving")}
     cnr = os.path.join(os.path.dirname(sys.executable), "cnr")
     for line in lines:
         argv = [names.get(arg, arg) for arg in shlex.split(line)]
