@@ -393,9 +393,13 @@ def _cmd_clean_images(args: argparse.Namespace) -> int:
 
 
 def _cmd_copy(args: argparse.Namespace) -> int:
+    from cnr_torchrec.ckpt.compact.copy import copy_compacted
     from cnr_torchrec.ckpt.tools.copy import copy_checkpoints
     from cnr_torchrec.ckpt.tools.root import open_storage, parse_storage_options
 
+    if args.compact and args.all:
+        raise ConfigError("--compact copies one chain as one baseline; give it without --all (or --id N for N's "
+                          "chain)")
     local = args.dst.removeprefix("fs://") if "://" not in args.dst or args.dst.startswith("fs://") else None
     if local is not None:
         os.makedirs(local, exist_ok=True)
@@ -404,7 +408,8 @@ def _cmd_copy(args: argparse.Namespace) -> int:
     try:
         dst = open_storage(args.dst, parse_storage_options(args.dst_storage_option), key)
         try:
-            report = copy_checkpoints(src, dst, everything=args.all, ckpt=args.id, compact=args.compact)
+            report = (copy_compacted(src, dst, ckpt=args.id) if args.compact
+                      else copy_checkpoints(src, dst, everything=args.all, ckpt=args.id))
         finally:
             dst.close()
     finally:

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from cnr_torchrec.ckpt.format.commits import (
-    ckpt_dir,
     committed_ids,
     load_manifest,
     manifest_path,
@@ -50,10 +49,10 @@ class CopyReport:
 
 
 def copy_checkpoints(src: Storage, dst: Storage, *, everything: bool = False, ckpt: int | None = None,
-                     compact: bool = False, progress: Callable[[int], None] | None = None) -> CopyReport:
+                     progress: Callable[[int], None] | None = None) -> CopyReport:
     """Copies the chain of ``ckpt`` (default: the newest committed state), or every committed checkpoint with
-    ``everything``, from ``src`` to ``dst``; with ``compact``, the chain arrives as one baseline (``cnr
-    compact``'s, lossless: it restores as the chain's tip, bit for bit).
+    ``everything``, from ``src`` to ``dst`` (``cnr copy --compact``, one baseline in place of the chain, is
+    :func:`~cnr_torchrec.ckpt.compact.offline.copy_compacted`).
 
     Args:
         progress: called with the bytes of each file as it is copied.
@@ -62,11 +61,8 @@ def copy_checkpoints(src: Storage, dst: Storage, *, everything: bool = False, ck
         CheckpointNotFoundError: nothing committed in ``src``, or ``ckpt`` is not.
         CorruptCheckpointError (UnauthenticatedCheckpointError on a keyed root): a file of ``src`` fails its
             checks; what was copied before it stays committed at ``dst``, the checkpoint it belongs to is not.
-        ConfigError: ``dst`` holds another checkpoint under an id being copied, or ``compact`` with
-            ``everything``.
+        ConfigError: ``dst`` holds another checkpoint under an id being copied.
     """
-    if compact and everything:
-        raise ConfigError("--compact copies one chain as one baseline; give it without --all (or --id N for N's chain)")
     if everything:
         ids = committed_ids(src)
         if not ids:
@@ -75,37 +71,10 @@ def copy_checkpoints(src: Storage, dst: Storage, *, everything: bool = False, ck
         tip = load_manifest(src, resolve_id(src, ckpt))
         ids = [m.id for m in walk_chain(tip, lambda i: load_manifest(src, i))]
     report = CopyReport()
-    if compact and _compacted_already(dst, load_manifest(src, max(ids))):
-        report.skipped += sorted(ids)
-        return report
     for cid in sorted(ids):
         _copy_one(src, dst, cid, report, progress)
     write_index(dst, committed_ids(dst))
-    if compact:
-        _fold_into_baseline(dst, sorted(ids))
     return report
-
-
-def _compacted_already(dst: Storage, tip: Manifest) -> bool:
-    """Whether ``dst`` holds a compaction of the chain of ``tip`` (an earlier ``--compact`` copy)."""
-    for cid in committed_ids(dst):
-        m = load_manifest(dst, cid)
-        if m.equals == tip.id and m.step == tip.step and m.compacted_from is not None:
-            return True
-    return False
-
-
-def _fold_into_baseline(dst: Storage, chain: list[int]) -> None:
-    """Compacts the chain just copied into ``dst`` into one baseline, then removes the chain's members: the new
-    baseline is committed first, so a stop in between leaves both, each restorable."""
-    from cnr_torchrec.ckpt.compact.offline import compact
-
-    compact(dst, chain[-1])
-    for cid in chain:  # uncommit each member (its manifest), then its files, as retention collects one
-        files = load_manifest(dst, cid).files
-        dst.delete(manifest_path(cid))
-        dst.remove_dir(ckpt_dir(cid), files)
-    write_index(dst, committed_ids(dst))
 
 
 def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport,
