@@ -1,7 +1,16 @@
-"""Runs a function on several ranks (gloo, or NCCL on GPUs) in spawned processes, with a hard timeout."""
+"""Runs a function on several ranks (gloo, or NCCL on GPUs) in processes of their own, with a hard timeout.
+
+The ranks are forked from a forkserver that has imported torch, FBGEMM, TorchRec and this package once
+(Python's ``forkserver`` start method with a preload list): a spawned rank spent 5 s of its life on those imports,
+which a test suite of a hundred multi-rank tests paid per rank and per test. A rank starts as clean as a spawned
+one (the forkserver runs nothing but the imports), with the caller's working directory and ``sys.path`` (Python's
+preparation data) and the caller's environment as it is at the call (forwarded here, as the forkserver's own was
+fixed when it started).
+"""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -13,7 +22,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple, backend: str) -> None:
+PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "torchrec.distributed", "cnr_torchrec",
+           "tests._dist"]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, rdzv: str, args: tuple, backend: str,
+           env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -43,10 +59,11 @@ def run_ranks(fn: Callable, world_size: int = 2, timeout: float = 240.0, args: t
               backend: str = "gloo") -> None:
     """Runs ``fn(rank, world_size, *args)`` on ``world_size`` ranks of a ``backend`` group; fails on error or
     timeout. With NCCL, rank r runs on ``cuda:r``."""
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
     with tempfile.TemporaryDirectory() as d:
         ctx = mp.start_processes(
-            _entry, args=(fn, world_size, os.path.join(d, "rdzv"), args, backend), nprocs=world_size, join=False,
-            start_method="spawn",
+            _entry, args=(fn, world_size, os.path.join(d, "rdzv"), args, backend, dict(os.environ)),
+            nprocs=world_size, join=False, start_method="forkserver",
         )
         deadline = time.monotonic() + timeout
         while not ctx.join(timeout=5):
