@@ -366,7 +366,7 @@ def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Regi
     out = []
     n, width = int(pick.numel()), region.cols[1] - region.cols[0]
     for s, have in zip(stored, live):
-        mine = RowState(s.rowwise, _rows_of(s.values, pick)).for_shard((0, n), (0, width))
+        mine = RowState(s.rowwise, _rows_of(s.values, pick), s.dtype, s.bounds).for_shard((0, n), (0, width))
         if (have.dim() == 1) != s.rowwise:
             raise IncompatibleCheckpointError(
                 f"table '{table}': the checkpoint's '{region.table}' stores "
@@ -436,15 +436,21 @@ def _write(writes: list[Any], model: nn.Module, dense: Mapping[str, torch.Tensor
                 continue
             c0, c1 = w.cols
             view = w.weights if (c0, c1) == (0, w.weights.shape[1]) else w.weights[:, c0:c1]
-            view[w.rows] = w.values.to(w.weights.dtype)
+            rows = _span_of(w.rows)
+            view[rows] = w.values.to(w.weights.dtype)
             for live, value in zip(w.live_states, w.states):
-                if live.dim() == 1:
-                    live[w.rows] = value.to(live.dtype)
-                else:
-                    target = live if (c0, c1) == (0, live.shape[1]) else live[:, c0:c1]
-                    target[w.rows] = value.to(live.dtype)
+                target = live if live.dim() == 1 or (c0, c1) == (0, live.shape[1]) else live[:, c0:c1]
+                target[rows] = value.to(live.dtype)
         if dense:
             tracker = getattr(model, "dirty_tracker")
             mine = dense_named_state(model, tracker.module_fqns())
             for name, value in dense.items():
                 mine[name].copy_(value)
+
+
+def _span_of(rows: torch.Tensor) -> torch.Tensor | slice:
+    """``rows`` (ascending) as a slice where they are one run, which copies without a scatter."""
+    n = int(rows.numel())
+    if n and int(rows[-1]) - int(rows[0]) + 1 == n:
+        return slice(int(rows[0]), int(rows[0]) + n)
+    return rows

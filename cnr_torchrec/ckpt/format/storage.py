@@ -22,7 +22,6 @@ import os
 import posixpath
 import shutil
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -207,20 +206,11 @@ class Storage:
             os.close(fd)
 
     def fsync_file(self, path: str) -> None:
-        """Flushes a written file to disk (local filesystem only; object stores are durable on PUT)."""
+        """Flushes a written file, or a directory's entries, to disk (local filesystem only; object stores are
+        durable on PUT)."""
         if self.local_dir is None:
             return
         _fsync_path(os.path.join(self.local_dir, check_relative(path)))
-
-    def fsync_files(self, paths: Sequence[str]) -> None:
-        """Flushes written files and the directories that name them to disk, several at once (a local
-        filesystem's queue takes them together; each ``fsync`` releases the GIL). Object stores: nothing."""
-        if self.local_dir is None or not paths:
-            return
-        full = [os.path.join(self.local_dir, check_relative(p)) for p in paths]
-        targets = full + sorted({os.path.dirname(f) for f in full})
-        with ThreadPoolExecutor(min(8, len(targets)), thread_name_prefix="cnr-fsync") as pool:
-            list(pool.map(_fsync_path, targets))
 
     def size(self, path: str) -> int | None:
         """The size of a file in bytes; None where the backend cannot tell without reading it.

@@ -8,15 +8,15 @@ is below it). The result feeds relocation of managed-collision tables on restore
 (:mod:`cnr_torchrec.ckpt.compact`) and ``cnr export`` (:mod:`cnr_torchrec.ckpt.tools`); it reads
 manifests and payloads only, and knows nothing of models, trackers or the tools that call it.
 
-Row-wise optimizer state is one value per row of a column shard. It is kept here
-expanded to one value per row and column (every column of a shard holds the shard's
-value), so that it can be cut again along any column range: exactly the saved value
-when the range is one saved shard, the width-weighted mean otherwise (which is what a
-restore onto such a shard computes).
+Row-wise optimizer state is one value per row of a column shard. It is kept here as one value per row
+and column segment (the column ranges no entry of the chain cuts), so that it can be cut again along any
+column range: exactly the saved value when the range lies in one saved shard, the width-weighted mean
+otherwise (which is what a restore onto such a shard computes).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -42,44 +42,54 @@ Progress = Callable[[int], Any]
 
 @dataclass
 class RowState:
-    """One optimizer state of a whole table (momentum, row-wise Adagrad sum...).
+    """One optimizer state of a table or block (momentum, row-wise Adagrad sum...).
 
     Attributes:
         rowwise: one value per row of each shard (row-wise Adagrad) rather than one per element.
-        values: float32 ``[rows, dim]``; for row-wise state, every column of a shard holds
-            that shard's value.
+        values: float32; per element ``[rows, dim]``; row-wise ``[rows, segments]``, one value per row and
+            column segment of :attr:`bounds`.
         dtype: the dtype the checkpoint stored it in (the ``state_dtype`` of the job).
+        bounds: row-wise state: the column segments' edges, from 0 to the width (``(0, 16, 32)``: two
+            segments).
     """
 
     rowwise: bool
     values: torch.Tensor
     dtype: torch.dtype = torch.float32
+    bounds: tuple[int, ...] = ()
 
     def for_shard(self, rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
-        """The state as a shard with these global ranges stores it: ``[rows]`` if row-wise, else ``[rows, cols]``."""
-        block = self.values[rows[0] : rows[1], cols[0] : cols[1]]
+        """The state as a shard with these ranges stores it: ``[rows]`` if row-wise, else ``[rows, cols]``."""
         if not self.rowwise:
-            return block.contiguous()
-        return _row_mean(block)
+            return self.values[rows[0] : rows[1], cols[0] : cols[1]].contiguous()
+        block, edges = self.values[rows[0] : rows[1]], self.bounds
+        overlaps = [(k, min(b, cols[1]) - max(a, cols[0])) for k, (a, b) in enumerate(zip(edges[:-1], edges[1:]))]
+        overlaps = [(k, w) for k, w in overlaps if w > 0]
+        first = block[:, overlaps[0][0]]
+        if all(torch.equal(block[:, k], first) for k, _ in overlaps[1:]):
+            return first.clone()  # one saved shard's value (or several equal ones), exactly
+        ks = torch.tensor([k for k, _ in overlaps])
+        widths = torch.tensor([w for _, w in overlaps], dtype=torch.float64)
+        return ((block.index_select(1, ks).double() * widths).sum(dim=1) / widths.sum()).float()
 
     def per_row(self) -> torch.Tensor:
-        """Row-wise state of the unsharded table (``[rows]``): the column-width-weighted mean over its shards."""
+        """Row-wise state of the whole table or block (``[rows]``): the width-weighted mean over its segments."""
         if not self.rowwise:
             raise ValueError("per_row() is for row-wise state")
-        return _row_mean(self.values)
+        return self.for_shard((0, self.values.shape[0]), (0, self.bounds[-1]))
 
-
-def _row_mean(block: torch.Tensor) -> torch.Tensor:
-    # Exact when every column holds the same value (one saved shard), the width-weighted mean otherwise.
-    first = block[:, :1]
-    if bool((block == first).all()):
-        return first[:, 0].clone()
-    return block.double().mean(dim=1).float()
+    def rows(self, index: torch.Tensor) -> RowState:
+        """The state of rows ``index`` (in that order), cut as this one is."""
+        return RowState(self.rowwise, self.values.index_select(0, index), self.dtype, self.bounds)
 
 
 class TableData(NamedTuple):
     """A whole table after applying a chain: fp32 weights ``[rows, dim]``, its optimizer states, and for a
-    managed-collision table its by-row state (int64 ``[rows, fields]``, :class:`~.manifest.McRows`)."""
+    managed-collision table its by-row state (int64 ``[rows, fields]``, :class:`~.manifest.McRows`).
+
+    The weights may share memory with the checkpoint's mapped files (a private mapping: writes stay in the
+    process) and with other regions of the same assembly that hold the same stored rows; copy before writing
+    where several regions of one table are kept."""
 
     weights: torch.Tensor
     states: list[RowState]
@@ -145,7 +155,9 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
     covered: dict[Region, _Covered] = {}
     for g in (g for gs in sharded.values() for g in gs):
         shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
-        out[g] = TableData(torch.zeros(shape, dtype=torch.float32), [])  # sums start from zero (the rule)
+        # Untouched memory: every row gets a whole copy before any residual adds onto it (the rule), and a
+        # region the chain leaves open is refused below, before it is returned.
+        out[g] = TableData(torch.empty(shape, dtype=torch.float32), [])
         segs = segments_of(g.cols, sorted(breaks.get(g.table, ())))
         covered[g] = _Covered(Coverage(shape[0], segs), Coverage(shape[0], segs), Coverage(shape[0], [g.cols]))
     claims: list[_EntryClaim] = []  # made newest copy first, applied oldest first (the rule's sums)
@@ -166,8 +178,9 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                             claims.append(claim)
                     if progress is not None:
                         progress(1)
+    alone = {g for g, n in Counter(c.region for c in claims).items() if n == 1}
     for claim in reversed(claims):
-        out[claim.region] = _apply_entry(out[claim.region], claim)
+        out[claim.region] = _apply_entry(out[claim.region], claim, claim.region in alone)
     out.update(_replicated_tables(storage, tip, replicated))
     _check_covered(chain, {g: c.weights for g, c in covered.items()})
     return out
@@ -202,6 +215,8 @@ class _EntryClaim(NamedTuple):
     load: RowReader
     file: str
     segs: list[tuple[int, int]]
+    whole: bool | torch.Tensor  # which stored rows are whole copies (:func:`~.precedence.closes`)
+    region_segs: list[tuple[int, int]]  # every column segment of the region, in order
     maps: list[torch.Tensor]
     state_maps: list[torch.Tensor]
     mc_map: torch.Tensor | None
@@ -232,13 +247,20 @@ def _claim_entry(covered: _Covered, region: Region, table: str, entry: TableEntr
     pick = torch.from_numpy(np.flatnonzero(needed.numpy()))
     if not pick.numel():
         return None
-    return _EntryClaim(region, table, entry, load, file, segs, maps, state_maps, mc_map, pick)
+    return _EntryClaim(region, table, entry, load, file, segs, whole, list(covered.weights.filled), maps, state_maps,
+                       mc_map, pick)
 
 
-def _apply_entry(data: TableData, claim: _EntryClaim) -> TableData:
+def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool) -> TableData:
     """Applies what ``claim`` took of its region: decodes the claimed rows and writes them (a whole copy) or
     adds them (a residual; one rounded add per copy, onto the older copies applied before), and sets the
-    claimed optimizer and managed-collision states."""
+    claimed optimizer and managed-collision states.
+
+    Claims are applied oldest first, so a whole copy lands on rows no claim has written yet (the newest whole
+    copy of a row closes it to every older entry), and a residual on rows a whole copy has written. The one
+    claim of a region (``alone``) that gives every row of it, whole and in order, gives its decoded rows as
+    the region's weights, with no copy: they may then share memory with the checkpoint's mapped file
+    (privately: writes to them stay in the process) or with another region's rows of the same entry."""
     region, table, entry, load, file = claim.region, claim.table, claim.entry, claim.load, claim.file
     segs, maps, state_maps, mc_map, pick = claim.segs, claim.maps, claim.state_maps, claim.mc_map, claim.pick
     v0 = region.cols[0]
@@ -254,19 +276,37 @@ def _apply_entry(data: TableData, claim: _EntryClaim) -> TableData:
     if weights.shape[1] != c1 - c0:
         raise CorruptCheckpointError(
             f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
+    n_rows, n_cols = data.weights.shape
     for seg, mp in zip(segs, maps):
         src, dst = _kept(mp.index_select(0, pick))
         rows = weights if src.numel() == weights.shape[0] else weights.index_select(0, src)  # all kept: no gather
-        # One rounded add per element, as ``x[dst] += y`` makes it (no index repeats), without its gather/scatter.
-        data.weights[:, seg[0] - v0 : seg[1] - v0].index_add_(0, dst, rows[:, seg[0] - c0 : seg[1] - c0])
-    n_rows, n_cols = data.weights.shape
+        rows = rows[:, seg[0] - c0 : seg[1] - c0]
+        if alone and claim.whole is True and (seg[1] - seg[0], dst.numel()) == (n_cols, n_rows) and bool(
+                (dst == torch.arange(n_rows)).all()):
+            data = data._replace(weights=rows.contiguous())  # the region in one copy, in order: its decoded rows
+            continue
+        block = data.weights[:, seg[0] - v0 : seg[1] - v0]
+        whole = claim.whole if isinstance(claim.whole, bool) else claim.whole.index_select(0, pick.index_select(0, src))
+        if whole is True:
+            block.index_copy_(0, dst, rows)
+        elif whole is False:  # one rounded add per element, as ``x[dst] += y`` makes it (no index repeats)
+            block.index_add_(0, dst, rows)
+        else:
+            block.index_copy_(0, dst[whole], rows[whole])
+            block.index_add_(0, dst[~whole], rows[~whole])
+    bounds = (*(a - v0 for a, _ in claim.region_segs), claim.region_segs[-1][1] - v0)
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
-            data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, n_cols, dtype=torch.float32), t.dtype))
-        vals = t.float().reshape(t.shape[0], -1).expand(-1, c1 - c0)
+            width = len(bounds) - 1 if ref.rowwise else n_cols
+            data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, width, dtype=torch.float32), t.dtype,
+                                        bounds if ref.rowwise else ()))
+        vals = t.float().reshape(t.shape[0], -1)
         for seg, mp in zip(segs, state_maps):
             src, dst = _kept(mp.index_select(0, pick))
-            data.states[j].values[dst, seg[0] - v0 : seg[1] - v0] = vals[src, seg[0] - c0 : seg[1] - c0]
+            if ref.rowwise:  # the entry's one value a row, in the segment's column
+                data.states[j].values[dst, bounds.index(seg[0] - v0)] = vals[src, 0]
+            else:
+                data.states[j].values[dst, seg[0] - v0 : seg[1] - v0] = vals[src, seg[0] - c0 : seg[1] - c0]
     if mc_map is not None:
         if data.mc is None:
             data = data._replace(mc=torch.zeros(n_rows, len(entry.mc_rows.fields), dtype=torch.int64),

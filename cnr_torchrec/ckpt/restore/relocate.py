@@ -36,7 +36,7 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_tables
+from cnr_torchrec.ckpt.format.tables import TableData, assemble_tables
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.managed_collision import EMPTY, McTable, empty_state, route
@@ -150,7 +150,7 @@ def write_rows(table: str, data: TableData, order: torch.Tensor, miss_row: int |
     with torch.no_grad():
         weights[:n] = data.weights[order, cols[0]:cols[1]].to(weights)
         for live_state, saved in zip(states_live, data.states):
-            moved = RowState(saved.rowwise, saved.values[order]).for_shard((0, n), cols)
+            moved = saved.rows(order).for_shard((0, n), cols)
             live_state.reshape(shard.num_rows, -1)[:n] = moved.reshape(n, -1).to(live_state)
         if miss_row is not None:
             weights[-1] = data.weights[miss_row, cols[0]:cols[1]].to(weights)

@@ -16,7 +16,9 @@ holds another checkpoint under an id being copied is refused.
 from __future__ import annotations
 
 import mmap
+import posixpath
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from cnr_torchrec.ckpt.format.commits import (
@@ -74,14 +76,17 @@ def copy_checkpoints(src: Storage, dst: Storage, *, everything: bool = False, ck
         tip = load_manifest(src, resolve_id(src, ckpt))
         ids = [m.id for m in walk_chain(tip, lambda i: load_manifest(src, i))]
     report = CopyReport()
-    for cid in sorted(ids):
-        _copy_one(src, dst, cid, report, progress)
+    # Each file is flushed to disk by a thread as soon as it is written, while the next is read and checked;
+    # a checkpoint's manifest waits for its own files' flushes.
+    with ThreadPoolExecutor(4, thread_name_prefix="cnr-copy-sync") as syncs:
+        for cid in sorted(ids):
+            _copy_one(src, dst, cid, report, progress, syncs)
     write_index(dst, committed_ids(dst))
     return report
 
 
-def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport,
-              progress: Callable[[int], None] | None) -> None:
+def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport, progress: Callable[[int], None] | None,
+              syncs: ThreadPoolExecutor) -> None:
     manifest = load_manifest(src, cid)  # its seal checked
     raw = bytes(src.read(manifest_path(cid)))
     if dst.exists(manifest_path(cid)):
@@ -90,19 +95,22 @@ def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport,
             return
         raise ConfigError(f"{dst.root} holds another checkpoint {cid} than {src.root} does; copy into an empty root, "
                           "or into an earlier copy of this one")
-    written: list[str] = []
+    written: list[Future[None]] = []
     for chunk in _chunks(manifest):
         mapped = src.read_mapped(chunk.path)  # a local file's pages, checked and written with no copy of its own
         check_chunk(src.key, chunk.path, mapped, chunk.nbytes, chunk.digest, chunk.keyed)
-        _put(dst, chunk.path, mapped, report, progress, written, chunk)
+        _put(dst, chunk.path, mapped, report, progress, written, syncs, chunk)
     if manifest.version >= 7:
         for r in range(len(manifest.summaries)):
             path = part_path(cid, r)
             data = src.read(path)
             digest, keyed = part_digest(manifest.body["parts"][r])
             check_chunk(src.key, path, data, manifest.body["parts"][r]["nbytes"], digest, keyed)
-            _put(dst, path, data, report, progress, written)
-    dst.fsync_files(written)  # durable before the manifest that commits them, as a save makes its files
+            _put(dst, path, data, report, progress, written, syncs)
+    for synced in written:  # every file durable before the manifest that commits it, as a save makes its files
+        synced.result()
+    for directory in sorted({posixpath.dirname(p) for p in _paths(manifest)} - {""}):
+        dst.fsync_file(directory)  # and the directories that name them
     dst.write_atomic(manifest_path(cid), raw)  # the commit, last
     report.copied.append(cid)
     report.files += 1
@@ -117,15 +125,22 @@ def _chunks(manifest: Manifest) -> list[Chunk]:
         raise CorruptCheckpointError(f"checkpoint {manifest.id}: {e}") from None
 
 
+def _paths(manifest: Manifest) -> list[str]:
+    """The payload chunks and parts of a checkpoint."""
+    parts = [part_path(manifest.id, r) for r in range(len(manifest.summaries))] if manifest.version >= 7 else []
+    return [c.path for c in _chunks(manifest)] + parts
+
+
 def _put(dst: Storage, path: str, data: Buffer, report: CopyReport, progress: Callable[[int], None] | None,
-         written: list[str], chunk: Chunk | None = None) -> None:
-    """Writes ``data`` to ``path`` (adding it to ``written``, to be synced) unless the destination holds it whole
-    already (an interrupted copy's): a chunk checked against its digest, a part compared byte for byte."""
+         written: list[Future[None]], syncs: ThreadPoolExecutor, chunk: Chunk | None = None) -> None:
+    """Writes ``data`` to ``path`` and has ``syncs`` flush it (its future added to ``written``), unless the
+    destination holds it whole already (an interrupted copy's): a chunk checked against its digest, a part
+    compared byte for byte."""
     if _size(dst, path) in (len(data), None) and _whole(dst, path, data, chunk):
         report.files_present += 1
         return
     dst.write(path, memoryview(data))
-    written.append(path)
+    written.append(syncs.submit(dst.fsync_file, path))
     report.files += 1
     report.nbytes += len(data)
     if progress is not None:
