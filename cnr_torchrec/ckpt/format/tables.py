@@ -291,9 +291,9 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool) -> TableData:
             block.index_copy_(0, dst, rows)
         elif whole is False:  # one rounded add per element, as ``x[dst] += y`` makes it (no index repeats)
             block.index_add_(0, dst, rows)
-        else:
-            block.index_copy_(0, dst[whole], rows[whole])
-            block.index_add_(0, dst[~whole], rows[~whole])
+        else:  # whole copies land on untouched rows: zeroed first, every row then takes one add
+            block.index_fill_(0, dst[whole], 0.0)
+            block.index_add_(0, dst, rows)
     bounds = (*(a - v0 for a, _ in claim.region_segs), claim.region_segs[-1][1] - v0)
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
