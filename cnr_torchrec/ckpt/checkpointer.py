@@ -254,7 +254,7 @@ class Checkpointer:
         self._recovery = Recovery(restorer=self._restorer, storage=self._storage, io=self._io, ranks=self._ranks,
                                   model=model, tracker=tracker, dense_optimizer=dense_optimizer,
                                   extra_state=self.extra_state)
-        self._committer = Committer(config, rank=self.rank, world_size=self.world_size, distributed=self._dist,
+        self._committer = Committer(config, rank=self.rank, world_size=self.world_size,
                                     store=self._store, io=self._io, staging=self._staging,
                                     tables=list(tracker.tables()), on_commit=self._retention.committed,
                                     reconstruction=self._reconstruction(), memory=self._memory,

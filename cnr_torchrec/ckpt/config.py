@@ -386,7 +386,8 @@ class CheckpointConfig:
             it, or ``skip`` this save (the dirty rows carry over to the next one).
         full_shard_fraction: when at least this share of a table's rows is dirty, its
             shards are written whole, without row ids.
-        save_timeout_s: how long rank 0 waits for every rank's report before the save fails.
+        save_timeout_s: how long rank 0 waits for every rank's report before the save fails (the others wait twice
+            as long for its verdict).
         on_corrupt: what ``restore`` does when a file of the newest checkpoint fails its
             checks: ``fallback`` to the newest older checkpoint that is sound (logged), or
             ``fail`` with CorruptCheckpointError naming the file.

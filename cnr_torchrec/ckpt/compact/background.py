@@ -3,8 +3,9 @@
 DECK's shape: trainers write only deltas, and a merge decoupled from training folds them
 into a baseline. Here every rank merges the rows of its current shards (no rank reads the
 whole model) on a thread of its own, keeping each row's stored bytes
-(:mod:`cnr_torchrec.ckpt.compact.merge`), and the result commits like a save: per-rank reports
-to rank 0 through the c10d store, then rank 0 writes the sealed manifest.
+(:mod:`cnr_torchrec.ckpt.compact.merge`), and the result commits like a save, in the same round
+(:mod:`cnr_torchrec.ckpt.commit_round`): per-rank reports to rank 0 through the c10d store, then rank 0
+writes the sealed manifest.
 
 How it meets the saves (all of it agreed through the saves' all-gather, so that every rank
 takes the same decisions):
@@ -27,16 +28,14 @@ deltas simply go on, and a later save tries again.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 from cnr_torchrec.ckpt import fault_injection
-from cnr_torchrec.ckpt._collective import heard
+from cnr_torchrec.ckpt.commit_round import CommitRound, Outcome, Report
 from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.config import CompactionConfig
 from cnr_torchrec.ckpt.format.blocks import Region, shard_key
@@ -56,7 +55,6 @@ __all__ = ["Compaction", "Compactor", "regions_of_tracker"]
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05  # the save thread may hold the store client in a long wait: never block on it here
 
 
 def regions_of_tracker(tracker: DirtyRowTracker, rank: int) -> list[Region]:
@@ -73,15 +71,6 @@ def regions_of_tracker(tracker: DirtyRowTracker, rank: int) -> list[Region]:
             _, rows2, cols2 = shard_key(table, rows, cols)
             regions.append(Region(table, rows2, cols2))
     return regions
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """How a compaction ended, the same on every rank."""
-
-    ok: bool
-    nbytes: int = 0  # the compacted checkpoint's bytes
-    error: str = ""
 
 
 class Compaction:
@@ -145,10 +134,13 @@ class Compaction:
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
             report, chain = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}, []
         try:
-            if self.rank == 0:
-                out = self._commit(report, chain, storage, t0)
-            else:
-                out = self._await(report)
+            committed: list[Manifest] = []  # rank 0's, once it commits
+            round_ = CommitRound(self._store, f"compact/{self.new_id}", self.rank, self.world_size, self._timeout_s)
+            out = round_.run(Report.of_part(report),
+                             lambda reports: self._commit(reports, chain, storage, t0, committed))
+            if committed and out.ok:
+                assert storage is not None  # the commit wrote through it
+                self._on_commit(committed[0], storage)
             if not out.ok:
                 self._cleanup(storage)
             return out
@@ -169,70 +161,22 @@ class Compaction:
                               new_id=self.new_id, rank=self.rank, rank_state=rank_state, dense_state=dense_state,
                               chunk_bytes=self._chunk_bytes, pool=self._pool)
 
-    def _key(self, what: str) -> str:
-        return f"compact/{self.new_id}/{what}"
-
-    def _wait_keys(self, keys: list[str]) -> bool:
-        """Polls until every key is set (True) or the timeout passes (False)."""
-        deadline = time.monotonic() + self._timeout_s
-        while not self._store.check(keys):
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(_POLL_S)
-        return True
-
-    def _await(self, report: dict[str, Any]) -> Outcome:
-        try:
-            self._store.set(self._key(f"report/{self.rank}"), json.dumps(report))
-            if not self._wait_keys([self._key("result")]):
-                return Outcome(False, error=f"no word from rank 0 within {self._timeout_s:.0f} s")
-            got = json.loads(self._store.get(self._key("result")))
-        except Exception as e:
-            return Outcome(False, error=f"no word from rank 0 ({type(e).__name__}: {e})")
-        heard(self._store, self._key("result"), self._key("heard"), self.world_size)
-        return Outcome(got["ok"], got.get("nbytes", 0), got.get("error", ""))
-
-    def _gather(self, own: dict[str, Any]) -> list[dict[str, Any]]:
-        keys = [self._key(f"report/{r}") for r in range(1, self.world_size)]
-        if keys and not self._wait_keys(keys):
-            missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
-            return [own] + [{"rank": r, "ok": False, "error": "no report in time"} for r in missing]
-        out = [own] + [json.loads(self._store.get(k)) for k in keys]
-        for k in keys:  # read: the store need not hold them any longer
-            self._store.delete_key(k)
-        return out
-
-    def _commit(self, own: dict[str, Any], chain: list[Manifest], storage: Storage | None,
-                t0: float) -> Outcome:
-        """Rank 0: the reports, the manifest if all are good, and the outcome for every rank. Never raises."""
-        try:
-            reports = self._gather(own)
-            bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
-            if bad:
-                out = Outcome(False, error="; ".join(bad))
-            else:
-                assert storage is not None  # rank 0's own part is good, so it opened its storage
-                body = compacted_body(chain, sorted(reports, key=lambda r: r["rank"]), self.new_id,
-                                      self.world_size, (time.perf_counter() - t0) * 1e3,
-                                      folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
-                manifest = with_parts(check_manifest(body, manifest_path(self.new_id)), storage)
-                fault_injection.hit("compact.before_manifest")
-                storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
-                fault_injection.hit("compact.after_manifest")
-                out = Outcome(True, manifest.nbytes)
-        except Exception as e:
-            log.error("compaction %d: rank 0 could not commit", self.new_id, exc_info=True)
-            out = Outcome(False, error=f"rank 0 could not commit: {type(e).__name__}: {e}")
-        if self._store is not None:
-            summary = {"ok": out.ok, "error": out.error, "nbytes": out.nbytes}
-            try:
-                self._store.set(self._key("result"), json.dumps(summary))
-            except Exception as e:
-                out = Outcome(False, error=f"rank 0 could not tell the other ranks ({type(e).__name__}: {e})")
-        if out.ok:
-            assert storage is not None  # the commit wrote through it
-            self._on_commit(manifest, storage)
-        return out
+    def _commit(self, reports: list[Report], chain: list[Manifest], storage: Storage | None, t0: float,
+                committed: list[Manifest]) -> Outcome:
+        """Rank 0's decision in the round: the compacted manifest written if every rank's part is."""
+        bad = [f"rank {r.rank}: {r.error}" for r in reports if not r.ok]
+        if bad:
+            return Outcome(False, "; ".join(bad))
+        assert storage is not None  # rank 0's own part is good, so it opened its storage
+        body = compacted_body(chain, sorted((dict(r.part) for r in reports), key=lambda p: p["rank"]), self.new_id,
+                              self.world_size, (time.perf_counter() - t0) * 1e3,
+                              folded=fold.FOLDED_CODEC if _folds(chain, self.residual) else None)
+        manifest = with_parts(check_manifest(body, manifest_path(self.new_id)), storage)
+        fault_injection.hit("compact.before_manifest")
+        storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
+        fault_injection.hit("compact.after_manifest")
+        committed.append(manifest)
+        return Outcome(True, facts={"nbytes": manifest.nbytes})
 
     def _cleanup(self, storage: Storage | None) -> None:
         """A compaction that did not commit: its manifest (rank 0: in case the others were not told) and files."""
@@ -315,7 +259,7 @@ class Compactor:
                 log.info("compaction: checkpoint %d holds chain %d..%d; the next delta hangs on it", comp.new_id,
                          comp.chain[0], comp.tip)
                 self.folded = comp.folded if comp.residual else None
-                return ChainState(state.next_id, (comp.new_id,), out.nbytes, ()), True
+                return ChainState(state.next_id, (comp.new_id,), int(out.facts["nbytes"]), ()), True
             why = (f"failed: {out.error}" if not out.ok else "did not commit on every rank" if not committed
                    else "is moot: the chain changed meanwhile")
             log.warning("compaction %d of chain %d..%d %s; the chain goes on as it was", comp.new_id, comp.chain[0],

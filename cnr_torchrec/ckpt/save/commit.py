@@ -1,28 +1,26 @@
 """The commit protocol of a save, run on the Checkpointer's background thread.
 
-Each rank encodes and writes its payload file and its part (its report, format/parts.py), then
-tells rank 0 through the c10d store (never the training process group) that they are durable:
-the part's size and digest and a few counts, not the report. Rank 0 waits for every rank, writes
-the sealed index atomically (the commit), publishes the outcome for the other ranks, and then
-rewrites index.json and collects what the kept chains no longer need. Every store key a save
-creates is deleted once the outcome is known: the ranks' lines by rank 0 as it reads them, the
-outcome by the last rank to hear it. A save that does not commit leaves nothing that looks
-committed and removes its partial files.
+:meth:`Committer.write` reads as the protocol goes: this rank writes its payload file and its part
+(format/parts.py); the ranks run the commit round (:mod:`~cnr_torchrec.ckpt.commit_round`: each tells
+rank 0 through the c10d store, never the training process group, that its part is durable, and hears
+the outcome); rank 0's decision in that round is :meth:`Committer._commit` (the index built from the
+parts, checked, sealed and written atomically: the commit); then rank 0 rewrites index.json and collects
+what the kept chains no longer need, and every rank takes the committed rows into its reconstruction and
+memory image. A save that does not commit leaves nothing that looks committed and removes its partial
+files.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from cnr_torchrec.ckpt import fault_injection
-from cnr_torchrec.ckpt._collective import heard
+from cnr_torchrec.ckpt.commit_round import CommitRound, Outcome, Report
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
@@ -95,7 +93,7 @@ class Committer:
 
     Args:
         config: the Checkpointer's config (root, storage options, chunking, timeouts, policy).
-        rank, world_size, distributed: this process in the job.
+        rank, world_size: this process in the job.
         store: the c10d store the reports and outcomes go through (None on one process).
         io: the threads that write chunks.
         staging: where staged buffers go back once written.
@@ -107,7 +105,7 @@ class Committer:
             index records.
     """
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, distributed: bool, store: Any,
+    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, store: Any,
                  io: IOPool,
                  staging: StagingBuffers, tables: list[str],
                  on_commit: Callable[[Manifest, Storage], None],
@@ -117,7 +115,7 @@ class Committer:
         self._boxes = boxes
         self.reconstruction = reconstruction
         self.memory = memory
-        self._dist, self._store, self._io, self._staging = distributed, store, io, staging
+        self._store, self._io, self._staging = store, io, staging
         self._tables, self._on_commit = tables, on_commit
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
         self._storage: Storage | None = None  # the save thread's own (Storage is not thread-safe)
@@ -159,30 +157,33 @@ class Committer:
                 self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
         if staged is None:
             part = report
-        if self.rank == 0:
-            result = self._commit(d, part, storage, fields)
-        else:
-            result = self._await_result(d, part)
+        committed: list[Manifest] = []  # rank 0's, once it commits
+        round_ = CommitRound(self._store, str(d.ckpt_id), self.rank, self.world_size, self.config.save_timeout_s)
+        out = round_.run(Report.of_part(part), lambda reports: self._commit(d, reports, storage, fields, committed))
+        if committed and out.ok:
+            assert storage is not None  # a save that committed wrote through it
+            fault_injection.hit("gc.before")
+            self._on_commit(committed[0], storage)
         if self.reconstruction is not None:
-            if result["ok"]:
+            if out.ok:
                 self._commit_reconstruction(d, report)
             else:
                 self.reconstruction.discard()
-        if not result["ok"] and result.get("heard", True):  # rank 0's verdict, or rank 0 itself: nothing committed
+        if not out.ok and out.heard:  # rank 0's verdict, or rank 0 itself: nothing committed
             self._cleanup(d, storage)
             raise SaveFailedError(
-                f"save {d.ckpt_id} at step {d.step} did not commit: {result['error']}. "
+                f"save {d.ckpt_id} at step {d.step} did not commit: {out.error}. "
                 f"The previous checkpoint is intact; the next save writes a new baseline."
             )
-        if not result["ok"]:  # no verdict: rank 0 may have committed before it died, so this rank's files stay
+        if not out.ok:  # no verdict: rank 0 may have committed before it died, so this rank's files stay
             raise SaveFailedError(
-                f"save {d.ckpt_id} at step {d.step}: {result['error']}. Rank 0 may have committed it before it "
+                f"save {d.ckpt_id} at step {d.step}: {out.error}. Rank 0 may have committed it before it "
                 "failed, so this rank keeps its files (rank 0 removes them at its next commit if it did not); the "
                 "previous checkpoint is intact either way, and the next save writes a new baseline."
             )
-        if "manifest" in result:
-            return CheckpointInfo.from_manifest(result["manifest"], d.chain)
-        return self._info(d, result)
+        if committed:
+            return CheckpointInfo.from_manifest(committed[0], d.chain)
+        return self._info(d, out.facts)
 
     def _commit_reconstruction(self, d: Decision, report: dict[str, Any]) -> None:
         """The committed save's rows into the reconstruction; with a memory image, between its unseal and its
@@ -204,97 +205,31 @@ class Committer:
             self._storage = self._io.open_storage()
         return self._storage
 
-    def _info(self, d: Decision, result: dict[str, Any]) -> CheckpointInfo:
+    def _info(self, d: Decision, result: Mapping[str, Any]) -> CheckpointInfo:
         return CheckpointInfo(
             id=d.ckpt_id, step=d.step, kind=d.kind, parent=d.parent, chain=d.chain, policy=self.config.policy,
             nbytes=result["nbytes"], rows_written=result["rows_written"], world_size=self.world_size,
             codec=result["codec"], stall_ms=result["stall_ms"], write_ms=result["write_ms"],
         )
 
-    def _key(self, d: Decision, what: str) -> str:
-        return f"{d.ckpt_id}/{what}"
-
-    def _await_result(self, d: Decision, part: dict[str, Any]) -> dict[str, Any]:
-        timeout = timedelta(seconds=self.config.save_timeout_s)
-        try:
-            self._store.set(self._key(d, f"report/{self.rank}"), json.dumps(part))
-            self._store.wait([self._key(d, "result")], timeout)
-            result = json.loads(self._store.get(self._key(d, "result")))
-        except Exception as e:  # the store lives in rank 0's process under some launchers: it may be gone with it
-            return {"ok": False, "heard": False, "error": f"no word from rank 0 ({type(e).__name__}: {e})"}
-        heard(self._store, self._key(d, "result"), self._key(d, "heard"), self.world_size)
-        return result
-
-    def _gather_reports(self, d: Decision, own: dict[str, Any]) -> list[dict[str, Any]]:
-        reports = [own]
-        if self.world_size == 1:
-            return reports
-        timeout = timedelta(seconds=self.config.save_timeout_s)
-        keys = [self._key(d, f"report/{r}") for r in range(1, self.world_size)]
-        try:
-            self._store.wait(keys, timeout)
-        except Exception as e:
-            missing = [r for r, k in zip(range(1, self.world_size), keys) if not self._store.check([k])]
-            return reports + [writing.failed_report(r, f"no report within {timeout} ({e})") for r in missing]
-        reports += [json.loads(self._store.get(k)) for k in keys]
-        for k in keys:  # read: the store need not hold them any longer
-            self._store.delete_key(k)
-        return reports
-
-    def _commit(self, d: Decision, own: dict[str, Any], storage: Storage | None,
-                fields: JobFields) -> dict[str, Any]:
-        """Rank 0: gathers the ranks' parts, writes the index if all are good, and publishes the outcome.
-
-        Never raises: whatever fails here (the manifest write, the store) becomes the
-        outcome every rank hears. ``storage`` is None only when ``own`` is a failure.
-        """
-        result: dict[str, Any]
-        try:
-            reports = self._gather_reports(d, own)
-            bad = [f"rank {r['rank']}: {r['error']}" for r in reports if not r["ok"]]
-            if bad:
-                result = {"ok": False, "error": "; ".join(bad)}
-            else:
-                assert storage is not None  # rank 0's own report is good, so it opened its storage
-                body = manifest_body(d, sorted(reports, key=lambda r: r["rank"]), fields, self._tables)
-                # An index the schema refuses never commits (each part was checked by its rank as it wrote it).
-                manifest = with_parts(check_manifest(body, manifest_path(d.ckpt_id)), storage)
-                fault_injection.hit("commit.before_manifest")
-                storage.write_atomic(manifest_path(d.ckpt_id), seal(body, key=storage.key))
-                fault_injection.hit("commit.after_manifest")
-                result = {"ok": True, "manifest": manifest}
-        except Exception as e:
-            log.error("save %d: rank 0 could not commit", d.ckpt_id, exc_info=True)
-            result = {"ok": False, "error": f"rank 0 could not commit: {type(e).__name__}: {e}"}
-        result = self._publish(d, result)
-        if result["ok"]:
-            assert storage is not None  # a save that committed wrote through it
-            fault_injection.hit("gc.before")
-            self._on_commit(result["manifest"], storage)
-        return result
-
-    def _publish(self, d: Decision, result: dict[str, Any]) -> dict[str, Any]:
-        """Rank 0 tells the other ranks ``result``. Returns it, or a failure if they could not be told.
-
-        A commit the others never hear of counts as failed on every rank (they give up
-        after ``save_timeout_s``); the caller then removes it like any failed save, so that
-        no rank's chain state disagrees with what is on storage.
-        """
-        if not self._dist:
-            return result
-        slim = {k: v for k, v in result.items() if k != "manifest"}
-        if result["ok"]:
-            info = CheckpointInfo.from_manifest(result["manifest"], d.chain)
-            slim.update(nbytes=info.nbytes, rows_written=info.rows_written, codec=dict(info.codec),
-                        stall_ms=info.stall_ms, write_ms=info.write_ms)
-        try:
-            self._store.set(self._key(d, "result"), json.dumps(slim))
-        except Exception as e:
-            log.error("save %d: rank 0 could not tell the other ranks the outcome: %s: %s", d.ckpt_id,
-                      type(e).__name__, e)
-            return {"ok": False, "error": f"rank 0 could not tell the other ranks the outcome ({type(e).__name__}: "
-                                          f"{e})"}
-        return result
+    def _commit(self, d: Decision, reports: list[Report], storage: Storage | None, fields: JobFields,
+                committed: list[Manifest]) -> Outcome:
+        """Rank 0's decision in the round: the manifest written if every rank's part is, and what the other
+        ranks are told of it. ``storage`` is None only when rank 0's own part failed."""
+        bad = [f"rank {r.rank}: {r.error}" for r in reports if not r.ok]
+        if bad:
+            return Outcome(False, "; ".join(bad))
+        assert storage is not None  # rank 0's own report is good, so it opened its storage
+        body = manifest_body(d, sorted((dict(r.part) for r in reports), key=lambda p: p["rank"]), fields, self._tables)
+        # An index the schema refuses never commits (each part was checked by its rank as it wrote it).
+        manifest = with_parts(check_manifest(body, manifest_path(d.ckpt_id)), storage)
+        fault_injection.hit("commit.before_manifest")
+        storage.write_atomic(manifest_path(d.ckpt_id), seal(body, key=storage.key))
+        fault_injection.hit("commit.after_manifest")
+        committed.append(manifest)
+        info = CheckpointInfo.from_manifest(manifest, d.chain)
+        return Outcome(True, facts={"nbytes": info.nbytes, "rows_written": info.rows_written,
+                                    "codec": dict(info.codec), "stall_ms": info.stall_ms, "write_ms": info.write_ms})
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
         """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too). Called
