@@ -235,6 +235,37 @@ def test_a_save_that_did_not_commit_leaves_the_image_of_the_previous_checkpoint(
     _assert_same(got, _storage_restore(root, shm))
 
 
+def test_an_image_the_restore_does_not_take_is_unsealed_before_the_restore_stages_into_it(group, tmp_path,
+                                                                                         monkeypatch):
+    """A restore of an older checkpoint declines the image (sealed for the newest) and may stage into its rows: the
+    seal goes first, so a restore that then fails leaves no seal a restart would trust; the restart reads storage."""
+    from cnr_torchrec import Checkpointer
+    from cnr_torchrec.ckpt.memory.tier import image_stem
+    from cnr_torchrec.ckpt.restore import restorer as restorer_mod
+
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    _job(root, shm)
+    seal = image_stem(shm, root, 0) + ".seal"
+    assert os.path.exists(seal)
+
+    def fail(*args, **kwargs):
+        assert not os.path.exists(seal), "the restore staged into a sealed image"
+        raise OSError("the storage went away")
+
+    monkeypatch.setattr(restorer_mod, "restore_chain", fail)
+    dmp, opt = build_dmp(_specs(), seed=7)
+    ck = Checkpointer(dmp, _config(root, shm), dense_optimizer=opt)
+    with pytest.raises(Exception, match="the storage went away"):
+        ck.restore(step=2)
+    ck.close(keep_images=True)
+    monkeypatch.undo()
+    assert not os.path.exists(seal)
+    got, sources, _ = _restart(root, shm, seed=5)
+    assert [s for _, s, _ in sources] == ["storage"]
+    _assert_same(got, _storage_restore(root, shm))
+
+
 def test_a_fold_then_a_delta_restore_from_the_image(group, tmp_path):
     """Background compaction folds the residual chain; the delta that hangs on the fold seals the image for its
     chain (the folded baseline and itself), and a restart takes it."""

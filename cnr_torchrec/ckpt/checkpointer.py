@@ -566,13 +566,14 @@ class Checkpointer:
         memory image (unless the rows came from it, sealed already) what the restore gave, sealed for the tip
         where it restores on this world size (an image is never used across world sizes)."""
         tip = chain[-1]
-        memory = self._memory if self._memory.active and not from_memory else None
-        if memory is not None:
-            memory.begin()
-        reconstruction.reset(self.tracker, restored)
-        if memory is not None and tip.world_size == self.world_size:
-            memory.take_live_states()
-            memory.seal(tip.id, [m.id for m in chain], payload_identity(tip.ranks[self.rank].payload))
+        if not self._memory.active or from_memory:
+            reconstruction.reset(self.tracker, restored)
+            return
+        with self._memory.update() as image:
+            reconstruction.reset(self.tracker, restored)
+            if tip.world_size == self.world_size:
+                image.seal(tip.id, [m.id for m in chain], payload_identity(tip.ranks[self.rank].payload),
+                           live_states=True)
 
     def _check_open(self, what: str) -> None:
         if self._closed:

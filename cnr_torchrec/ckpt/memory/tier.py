@@ -7,11 +7,12 @@ this object is the :class:`~cnr_torchrec.ckpt.save.residual.RowBacking`): with r
 reconstruction lives in the image, and there is no second copy. With plain coding (``mode: on``)
 the reconstruction exists for the image alone.
 
-Every change to the image happens between :meth:`MemoryTier.begin` (the seal removed) and
-:meth:`MemoryTier.seal` (the checksum taken, the seal written): after a save or a restore
-commits. A restore asks :meth:`MemoryTier.candidate` whether the image is sealed for exactly the
+Every change to the image happens inside :meth:`MemoryTier.update` (the seal removed first; the
+checksum taken and the seal written once the change is whole): after a save commits, and after a
+restore. A restore asks :meth:`MemoryTier.candidate` whether the image is sealed for exactly the
 checkpoint every rank agreed on, on this layout and world size; if so the rank copies its shards
-from it (:mod:`~cnr_torchrec.ckpt.restore.from_memory`), else it reads storage.
+from it (:mod:`~cnr_torchrec.ckpt.restore.from_memory`), else the image is unsealed there (the
+restore may stage into its rows) and the rank reads storage.
 
 Images are files ``r<rank>.img`` (and ``.seal``) in the root's own directory under
 ``memory_tier.path`` (:mod:`.directory`), so that the jobs of a host never take each other's.
@@ -76,6 +77,20 @@ def _shard_layouts(tracker: DirtyRowTracker) -> list[ShardLayout]:
         out.append(ShardLayout(shard_key(table, shard.rows, shard.cols), shard.cols[1] - shard.cols[0], n,
                                widths, len(mc.fields) if mc is not None else 0))
     return out
+
+
+class ImageUpdate:
+    """What the body of a :meth:`MemoryTier.update` asks the seal to say (nothing: the image stays unsealed)."""
+
+    def __init__(self) -> None:
+        self.sealed: tuple[int, tuple[int, ...], str] | None = None
+        self.live_states = False
+
+    def seal(self, tip: int, chain: Sequence[int], payload: str, *, live_states: bool = False) -> None:
+        """Seal the image for checkpoint ``tip`` (chain ``chain``), whose payload on this rank is ``payload``
+        (:func:`payload_identity`); ``live_states``: copy the model's optimizer and by-row states in first (after
+        a restore, which wrote them into the model)."""
+        self.sealed, self.live_states = (tip, tuple(chain), payload), live_states
 
 
 class MemoryTier:
@@ -233,13 +248,22 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ updates
 
-    def begin(self) -> None:
-        """Removes the seal: the image is about to change."""
+    @contextlib.contextmanager
+    def update(self) -> Iterator[ImageUpdate]:
+        """Unseal, update, seal, as one step: the image is unsealed before the body writes its rows, and once the
+        body returns it is sealed for what the body named (:meth:`ImageUpdate.seal`), after the live optimizer
+        states are copied in where it asked. A body that raises, or names nothing, leaves the image unsealed,
+        never torn: a restart then reads storage."""
         self._file.unseal()
+        update = ImageUpdate()
+        yield update
+        if update.sealed is None:
+            return
+        if update.live_states:
+            self._take_live_states()
+        self._seal(*update.sealed)
 
-    def seal(self, tip: int, chain: Sequence[int], payload: str) -> None:
-        """Seals the image for checkpoint ``tip`` (chain ``chain``), whose payload on this rank is ``payload``
-        (:func:`payload_identity`)."""
+    def _seal(self, tip: int, chain: Sequence[int], payload: str) -> None:
         self._refused = ""
         try:
             self._file.seal({"root": self._root, "rank": self.rank, "world_size": self.world_size, "ckpt_id": tip,
@@ -248,7 +272,7 @@ class MemoryTier:
             log.warning("rank %d: could not seal the memory image for checkpoint %d (%s: %s); a restart before the "
                         "next save reads storage", self.rank, tip, type(e).__name__, e)
 
-    def take_live_states(self) -> None:
+    def _take_live_states(self) -> None:
         """Copies every shard's live optimizer states and by-row state into the image (after a restore, which
         wrote them into the model)."""
         self._ensure_open()
@@ -264,7 +288,16 @@ class MemoryTier:
 
     def candidate(self, chain: Sequence[Manifest]) -> tuple[dict[ShardKey, ShardViews] | None, str]:
         """This rank's image views if the image is sealed for exactly ``chain`` (the agreed checkpoint, baseline
-        first) on this layout and world size, and its bytes match the seal's checksum; else None. With why."""
+        first) on this layout and world size, and its bytes match the seal's checksum; else None. With why.
+
+        An image not taken is unsealed before this returns: the restore that follows may write into its rows
+        (:meth:`weight_views`, given as its staging buffers), and seals it once done (:meth:`update`)."""
+        image, why = self._check_seal(chain)
+        if image is None and self.active:
+            self._file.unseal()
+        return image, why
+
+    def _check_seal(self, chain: Sequence[Manifest]) -> tuple[dict[ShardKey, ShardViews] | None, str]:
         if not self.active:
             return None, self.why_off
         if self._refused:

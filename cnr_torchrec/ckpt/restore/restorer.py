@@ -208,16 +208,13 @@ class Restorer:
         return None, None, chain, staged
 
     def _image_for(self, chain: list[Manifest]) -> Mapping[Key, Any] | None:
-        """This rank's memory image if it is sealed for ``chain`` on this layout (:meth:`MemoryTier.candidate`),
-        else None; where the image is not taken, it is unsealed, since a staged restore may write into its rows
-        (the reconstruction's, given as buffers)."""
+        """This rank's memory image if it is sealed for ``chain`` on this layout (:meth:`MemoryTier.candidate`,
+        which unseals an image it does not give: the staged restore may write into its rows), else None."""
         if self._memory is None:
             self._source = ("storage", "no memory tier (quantization.residual off, or memory_tier: off)")
             return None
         with timed(self.stats, "memory_check_ms"):
             image, why = self._memory.candidate(chain)
-        if image is None and self._memory.active:
-            self._memory.begin()
         self._source = ("memory" if image is not None else "storage", why)
         return image
 

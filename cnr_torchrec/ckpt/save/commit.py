@@ -193,11 +193,11 @@ class Committer:
         if memory is None:
             self.reconstruction.commit()
             return
-        memory.begin()
-        fault_injection.hit("image.unsealed")
-        self.reconstruction.commit()
-        fault_injection.hit("image.updated")
-        memory.seal(d.ckpt_id, d.chain, payload_identity(report))
+        with memory.update() as image:
+            fault_injection.hit("image.unsealed")
+            self.reconstruction.commit()
+            fault_injection.hit("image.updated")
+            image.seal(d.ckpt_id, d.chain, payload_identity(report))
 
     def _background_storage(self) -> Storage:
         """The save thread's own Storage, opened on first use."""
