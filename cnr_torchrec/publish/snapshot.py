@@ -33,6 +33,7 @@ import torch
 import xxhash
 
 from cnr_torchrec.ckpt.format.manifest import Manifest
+from cnr_torchrec.ckpt.format.storage import fsync_path
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.publish.follower import Cursor, Follower, Update, cursor_of
 from cnr_torchrec.publish.targets import FloatSink, FusedSink, Sink
@@ -178,7 +179,7 @@ class Publisher:
         link = os.path.join(self.out, f".tmp-link-{os.getpid()}")
         os.symlink(name, link)
         os.replace(link, current)
-        _fsync_dir(self.out)
+        fsync_path(self.out)
         for old in os.listdir(self.out):  # the version before stays for servers still reading it
             if old.startswith("v") and old[1:].isdigit() and old not in (name, before):
                 shutil.rmtree(os.path.join(self.out, old), ignore_errors=True)
@@ -218,11 +219,3 @@ def _digest(path: str) -> str | None:
     except OSError:
         return None
     return h.hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

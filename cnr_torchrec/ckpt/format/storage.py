@@ -34,7 +34,7 @@ from cnr_torchrec.errors import CheckpointNotFoundError, UnsafeCheckpointError
 if TYPE_CHECKING:
     from cnr_torchrec.ckpt.format.integrity import RootKey
 
-__all__ = ["Storage", "check_relative", "checksum"]
+__all__ = ["Storage", "check_relative", "checksum", "fsync_path"]
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -49,7 +49,8 @@ def checksum(data: bytes | bytearray | memoryview) -> str:
     return xxhash.xxh3_128_hexdigest(data)
 
 
-def _fsync_path(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """Flushes a local file, or a directory's entries, to disk."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -210,7 +211,7 @@ class Storage:
         durable on PUT)."""
         if self.local_dir is None:
             return
-        _fsync_path(os.path.join(self.local_dir, check_relative(path)))
+        fsync_path(os.path.join(self.local_dir, check_relative(path)))
 
     def size(self, path: str) -> int | None:
         """The size of a file in bytes; None where the backend cannot tell without reading it.

@@ -155,9 +155,6 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
     covered: dict[Region, _Covered] = {}
     for g in (g for gs in sharded.values() for g in gs):
         shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
-        # Untouched memory: every row gets a whole copy before any residual adds onto it (the rule), and a
-        # region the chain leaves open is refused below, before it is returned.
-        out[g] = TableData(torch.empty(shape, dtype=torch.float32), [])
         segs = segments_of(g.cols, sorted(breaks.get(g.table, ())))
         covered[g] = _Covered(Coverage(shape[0], segs), Coverage(shape[0], segs), Coverage(shape[0], [g.cols]))
     claims: list[_EntryClaim] = []  # made newest copy first, applied oldest first (the rule's sums)
@@ -178,9 +175,15 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                             claims.append(claim)
                     if progress is not None:
                         progress(1)
+    sums = {c.region for c in claims if c.entry.residual}
+    for g in covered:
+        # Where residuals add, the sums start from zero (the rule). Elsewhere every claim is a whole copy of rows
+        # no other claim gives, so untouched memory does: a region the chain leaves open is refused below.
+        shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
+        out[g] = TableData((torch.zeros if g in sums else torch.empty)(shape, dtype=torch.float32), [])
     alone = {g for g, n in Counter(c.region for c in claims).items() if n == 1}
     for claim in reversed(claims):
-        out[claim.region] = _apply_entry(out[claim.region], claim, claim.region in alone)
+        out[claim.region] = _apply_entry(out[claim.region], claim, claim.region in alone, claim.region in sums)
     out.update(_replicated_tables(storage, tip, replicated))
     _check_covered(chain, {g: c.weights for g, c in covered.items()})
     return out
@@ -215,7 +218,6 @@ class _EntryClaim(NamedTuple):
     load: RowReader
     file: str
     segs: list[tuple[int, int]]
-    whole: bool | torch.Tensor  # which stored rows are whole copies (:func:`~.precedence.closes`)
     region_segs: list[tuple[int, int]]  # every column segment of the region, in order
     maps: list[torch.Tensor]
     state_maps: list[torch.Tensor]
@@ -247,20 +249,21 @@ def _claim_entry(covered: _Covered, region: Region, table: str, entry: TableEntr
     pick = torch.from_numpy(np.flatnonzero(needed.numpy()))
     if not pick.numel():
         return None
-    return _EntryClaim(region, table, entry, load, file, segs, whole, list(covered.weights.filled), maps, state_maps,
-                       mc_map, pick)
+    return _EntryClaim(region, table, entry, load, file, segs, list(covered.weights.filled), maps, state_maps, mc_map,
+                       pick)
 
 
-def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool) -> TableData:
+def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -> TableData:
     """Applies what ``claim`` took of its region: decodes the claimed rows and writes them (a whole copy) or
     adds them (a residual; one rounded add per copy, onto the older copies applied before), and sets the
     claimed optimizer and managed-collision states.
 
-    Claims are applied oldest first, so a whole copy lands on rows no claim has written yet (the newest whole
-    copy of a row closes it to every older entry), and a residual on rows a whole copy has written. The one
-    claim of a region (``alone``) that gives every row of it, whole and in order, gives its decoded rows as
-    the region's weights, with no copy: they may then share memory with the checkpoint's mapped file
-    (privately: writes to them stay in the process) or with another region's rows of the same entry."""
+    Claims are applied oldest first. In a region with residuals (``sums``) every claim adds onto a block that
+    starts from zero, so the claims alone say which copies make a row (:mod:`~.precedence`). In a region of
+    whole copies only, each claim writes its rows, which no other claim gives; the one claim of such a region
+    (``alone``) that gives every row of it, in order, gives its decoded rows as the region's weights, with no
+    copy: they may then share memory with the checkpoint's mapped file (privately: writes to them stay in the
+    process) or with another region's rows of the same entry."""
     region, table, entry, load, file = claim.region, claim.table, claim.entry, claim.load, claim.file
     segs, maps, state_maps, mc_map, pick = claim.segs, claim.maps, claim.state_maps, claim.mc_map, claim.pick
     v0 = region.cols[0]
@@ -281,19 +284,15 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool) -> TableData:
         src, dst = _kept(mp.index_select(0, pick))
         rows = weights if src.numel() == weights.shape[0] else weights.index_select(0, src)  # all kept: no gather
         rows = rows[:, seg[0] - c0 : seg[1] - c0]
-        if alone and claim.whole is True and (seg[1] - seg[0], dst.numel()) == (n_cols, n_rows) and bool(
+        if not sums and alone and (seg[1] - seg[0], dst.numel()) == (n_cols, n_rows) and bool(
                 (dst == torch.arange(n_rows)).all()):
             data = data._replace(weights=rows.contiguous())  # the region in one copy, in order: its decoded rows
             continue
         block = data.weights[:, seg[0] - v0 : seg[1] - v0]
-        whole = claim.whole if isinstance(claim.whole, bool) else claim.whole.index_select(0, pick.index_select(0, src))
-        if whole is True:
+        if sums:  # one rounded add per element, as ``x[dst] += y`` makes it (no index repeats)
+            block.index_add_(0, dst, rows)
+        else:
             block.index_copy_(0, dst, rows)
-        elif whole is False:  # one rounded add per element, as ``x[dst] += y`` makes it (no index repeats)
-            block.index_add_(0, dst, rows)
-        else:  # whole copies land on untouched rows: zeroed first, every row then takes one add
-            block.index_fill_(0, dst[whole], 0.0)
-            block.index_add_(0, dst, rows)
     bounds = (*(a - v0 for a, _ in claim.region_segs), claim.region_segs[-1][1] - v0)
     for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
         if j == len(data.states):
