@@ -72,12 +72,13 @@ class Report:
 class Outcome:
     """What every rank learns of a round: committed (``ok``) or why not (``error``); ``heard`` false where this
     rank heard nothing from rank 0 (which may have committed); ``facts``: what rank 0 says of the commit (JSON:
-    its bytes, rows, timings)."""
+    its bytes, rows, timings); ``manifest``: on rank 0 only, the manifest it committed (never sent)."""
 
     ok: bool
     error: str = ""
     heard: bool = True
     facts: Mapping[str, Any] = field(default_factory=dict)
+    manifest: Any = field(default=None, compare=False)
 
     def to_json(self) -> str:
         return json.dumps({"ok": self.ok, "error": self.error, "facts": dict(self.facts)})

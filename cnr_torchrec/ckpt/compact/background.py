@@ -134,13 +134,11 @@ class Compaction:
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
             report, chain = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}, []
         try:
-            committed: list[Manifest] = []  # rank 0's, once it commits
             round_ = CommitRound(self._store, f"compact/{self.new_id}", self.rank, self.world_size, self._timeout_s)
-            out = round_.run(Report.of_part(report),
-                             lambda reports: self._commit(reports, chain, storage, t0, committed))
-            if committed and out.ok:
+            out = round_.run(Report.of_part(report), lambda reports: self._commit(reports, chain, storage, t0))
+            if out.ok and out.manifest is not None:  # rank 0, which committed
                 assert storage is not None  # the commit wrote through it
-                self._on_commit(committed[0], storage)
+                self._on_commit(out.manifest, storage)
             if not out.ok:
                 self._cleanup(storage)
             return out
@@ -161,8 +159,7 @@ class Compaction:
                               new_id=self.new_id, rank=self.rank, rank_state=rank_state, dense_state=dense_state,
                               chunk_bytes=self._chunk_bytes, pool=self._pool)
 
-    def _commit(self, reports: list[Report], chain: list[Manifest], storage: Storage | None, t0: float,
-                committed: list[Manifest]) -> Outcome:
+    def _commit(self, reports: list[Report], chain: list[Manifest], storage: Storage | None, t0: float) -> Outcome:
         """Rank 0's decision in the round: the compacted manifest written if every rank's part is."""
         bad = [f"rank {r.rank}: {r.error}" for r in reports if not r.ok]
         if bad:
@@ -175,8 +172,7 @@ class Compaction:
         fault_injection.hit("compact.before_manifest")
         storage.write_atomic(manifest_path(self.new_id), seal(body, key=storage.key))
         fault_injection.hit("compact.after_manifest")
-        committed.append(manifest)
-        return Outcome(True, facts={"nbytes": manifest.nbytes})
+        return Outcome(True, facts={"nbytes": manifest.nbytes}, manifest=manifest)
 
     def _cleanup(self, storage: Storage | None) -> None:
         """A compaction that did not commit: its manifest (rank 0: in case the others were not told) and files."""

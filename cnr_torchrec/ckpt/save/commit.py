@@ -157,13 +157,12 @@ class Committer:
                 self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
         if staged is None:
             part = report
-        committed: list[Manifest] = []  # rank 0's, once it commits
         round_ = CommitRound(self._store, str(d.ckpt_id), self.rank, self.world_size, self.config.save_timeout_s)
-        out = round_.run(Report.of_part(part), lambda reports: self._commit(d, reports, storage, fields, committed))
-        if committed and out.ok:
+        out = round_.run(Report.of_part(part), lambda reports: self._commit(d, reports, storage, fields))
+        if out.ok and out.manifest is not None:  # rank 0, which committed
             assert storage is not None  # a save that committed wrote through it
             fault_injection.hit("gc.before")
-            self._on_commit(committed[0], storage)
+            self._on_commit(out.manifest, storage)
         if self.reconstruction is not None:
             if out.ok:
                 self._commit_reconstruction(d, report)
@@ -181,8 +180,8 @@ class Committer:
                 "failed, so this rank keeps its files (rank 0 removes them at its next commit if it did not); the "
                 "previous checkpoint is intact either way, and the next save writes a new baseline."
             )
-        if committed:
-            return CheckpointInfo.from_manifest(committed[0], d.chain)
+        if out.manifest is not None:
+            return CheckpointInfo.from_manifest(out.manifest, d.chain)
         return self._info(d, out.facts)
 
     def _commit_reconstruction(self, d: Decision, report: dict[str, Any]) -> None:
@@ -212,8 +211,7 @@ class Committer:
             codec=result["codec"], stall_ms=result["stall_ms"], write_ms=result["write_ms"],
         )
 
-    def _commit(self, d: Decision, reports: list[Report], storage: Storage | None, fields: JobFields,
-                committed: list[Manifest]) -> Outcome:
+    def _commit(self, d: Decision, reports: list[Report], storage: Storage | None, fields: JobFields) -> Outcome:
         """Rank 0's decision in the round: the manifest written if every rank's part is, and what the other
         ranks are told of it. ``storage`` is None only when rank 0's own part failed."""
         bad = [f"rank {r.rank}: {r.error}" for r in reports if not r.ok]
@@ -226,10 +224,10 @@ class Committer:
         fault_injection.hit("commit.before_manifest")
         storage.write_atomic(manifest_path(d.ckpt_id), seal(body, key=storage.key))
         fault_injection.hit("commit.after_manifest")
-        committed.append(manifest)
         info = CheckpointInfo.from_manifest(manifest, d.chain)
         return Outcome(True, facts={"nbytes": info.nbytes, "rows_written": info.rows_written,
-                                    "codec": dict(info.codec), "stall_ms": info.stall_ms, "write_ms": info.write_ms})
+                                    "codec": dict(info.codec), "stall_ms": info.stall_ms, "write_ms": info.write_ms},
+                       manifest=manifest)
 
     def _cleanup(self, d: Decision, storage: Storage | None) -> None:
         """Removes this rank's partial payload of a save that did not commit (rank 0: its directory too). Called
