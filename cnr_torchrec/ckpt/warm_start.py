@@ -25,6 +25,7 @@ A managed-collision table's rows move by raw id, as a restore onto another world
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import json
@@ -366,7 +367,7 @@ def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Regi
     out = []
     n, width = int(pick.numel()), region.cols[1] - region.cols[0]
     for s, have in zip(stored, live):
-        mine = RowState(s.rowwise, _rows_of(s.values, pick), s.dtype, s.bounds).for_shard((0, n), (0, width))
+        mine = dataclasses.replace(s, values=_rows_of(s.values, pick)).for_shard((0, n), (0, width))
         if (have.dim() == 1) != s.rowwise:
             raise IncompatibleCheckpointError(
                 f"table '{table}': the checkpoint's '{region.table}' stores "

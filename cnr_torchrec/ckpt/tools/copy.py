@@ -96,20 +96,20 @@ def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport, progress
         raise ConfigError(f"{dst.root} holds another checkpoint {cid} than {src.root} does; copy into an empty root, "
                           "or into an earlier copy of this one")
     written: list[Future[None]] = []
-    for chunk in _chunks(manifest):
+    chunks = _chunks(manifest)
+    parts = [part_path(cid, r) for r in range(len(manifest.summaries))] if manifest.version >= 7 else []
+    for chunk in chunks:
         mapped = src.read_mapped(chunk.path)  # a local file's pages, checked and written with no copy of its own
         check_chunk(src.key, chunk.path, mapped, chunk.nbytes, chunk.digest, chunk.keyed)
         _put(dst, chunk.path, mapped, report, progress, written, syncs, chunk)
-    if manifest.version >= 7:
-        for r in range(len(manifest.summaries)):
-            path = part_path(cid, r)
-            data = src.read(path)
-            digest, keyed = part_digest(manifest.body["parts"][r])
-            check_chunk(src.key, path, data, manifest.body["parts"][r]["nbytes"], digest, keyed)
-            _put(dst, path, data, report, progress, written, syncs)
+    for r, path in enumerate(parts):
+        data = src.read(path)
+        digest, keyed = part_digest(manifest.body["parts"][r])
+        check_chunk(src.key, path, data, manifest.body["parts"][r]["nbytes"], digest, keyed)
+        _put(dst, path, data, report, progress, written, syncs)
     for synced in written:  # every file durable before the manifest that commits it, as a save makes its files
         synced.result()
-    for directory in sorted({posixpath.dirname(p) for p in _paths(manifest)} - {""}):
+    for directory in sorted({posixpath.dirname(p) for p in [c.path for c in chunks] + parts} - {""}):
         dst.fsync_file(directory)  # and the directories that name them
     dst.write_atomic(manifest_path(cid), raw)  # the commit, last
     report.copied.append(cid)
@@ -123,12 +123,6 @@ def _chunks(manifest: Manifest) -> list[Chunk]:
         return [c for report in manifest.ranks for c in report.payload.chunks]
     except CheckpointNotFoundError as e:
         raise CorruptCheckpointError(f"checkpoint {manifest.id}: {e}") from None
-
-
-def _paths(manifest: Manifest) -> list[str]:
-    """The payload chunks and parts of a checkpoint."""
-    parts = [part_path(manifest.id, r) for r in range(len(manifest.summaries))] if manifest.version >= 7 else []
-    return [c.path for c in _chunks(manifest)] + parts
 
 
 def _put(dst: Storage, path: str, data: Buffer, report: CopyReport, progress: Callable[[int], None] | None,
