@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
+from cnr_torchrec.cli_text import codec_label, dense_optimizer_label, human_bytes, id_ranges, inspect_text
 from cnr_torchrec.errors import CnrError, ConfigError, CorruptCheckpointError, one_line
 
 __all__ = ["main", "EXIT_OK", "EXIT_CORRUPT", "EXIT_ERROR"]
@@ -33,20 +34,6 @@ _LISTED = 10  # PROBLEM lines per file of a checkpoint: a damaged file would oth
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
-
-
-def _codec_label(method: str | None, bits: int | None) -> str:
-    if method is None:
-        return "?"
-    return method if bits is None else f"{method}/{bits}"
 
 
 def _progress(total: int, desc: str):
@@ -71,129 +58,6 @@ def _open(args: argparse.Namespace):
 
 # ---------------------------------------------------------------------- inspect
 
-
-def _dense_optimizer_label(info: dict[str, Any] | None, short: bool = False) -> str:
-    """A checkpoint's dense optimizer state in words: ``none``, or ``kind (class)`` (``short``: the class's own
-    name, without its module)."""
-    if info is None:
-        return "none"
-    cls = info.get("class")
-    if cls is None:
-        return f"{info['kind']} (class not recorded)"
-    return f"{info['kind']} ({cls.rsplit('.', 1)[-1] if short else cls})"
-
-
-def _checkpoint_table(rows: list[dict[str, Any]], full: int) -> list[str]:
-    """One line per checkpoint; its chain as ``base..id (length)``, whatever the chain's length."""
-    header = ("id", "step", "kind", "policy", "chain", "codec", "bytes", "% full", "rows", "dirty", "stall ms",
-              "write ms", "dense optimizer")
-    table = [header]
-    for r in rows:
-        table.append((
-            str(r["id"]), str(r["step"]), r["kind"], str(r["policy"]),
-            f"{r['base']}..{r['id']} ({r['depth'] + 1}{'' if r['broken_member'] is None else ', broken'})",
-            _codec_label(r["method"], r["bits"]), _human_bytes(r["nbytes"]),
-            f"{100 * r['nbytes'] / full:.1f}" if full else "-", f"{r['rows_written']}/{r['total_rows']}",
-            f"{100 * r['dirty_fraction']:.1f}%", f"{r['stall_ms']:.1f}", f"{r['write_ms']:.1f}",
-            _dense_optimizer_label(r.get("dense_optimizer"), short=True),
-        ))
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    left = {2, 3, 4, 5, 12}
-    return ["  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-            for row in table]
-
-
-def _broken(r: dict[str, Any], corrupt: set[int]) -> str:
-    """Why checkpoint ``r`` cannot be restored (its chain lacks a member), in a few words."""
-    m = r["broken_member"]
-    return f"checkpoint {m} of its chain is {'corrupt (below)' if m in corrupt else 'not committed'}"
-
-
-def _chain_lines(rows: list[dict[str, Any]], corrupt: set[int]) -> list[str]:
-    """One line per chain (a baseline and the deltas on it), however many deltas it holds. A delta restores
-    only if every member of its chain loads; ``corrupt`` holds the ids whose manifest does not."""
-    by_id = {r["id"]: r for r in rows}
-    on: dict[int, list[dict[str, Any]]] = {}
-    for d in rows:
-        if d["kind"] == "delta":
-            on.setdefault(d["base"], []).append(d)
-    lines = []
-    for r in rows:
-        if r["kind"] != "baseline":
-            continue
-        deltas = on.get(r["id"], [])
-        note = ""
-        if r.get("compacted_from"):
-            first, tip = r["compacted_from"][0], r["compacted_from"][-1]
-            note = f", compacted from chain {first}..{tip}; restores what {tip} restores"
-        if deltas:
-            newest = max(deltas, key=lambda d: (d["step"], d["id"]))
-            held = _human_bytes(r["nbytes"] + sum(d["nbytes"] for d in deltas))
-            what = (f"{len(deltas)} delta(s) {deltas[0]['id']}..{deltas[-1]['id']}, the newest {newest['id']} (step "
-                    f"{newest['step']}) ")
-            if newest["broken_member"] is None:
-                what += f"restores {newest['depth'] + 1} checkpoint(s)"
-            else:
-                sound = [d for d in deltas if d["broken_member"] is None]
-                best = max(sound, key=lambda d: (d["step"], d["id"])) if sound else None
-                what += f"cannot be restored: {_broken(newest, corrupt)}; " + (
-                    f"the newest that restores is {best['id']} (step {best['step']}, {best['depth'] + 1} "
-                    "checkpoint(s))" if best else f"only baseline {r['id']} itself restores")
-            what += f"; {held} in all"
-        else:
-            what = "no deltas"
-        lines.append(f"  baseline {r['id']} (step {r['step']}{note}): {what}")
-    for d in rows:
-        if d["kind"] == "delta" and d["base"] not in by_id:
-            state = "corrupt (below)" if d["base"] in corrupt else "not committed"
-            lines.append(f"  delta {d['id']} hangs on baseline {d['base']}, which is {state} (it cannot be "
-                         "restored)")
-    return lines
-
-
-def _inspect_text(summary: dict[str, Any], last: int | None) -> str:
-    rows = summary["checkpoints"]
-    lines = [f"root {summary['root']}: {len(rows)} committed checkpoint(s), world size {summary['world_size']}"]
-    origin = summary.get("origin")
-    if origin:
-        lines.append(f"warm-started from {origin['root']} (checkpoint {origin['ckpt']}, step {origin['step']}; "
-                     f"{len(origin['tables'])} table(s); mapping sha256 {str(origin['mapping_digest'])[:16]})")
-    shown = rows if last is None or len(rows) <= last else rows[-last:]
-    if len(shown) < len(rows):
-        lines.append(f"(the newest {len(shown)} by id; {len(rows) - len(shown)} older ones not shown: --all shows "
-                     "every one)")
-    lines += _checkpoint_table(shown, summary["full_snapshot_nbytes"])
-    lines.append("")
-    lines.append("chains (a restore applies the chain's baseline, then its deltas in order):")
-    lines += _chain_lines(rows, {c["id"] for c in summary["corrupt"]})
-    total, full = summary["total_nbytes"], summary["full_snapshot_nbytes"]
-    lines.append("")
-    lines.append(
-        f"total {_human_bytes(total)} in {len(rows)} checkpoint(s); a full fp32 snapshot of the tables and their "
-        f"optimizer state is {_human_bytes(full)} (tables alone {_human_bytes(summary['full_snapshot_table_nbytes'])})"
-        + (f": {total / full:.2f} snapshots' worth" if full else "")
-    )
-    if summary.get("reconstruction_nbytes"):
-        lines.append(f"residual chain: a job that resumes it keeps a float32 copy of its shards in host memory, "
-                     f"{_human_bytes(summary['reconstruction_nbytes'])} over its {summary['world_size']} rank(s)")
-    for c in summary["corrupt"]:
-        lines.append(f"corrupt: checkpoint {c['id']}: {c['message']}")
-    for r in rows:
-        for f in r.get("missing_files", ()):
-            lines.append(f"missing: checkpoint {r['id']}: {f} is not there (the storage lost it); this checkpoint "
-                         "and the deltas on it cannot be restored")
-    newest = summary.get("newest_restorable")
-    if rows and newest != rows[-1]["id"]:
-        lines.append("a restore takes " + (f"checkpoint {newest}" if newest is not None else "no checkpoint")
-                     + "; it finds unsound " + "; ".join(f"checkpoint {u['id']} ({u['why']})"
-                                                        for u in summary.get("unrestorable", ())))
-    for u in summary["uncommitted"]:
-        files = ", ".join(f"{os.path.basename(f)} {_human_bytes(n)}" for f, n in u["files"].items()) or "empty"
-        lines.append(f"uncommitted (torn): ckpt-{u['id']:08d} ({files}): a save that did not commit or is still "
-                     "writing; restore ignores it")
-    return "\n".join(lines)
-
-
 def _cmd_inspect(args: argparse.Namespace) -> int:
     from cnr_torchrec.ckpt.tools.root import not_found_hint
     from cnr_torchrec.ckpt.tools.summary import summarize
@@ -209,7 +73,7 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary, indent=1))
     else:
-        print(_inspect_text(summary, None if args.all else args.last))
+        print(inspect_text(summary, None if args.all else args.last))
     return EXIT_OK
 
 
@@ -240,21 +104,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                     else f"every committed checkpoint under {args.root} verifies"))
     by_label: dict[str, list[int]] = {}
     for ckpt_id, info in sorted(dense.items()):
-        by_label.setdefault(_dense_optimizer_label(info), []).append(ckpt_id)
+        by_label.setdefault(dense_optimizer_label(info), []).append(ckpt_id)
     for label, ids in by_label.items():
-        print(f"dense optimizer state {label}: checkpoint(s) {_id_ranges(ids)}")
+        print(f"dense optimizer state {label}: checkpoint(s) {id_ranges(ids)}")
     return EXIT_OK
-
-
-def _id_ranges(ids: list[int]) -> str:
-    """Sorted ids as runs: ``0-3, 7``."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 # ---------------------------------------------------------------------- compact / export
@@ -285,11 +138,11 @@ def _cmd_compact(args: argparse.Namespace) -> int:
     finally:
         storage.close()
     how = ("lossless: every row as stored" if args.method is None
-           else f"re-encoded with {_codec_label(args.method, args.bits)}")
+           else f"re-encoded with {codec_label(args.method, args.bits)}")
     assert manifest.compacted_from is not None  # cnr compact writes a compacted baseline
     first, last = manifest.compacted_from
     print(f"compacted chain {first}..{last} (step {manifest.step}) into baseline {manifest.id}: "
-          f"{_human_bytes(manifest.nbytes)} in {manifest.world_size} rank file(s), {how}. It restores what "
+          f"{human_bytes(manifest.nbytes)} in {manifest.world_size} rank file(s), {how}. It restores what "
           f"checkpoint {last} restores")
     return EXIT_OK
 
@@ -329,7 +182,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         storage.close()
     if args.format == "dcp":
         print(f"exported checkpoint {cid} (step {summary['step']}) as a DCP checkpoint: {summary['tensors']} tensors, "
-              f"{_human_bytes(summary['nbytes'])} -> {args.out} (dcp.load it; see docs/dcp.md)")
+              f"{human_bytes(summary['nbytes'])} -> {args.out} (dcp.load it; see docs/dcp.md)")
         return EXIT_OK
     out = os.path.abspath(args.out)
     tmp = f"{out}.tmp-{os.getpid()}"
@@ -340,7 +193,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
         if os.path.exists(tmp):
             os.remove(tmp)
     n = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"exported checkpoint {cid}: {len(state)} tensors, {_human_bytes(n)} -> {args.out}")
+    print(f"exported checkpoint {cid}: {len(state)} tensors, {human_bytes(n)} -> {args.out}")
     return EXIT_OK
 
 
@@ -362,7 +215,7 @@ def _cmd_import_dcp(args: argparse.Namespace) -> int:
             os.rmdir(local)
         raise
     print(f"imported {args.src} as baseline {manifest.id} (step {manifest.step}) of {args.root}: "
-          f"{len(manifest.tables)} tables, {_human_bytes(manifest.nbytes)}. Checkpointer.restore() restores it")
+          f"{len(manifest.tables)} tables, {human_bytes(manifest.nbytes)}. Checkpointer.restore() restores it")
     return EXIT_OK
 
 
@@ -381,9 +234,9 @@ def _cmd_clean_images(args: argparse.Namespace) -> int:
         if not args.dry_run:
             directory.remove(entry)
         what = "old-layout files" if entry.legacy else f"root {entry.root or '(unnamed)'}"
-        print(f"{verb} {entry.path} ({what}, {len(entry.files)} file(s), {_human_bytes(entry.nbytes)}): {why}")
+        print(f"{verb} {entry.path} ({what}, {len(entry.files)} file(s), {human_bytes(entry.nbytes)}): {why}")
     kept = len(entries) - len(picked)
-    gone = f"the images of {len(picked)} root(s), {_human_bytes(sum(e.nbytes for e, _ in picked))}" if picked \
+    gone = f"the images of {len(picked)} root(s), {human_bytes(sum(e.nbytes for e, _ in picked))}" if picked \
         else "nothing"
     print(f"{verb} {gone} under {args.path}; kept the images of {kept} root(s)")
     return EXIT_OK
@@ -414,12 +267,12 @@ def _cmd_copy(args: argparse.Namespace) -> int:
             dst.close()
     finally:
         src.close()
-    copied = _id_ranges(report.copied) if report.copied else "none"
+    copied = id_ranges(report.copied) if report.copied else "none"
     if args.compact:
         copied += " as one baseline"
-    skipped = f"; already there: {_id_ranges(report.skipped)}" if report.skipped else ""
+    skipped = f"; already there: {id_ranges(report.skipped)}" if report.skipped else ""
     print(f"copied checkpoints {copied} of {args.root} to {args.dst}{skipped}: {report.files} files, "
-          f"{_human_bytes(report.nbytes)} written, {report.files_present} files found whole already")
+          f"{human_bytes(report.nbytes)} written, {report.files_present} files found whole already")
     return EXIT_OK
 
 

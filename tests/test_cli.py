@@ -787,7 +787,7 @@ def test_report_is_the_jobs_command_not_the_librarys(capsys):
 
 
 def test_inspect_of_a_thousand_checkpoints_stays_short():
-    from cnr_torchrec.cli import _inspect_text
+    from cnr_torchrec.cli_text import inspect_text as _inspect_text
 
     def row(i, base, depth):
         return {"id": i, "step": 10 * i, "kind": "delta" if depth else "baseline", "policy": "consecutive",
