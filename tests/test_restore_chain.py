@@ -1,0 +1,224 @@
+"""A chain applied to one rank's model state (``cnr_torchrec/ckpt/restore/chain.py``: ``restore_chain``).
+
+``restore_chain`` is called here directly, on chains the real ``Checkpointer`` wrote for the toy model (a row-wise,
+a column-wise and a data_parallel EBC table, a table-wise EC table, FBGEMM's EXACT_ROWWISE_ADAGRAD, torch's Adam
+for the dense part, a reader position as ``extra_state``). The references are the saving model's own state at the
+last save, bit for bit: its shards and their optimizer state, its dense parameters, Adam's state, the TBE step
+counters, the reader position and torch's RNG; for a residual chain, the chain's rule computed with torch ops from
+the stored entries (``test_restore_apply.rule_reference``: each row's newest whole copy plus the newer residuals,
+added oldest first).
+
+``restore_chain`` is exercised through ``Checkpointer.restore`` elsewhere: every policy and codec
+(``test_checkpointer_multirank.py``), TorchRec's models across plans and world sizes (``test_torchrec_models.py``),
+a restore that fails part way and its rollback (``test_restore_outcomes.py``), memory images
+(``test_memory_tier.py``), dense optimizers (``test_dense_optimizers.py``), managed-collision tables
+(``test_managed_collision.py``, ``test_mc_mutations.py``) and partial recovery (``test_partial_recovery.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+
+import pytest
+import torch
+from _toy import Reader, build_dmp, local_state, train
+from test_restore_apply import rule_reference
+
+from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
+from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.restore.chain import restore_chain
+from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
+
+PLAIN = {"method": "none", "residual": False}
+RESIDUAL = {"method": "adaptive", "bits": 4, "residual": True}
+
+
+def _specs():
+    from examples.toy import TableSpec
+
+    return [TableSpec("t0", 64, 8, "row_wise"), TableSpec("t1", 40, 8, "column_wise"),
+            TableSpec("t2", 32, 4, "table_wise", "ec"), TableSpec("dp", 24, 4, "data_parallel")]
+
+
+def _everything(dmp, opt, reader) -> dict:
+    """What a restore gives back, copied: shards and their optimizer state, dense parameters, the dense
+    optimizer's state, the TBE step counters and the reader position."""
+    out = local_state(dmp)
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            out[("adam", i, k)] = v.clone() if torch.is_tensor(v) else v
+    for j, tbe in enumerate(dmp.dirty_tracker.tbes()):
+        it = getattr(tbe, "iter", None)
+        if isinstance(it, torch.Tensor):
+            out[("iter", j)] = it.clone()
+    out["reader"] = reader.pos.clone()
+    return out
+
+
+def _differ(got: dict, want: dict) -> list:
+    assert got.keys() == want.keys(), sorted(map(str, got.keys() ^ want.keys()))
+    return [k for k in want if not (torch.equal(got[k], want[k]) if torch.is_tensor(want[k]) else got[k] == want[k])]
+
+
+def _write(root: str, quantization: dict, saves: int = 4):
+    """A baseline and deltas by the real Checkpointer. Returns the state at the last save and torch's RNG."""
+    from cnr_torchrec import Checkpointer, load_config
+
+    specs = _specs()
+    dmp, opt = build_dmp(specs)
+    reader = Reader()
+    gen = torch.Generator().manual_seed(0)
+    config = load_config({"root": root, "policy": "consecutive", "keep_last": 10, "quantization": quantization})
+    with Checkpointer(dmp, config, dense_optimizer=opt, extra_state={"reader": reader}) as ck:
+        for step in range(1, saves + 1):
+            train(dmp, specs, opt, 2, gen)
+            reader.pos.fill_(100 * step)
+            torch.manual_seed(step)
+            rng = torch.get_rng_state()
+            ck.save(step).wait()
+    return _everything(dmp, opt, reader), rng
+
+
+@pytest.fixture(scope="module")
+def plain(group, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("plain") / "root")
+    return (root, *_write(root, PLAIN))
+
+
+def _chain(storage: Storage) -> list:
+    return walk_chain(load_manifest(storage, committed_ids(storage)[-1]), lambda i: load_manifest(storage, i))
+
+
+def _fresh():
+    dmp, opt = build_dmp(_specs(), seed=7)
+    return dmp, opt, Reader()
+
+
+def _restore(root: str, dmp, opt, reader, **kw):
+    storage = Storage(root)
+    try:
+        return restore_chain(_chain(storage), storage=storage, model=dmp, tracker=dmp.dirty_tracker, rank=0,
+                             world_size=1, dense_optimizer=opt, extra_state={"reader": reader}, **kw)
+    finally:
+        storage.close()
+
+
+def test_a_chain_gives_back_the_rows_dense_and_per_rank_state_and_the_rng_only_when_asked(plain):
+    root, want, rng = plain
+    dmp, opt, reader = _fresh()
+    torch.manual_seed(1234)
+    mine = torch.get_rng_state()
+    staged = _restore(root, dmp, opt, reader)
+    assert staged.entries == []  # not staged: every row is in the model already
+    assert _differ(_everything(dmp, opt, reader), want) == []
+    assert torch.equal(torch.get_rng_state(), mine)  # the job's RNG, untouched
+
+    dmp, opt, reader = _fresh()
+    _restore(root, dmp, opt, reader, rng=True)
+    assert _differ(_everything(dmp, opt, reader), want) == []
+    assert torch.equal(torch.get_rng_state(), rng)  # the saving job's, where it stood at the last save
+
+
+def test_a_staged_restore_leaves_the_weights_alone_until_its_commit(plain):
+    root, want, _ = plain
+    dmp, opt, reader = _fresh()
+    before = _everything(dmp, opt, reader)
+    staged = _restore(root, dmp, opt, reader, stage=True)
+    tracker = dmp.dirty_tracker
+    weights = {k for k in want if isinstance(k, tuple) and k[-1] == "w"}
+    now = _everything(dmp, opt, reader)
+    assert [k for k in weights if not torch.equal(now[k], before[k])] == []
+    # Every float32 host shard is staged, holding the saved rows.
+    keys = {(t, s.rows, s.cols): (t, i, "w") for t in tracker.tables() for i, (_, s) in enumerate(tracker.shards(t))}
+    by_key = staged.by_key()
+    assert set(by_key) == set(keys)
+    assert [k for k, rows in by_key.items() if not torch.equal(rows, want[keys[k]])] == []
+    # The rest (optimizer states, dense, per-rank state) is written at once.
+    assert [k for k in want if k not in weights and not torch.equal(now[k], want[k])] == []
+    staged.commit()
+    assert _differ(_everything(dmp, opt, reader), want) == []
+
+
+def _damage_rows(root: str, ckpt: int) -> None:
+    """Flips a byte in every 256 of checkpoint ``ckpt``'s rank file: its rows fail their CRCs."""
+    path = os.path.join(root, f"ckpt-{ckpt:08d}", "rank-00000.bin")
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        for at in range(128, len(data), 256):
+            data[at] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+
+
+@pytest.mark.parametrize("stage", [True, False], ids=["staged", "in_place"])
+def test_a_chain_that_fails_part_way_raises_and_a_staged_one_leaves_the_weights_as_they_were(plain, tmp_path,
+                                                                                            stage):
+    root, want, _ = plain
+    damaged = str(tmp_path / "root")
+    shutil.copytree(root, damaged)
+    storage = Storage(damaged)
+    baseline = _chain(storage)[0].id
+    storage.close()
+    _damage_rows(damaged, baseline)  # read last: the deltas' rows are applied before it fails
+    dmp, opt, reader = _fresh()
+    before = _everything(dmp, opt, reader)
+    with pytest.raises(CorruptCheckpointError):
+        _restore(damaged, dmp, opt, reader, stage=stage)
+    now = _everything(dmp, opt, reader)
+    changed = {k for k in _differ(now, before)}
+    weights = {k for k in changed if isinstance(k, tuple) and k[-1] == "w"}
+    dense = {k for k in changed if isinstance(k, str) or k[0] in ("adam", "iter")}
+    assert not dense, sorted(map(str, dense))  # dense and per-rank state come after the rows: never reached
+    if stage:
+        assert not weights, sorted(map(str, weights))
+    else:  # the control: the same failure written in place leaves rows of the deltas behind
+        assert weights, "the in-place restore changed no weights before it failed"
+
+
+def test_a_residual_chain_is_summed_oldest_copy_first(group, tmp_path):
+    root = str(tmp_path / "root")
+    _write(root, RESIDUAL, saves=5)
+    storage = Storage(root)
+    reference = rule_reference(storage, _chain(storage), {s.name: (s.rows, s.dim) for s in _specs()})
+    storage.close()
+    dmp, opt, reader = _fresh()
+    _restore(root, dmp, opt, reader)
+    tracker = dmp.dirty_tracker
+    for t in ("t0", "t1", "t2", "dp"):
+        for k, s in tracker.shards(t):
+            got = k.tbe.split_embedding_weights()[s.local_index]
+            ref = reference[t][s.rows[0]:s.rows[1], s.cols[0]:s.cols[1]]
+            assert torch.equal(got, ref), (t, s.cols, int((got != ref).sum()), (got - ref).abs().max())
+
+
+def test_extra_state_the_checkpoint_lacks_is_refused_by_name(plain):
+    root, want, _ = plain
+    dmp, opt, reader = _fresh()
+    storage = Storage(root)
+    try:
+        with pytest.raises(IncompatibleCheckpointError, match=r"extra_state \['other'\] is not in checkpoint"):
+            restore_chain(_chain(storage), storage=storage, model=dmp, tracker=dmp.dirty_tracker, rank=0,
+                          world_size=1, dense_optimizer=opt,
+                          extra_state={"reader": reader, "other": copy.deepcopy(reader)})
+    finally:
+        storage.close()
+
+
+def test_without_replicated_state_only_the_sharded_tables_are_restored(plain):
+    """Partial recovery's form: data_parallel tables, dense parameters and the dense optimizer are left to the
+    caller (it takes them from a surviving rank)."""
+    root, want, _ = plain
+    dmp, opt, reader = _fresh()
+    before = _everything(dmp, opt, reader)
+    _restore(root, dmp, opt, reader, replicated=False)
+    now = _everything(dmp, opt, reader)
+    sharded = {k for k in want if isinstance(k, tuple) and k[0] in ("t0", "t1", "t2")}
+    assert [k for k in sharded if not torch.equal(now[k], want[k])] == []
+    rest = {k for k in before if k not in sharded and k != "reader"}  # dp's rows, dense, the step counters
+    assert {k for k in now if k not in sharded and k != "reader"} == rest  # no Adam state either
+    assert any(k[0] == "dp" for k in rest if isinstance(k, tuple)) and any(isinstance(k, str) for k in rest)
+    assert [k for k in rest if not torch.equal(now[k], before[k])] == []
+    assert [k for k in rest if not torch.equal(want[k], before[k])] != []  # the checkpoint's differ from these
+    assert torch.equal(now["reader"], want["reader"])  # per-rank state is this rank's own: restored
