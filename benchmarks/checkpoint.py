@@ -179,7 +179,8 @@ def fresh_dir(path: str, rank: int) -> str:
 
 def run_policy(label, policy, quant, specs, args, rank, world, root, device):
     """Trains a fresh model and checkpoints it with one policy (None: the config's defaults, quantization
-    included). Returns (dmp, opt, config, per-checkpoint rows)."""
+    included). Returns (dmp, opt, config, per-checkpoint rows, the quantization the Checkpointer ran: the config's
+    with its defaults settled for the job)."""
     dmp, opt = build(specs, world, device)
     # A named row is its policy alone (compaction off); the default row is what a user gets, its fold included.
     default = {"root": root, **({"memory_tier": "off"} if label == "default_no_images" else {})}
@@ -198,6 +199,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
         handles.append(ck.save(n_step))
     ck.wait()
     ck.close()
+    ran = ck.config.quantization
     total_rows = len(specs) * args.rows
     kept = set(committed_ids_of(root)) if rank == 0 else set()
     rows = []
@@ -211,7 +213,7 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
         if rank == 0:  # None: retention has collected it by now (full keeps its newest baselines only)
             rows[-1]["stored_whole"], rows[-1]["row_mode_bytes"] = (row_modes(root, info.id) if info.id in kept
                                                                     else (None, 0))
-    return dmp, opt, config, rows
+    return dmp, opt, config, rows, ran
 
 
 def committed_ids_of(root: str) -> list[int]:
@@ -465,11 +467,11 @@ def main() -> None:
     runs, peer, restores, breakdowns, restore_breakdowns = {}, None, {}, {}, {}
     for label, policy, quant in chosen:
         root = fresh_dir(os.path.join(args.out_dir, label), rank)
-        dmp, opt, config, rows = run_policy(label, policy, quant, specs, args, rank, world, root, device)
+        dmp, opt, config, rows, ran = run_policy(label, policy, quant, specs, args, rank, world, root, device)
         runs[label] = rows
         breakdowns[label] = bytes_breakdown(root) if rank == 0 else {}
         if rank == 0:
-            print(f"\npolicy {label} ({config.policy}, {config.quantization})")
+            print(f"\npolicy {label} ({config.policy}, {ran})")
             print(f"{'policy':<18s}{'id':>4s}{'step':>6s}  {'kind':<9s}{'bytes':>13s}{'stall ms':>10s}"
                   f"{'write ms':>10s}{'dirty':>8s}{'whole':>8s}")
             for r in rows:

@@ -18,40 +18,58 @@ def cfg(**kw):
     return load_config({"root": "/tmp/unused", **kw})
 
 
+@pytest.fixture(scope="module")
+def job(group):
+    """The config as a Checkpointer of a small job runs it (``config_resolve.resolve``): bits_for_job reads the
+    measured table that resolve settles ``failure.bits_table: null`` to."""
+    from _toy import build_dmp
+
+    from cnr_torchrec.ckpt._collective import Ranks
+    from cnr_torchrec.ckpt.config_resolve import resolve
+    from examples.toy import TableSpec
+
+    dmp, _ = build_dmp([TableSpec("t0", 64, 8, "row_wise")])
+    return lambda config: resolve(config, dmp.dirty_tracker, Ranks())
+
+
 @pytest.mark.parametrize("restores,bits", [(0, 4), (1, 4), (2, 8), (3, 8), (4, 8), (20, 8), (21, 8), (500, 8)])
-def test_bits_follow_the_default_table(restores, bits):
+def test_bits_follow_the_default_table(job, restores, bits):
     # The table measured by the accuracy studies for plain coding ({1: 4, 20: 8}; test_accuracy_bench checks where
-    # it comes from). With residual: auto, the default, the Checkpointer fills the table in (test_residual_default).
-    c = cfg(quantization={"bits": "auto", "residual": False}, failure={"expected_restores": restores})
+    # it comes from). With residual: auto, the default, the job decides which table (test_residual_default).
+    c = job(cfg(quantization={"bits": "auto", "residual": False}, failure={"expected_restores": restores}))
     assert bits_for_job(c, restores_done=0)[0] == bits
 
 
-def test_residual_coding_gets_its_own_measured_table_unless_one_is_given(monkeypatch):
+def test_residual_coding_gets_its_own_measured_table_unless_one_is_given(job, monkeypatch):
     from cnr_torchrec.ckpt import config
 
     quant = {"method": "adaptive", "bits": "auto", "residual": True}
-    c = cfg(quantization=quant, failure={"expected_restores": 3})
+    given = cfg(quantization=quant, failure={"expected_restores": 3})
+    c = job(given)
+    assert given.failure.bits_table is None  # the user's config keeps what they wrote
     assert c.failure.bits_table == config.RESIDUAL_BITS_TABLE == {3: 4, 20: 8}  # measured; see test_accuracy_bench
     assert bits_for_job(c, 0)[0] == 4
-    assert bits_for_job(cfg(quantization={**quant, "residual": False}, failure={"expected_restores": 3}), 0)[0] == 8
+    plain = job(cfg(quantization={**quant, "residual": False}, failure={"expected_restores": 3}))
+    assert bits_for_job(plain, 0)[0] == 8
     # Which measured table a config takes depends on the coding alone.
     monkeypatch.setattr(config, "RESIDUAL_BITS_TABLE", {20: 3})
-    assert cfg(quantization=quant, failure={"expected_restores": 3}).failure.bits_table == {20: 3}
-    assert cfg(quantization={**quant, "residual": False},
-               failure={"expected_restores": 3}).failure.bits_table == config.DEFAULT_BITS_TABLE
+    assert job(cfg(quantization=quant, failure={"expected_restores": 3})).failure.bits_table == {20: 3}
+    assert job(cfg(quantization={**quant, "residual": False},
+                   failure={"expected_restores": 3})).failure.bits_table == config.DEFAULT_BITS_TABLE
     monkeypatch.undo()
-    given = cfg(quantization=quant, failure={"expected_restores": 3, "bits_table": {20: 3}})
+    given = job(cfg(quantization=quant, failure={"expected_restores": 3, "bits_table": {20: 3}}))
     assert bits_for_job(given, 0)[0] == 3
     with pytest.raises(ConfigError, match="fallback_bits must be at least"):
         cfg(quantization=quant, failure={"expected_restores": 3, "fallback_bits": 4})  # below the table's 8
 
 
-def test_expected_restores_from_rate_and_hours_and_an_edited_table():
+def test_expected_restores_from_rate_and_hours_and_an_edited_table(job):
     c = cfg(quantization={"bits": "auto"}, failure={"failure_rate_per_hour": 0.05, "job_hours": 50,
                                                     "bits_table": {2: 3, 10: 4}, "fallback_bits": 8})
     assert c.failure.estimate_restores == math.ceil(0.05 * 50) == 3
     assert bits_for_job(c, 0) == (4, "3 restores expected (bits_table {2: 3, 10: 4})")
-    c = cfg(quantization={"bits": "auto", "residual": False}, failure={"failure_rate_per_hour": 0.5, "job_hours": 2})
+    c = job(cfg(quantization={"bits": "auto", "residual": False},
+                failure={"failure_rate_per_hour": 0.5, "job_hours": 2}))
     assert c.failure.estimate_restores == 1  # exactly 1.0: not rounded up to 2
     assert bits_for_job(c, 0)[0] == 4  # the measured table: 4 bits for one restore
 

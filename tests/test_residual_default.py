@@ -47,10 +47,11 @@ def test_the_default_config_codes_residuals_with_their_measured_table(group, tmp
 
     root = str(tmp_path / "root")
     given = CheckpointConfig(root=root)
-    assert given.quantization.residual == "auto" and given.quantization.bits == 4
+    assert given.quantization.residual == "auto" and given.quantization.bits is None
     dmp, opt = build_dmp(_specs())
     used = _two_saves(dmp, opt, given)
-    assert used.quantization.residual is True
+    assert used.quantization.residual is True and used.quantization.bits == 4
+    assert given.quantization.residual == "auto"  # the Checkpointer's config is its own
     assert used.failure.bits_table == RESIDUAL_BITS_TABLE
     assert _residual_flags(root) == [False, True]
     # The shipped job's config says the same.
@@ -59,13 +60,18 @@ def test_the_default_config_codes_residuals_with_their_measured_table(group, tmp
 
 @pytest.mark.parametrize("cfg", [{"policy": "one_shot"}, {"quantization": {"method": "fp16"}},
                                  {"policy": "full", "quantization": {"method": "kmeans", "bits": 3}}])
-def test_auto_is_plain_coding_where_the_config_has_no_use_for_residuals(cfg):
+def test_auto_is_plain_coding_where_the_config_has_no_use_for_residuals(group, cfg):
     from cnr_torchrec import load_config
+    from cnr_torchrec.ckpt._collective import Ranks
     from cnr_torchrec.ckpt.config import DEFAULT_BITS_TABLE
+    from cnr_torchrec.ckpt.config_resolve import resolve
 
     config = load_config({"root": "/tmp/unused", **cfg})
-    assert config.quantization.residual is False
-    assert config.failure.bits_table == DEFAULT_BITS_TABLE
+    assert config.quantization.residual == "auto" and config.residual_from_config is False
+    dmp, _ = build_dmp(_specs())
+    used = resolve(config, dmp.dirty_tracker, Ranks())
+    assert used.quantization.residual is False
+    assert used.failure.bits_table == DEFAULT_BITS_TABLE
 
 
 def test_per_column_optimizer_state_is_coded_plainly_under_auto_and_refused_under_true(group, tmp_path, caplog):

@@ -19,6 +19,7 @@ from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
+from cnr_torchrec.ckpt.config_resolve import resolve
 from cnr_torchrec.ckpt.failure_rates import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
@@ -30,7 +31,6 @@ from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
-from cnr_torchrec.ckpt.residual_choice import choose_residual
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -42,6 +42,7 @@ from cnr_torchrec.ckpt.save.residual import Reconstruction
 from cnr_torchrec.ckpt.save.staging import Staged, StagingBuffers, stage
 from cnr_torchrec.ckpt.save.vote import SaveVote
 from cnr_torchrec.errors import CheckpointerClosedError, CnrError, ConfigError, SaveFailedError
+from cnr_torchrec.quant import Codec, get_codec
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Checkpointer", "CheckpointInfo", "RecoveryInfo", "SaveHandle"]
@@ -175,9 +176,13 @@ class Checkpointer:
 
     Args:
         model: the sharded model; its ``dirty_tracker`` says which rows changed.
-        config: see :class:`~cnr_torchrec.ckpt.CheckpointConfig`.
+        config: see :class:`~cnr_torchrec.ckpt.CheckpointConfig`; left as it is given.
         dense_optimizer: the optimizer of the dense (DDP) parameters, saved in full.
         extra_state: per-rank stateful objects (the data loader...), saved and restored by name.
+
+    Attributes:
+        config: the config it runs with: ``config`` with the defaults that depend on the job settled
+            (:func:`~cnr_torchrec.ckpt.config_resolve.resolve`), the same on every rank.
     """
 
     def __init__(
@@ -194,8 +199,8 @@ class Checkpointer:
         self._dist = self._ranks.distributed
         self.rank = self._ranks.rank
         self.world_size = self._ranks.world_size
-        # Before anything is opened: a refusal leaves nothing behind.
-        config = choose_residual(config, tracker, self._ranks)
+        # Before anything is opened: a refusal leaves nothing behind. The caller's config stays as it was given.
+        config = resolve(config, tracker, self._ranks)
         self.model = model
         self.tracker = tracker
         self.config = config
@@ -674,15 +679,16 @@ class Checkpointer:
                         compaction_committed=committed, busy=busy)
         return mine.gather(tables, self._ranks.all_gather)
 
-    def _pick_codec(self):
+    def _pick_codec(self) -> Codec:
         """The codec for the next saves: configured bits, or ``bits: auto`` from the restores expected and done."""
         bits, why = bits_for_job(self.config, self._restores)
-        codec = self.config.quantization.codec_for(bits)
-        if self.config.quantization.bits == "auto":
+        q = self.config.quantization
+        codec = get_codec(q.method, bits, **q.params)  # the config's check took these (every width, under auto)
+        if q.bits == "auto":
             previous = getattr(self, "codec", None)
             if previous is None or previous.bits != codec.bits:
                 level = logging.WARNING if previous is not None else logging.INFO
-                log.log(level, "bits: auto -> %s-bit %s: %s", bits, self.config.quantization.method, why)
+                log.log(level, "bits: auto -> %s-bit %s: %s", bits, q.method, why)
         return codec
 
     def _continue_chain(self, chain: builtins.list[Manifest]) -> None:

@@ -8,7 +8,6 @@ key. :func:`load_config` builds them from YAML or a mapping with the strict, typ
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import typing
@@ -25,6 +24,8 @@ __all__ = [
     "BudgetConfig",
     "CheckpointConfig",
     "CompactionConfig",
+    "DEFAULT_BITS",
+    "DEFAULT_BITS_TABLE",
     "DEFAULT_COMPACTION",
     "DEFAULT_IMAGE_MAX_AGE_S",
     "FailureConfig",
@@ -32,12 +33,16 @@ __all__ = [
     "KeepConfig",
     "MemoryTierConfig",
     "QuantizationConfig",
+    "RESIDUAL_BITS_TABLE",
     "load_config",
+    "measured_bits_table",
 ]
 
 Policy = Literal["full", "one_shot", "consecutive", "intermittent"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
 _MAX_TIMEOUT_S = 7 * 24 * 3600.0  # a week; also keeps timedelta() from overflowing
+DEFAULT_BITS = 4
+"""The bits of a quantizing method whose config leaves them out."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +51,8 @@ class QuantizationConfig:
 
     Attributes:
         method: ``none``, ``fp16``, ``bf16``, ``uniform_sym``, ``uniform_asym``, ``kmeans`` or ``adaptive``.
-        bits: 2, 3, 4 or 8 for the quantizing methods (4 when left out); None for the others.
+        bits: 2, 3, 4 or 8 for the quantizing methods, or ``auto`` (from the failures expected); None for the
+            others. Left out (None) on a quantizing method, the Checkpointer runs it at :data:`DEFAULT_BITS`.
         params: extra codec parameters, e.g. ``{"num_bins": 25, "ratio": 0.6}`` for adaptive,
             or ``{"bias_dtype": "float16"}`` to store the row bias in 2 bytes instead of 4.
         state_dtype: how the fused optimizer's per-row state (momentum, row-wise Adagrad's
@@ -57,9 +63,9 @@ class QuantizationConfig:
             (docs/accuracy.md). Costs a float32 copy of this rank's shards in host memory.
             ``true`` needs policy ``consecutive``, a quantizing method and row-wise (or no)
             optimizer state, and refuses anything else. ``auto`` (the default) is on where
-            those hold and the hosts have the memory, and plain coding elsewhere: the config
-            decides the policy and method, the Checkpointer the rest
-            (:mod:`~cnr_torchrec.ckpt.residual_choice`).
+            those hold and the hosts have the memory, and plain coding elsewhere: the
+            Checkpointer decides it once, from the config and the job
+            (:func:`~cnr_torchrec.ckpt.config_resolve.resolve`). The config keeps ``auto``.
     """
 
     method: str = "adaptive"
@@ -69,27 +75,27 @@ class QuantizationConfig:
     residual: bool | Literal["auto"] = "auto"
 
     def __post_init__(self) -> None:
-        from cnr_torchrec.quant import available_codecs
+        from cnr_torchrec.quant import UnknownCodecError, available_codecs, check_codec
 
-        bit_choices = available_codecs().get(self.method)  # None for an unknown method: codec_for names it
-        if self.bits is None and bit_choices is not None and 4 in bit_choices:
-            object.__setattr__(self, "bits", 4)
-        if self.bits == "auto":
-            if bit_choices is not None and not {2, 3, 4, 8} <= set(bit_choices):
-                raise ConfigError(f"quantization: bits: auto needs a quantizing method, not {self.method!r}")
-            for bits in (2, 3, 4, 8):  # any of them may be picked
-                self.codec_for(bits)
-        else:
-            self.codec_for(self.bits)
-
-    def codec_for(self, bits: int | None):
-        """The codec of this method at ``bits`` (a ConfigError names what is wrong)."""
-        from cnr_torchrec.quant import UnknownCodecError, get_codec
-
+        bit_choices = available_codecs().get(self.method)  # None for an unknown method: check_codec names it
+        if self.bits == "auto" and bit_choices is not None and not {2, 3, 4, 8} <= set(bit_choices):
+            raise ConfigError(f"quantization: bits: auto needs a quantizing method, not {self.method!r}")
+        bits = self.bits_or_default
         try:
-            return get_codec(self.method, bits, **self.params)
+            for width in (2, 3, 4, 8) if bits == "auto" else (bits,):  # under auto, any of them may be picked
+                check_codec(self.method, width, **self.params)
         except UnknownCodecError as e:
             raise ConfigError(str(e)) from None
+
+    @property
+    def bits_or_default(self) -> int | Literal["auto"] | None:
+        """``bits`` as given, or :data:`DEFAULT_BITS` where it is left out and the method offers that width
+        (what :func:`~cnr_torchrec.ckpt.config_resolve.resolve` settles it to)."""
+        from cnr_torchrec.quant import available_codecs
+
+        if self.bits is None and DEFAULT_BITS in available_codecs().get(self.method, ()):
+            return DEFAULT_BITS
+        return self.bits
 
 
 # Most restores expected -> bits; beyond: fallback_bits. Measured by the accuracy studies over their seeds
@@ -100,6 +106,12 @@ DEFAULT_BITS_TABLE = {1: 4, 20: 8}
 # The same, measured with quantization.residual: true (with and without background compaction), whose
 # restores do not compound the codec's error.
 RESIDUAL_BITS_TABLE = {3: 4, 20: 8}
+
+
+def measured_bits_table(residual: bool) -> dict[int, int]:
+    """The measured ``failure.bits_table`` of a coding: :data:`RESIDUAL_BITS_TABLE` with residual coding,
+    :data:`DEFAULT_BITS_TABLE` without (a copy)."""
+    return dict(RESIDUAL_BITS_TABLE if residual else DEFAULT_BITS_TABLE)
 
 
 @dataclass(frozen=True)
@@ -116,8 +128,8 @@ class FailureConfig:
             restores gives the bits, and more than the largest key gives ``fallback_bits``.
             None (the default): measured by our accuracy studies for the quantization's
             coding, :data:`DEFAULT_BITS_TABLE`, or :data:`RESIDUAL_BITS_TABLE` with
-            residual coding (:class:`CheckpointConfig` fills it in once ``residual`` is
-            decided: at once for ``true`` and ``false``, in the Checkpointer for ``auto``).
+            residual coding, chosen once ``residual`` is decided (by the Checkpointer,
+            :func:`~cnr_torchrec.ckpt.config_resolve.resolve`; the config keeps None).
             Check-N-Run's was 1 -> 2, 3 -> 3, 20 -> 4.
         fallback_bits: bits once the restores performed exceed the estimate (and beyond the table).
         recovery: ``full`` (every rank restores; Young/Daly interval) or ``partial`` (only
@@ -144,7 +156,7 @@ class FailureConfig:
                 raise ConfigError(f"{key} must be a positive number, got {value}")
         if self.fallback_bits not in (2, 3, 4, 8):
             raise ConfigError(f"fallback_bits must be 2, 3, 4 or 8, got {self.fallback_bits}")
-        if self.bits_table is not None:  # None: CheckpointConfig fills in the measured table for the quantization
+        if self.bits_table is not None:  # None: the Checkpointer takes the measured table of the coding it runs
             self._check_table(self.bits_table)
         if not 0.0 < self.target_lost_fraction < 1.0:
             raise ConfigError(f"target_lost_fraction must be in (0, 1), got {self.target_lost_fraction}")
@@ -182,8 +194,8 @@ class FailureConfig:
     def bits_for(self, restores: int) -> int:
         """Bits for a job expecting ``restores`` restores."""
         if self.bits_table is None:
-            raise ValueError("bits_table is filled in once quantization.residual is decided (by the Checkpointer "
-                             "for residual: auto); build the Checkpointer first")
+            raise ValueError("bits_table: None is settled once quantization.residual is decided, by "
+                             "cnr_torchrec.ckpt.config_resolve.resolve; read the Checkpointer's config (ck.config)")
         for most in sorted(self.bits_table):
             if restores <= most:
                 return self.bits_table[most]
@@ -369,6 +381,12 @@ job with ``budget.max_rows_fraction``, get none by default."""
 class CheckpointConfig:
     """Everything a :class:`~cnr_torchrec.ckpt.Checkpointer` needs to know.
 
+    A config is what its author wrote: building one checks every value and combination, and
+    never rewrites it. The defaults that follow from the job (``quantization.bits`` and
+    ``failure.bits_table`` left out, ``quantization.residual: auto``, the default compaction)
+    are settled once, by :func:`~cnr_torchrec.ckpt.config_resolve.resolve`, into the config
+    the Checkpointer keeps as ``Checkpointer.config``, which it runs with and records.
+
     Attributes:
         root: where checkpoints go: a directory, or any torchsnapshot storage URI
             (``fs://...``, ``s3://bucket/prefix``, or a registered plugin).
@@ -380,8 +398,9 @@ class CheckpointConfig:
         keep_last: the newest N checkpoints stay restorable after a commit (with what their
             chains need); a shorthand for ``keep: {checkpoints: N}``. Default 2.
         keep: retention by checkpoints, bytes and chains (see :class:`KeepConfig`).
-        compaction: background compaction of the chain (see :class:`CompactionConfig`); None: off. By
-            default, :data:`DEFAULT_COMPACTION` under policy consecutive (without a row budget), off otherwise.
+        compaction: background compaction of the chain (see :class:`CompactionConfig`); None: off. Left at
+            :data:`DEFAULT_COMPACTION`, the Checkpointer runs it under policy consecutive without a row budget,
+            and none otherwise; asked for (any other value) under another policy, it is refused.
         on_busy: what ``save`` does while the previous save is still writing: ``wait`` for
             it, or ``skip`` this save (the dirty rows carry over to the next one).
         full_shard_fraction: when at least this share of a table's rows is dirty, its
@@ -458,20 +477,19 @@ class CheckpointConfig:
             raise ConfigError(f"keep_last: must be at least 1 (the checkpoint being written), got {self.keep_last}")
         if self.keep_last is not None and self.keep is not None:
             raise ConfigError("give keep_last or keep, not both: keep_last: N is keep: {checkpoints: N}")
-        if self.compaction is DEFAULT_COMPACTION and (self.policy != "consecutive"
-                                                      or self.budget.max_rows_fraction is not None):
-            object.__setattr__(self, "compaction", None)  # the default is for the chains it fits, not a request
-        if self.compaction is not None and self.policy != "consecutive":
+        asked = self.compaction is not None and self.compaction is not DEFAULT_COMPACTION  # the default is no request
+        if asked and self.policy != "consecutive":
             raise ConfigError(
                 f"compaction needs policy consecutive, not {self.policy!r}: under full every checkpoint is a baseline "
                 "already, a one_shot chain is two checkpoints long, and intermittent bounds its chains by writing "
                 "baselines. Use policy consecutive with compaction, or leave compaction out"
             )
-        if self.quantization.residual is not False:
-            self._settle_residual()
-        if self.failure.bits_table is None and self.quantization.residual != "auto":
-            measured = RESIDUAL_BITS_TABLE if self.quantization.residual else DEFAULT_BITS_TABLE
-            object.__setattr__(self, "failure", dataclasses.replace(self.failure, bits_table=dict(measured)))
+        why = self._why_no_residual()
+        if why and self.quantization.residual is True:
+            raise ConfigError("quantization.residual: true does not work with " + "; ".join(why))
+        decided = self.residual_from_config
+        if self.failure.bits_table is None and decided != "auto":  # the measured table it will run with, checked now
+            self.failure._check_table(measured_bits_table(decided))
         if not 0.0 < self.full_shard_fraction <= 1.0:
             raise ConfigError(f"full_shard_fraction: must be in (0, 1], got {self.full_shard_fraction}")
         if self.quantization.bits == "auto" and self.failure.estimate_restores is None:
@@ -491,20 +509,23 @@ class CheckpointConfig:
                 f"got {self.save_timeout_s}"
             )
 
-    def _settle_residual(self) -> None:
-        """Where this config leaves residual coding nothing to do (a policy other than consecutive, a method
-        that does not quantize): ``true`` is refused and ``auto`` becomes plain coding."""
-        q = self.quantization
+    @property
+    def residual_from_config(self) -> bool | Literal["auto"]:
+        """``quantization.residual`` as far as the config decides it: ``auto`` is plain coding (False) where the
+        policy or the method leaves residual coding nothing to do, and stays ``auto`` where the job decides
+        (:func:`~cnr_torchrec.ckpt.config_resolve.resolve`)."""
+        wanted = self.quantization.residual
+        return False if wanted == "auto" and self._why_no_residual() else wanted
+
+    def _why_no_residual(self) -> list[str]:
+        """What in this config leaves residual coding nothing to do, in words; empty when nothing does."""
         why = []
         if self.policy != "consecutive":
             why.append(f"policy {self.policy!r} (a residual is coded against the previous checkpoint's rows; use "
                        "consecutive)")
-        if q.method in ("none", "fp16", "bf16"):
-            why.append(f"method {q.method!r}, which does not quantize (residuals gain nothing)")
-        if why and q.residual == "auto":  # steps aside: nothing to code residuals against, or nothing to gain
-            object.__setattr__(self, "quantization", dataclasses.replace(q, residual=False))
-        elif why:
-            raise ConfigError("quantization.residual: true does not work with " + "; ".join(why))
+        if self.quantization.method in ("none", "fp16", "bf16"):
+            why.append(f"method {self.quantization.method!r}, which does not quantize (residuals gain nothing)")
+        return why
 
     @property
     def retention(self) -> KeepConfig:

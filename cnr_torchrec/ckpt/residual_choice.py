@@ -11,13 +11,14 @@ aside, with a warning that says why, where it cannot:
   stages to host memory (and, with compaction, the fold's largest shard on top), with 10% headroom.
 
 ``true`` refuses each of these with a ConfigError instead, and ``false`` keeps plain coding. The
-choice is made when the Checkpointer is built, before anything is opened, and is the same on every
-rank: the optimizer check and the memory check are collective.
+config decides the first case itself (:attr:`~cnr_torchrec.ckpt.config.CheckpointConfig.residual_from_config`);
+this module the others, for :func:`~cnr_torchrec.ckpt.config_resolve.resolve`, when the Checkpointer is
+built, before anything is opened. The choice is the same on every rank: the optimizer check and the
+memory check are collective.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
 from cnr_torchrec.ckpt._collective import Ranks
@@ -74,8 +75,19 @@ def _memory(tracker: DirtyRowTracker, distributed: bool, compaction: bool, image
              available)
 
 
-def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: Ranks) -> CheckpointConfig:
-    """``config`` with ``quantization.residual`` decided (True or False) for this job. Collective.
+def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: Ranks) -> bool:
+    """Whether this job codes residuals, for a ``config`` whose other defaults are settled. Collective
+    unless ``config`` says ``residual: false``.
+
+    Args:
+        config: the config with ``compaction`` and ``quantization.bits`` as the job runs them (the memory check
+            counts a fold's working set with compaction) and ``quantization.residual`` as the config decides it.
+        tracker: this rank's shards and their optimizer state.
+        ranks: every rank, which all call this at once.
+
+    Returns:
+        ``residual: true``'s or ``false``'s value; for ``auto``, whether every table keeps row-wise (or no)
+        optimizer state and every host has the memory (a warning says why not).
 
     Raises:
         ConfigError: with ``residual: true``, on every rank, where a table keeps per-column optimizer
@@ -83,7 +95,7 @@ def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: R
     """
     wanted = config.quantization.residual
     if wanted is False:
-        return config
+        return False
     columns = sorted({t for tables in ranks.exchange(per_column_state_tables(tracker)) for t in tables})
     why = ""
     if columns:
@@ -102,5 +114,4 @@ def choose_residual(config: CheckpointConfig, tracker: DirtyRowTracker, ranks: R
         log.warning("quantization.residual: auto steps aside, deltas are coded plainly: %s. Plain coding keeps "
                     "0.01%% of logloss at %s bits for fewer restores than residual coding does (docs/accuracy.md)",
                     why, config.quantization.bits)
-    quantization = dataclasses.replace(config.quantization, residual=not why)
-    return dataclasses.replace(config, quantization=quantization)
+    return not why

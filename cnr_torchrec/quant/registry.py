@@ -18,7 +18,7 @@ from cnr_torchrec.quant.floats import Bf16Codec, Fp16Codec, NoneCodec
 from cnr_torchrec.quant.kmeans import KMeansCodec
 from cnr_torchrec.quant.uniform import AdaptiveCodec, UniformAsymCodec, UniformSymCodec
 
-__all__ = ["Codec", "METHODS", "QUANT_BITS", "get_codec", "codec_for", "decode", "available_codecs"]
+__all__ = ["Codec", "METHODS", "QUANT_BITS", "get_codec", "check_codec", "codec_for", "decode", "available_codecs"]
 
 
 _REGISTRY: dict[str, type[Codec]] = {
@@ -60,6 +60,15 @@ def get_codec(method: str, bits: int | None = None, **params: Any) -> Codec:
         choices = ", ".join(map(str, cls.bit_choices))
         raise UnknownCodecError(f"codec {method!r} does not support bits={bits!r}; valid bits: {choices}")
     return cls(bits, params)
+
+
+def check_codec(method: str, bits: int | None = None, **params: Any) -> None:
+    """Whether :func:`get_codec` takes these arguments, for a config's check: the codec it would build is not kept.
+
+    Raises:
+        UnknownCodecError: as :func:`get_codec` does.
+    """
+    get_codec(method, bits, **params)
 
 
 def codec_for(encoded: EncodedRows) -> Codec:
