@@ -308,15 +308,29 @@ def test_decode_into_sends_the_encoded_rows_to_the_destination_device(method, mo
     assert seen and all(d == "meta" for d in seen[0]), seen
 
 
+@pytest.mark.parametrize("method,bits", all_codecs())
+def test_view_decoded_is_the_stored_float32_rows_themselves_and_nothing_for_other_codecs(method, bits):
+    codec = get_codec(method, bits)
+    rows = random_rows(12, 7)
+    enc = codec.encode(rows)
+    view = codec.view_decoded(enc)
+    if method != "none":
+        assert view is None
+        return
+    assert view is not None and torch.equal(view, rows) and torch.equal(view, codec.decode(enc))
+    assert view.data_ptr() == enc.payload.data_ptr()  # no copy: the payload's own bytes
+    assert codec.decode(enc).data_ptr() != enc.payload.data_ptr()  # decode still gives rows of their own
+
+
 def test_decode_into_rejects_what_does_not_fit():
     codec = get_codec("adaptive", 4)
     enc = codec.encode(random_rows(10, 8))
     out = torch.zeros(20, 8)
     with pytest.raises(IndexError):
         codec.decode_into(enc, out, torch.arange(10) + 15)
-    with pytest.raises(IndexError):
-        get_codec("kmeans", 4).decode_into(get_codec("kmeans", 4).encode(random_rows(10, 8)), out,
-                                           torch.arange(10) + 15)
+    for other in (get_codec("kmeans", 4), get_codec("none")):  # the decoded-then-copied path, and float32's own
+        with pytest.raises(IndexError):
+            other.decode_into(other.encode(random_rows(10, 8)), out, torch.arange(10) + 15)
     assert not out.any()  # nothing written
     with pytest.raises(ValueError, match="one per encoded row"):
         codec.decode_into(enc, out, torch.arange(9))

@@ -178,6 +178,12 @@ class Codec(abc.ABC):
         with torch.no_grad():
             self._decode_into(encoded, out, rows, accumulate)
 
+    def view_decoded(self, encoded: EncodedRows) -> torch.Tensor | None:
+        """The decoded rows as a view of ``encoded``'s payload, where decoding them is the identity (float32
+        rows, ``none``): no copy, and writes to the view write the payload. None for every other codec."""
+        self.check(encoded)
+        return None
+
     def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
         keep = (rows >= 0).nonzero().squeeze(1)
         dst = rows.index_select(0, keep)

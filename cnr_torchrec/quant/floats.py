@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from cnr_torchrec import ops as cnr_ops
 from cnr_torchrec.quant import ops
 from cnr_torchrec.quant.base import Codec, Layout, check_status, overflow_rows
 from cnr_torchrec.quant.encoded import EncodedRows
@@ -32,9 +33,21 @@ class _FloatCodec(Codec):
         return self._encoded(self._params, rows.shape[1], payload=payload)
 
     def _decode(self, encoded: EncodedRows) -> torch.Tensor:
-        values = encoded.payload.view(self.dtype).view(encoded.num_rows, encoded.dim)
         # A copy even for float32: decoded rows must not alias the stored payload.
-        return values.to(torch.float32, copy=True)
+        return self._values(encoded).to(torch.float32, copy=True)
+
+    def _decode_into(self, encoded: EncodedRows, out: torch.Tensor, rows: torch.Tensor, accumulate: bool) -> None:
+        values = self._values(encoded)
+        if accumulate or out.device.type != "cpu" or out.dtype != values.dtype:
+            return super()._decode_into(encoded, out, rows, accumulate)
+        cnr_ops.scatter_rows_(out, rows, values)  # the stored values are the rows: copied once, from where they lie
+
+    def view_decoded(self, encoded: EncodedRows) -> torch.Tensor | None:
+        self.check(encoded)
+        return self._values(encoded) if self.dtype == torch.float32 else None
+
+    def _values(self, encoded: EncodedRows) -> torch.Tensor:
+        return encoded.payload.view(self.dtype).view(encoded.num_rows, encoded.dim)
 
     def layout(self, num_rows: int, dim: int, params: Mapping[str, Any]) -> Layout:
         return {"payload": (torch.uint8, (num_rows, self.bytes_per_row(dim)))}

@@ -362,7 +362,11 @@ class RowReader:
             if b == a:
                 continue
             view = self._span(name, r0, r1, self._landed(data), width, word).view(shape)
-            torch.index_select(view, 0, torch.from_numpy(sel[a:b] - r0), out=out[a:b])
+            first = int(sel[a]) - r0
+            if int(sel[b - 1]) - r0 - first == b - a - 1:  # one run of rows (sorted and distinct): one copy
+                out[a:b].copy_(view[first : first + b - a])
+            else:
+                torch.index_select(view, 0, torch.from_numpy(sel[a:b] - r0), out=out[a:b])
         return out.view(torch.uint8).view(sel.size, width)
 
     def _landed(self, data: Any) -> Any:

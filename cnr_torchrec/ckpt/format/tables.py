@@ -32,7 +32,7 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
-from cnr_torchrec.quant import EncodingFormatError, decode, rebuild
+from cnr_torchrec.quant import EncodingFormatError, codec_for, decode, rebuild
 
 __all__ = ["Progress", "RowState", "TableData", "assemble_regions", "assemble_tables"]
 
@@ -261,9 +261,10 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -
     Claims are applied oldest first. In a region with residuals (``sums``) every claim adds onto a block that
     starts from zero, so the claims alone say which copies make a row (:mod:`~.precedence`). In a region of
     whole copies only, each claim writes its rows, which no other claim gives; the one claim of such a region
-    (``alone``) that gives every row of it, in order, gives its decoded rows as the region's weights, with no
-    copy: they may then share memory with the checkpoint's mapped file (privately: writes to them stay in the
-    process) or with another region's rows of the same entry."""
+    (``alone``) that gives every row of it, in order, gives its decoded rows as the region's weights: for
+    float32 rows, the rows as read, with no copy, which may then share memory with the checkpoint's mapped file
+    (privately: writes to them stay in the process). Rows decode straight to their places where the entry's
+    columns are one segment of the region (the codec's ``decode_into``: no decoded temporary)."""
     region, table, entry, load, file = claim.region, claim.table, claim.entry, claim.load, claim.file
     segs, maps, state_maps, mc_map, pick = claim.segs, claim.maps, claim.state_maps, claim.mc_map, claim.pick
     v0 = region.cols[0]
@@ -275,20 +276,28 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -
     except EncodingFormatError as e:
         raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
                                      path=file) from None
-    weights = decode(encoded)
-    if weights.shape[1] != c1 - c0:
+    if encoded.dim != c1 - c0:
         raise CorruptCheckpointError(
-            f"{file}: table '{table}' stores rows of {weights.shape[1]} values for columns [{c0}, {c1})", path=file)
+            f"{file}: table '{table}' stores rows of {encoded.dim} values for columns [{c0}, {c1})", path=file)
+    codec = codec_for(encoded)
     n_rows, n_cols = data.weights.shape
+    decoded: torch.Tensor | None = None  # the claimed rows decoded, where a segment needs them cut
     for seg, mp in zip(segs, maps):
-        src, dst = _kept(mp.index_select(0, pick))
-        rows = weights if src.numel() == weights.shape[0] else weights.index_select(0, src)  # all kept: no gather
-        rows = rows[:, seg[0] - c0 : seg[1] - c0]
-        if not sums and alone and (seg[1] - seg[0], dst.numel()) == (n_cols, n_rows) and bool(
-                (dst == torch.arange(n_rows)).all()):
-            data = data._replace(weights=rows.contiguous())  # the region in one copy, in order: its decoded rows
-            continue
+        dst_of = mp.index_select(0, pick)  # the block row of each row read (-1: another's)
+        if not sums and alone and seg == (c0, c1) and (seg[1] - seg[0], pick.numel()) == (n_cols, n_rows) and bool(
+                (dst_of == torch.arange(n_rows)).all()):
+            rows = codec.view_decoded(encoded)
+            if rows is not None:  # the region in one copy, in order: its rows as read
+                data = data._replace(weights=rows)
+                continue
         block = data.weights[:, seg[0] - v0 : seg[1] - v0]
+        if seg == (c0, c1):
+            codec.decode_into(encoded, block, dst_of, accumulate=sums)  # (an entry stores a row once: distinct)
+            continue
+        if decoded is None:
+            decoded = decode(encoded)
+        src, dst = _kept(dst_of)
+        rows = decoded.index_select(0, src)[:, seg[0] - c0 : seg[1] - c0]
         if sums:  # one rounded add per element, as ``x[dst] += y`` makes it (no index repeats)
             block.index_add_(0, dst, rows)
         else:
