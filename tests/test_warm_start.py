@@ -318,3 +318,41 @@ def test_managed_collision_tables_warm_start_by_raw_id_onto_another_world_size(g
     got = _looked_up(model, set(want))
     assert _held(model).keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _residual_job(rank, world_size, root):
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer, load_config
+
+    config = load_config({"root": root, "policy": "consecutive", "memory_tier": "off", "compaction": None,
+                          "quantization": {"method": "adaptive", "bits": 4, "residual": True}})
+    dmp, opt = M.build_dmp("sparse_nn", "A", seed=0)
+    with Checkpointer(dmp, config, dense_optimizer=opt) as ck:
+        for i in range(3):  # a baseline and two residual deltas
+            M.train_step(dmp, opt, M.make_batch("sparse_nn", seed=100 * i + rank))
+            ck.save(i + 1).wait()
+
+
+def test_a_residual_chain_warm_starts_to_the_bits_a_restore_of_it_gives(group, tmp_path):
+    """A chain of 4-bit residual deltas (each row the sum of its copies, from zero), written by 2 ranks on plan
+    "A", warm-started whole onto 1 rank on plan "B" (the regions decoded straight into the shards), against the
+    restore's own reader applying the same chain to a model built the same way: bit for bit, rows and row-wise
+    state, however far the model's initial values are from the checkpoint's."""
+    import _torchrec_models as M
+
+    from cnr_torchrec import Checkpointer, load_config, warm_start
+
+    root = str(tmp_path / "root")
+    run_ranks(_residual_job, 2, args=(root,), timeout=240)
+    warm, _ = M.build_dmp("sparse_nn", "B", seed=7)
+    restored, _ = M.build_dmp("sparse_nn", "B", seed=7)
+    report = warm_start(warm, root)
+    with Checkpointer(restored, load_config({"root": root, "policy": "consecutive", "memory_tier": "off"})) as ck:
+        ck.restore()
+    got, want = _whole(warm), _whole(restored)
+    assert sorted(report.tables) == sorted(want) and not report.untouched
+    for t in want:
+        assert torch.equal(got[t][0], want[t][0]), t
+        assert (got[t][1] is None) == (want[t][1] is None) and (got[t][1] is None or torch.equal(got[t][1],
+                                                                                                 want[t][1])), t

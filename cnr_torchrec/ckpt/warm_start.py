@@ -30,6 +30,7 @@ import functools
 import hashlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -44,12 +45,11 @@ from cnr_torchrec.ckpt.format.commits import load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state
-from cnr_torchrec.ckpt.format.tables import RowState, TableData, assemble_regions, assemble_tables
+from cnr_torchrec.ckpt.format.tables import ReadRegions, assemble_tables, read_regions
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.restore.relocate import ids_for_rank, router, write_rows
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError
-from cnr_torchrec.track.discovery import ShardSlice
 
 __all__ = ["TableReport", "WarmStartReport", "vocabulary_remap", "warm_start"]
 
@@ -90,15 +90,34 @@ class WarmStartReport:
 
 @dataclass
 class _Write:
-    """One shard's staged rows: ``rows`` (offsets into the shard) get ``values`` in columns ``[c0, c1)`` of the
-    shard, and each fused optimizer state ``states[j]`` (per row, or per row and column)."""
+    """One shard's rows to fill: shard rows ``rows`` take rows ``pick`` of ``region`` (as assembled), in columns
+    ``[c0, c1)`` of the shard, with their fused optimizer states (``states``: kept). ``direct``: the region is
+    those very rows and columns of the shard, in order, so it is decoded straight into them."""
 
+    table: str
     weights: torch.Tensor
     live_states: list[torch.Tensor]
     rows: torch.Tensor
+    pick: torch.Tensor
+    region: Region
     cols: tuple[int, int]
-    values: torch.Tensor
-    states: list[torch.Tensor]
+    counted: bool  # the shard holds the table's first columns (a row counts once, whatever its column shards)
+    states: bool = False
+    direct: bool = False
+
+
+@dataclass
+class _Staged:
+    """What every rank reads and checks before any rank writes: the regions' rows (``read``, None when no
+    plain table is filled), the shards' writes, and the managed-collision tables' relocations."""
+
+    read: ReadRegions | None
+    writes: list[_Write]
+    relocations: list[Any]
+
+    def into(self) -> dict[Region, torch.Tensor]:
+        """The live shard blocks the direct writes decode into."""
+        return {w.region: _block(w) for w in self.writes if w.direct}
 
 
 def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Sequence[str] | None = None,
@@ -142,13 +161,13 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
     failure, cause = None, None
     try:
         cid = int(ranks.from_rank0(lambda: resolve_id(storage, ckpt), what="choosing the checkpoint to warm start"))
-        writes: list[Any] = []
+        staged = _Staged(None, [], [])
         report, dense_values = None, {}
         try:
             chain = walk_chain(load_manifest(storage, cid), lambda i: load_manifest(storage, i))
             pairs = _pairs(shapes, chain[-1], tables)
             _check(shapes, mc_of, chain, pairs, remap or {}, columns, optimizer_state)
-            writes, counts, kept = _stage(storage, chain, tracker, pairs, remap or {}, optimizer_state)
+            staged, counts, kept = _stage(storage, chain, tracker, pairs, remap or {}, optimizer_state)
             dense_values = _dense(storage, chain[-1], model, tracker, dense)
             report = _report(normal_root(root), chain[-1], tracker, shapes, pairs, remap or {}, columns,
                              optimizer_state, counts, kept, sorted(dense_values))
@@ -156,7 +175,7 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
             failure, cause = Failure.of(e, ranks.rank, "warm start"), e
         ranks.raise_any(failure, cause)
         assert report is not None  # no rank failed
-        _write(writes, model, dense_values)
+        _write(staged, model, dense_values)
     finally:
         storage.close()
     told = ranks.exchange({t: [r.loaded, r.optimizer] for t, r in report.tables.items()})
@@ -283,13 +302,12 @@ def _mc_tables(base: Manifest) -> set[str]:
 
 
 def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str, str],
-           remap: Mapping[str, torch.Tensor],
-           optimizer_state: str) -> tuple[list[Any], dict[str, int], set[str]]:
-    """Every shard's rows of this rank, decoded (nothing written): the writes, the rows loaded per table, and
-    the tables whose fused optimizer state moves with them."""
+           remap: Mapping[str, torch.Tensor], optimizer_state: str) -> tuple[_Staged, dict[str, int], set[str]]:
+    """Every shard's rows of this rank, read and checked (nothing decoded into the model yet): the staged
+    writes, the rows loaded per table, and the tables whose fused optimizer state moves with them."""
     tip = chain[-1]
     mc_pairs = {new: old for new, old in pairs.items() if tracker.mc_table(new) is not None}
-    wanted: list[tuple[str, Any, ShardSlice, torch.Tensor, torch.Tensor, Region]] = []
+    writes: list[_Write] = []
     for new, old in sorted(pairs.items()):
         if new in mc_pairs:
             continue
@@ -305,37 +323,39 @@ def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str
                 continue
             src = source[local]
             lo, hi = (0, old_rows) if old in tip.replicated else (int(src.min()), int(src.max()) + 1)
-            wanted.append((new, kernel, shard, local, src - lo, Region(old, (lo, hi), (c0, c1))))
-    assembled: Mapping[Region, TableData] = assemble_regions(storage, chain, {w[5] for w in wanted}) if wanted \
-        else {}
-    writes: list[Any] = []
+            live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
+            writes.append(_Write(new, kernel.tbe.split_embedding_weights()[shard.local_index],
+                                 list(live[shard.local_index]) if live else [], local, src - lo,
+                                 Region(old, (lo, hi), (c0, c1)), (0, c1 - c0), shard.cols[0] == 0))
+    uses = Counter(w.region for w in writes)
+    for w in writes:
+        w.direct = (uses[w.region] == 1 and w.region.table not in tip.replicated and w.weights.dtype == torch.float32
+                    and _in_order(w))
+    read = read_regions(storage, chain, {w.region for w in writes}, into={w.region for w in writes if w.direct}) \
+        if writes else None
     counts, kept = {t: 0 for t in pairs}, set()
-    for new, kernel, shard, local, pick, region in wanted:
-        data = assembled[region]
-        live = kernel.tbe.split_optimizer_states() if hasattr(kernel.tbe, "split_optimizer_states") else []
-        live_states = list(live[shard.local_index]) if live else []
-        states = _states(new, data.states, pick, region, live_states, tracker, optimizer_state)
-        cols = (region.cols[0] - shard.cols[0], region.cols[1] - shard.cols[0])
-        writes.append(_Write(kernel.tbe.split_embedding_weights()[shard.local_index], live_states, local, cols,
-                             _rows_of(data.weights, pick), states))
-        if shard.cols[0] == 0:  # a row counts once, whatever its column shards
-            counts[new] += int(local.numel())
-        if states:
-            kept.add(new)
-    for new, rows, moves_state in _stage_remapped(storage, chain, tracker, mc_pairs, optimizer_state, writes):
+    for w in writes:
+        assert read is not None  # read above for these writes
+        w.states = _keeps_states(w, read.state_kinds(w.region), tracker, optimizer_state)
+        counts[w.table] += int(w.rows.numel()) if w.counted else 0
+        if w.states:
+            kept.add(w.table)
+    relocations = []
+    for new, rows, moves_state, relocation in _stage_remapped(storage, chain, tracker, mc_pairs, optimizer_state):
         counts[new] += rows
+        relocations.append(relocation)
         if moves_state:
             kept.add(new)
-    return writes, counts, kept
+    return _Staged(read, writes, relocations), counts, kept
 
 
 def _stage_remapped(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str, str],
-                    optimizer_state: str, writes: list[Any]) -> list[tuple[str, int, bool]]:
+                    optimizer_state: str) -> list[tuple[str, int, bool, Any]]:
     """Managed-collision tables: each old row moves, by its raw id, to this rank's slots where the raw id routes
     now, the ids the module's eviction policy keeps where they outnumber the slots, as a restore onto another
     world size relocates them (:mod:`~cnr_torchrec.ckpt.restore.relocate`); the last slot, which the module's
-    misses read, and the eviction window (a new run's) stay the model's own. Staged as writes; returns (table,
-    rows, whether its optimizer state moves)."""
+    misses read, and the eviction window (a new run's) stay the model's own. Returns (table, rows, whether its
+    optimizer state moves, the relocation to run once every rank has read its rows)."""
     if not pairs:
         return []
     whole = assemble_tables(storage, chain, tables=set(pairs.values()))
@@ -350,31 +370,44 @@ def _stage_remapped(storage: Any, chain: list[Manifest], tracker: Any, pairs: Ma
         order = ids_for_rank(new, data, mc, [], dist.get_rank() if dist.is_initialized() else 0,
                              router(mc, tracker, dist.get_world_size() if dist.is_initialized() else 1))
         keep = optimizer_state == "keep" and bool(data.states)
-        writes.append(functools.partial(write_rows, new, data, order, None, mc, tracker, states=keep))
-        out.append((new, int(order.numel()), keep))
+        out.append((new, int(order.numel()), keep,
+                    functools.partial(write_rows, new, data, order, None, mc, tracker, states=keep)))
     return out
 
 
-def _states(table: str, stored: list[RowState], pick: torch.Tensor, region: Region, live: list[torch.Tensor],
-            tracker: Any, optimizer_state: str) -> list[torch.Tensor]:
-    """The fused optimizer states to move with the rows ``pick`` of ``region``, as the model's shard holds them."""
-    if optimizer_state == "reset" or tracker.is_data_parallel(table) or not live or not stored:
-        return []  # reset, none in the model, or none in the checkpoint (a data_parallel table's is the dense one's)
-    if len(stored) != len(live):
+def _keeps_states(w: _Write, stored: list[bool], tracker: Any, optimizer_state: str) -> bool:
+    """Whether the fused optimizer states move with ``w``'s rows: ``stored`` says whether each state the checkpoint
+    holds for its region is row-wise, and the model's must match it.
+
+    Raises:
+        IncompatibleCheckpointError: another number or kind of states than the model's, unless reset.
+    """
+    if optimizer_state == "reset" or tracker.is_data_parallel(w.table) or not w.live_states or not stored:
+        return False  # reset, none in the model, or none in the checkpoint (a data_parallel table's is the dense one's)
+    if len(stored) != len(w.live_states):
         raise IncompatibleCheckpointError(
-            f"table '{table}': the checkpoint's '{region.table}' stores {len(stored)} fused optimizer states, the "
-            f"model's optimizer keeps {len(live)}: pass optimizer_state='reset' to leave the model's own")
-    out = []
-    n, width = int(pick.numel()), region.cols[1] - region.cols[0]
-    for s, have in zip(stored, live):
-        mine = dataclasses.replace(s, values=_rows_of(s.values, pick)).for_shard((0, n), (0, width))
-        if (have.dim() == 1) != s.rowwise:
+            f"table '{w.table}': the checkpoint's '{w.region.table}' stores {len(stored)} fused optimizer states, "
+            f"the model's optimizer keeps {len(w.live_states)}: pass optimizer_state='reset' to leave the model's own")
+    for rowwise, have in zip(stored, w.live_states):
+        if (have.dim() == 1) != rowwise:
             raise IncompatibleCheckpointError(
-                f"table '{table}': the checkpoint's '{region.table}' stores "
-                f"{'row-wise' if s.rowwise else 'per-element'} optimizer state, the model's optimizer the other kind: "
+                f"table '{w.table}': the checkpoint's '{w.region.table}' stores "
+                f"{'row-wise' if rowwise else 'per-element'} optimizer state, the model's optimizer the other kind: "
                 "pass optimizer_state='reset'")
-        out.append(mine)
-    return out
+    return True
+
+
+def _in_order(w: _Write) -> bool:
+    """Whether ``w``'s region is its shard rows, one run, in order (each region row to the next shard row)."""
+    n = int(w.rows.numel())
+    return (w.region.rows[1] - w.region.rows[0] == n and int(w.rows[-1]) - int(w.rows[0]) + 1 == n
+            and torch.equal(w.pick, torch.arange(n)))
+
+
+def _block(w: _Write) -> torch.Tensor:
+    """The live rows and columns of ``w``'s shard that its region fills (a view)."""
+    first, n = int(w.rows[0]), int(w.rows.numel())
+    return w.weights[first : first + n, w.cols[0] : w.cols[1]]
 
 
 def _rows_of(block: torch.Tensor, pick: torch.Tensor) -> torch.Tensor:
@@ -429,19 +462,28 @@ def _report(root: str, tip: Manifest, tracker: Any, shapes: Mapping[str, tuple[i
 # ---------------------------------------------------------------------- writing
 
 
-def _write(writes: list[Any], model: nn.Module, dense: Mapping[str, torch.Tensor]) -> None:
+def _write(staged: _Staged, model: nn.Module, dense: Mapping[str, torch.Tensor]) -> None:
+    """Writes what every rank read and checked: the plain tables' rows (a direct region decoded straight into
+    its shard), their optimizer states, the relocated managed-collision tables, then the dense tensors."""
     with torch.no_grad():
-        for w in writes:
-            if not isinstance(w, _Write):  # a managed-collision table's staged relocation
-                w()
-                continue
-            c0, c1 = w.cols
-            view = w.weights if (c0, c1) == (0, w.weights.shape[1]) else w.weights[:, c0:c1]
+        assembled = staged.read.assemble(staged.into()) if staged.read is not None else {}
+        for w in staged.writes:
+            data = assembled[w.region]
             rows = _span_of(w.rows)
-            view[rows] = w.values.to(w.weights.dtype)
-            for live, value in zip(w.live_states, w.states):
+            c0, c1 = w.cols
+            if not w.direct:
+                view = w.weights if (c0, c1) == (0, w.weights.shape[1]) else w.weights[:, c0:c1]
+                view[rows] = _rows_of(data.weights, w.pick).to(w.weights.dtype)
+            if not w.states:
+                continue
+            n = int(w.pick.numel())
+            for saved, live in zip(data.states, w.live_states):
+                picked = dataclasses.replace(saved, values=_rows_of(saved.values, w.pick))
+                value = picked.for_shard((0, n), (0, c1 - c0))
                 target = live if live.dim() == 1 or (c0, c1) == (0, live.shape[1]) else live[:, c0:c1]
                 target[rows] = value.to(live.dtype)
+        for relocation in staged.relocations:
+            relocation()
         if dense:
             tracker = getattr(model, "dirty_tracker")
             mine = dense_named_state(model, tracker.module_fqns())

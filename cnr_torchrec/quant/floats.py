@@ -40,7 +40,12 @@ class _FloatCodec(Codec):
         values = self._values(encoded)
         if accumulate or out.device.type != "cpu" or out.dtype != values.dtype:
             return super()._decode_into(encoded, out, rows, accumulate)
-        cnr_ops.scatter_rows_(out, rows, values)  # the stored values are the rows: copied once, from where they lie
+        n = rows.numel()
+        first = int(rows[0]) if n else 0
+        if n and 0 <= first and first + n <= out.shape[0] and torch.equal(rows, torch.arange(first, first + n)):
+            out[first : first + n].copy_(values)  # one run of rows, in order: one plain copy
+        else:
+            cnr_ops.scatter_rows_(out, rows, values)  # the stored values are the rows: copied once, from where they lie
 
     def view_decoded(self, encoded: EncodedRows) -> torch.Tensor | None:
         self.check(encoded)

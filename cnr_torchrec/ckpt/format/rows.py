@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import math
 import mmap
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -132,6 +132,7 @@ class RowReader:
         self._keyed = storage.key is not None
         self._blobs = PayloadReader(storage, payload, stats, whole=False)
         self._pending: dict[int, _Fetch] = {}
+        self._checked: dict[int, _Fetch | list[torch.Tensor]] = {}  # by entry: rows check() read and checked
         self._blob_reads: dict[str, Future] = {}
 
     # ------------------------------------------------------------------ whole blobs
@@ -186,10 +187,50 @@ class RowReader:
         fetch.spans[entry.row_checks.blob] = self._spans(self.payload.blobs[entry.row_checks.blob], fetch.groups, 1)
         self._pending[id(entry)] = fetch
 
-    def rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
+    def rows(self, entry: TableEntry, sel: torch.Tensor,
+             into: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The rows ``sel`` (sorted stored positions) of each of ``entry``'s :attr:`~TableEntry.row_blobs`,
         their groups checked against the entry's CRCs (without them: the whole blobs, checked against their
-        xxh3)."""
+        xxh3), or as :meth:`check` checked them already.
+
+        Args:
+            into: per blob name, a uint8 ``[rows, the blob's bytes a row]`` tensor the blob's rows are copied into
+                (and returned as, typed), instead of memory of their own.
+        """
+        checked = self._checked.pop(id(entry), None)
+        if isinstance(checked, _Fetch):  # checked where they lie: copied out now
+            parts = [self._gather(name, checked, checked.sel, (into or {}).get(name))
+                     for name in entry.row_blobs]
+            return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
+        parts = checked if checked is not None else self._read_rows(entry, sel)
+        for name, out in (into or {}).items():
+            k = entry.row_blobs.index(name)
+            out.copy_(parts[k].reshape(parts[k].shape[0], -1).view(torch.uint8))
+            parts[k] = self._typed(name, out)
+        return parts
+
+    def check(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
+        """Reads the rows ``sel`` of ``entry`` and checks them as :meth:`rows` does, for :meth:`rows` to give next:
+        on a local root, checked where they lie in the mapped files and not yet copied (returned as tensors on
+        the meta device, of the shapes and dtypes :meth:`rows` will give); elsewhere read and kept.
+
+        Raises:
+            CorruptCheckpointError: as :meth:`rows`.
+        """
+        if not (self._mapped and self._by_groups(entry)):
+            parts = self._checked[id(entry)] = self._read_rows(entry, sel)
+            return parts
+        fetch = self._pending.pop(id(entry), None)
+        if fetch is None:
+            self.prefetch(entry, sel)
+            fetch = self._pending.pop(id(entry))
+        got = self._crc_in_place(entry, fetch)
+        self._check_groups(entry, fetch, got)
+        self._checked[id(entry)] = fetch
+        blobs = [self.payload.blobs[name] for name in entry.row_blobs]
+        return [torch.empty((fetch.sel.size, *b.shape[1:]), dtype=DTYPES[b.dtype], device="meta") for b in blobs]
+
+    def _read_rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
         if not self._by_groups(entry):  # whole blobs, each checked against its xxh3 (or its chunk's digest)
             return [self(name).index_select(0, sel) for name in entry.row_blobs]
         fetch = self._pending.pop(id(entry), None)
@@ -199,19 +240,22 @@ class RowReader:
         size = entry.row_checks.rows
         if self._mapped:  # hash the groups where they lie, copy out the asked-for rows only
             got = self._crc_in_place(entry, fetch)
+            self._check_groups(entry, fetch, got)
             parts = [self._gather(name, fetch, fetch.sel) for name in entry.row_blobs]
         else:  # copy out the groups, hash them, keep the asked-for rows
             full = fetch.full
             parts = [self._gather(name, fetch, full) for name in entry.row_blobs]
-            got = row_crc32c(parts, size)
+            self._check_groups(entry, fetch, row_crc32c(parts, size))
             if full.size != fetch.sel.size:
                 keep = torch.from_numpy(np.searchsorted(full, fetch.sel))
                 parts = [p.index_select(0, keep) for p in parts]
+        return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
+
+    def _check_groups(self, entry: TableEntry, fetch: _Fetch, got: torch.Tensor) -> None:
         want = self._gather(entry.row_checks.blob, fetch, fetch.groups).view(torch.int32).reshape(-1)
         bad = np.flatnonzero((got != want).numpy())
         if bad.size:
-            self._corrupt(entry, int(fetch.groups[bad[0]]) * size, bad.size)
-        return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
+            self._corrupt(entry, int(fetch.groups[bad[0]]) * entry.row_checks.rows, bad.size)
 
     def _crc_in_place(self, entry: TableEntry, fetch: _Fetch) -> torch.Tensor:
         """The CRCs of ``fetch.groups``, hashed in the mapped chunks; a group cut by a chunk's end (in any of
@@ -340,15 +384,15 @@ class RowReader:
         spans.sort(key=lambda s: s[0])
         return spans
 
-    def _gather(self, name: str, fetch: _Fetch, sel: np.ndarray) -> torch.Tensor:
-        """Rows ``sel`` of blob ``name`` as uint8 ``[rows, width]``, copied out of their spans (or, for every
-        row of a blob read in one piece, that piece itself)."""
+    def _gather(self, name: str, fetch: _Fetch, sel: np.ndarray, into: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``sel`` of blob ``name`` as uint8 ``[rows, width]``, copied out of their spans into ``into`` or
+        memory of their own (or, for every row of a blob read in one piece, that piece itself)."""
         blob = self.payload.blobs[name]
         width = blob.nbytes // blob.shape[0] if blob.shape and blob.shape[0] else 0
         if not width:
             return torch.empty(sel.size, 0, dtype=torch.uint8)
         spans = fetch.spans[name]
-        if len(spans) == 1 and spans[0][:2] == (0, sel.size) and blob.shape[0] == sel.size:
+        if into is None and len(spans) == 1 and spans[0][:2] == (0, sel.size) and blob.shape[0] == sel.size:
             buf = self._landed(spans[0][2])
             if len(buf) == sel.size * width:  # all rows, sorted and distinct: the span as it lies
                 return torch.frombuffer(buf, dtype=torch.uint8).view(sel.size, width)
@@ -356,7 +400,9 @@ class RowReader:
         word = next((t for t in (torch.int64, torch.int32, torch.int16) if width % t.itemsize == 0), torch.uint8)
         per_row = width // word.itemsize
         shape = (-1,) if per_row == 1 else (-1, per_row)  # one word a row: 1-D, which index_select copies faster
-        out = torch.empty(sel.size, per_row, dtype=word).view(shape)
+        if into is not None and tuple(into.shape) != (sel.size, width):
+            raise ValueError(f"into for blob {name} must be uint8 [{sel.size}, {width}], got {tuple(into.shape)}")
+        out = (torch.empty(sel.size, width, dtype=torch.uint8) if into is None else into).view(word).view(shape)
         for r0, r1, data in fetch.spans[name]:
             a, b = np.searchsorted(sel, [r0, r1])
             if b == a:

@@ -32,9 +32,9 @@ from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
-from cnr_torchrec.quant import EncodingFormatError, codec_for, decode, rebuild
+from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode, rebuild
 
-__all__ = ["Progress", "RowState", "TableData", "assemble_regions", "assemble_tables"]
+__all__ = ["Progress", "ReadRegions", "RowState", "TableData", "assemble_regions", "assemble_tables", "read_regions"]
 
 Progress = Callable[[int], Any]
 """Called with the number of entries just processed (``tqdm.update`` fits)."""
@@ -132,10 +132,26 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                      progress: Progress | None = None) -> dict[Region, TableData]:
     """Applies the entries of ``chain`` to blocks of tables (:func:`assemble_tables` for whole tables):
     each region gets float32 weights ``[its rows, its columns]`` and its optimizer states, from the rows
-    and columns of the entries that overlap it.
+    and columns of the entries that overlap it (:func:`read_regions`, then :meth:`ReadRegions.assemble`).
 
     Raises:
         CorruptCheckpointError: an entry does not decode, or the chain leaves part of a region unwritten.
+    """
+    return read_regions(storage, chain, regions, progress).assemble()
+
+
+def read_regions(storage: Storage, chain: list[Manifest], regions: Collection[Region],
+                 progress: Progress | None = None, into: Collection[Region] = ()) -> ReadRegions:
+    """Reads and checks every stored row that the entries of ``chain`` give ``regions``, by the chain's rule,
+    decoding nothing: what :meth:`ReadRegions.assemble` then decodes cannot fail on what the checkpoint holds.
+
+    ``into`` names the regions whose weights the caller will give memory for (``assemble(into=...)``): on a
+    local root their rows are checked where they lie, and copied out only then, straight into that memory
+    where they are its float32 rows, in order.
+
+    Raises:
+        CorruptCheckpointError: an entry outside its table, rows that do not match their CRCs or their codec's
+            layout, a managed-collision state of two shapes, or a chain that leaves part of a region unwritten.
     """
     tip = chain[-1]
     for region in regions:
@@ -151,12 +167,11 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
     for m in chain:
         for _, table, entry in m.entries():
             breaks.setdefault(table, set()).update(entry.cols)
-    out: dict[Region, TableData] = {}
     covered: dict[Region, _Covered] = {}
     for g in (g for gs in sharded.values() for g in gs):
-        shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
         segs = segments_of(g.cols, sorted(breaks.get(g.table, ())))
-        covered[g] = _Covered(Coverage(shape[0], segs), Coverage(shape[0], segs), Coverage(shape[0], [g.cols]))
+        n = g.rows[1] - g.rows[0]
+        covered[g] = _Covered(Coverage(n, segs), Coverage(n, segs), Coverage(n, [g.cols]))
     claims: list[_EntryClaim] = []  # made newest copy first, applied oldest first (the rule's sums)
     for m in newest_first(chain):
         for report in m.ranks:
@@ -175,18 +190,65 @@ def assemble_regions(storage: Storage, chain: list[Manifest], regions: Collectio
                             claims.append(claim)
                     if progress is not None:
                         progress(1)
-    sums = {c.region for c in claims if c.entry.residual}
-    for g in covered:
-        # Where residuals add, the sums start from zero (the rule). Elsewhere every claim is a whole copy of rows
-        # no other claim gives, so untouched memory does: a region the chain leaves open is refused below.
-        shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
-        out[g] = TableData((torch.zeros if g in sums else torch.empty)(shape, dtype=torch.float32), [])
-    alone = {g for g, n in Counter(c.region for c in claims).items() if n == 1}
-    for claim in reversed(claims):
-        out[claim.region] = _apply_entry(out[claim.region], claim, claim.region in alone, claim.region in sums)
-    out.update(_replicated_tables(storage, tip, replicated))
     _check_covered(chain, {g: c.weights for g, c in covered.items()})
-    return out
+    read = [_read_claim(c, c.region in into) for c in reversed(claims)]
+    _check_mc_fields(read)
+    return ReadRegions(list(covered), read, _replicated_tables(storage, tip, replicated))
+
+
+class ReadRegions:
+    """The checked rows of a chain for some regions (:func:`read_regions`), ready to decode.
+
+    Attributes:
+        regions: the sharded regions (the replicated ones come whole from the tip).
+    """
+
+    def __init__(self, regions: list[Region], claims: list[_ReadClaim], replicated: dict[Region, TableData]) -> None:
+        self.regions, self._claims, self._replicated = regions, claims, replicated
+        self._sums = {c.claim.region for c in claims if c.claim.entry.residual}
+
+    def state_kinds(self, region: Region) -> list[bool]:
+        """Whether each optimizer state the chain stores for ``region`` is row-wise (in the order
+        :attr:`TableData.states` holds them), known before anything is decoded."""
+        kinds: list[bool] = []
+        for c in self._claims:
+            if c.claim.region == region:
+                refs = c.claim.entry.states
+                kinds += [ref.rowwise for ref in refs[len(kinds):]]
+        return kinds
+
+    def assemble(self, into: Mapping[Region, torch.Tensor] | None = None) -> dict[Region, TableData]:
+        """Decodes the rows read into each region's weights, oldest claim first (:func:`_apply_entry`).
+
+        Args:
+            into: for some sharded regions, float32 tensors of the region's shape with contiguous columns to
+                decode into (a live shard's rows and columns): their weights are written there, the rows of a
+                region with residuals first set to zero, and the region's :attr:`TableData.weights` is that
+                tensor. Other regions get memory of their own.
+        """
+        into = into or {}
+        out: dict[Region, TableData] = {}
+        for g in self.regions:
+            # Where residuals add, the sums start from zero (the rule). Elsewhere every claim is a whole copy of
+            # rows no other claim gives, and the chain was checked to give every row, so untouched memory does.
+            given = into.get(g)
+            if given is not None:
+                if given.dtype != torch.float32 or tuple(given.shape) != (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0]):
+                    raise ValueError(f"into[{g}] must be float32 {g.rows[1] - g.rows[0]} x {g.cols[1] - g.cols[0]}, "
+                                     f"got {given.dtype} {tuple(given.shape)}")
+                if g in self._sums:
+                    given.zero_()
+                weights = given
+            else:
+                shape = (g.rows[1] - g.rows[0], g.cols[1] - g.cols[0])
+                weights = (torch.zeros if g in self._sums else torch.empty)(shape, dtype=torch.float32)
+            out[g] = TableData(weights, [])
+        alone = {g for g, n in Counter(c.claim.region for c in self._claims).items() if n == 1} - set(into)
+        for c in self._claims:
+            region = c.claim.region
+            out[region] = _apply_entry(out[region], c, region in alone, region in self._sums)
+        out.update(self._replicated)
+        return out
 
 
 class _Covered(NamedTuple):
@@ -253,8 +315,67 @@ def _claim_entry(covered: _Covered, region: Region, table: str, entry: TableEntr
                        pick)
 
 
-def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -> TableData:
-    """Applies what ``claim`` took of its region: decodes the claimed rows and writes them (a whole copy) or
+class _ReadClaim(NamedTuple):
+    """A claim's stored rows, read and checked (:func:`_read_claim`): its rows encoded, then the parts of its
+    optimizer states and managed-collision state, as the entry stores them. ``later``: checked where they lie
+    and not copied yet (the tensors are then on the meta device: their shapes, for the codec's check)."""
+
+    claim: _EntryClaim
+    encoded: EncodedRows
+    extra: list[torch.Tensor]
+    later: bool = False
+
+
+def _read_claim(claim: _EntryClaim, later: bool = False) -> _ReadClaim:
+    """Reads the rows ``claim`` took (checked against their CRCs) and rebuilds them as their codec stores them;
+    ``later``: leaves them where they lie, checked, where the reader can (:meth:`~.rows.RowReader.check`)."""
+    table, entry, file = claim.table, claim.entry, claim.file
+    parts = claim.load.check(entry, claim.pick) if later else claim.load.rows(entry, claim.pick)
+    keys = sorted(entry.coded.blobs)
+    try:
+        encoded = rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": claim.pick.numel()})
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
+                                     path=file) from None
+    c0, c1 = entry.cols
+    if encoded.dim != c1 - c0:
+        raise CorruptCheckpointError(
+            f"{file}: table '{table}' stores rows of {encoded.dim} values for columns [{c0}, {c1})", path=file)
+    return _ReadClaim(claim, encoded, parts[len(keys):], later and parts[0].is_meta)
+
+
+def _check_mc_fields(claims: list[_ReadClaim]) -> None:
+    """The entries that give one region managed-collision state give it with the same fields."""
+    fields: dict[Region, tuple[str, ...]] = {}
+    for c in claims:
+        entry = c.claim.entry
+        if c.claim.mc_map is None or entry.mc is None:
+            continue
+        seen = fields.setdefault(c.claim.region, entry.mc_rows.fields)
+        if len(seen) != len(entry.mc_rows.fields):
+            raise CorruptCheckpointError(
+                f"{c.claim.file}: table '{c.claim.table}' stores managed-collision state with fields "
+                f"{list(entry.mc_rows.fields)} and, in another entry, {len(seen)} fields", path=c.claim.file)
+
+
+def _copy_out(read: _ReadClaim, weights: torch.Tensor, sums: bool) -> tuple[_ReadClaim, bool]:
+    """Copies out the rows of a claim checked where they lie (``read.later``): straight into ``weights`` when they
+    are its float32 rows, every one in order and every column (and nothing is added: no residuals), then True;
+    else into memory of their own, to decode as any claim's."""
+    claim, entry = read.claim, read.encoded
+    n_rows = weights.shape[0]
+    keys = sorted(claim.entry.coded.blobs)
+    whole = (not sums and entry.method == "none" and claim.segs == [claim.entry.cols] and len(claim.maps) == 1
+             and claim.entry.cols == claim.region.cols and claim.pick.numel() == n_rows and weights.is_contiguous()
+             and bool((claim.maps[0].index_select(0, claim.pick) == torch.arange(n_rows)).all()))
+    into = {claim.entry.coded.blobs["payload"]: weights.view(torch.uint8)} if whole and keys == ["payload"] else None
+    parts = claim.load.rows(claim.entry, claim.pick, into)
+    encoded = rebuild(dict(zip(keys, parts)), {**claim.entry.coded.meta, "num_rows": claim.pick.numel()})
+    return _ReadClaim(claim, encoded, parts[len(keys):]), into is not None
+
+
+def _apply_entry(data: TableData, read: _ReadClaim, alone: bool, sums: bool) -> TableData:
+    """Applies what a claim took of its region: decodes the claimed rows and writes them (a whole copy) or
     adds them (a residual; one rounded add per copy, onto the older copies applied before), and sets the
     claimed optimizer and managed-collision states.
 
@@ -265,24 +386,19 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -
     float32 rows, the rows as read, with no copy, which may then share memory with the checkpoint's mapped file
     (privately: writes to them stay in the process). Rows decode straight to their places where the entry's
     columns are one segment of the region (the codec's ``decode_into``: no decoded temporary)."""
-    region, table, entry, load, file = claim.region, claim.table, claim.entry, claim.load, claim.file
+    claim = read.claim
+    region, entry = claim.region, claim.entry
     segs, maps, state_maps, mc_map, pick = claim.segs, claim.maps, claim.state_maps, claim.mc_map, claim.pick
     v0 = region.cols[0]
     c0, c1 = entry.cols
-    parts = load.rows(entry, pick)
-    keys = sorted(entry.coded.blobs)
-    try:
-        encoded = rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": pick.numel()})
-    except EncodingFormatError as e:
-        raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
-                                     path=file) from None
-    if encoded.dim != c1 - c0:
-        raise CorruptCheckpointError(
-            f"{file}: table '{table}' stores rows of {encoded.dim} values for columns [{c0}, {c1})", path=file)
-    codec = codec_for(encoded)
     n_rows, n_cols = data.weights.shape
+    copied = False  # the region's weights are its rows, copied into place
+    if read.later:
+        read, copied = _copy_out(read, data.weights, sums)
+    encoded = read.encoded
+    codec = codec_for(encoded)
     decoded: torch.Tensor | None = None  # the claimed rows decoded, where a segment needs them cut
-    for seg, mp in zip(segs, maps):
+    for seg, mp in zip([] if copied else segs, maps):
         dst_of = mp.index_select(0, pick)  # the block row of each row read (-1: another's)
         if not sums and alone and seg == (c0, c1) and (seg[1] - seg[0], pick.numel()) == (n_cols, n_rows) and bool(
                 (dst_of == torch.arange(n_rows)).all()):
@@ -303,7 +419,7 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -
         else:
             block.index_copy_(0, dst, rows)
     bounds = (*(a - v0 for a, _ in claim.region_segs), claim.region_segs[-1][1] - v0)
-    for j, (ref, t) in enumerate(zip(entry.states, parts[len(keys):])):
+    for j, (ref, t) in enumerate(zip(entry.states, read.extra)):
         if j == len(data.states):
             width = len(bounds) - 1 if ref.rowwise else n_cols
             data.states.append(RowState(ref.rowwise, torch.zeros(n_rows, width, dtype=torch.float32), t.dtype,
@@ -319,13 +435,9 @@ def _apply_entry(data: TableData, claim: _EntryClaim, alone: bool, sums: bool) -
         if data.mc is None:
             data = data._replace(mc=torch.zeros(n_rows, len(entry.mc_rows.fields), dtype=torch.int64),
                                  mc_fields=entry.mc_rows.fields)
-        elif data.mc.shape[1] != len(entry.mc_rows.fields):
-            raise CorruptCheckpointError(
-                f"{file}: table '{table}' stores managed-collision state with fields "
-                f"{list(entry.mc_rows.fields)} and, in another entry, {data.mc.shape[1]} fields", path=file)
         src, dst = _kept(mc_map.index_select(0, pick))
         assert data.mc is not None  # made above where it was missing
-        data.mc[dst] = parts[-1][src]
+        data.mc[dst] = read.extra[-1][src]
     return data
 
 
