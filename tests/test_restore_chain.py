@@ -28,7 +28,8 @@ from test_restore_apply import rule_reference
 
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.chain import restore_chain
+from cnr_torchrec.ckpt.job_state import JobState
+from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 
 PLAIN = {"method": "none", "residual": False}
@@ -99,8 +100,9 @@ def _fresh():
 def _restore(root: str, dmp, opt, reader, **kw):
     storage = Storage(root)
     try:
-        return restore_chain(_chain(storage), storage=storage, model=dmp, tracker=dmp.dirty_tracker, rank=0,
-                             world_size=1, dense_optimizer=opt, extra_state={"reader": reader}, **kw)
+        job = JobState(dmp, dmp.dirty_tracker, opt, {"reader": reader})
+        return restore_chain(_chain(storage), job, storage=storage, rank=0, world_size=1,
+                             options=RestoreOptions(**kw))
     finally:
         storage.close()
 
@@ -199,9 +201,8 @@ def test_extra_state_the_checkpoint_lacks_is_refused_by_name(plain):
     storage = Storage(root)
     try:
         with pytest.raises(IncompatibleCheckpointError, match=r"extra_state \['other'\] is not in checkpoint"):
-            restore_chain(_chain(storage), storage=storage, model=dmp, tracker=dmp.dirty_tracker, rank=0,
-                          world_size=1, dense_optimizer=opt,
-                          extra_state={"reader": reader, "other": copy.deepcopy(reader)})
+            job = JobState(dmp, dmp.dirty_tracker, opt, {"reader": reader, "other": copy.deepcopy(reader)})
+            restore_chain(_chain(storage), job, storage=storage, rank=0, world_size=1)
     finally:
         storage.close()
 

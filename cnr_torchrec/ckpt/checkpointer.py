@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from cnr_torchrec import _exit
 from cnr_torchrec._logging import install_default_handler
 from cnr_torchrec.ckpt._collective import Failure, Ranks, as_named_error
+from cnr_torchrec.ckpt.commit_round import Peers
 from cnr_torchrec.ckpt.compact.background import Compaction, Compactor
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.config_resolve import resolve
@@ -28,7 +29,7 @@ from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.origin import write_origin
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
-from cnr_torchrec.ckpt.layout import shard_boxes
+from cnr_torchrec.ckpt.job_state import DenseOptimizer, JobState, Stateful
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
@@ -61,9 +62,9 @@ def _table_fqns(model: torch.nn.Module, tracker: DirtyRowTracker) -> dict[str, s
     return out
 
 
-def _check_arguments(model: torch.nn.Module, config: CheckpointConfig, dense_optimizer: Any,
-                     extra_state: dict[str, Any] | None) -> Any:
-    """The model's tracker, once the Checkpointer's arguments are found usable.
+def _check_arguments(model: torch.nn.Module, config: CheckpointConfig, dense_optimizer: DenseOptimizer | None,
+                     extra_state: Mapping[str, Stateful] | None) -> JobState:
+    """The job's state, built once the Checkpointer's arguments are found usable.
 
     Raises:
         ConfigError: the model is no CheckNRunDMP, the config no CheckpointConfig, an extra_state
@@ -79,7 +80,7 @@ def _check_arguments(model: torch.nn.Module, config: CheckpointConfig, dense_opt
             raise ConfigError(f"extra_state[{name!r}] has no state_dict()/load_state_dict(); pass a Stateful object")
     if dense_optimizer is not None:
         check_dense_optimizer(model, dense_optimizer)  # refused now, not at the first save or restore
-    return tracker
+    return JobState(model, tracker, dense_optimizer, dict(extra_state or {}))
 
 
 def _enable_views(tracker: DirtyRowTracker, config: CheckpointConfig) -> None:
@@ -183,6 +184,9 @@ class Checkpointer:
     Attributes:
         config: the config it runs with: ``config`` with the defaults that depend on the job settled
             (:func:`~cnr_torchrec.ckpt.config_resolve.resolve`), the same on every rank.
+        job: the :class:`~cnr_torchrec.ckpt.job_state.JobState` it saves and restores (the model, its tracker,
+            ``dense_optimizer``, ``extra_state``), built once here and passed whole to the save, the restore
+            and the compaction.
     """
 
     def __init__(
@@ -190,22 +194,20 @@ class Checkpointer:
         model: torch.nn.Module,
         config: CheckpointConfig,
         *,
-        dense_optimizer: Any = None,
-        extra_state: dict[str, Any] | None = None,
+        dense_optimizer: DenseOptimizer | None = None,
+        extra_state: Mapping[str, Stateful] | None = None,
     ) -> None:
         install_default_handler()  # the library's INFO lines reach stderr unless the application configured logging
-        tracker = _check_arguments(model, config, dense_optimizer, extra_state)
+        job = _check_arguments(model, config, dense_optimizer, extra_state)
+        tracker = job.tracker
         self._ranks = Ranks()
         self._dist = self._ranks.distributed
         self.rank = self._ranks.rank
         self.world_size = self._ranks.world_size
         # Before anything is opened: a refusal leaves nothing behind. The caller's config stays as it was given.
         config = resolve(config, tracker, self._ranks)
-        self.model = model
-        self.tracker = tracker
+        self.job = job  # built once, passed whole to the save, the restore and the compaction
         self.config = config
-        self.dense_optimizer = dense_optimizer
-        self.extra_state = dict(extra_state or {})
         self._restores = 0  # restores this job has performed, carried from manifest to manifest
         self.codec = self._pick_codec()
         self._table_fqns = _table_fqns(model, tracker)
@@ -219,7 +221,7 @@ class Checkpointer:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-save")
         self._inflight: SaveHandle | None = None
         try:
-            self._open(model, tracker, dense_optimizer)
+            self._open()
         except BaseException:  # a Checkpointer that did not open leaves nothing open
             self._executor.shutdown(wait=False)
             self._io.close()
@@ -230,18 +232,19 @@ class Checkpointer:
             raise
         _exit.track(self)  # at exit, its background work finishes before Python stops the thread pools (once whole)
 
-    def _open(self, model: torch.nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any) -> None:
+    def _open(self) -> None:
         """The rest of the constructor, once the storage is open: the root listed, the chain book, the
         compactor, retention, the memory tier, the restore and commit paths."""
-        config = self.config
+        config, job, tracker = self.config, self.job, self.job.tracker
         # Rank 0 lists the root once for everyone; a listing that fails raises StorageError on every rank.
         # os.urandom, not torch's RNG, which belongs to the training job.
-        origin = getattr(model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.ckpt.warm_start)
+        origin = getattr(job.model, "_cnr_warm_start", None)  # a warm start's report (cnr_torchrec.ckpt.warm_start)
         token, next_id = self._ranks.from_rank0(
             lambda: [int.from_bytes(os.urandom(7), "little"), self._open_root(origin)],
             what=f"listing the checkpoints under {config.root}",
         )
         self._store = self._make_store(token)
+        self._peers = Peers(self._store, self.rank, self.world_size, config.save_timeout_s)  # every commit round's
         self._token = token
         self._book = ChainBook(next_id)  # what the next save hangs on
         self._timer = IntervalTimer()
@@ -253,19 +256,34 @@ class Checkpointer:
         # This rank's restore image in host shared memory (memory_tier): the reconstruction's rows live there.
         self._memory = MemoryTier(config, tracker, rank=self.rank, world_size=self.world_size,
                                   residual=bool(config.quantization.residual), distributed=self._dist)
-        self._restorer = Restorer(config, storage=self._storage, io=self._io, ranks=self._ranks, model=model,
-                                  tracker=tracker, dense_optimizer=dense_optimizer, extra_state=self.extra_state,
+        self._restorer = Restorer(config, job, storage=self._storage, io=self._io, ranks=self._ranks,
                                   memory=self._memory)
-        self._recovery = Recovery(restorer=self._restorer, storage=self._storage, io=self._io, ranks=self._ranks,
-                                  model=model, tracker=tracker, dense_optimizer=dense_optimizer,
-                                  extra_state=self.extra_state)
-        self._committer = Committer(config, rank=self.rank, world_size=self.world_size,
-                                    store=self._store, io=self._io, staging=self._staging,
-                                    tables=list(tracker.tables()), on_commit=self._retention.committed,
-                                    reconstruction=self._reconstruction(), memory=self._memory,
-                                    boxes=shard_boxes(tracker))
+        self._recovery = Recovery(self._restorer, storage=self._storage, io=self._io, ranks=self._ranks)
+        self._committer = Committer(config, job, peers=self._peers, io=self._io, staging=self._staging,
+                                    on_commit=self._retention.committed, reconstruction=self._reconstruction(),
+                                    memory=self._memory)
 
     # ------------------------------------------------------------------ public
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The sharded model it checkpoints (``job.model``)."""
+        return self.job.model
+
+    @property
+    def tracker(self) -> DirtyRowTracker:
+        """The model's dirty-row tracker (``job.tracker``)."""
+        return self.job.tracker
+
+    @property
+    def dense_optimizer(self) -> DenseOptimizer | None:
+        """The dense parameters' optimizer, or None (``job.dense_optimizer``)."""
+        return self.job.dense_optimizer
+
+    @property
+    def extra_state(self) -> Mapping[str, Stateful]:
+        """The per-rank Stateful objects it saves and restores by name (``job.extra_state``)."""
+        return self.job.extra_state
 
     def should_save(self, step: int) -> bool:
         """Whether ``step`` is due for a save under ``config.interval``; call it every step, on every rank.
@@ -601,11 +619,8 @@ class Checkpointer:
         every rank raises it at once, before anything is staged.
         """
         try:
-            staged = stage(
-                decision, model=self.model, tracker=self.tracker, rank=self.rank, world_size=self.world_size,
-                dense_optimizer=self.dense_optimizer, extra_state=self.extra_state, budget=self.config.budget,
-                buffers=self._staging,
-            )
+            staged = stage(decision, self.job, rank=self.rank, world_size=self.world_size,
+                           budget=self.config.budget, buffers=self._staging)
         except ConfigError:
             raise
         except Exception as e:  # reported through the commit protocol, so that no rank waits for it
@@ -626,12 +641,8 @@ class Checkpointer:
         self._book.settle(handle.decision, None if info is None else info.nbytes)
 
     def _start_compaction(self, new_id: int, chain: tuple[int, ...]) -> Compaction:
-        return Compaction(
-            new_id=new_id, chain=chain, rank=self.rank, world_size=self.world_size, tracker=self.tracker,
-            open_storage=self._io.open_storage, store=self._store,
-            timeout_s=self.config.save_timeout_s, on_commit=self._retention.committed,
-            chunk_bytes=self.config.chunk_bytes, pool=self._io, residual=bool(self.config.quantization.residual),
-        )
+        return Compaction(new_id, chain, self.job, config=self.config, peers=self._peers, io=self._io,
+                          on_commit=self._retention.committed)
 
     def _make_store(self, token: int) -> Any:
         """The c10d store, under keys namespaced by ``token`` (the same on every rank)."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from cnr_torchrec.ckpt._collective import heard
 
-__all__ = ["CommitRound", "Outcome", "Report"]
+__all__ = ["CommitRound", "Outcome", "Peers", "Report"]
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +87,22 @@ class Outcome:
     def from_json(cls, text: str | bytes) -> Outcome:
         raw = json.loads(text)
         return cls(bool(raw["ok"]), str(raw["error"]), True, raw["facts"])
+
+
+@dataclass(frozen=True)
+class Peers:
+    """Who a job's rounds run among: this rank of ``world_size``, over the c10d ``store`` (None on one process),
+    each wait bounded by ``timeout_s``. A Checkpointer builds it once; its saves and compactions run their
+    rounds with it."""
+
+    store: Any
+    rank: int
+    world_size: int
+    timeout_s: float
+
+    def round(self, prefix: str) -> CommitRound:
+        """The round named ``prefix`` among these ranks."""
+        return CommitRound(self.store, prefix, self.rank, self.world_size, self.timeout_s)
 
 
 class CommitRound:

@@ -35,11 +35,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from cnr_torchrec.ckpt import fault_injection
-from cnr_torchrec.ckpt.commit_round import CommitRound, Outcome, Report
+from cnr_torchrec.ckpt.commit_round import Outcome, Peers, Report
 from cnr_torchrec.ckpt.compact import fold, merge
-from cnr_torchrec.ckpt.config import CompactionConfig
+from cnr_torchrec.ckpt.config import CheckpointConfig, CompactionConfig
 from cnr_torchrec.ckpt.format.blocks import Region, shard_key
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool
+from cnr_torchrec.ckpt.format.chunks import IOPool
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.parts import with_parts, write_part
@@ -47,6 +47,7 @@ from cnr_torchrec.ckpt.format.placement import fits
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
+from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.save.planner import ChainState, Decision
 from cnr_torchrec.track import DirtyRowTracker
@@ -77,23 +78,24 @@ class Compaction:
     """One compaction of chain ``chain`` (ids, baseline first) into checkpoint ``new_id``, in flight.
 
     Args:
-        open_storage: opens a Storage for the compaction's thread (Storage is not thread-safe).
-        store: the Checkpointer's c10d store (None on one process).
+        job: the job's state, whose tracker says which blocks this rank writes (its shards under the plan).
+        config: the Checkpointer's config: the chunk size, and whether the job codes residuals (then the
+            chain is folded whatever it holds, and the rank keeps the folded rows, :attr:`folded`, for its
+            reconstruction).
+        peers: the ranks the commit round runs among (the Checkpointer's c10d store, its timeout).
+        io: the threads that write chunks; it opens a Storage for the compaction's thread (Storage is not
+            thread-safe).
         on_commit: rank 0 calls it with the committed manifest (to update the catalog).
-        residual: the job codes residuals: the chain is folded whatever it holds, and the rank keeps
-            the folded rows (:attr:`folded`) for its reconstruction.
     """
 
-    def __init__(self, *, new_id: int, chain: tuple[int, ...], rank: int, world_size: int,
-                 tracker: DirtyRowTracker, open_storage: Callable[[], Storage], store: Any, timeout_s: float,
-                 on_commit: Callable[[Manifest, Storage], None], chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pool: IOPool | None = None, residual: bool = False) -> None:
-        self.new_id, self.chain, self.rank, self.world_size = new_id, chain, rank, world_size
-        self.residual = residual
+    def __init__(self, new_id: int, chain: tuple[int, ...], job: JobState, *, config: CheckpointConfig,
+                 peers: Peers, io: IOPool, on_commit: Callable[[Manifest, Storage], None]) -> None:
+        self.new_id, self.chain, self.rank, self.world_size = new_id, chain, peers.rank, peers.world_size
+        self.residual = bool(config.quantization.residual)
         self.folded: dict[fold.Key, Any] = {}  # this rank's encoded folded rows, per region (residual jobs)
-        self._chunk_bytes, self._pool = chunk_bytes, pool
-        self._tracker = tracker
-        self._open_storage, self._store, self._timeout_s = open_storage, store, timeout_s
+        self._chunk_bytes, self._io = config.chunk_bytes, io
+        self._tracker = job.tracker
+        self._peers = peers
         self._on_commit = on_commit
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cnr-compact")
         self._future: Future = self._executor.submit(self._run)
@@ -119,7 +121,7 @@ class Compaction:
         storage: Storage | None = None
         try:  # whatever fails here is reported to rank 0, so that every rank hears the same outcome
             regions = regions_of_tracker(self._tracker, self.rank)  # the plan's layout: fixed while training runs
-            storage = self._open_storage()
+            storage = self._io.open_storage()
             chain = walk_chain(load_manifest(storage, self.tip), lambda i: load_manifest(storage, i))
             if tuple(c.id for c in chain) != self.chain:
                 raise RuntimeError(f"checkpoint {self.tip}'s chain is {[c.id for c in chain]} on storage, not "
@@ -134,7 +136,7 @@ class Compaction:
             log.error("compaction %d: rank %d failed to merge: %s: %s", self.new_id, self.rank, type(e).__name__, e)
             report, chain = {"rank": self.rank, "ok": False, "error": f"{type(e).__name__}: {e}"}, []
         try:
-            round_ = CommitRound(self._store, f"compact/{self.new_id}", self.rank, self.world_size, self._timeout_s)
+            round_ = self._peers.round(f"compact/{self.new_id}")
             out = round_.run(Report.of_part(report), lambda reports: self._commit(reports, chain, storage, t0))
             if out.ok and out.manifest is not None:  # rank 0, which committed
                 assert storage is not None  # the commit wrote through it
@@ -150,14 +152,12 @@ class Compaction:
         """This rank's file: a lossless merge, or for a residual chain (or job) a fold of its sums (fold.py)."""
         tip = chain[-1]
         same_ranks = tip.world_size == self.world_size and tip.per_rank_state
-        rank_state = tip.ranks[self.rank] if same_ranks else None
-        dense_state = tip.ranks[0] if self.rank == 0 else None
+        out = merge.CompactedFile(self.new_id, self.rank, rank_state=tip.ranks[self.rank] if same_ranks else None,
+                                  dense_state=tip.ranks[0] if self.rank == 0 else None,
+                                  chunk_bytes=self._chunk_bytes, pool=self._io)
         if not _folds(chain, self.residual):
-            return merge.merge_rank(storage, chain, regions, new_id=self.new_id, rank=self.rank, rank_state=rank_state,
-                                    dense_state=dense_state, chunk_bytes=self._chunk_bytes, pool=self._pool)
-        return fold.fold_rank(storage, chain, regions, keep=self.folded.__setitem__ if self.residual else None,
-                              new_id=self.new_id, rank=self.rank, rank_state=rank_state, dense_state=dense_state,
-                              chunk_bytes=self._chunk_bytes, pool=self._pool)
+            return merge.merge_rank(storage, chain, regions, out)
+        return fold.fold_rank(storage, chain, regions, out, keep=self.folded.__setitem__ if self.residual else None)
 
     def _commit(self, reports: list[Report], chain: list[Manifest], storage: Storage | None, t0: float) -> Outcome:
         """Rank 0's decision in the round: the compacted manifest written if every rank's part is."""
@@ -177,7 +177,7 @@ class Compaction:
     def _cleanup(self, storage: Storage | None) -> None:
         """A compaction that did not commit: its manifest (rank 0: in case the others were not told) and files."""
         try:
-            remove_partial(storage or self._open_storage(), self.new_id, self.rank)
+            remove_partial(storage or self._io.open_storage(), self.new_id, self.rank)
         except Exception as e:
             log.warning("could not remove the partial files of compaction %d: %s", self.new_id, e)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from cnr_torchrec.ckpt.format.precedence import newest_first
 from cnr_torchrec.ckpt.format.rows import RowReader
 from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
 from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.job_state import DenseOptimizer, JobState
 from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.image import ShardViews
 from cnr_torchrec.ckpt.memory.tier import image_tables
@@ -45,44 +47,54 @@ from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCh
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
 
-__all__ = ["restore_chain", "restore_dense_optimizer"]
+__all__ = ["RestoreOptions", "restore_chain", "restore_dense_optimizer"]
 
 log = logging.getLogger(__name__)
 
 
-def restore_chain(
-    manifests: list[Manifest],
-    *,
-    storage: Storage,
-    model: nn.Module,
-    tracker: DirtyRowTracker,
-    rank: int,
-    world_size: int,
-    dense_optimizer: Any,
-    extra_state: Mapping[str, Any],
-    replicated: bool = True,
-    stats: dict[str, float] | None = None,
-    pool: IOPool | None = None,
-    threads: int = 1,
-    rng: bool = False,
-    stage: bool = False,
-    buffers: Mapping[Key, torch.Tensor] | None = None,
-    image: Mapping[Key, ShardViews] | None = None,
-) -> StagedWeights:
-    """Applies ``manifests`` (baseline first) to this rank's model state.
+@dataclass(frozen=True)
+class RestoreOptions:
+    """How one application of a chain goes: what it restores besides the shards, and how it reads.
 
-    Args:
+    Attributes:
         replicated: also restore what every rank holds alike: data_parallel tables, dense
             parameters, the dense optimizer and the TBE step counter. Partial recovery
             leaves them out and takes them from a surviving rank instead.
-        stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it, and the time
-            of each phase (:mod:`~cnr_torchrec.ckpt.restore.stats`).
-        pool: threads that read the chunks; every file a checkpoint needs is read at once,
-            and its entries are decoded as their chunks land.
-        threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
         rng: also set the global RNG states to this rank's saved ones (config ``restore_rng``).
         stage: restore the shards whose weights can be staged (:func:`~.apply.can_stage`) into host copies,
             and leave their live weights as they are until the caller commits them (every rank succeeded).
+        pool: threads that read the chunks; every file a checkpoint needs is read at once,
+            and its entries are decoded as their chunks land.
+        threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
+        stats: if given, ``bytes_read`` and ``reads`` (requests) are added to it, and the time
+            of each phase (:mod:`~cnr_torchrec.ckpt.restore.stats`).
+    """
+
+    replicated: bool = True
+    rng: bool = False
+    stage: bool = False
+    pool: IOPool | None = None
+    threads: int = 1
+    stats: dict[str, float] | None = None
+
+
+def restore_chain(
+    manifests: list[Manifest],
+    job: JobState,
+    *,
+    storage: Storage,
+    rank: int,
+    world_size: int,
+    options: RestoreOptions = RestoreOptions(),
+    buffers: Mapping[Key, torch.Tensor] | None = None,
+    image: Mapping[Key, ShardViews] | None = None,
+) -> StagedWeights:
+    """Applies ``manifests`` (baseline first) to this rank's part of ``job``: its shards, and (as ``options``
+    say) the replicated state and the per-rank state, ``extra_state`` and RNG, where ``world_size`` ranks wrote
+    the tip.
+
+    Args:
+        options: what to restore besides the shards, and how to read.
         buffers: float32 host tensors to stage into, by shard key (a residual reconstruction's rows, which the
             restore may overwrite); a shard without one of its shape gets a new copy.
         image: this rank's memory-tier image, sealed for ``manifests`` on this layout
@@ -90,22 +102,22 @@ def restore_chain(
             storage gives the rest (data_parallel tables, dense and per-rank state).
 
     Returns:
-        The staged weights: committed already unless ``stage``.
+        The staged weights: committed already unless ``options.stage``.
     """
     target = manifests[-1]
+    tracker, stats = job.tracker, options.stats
     check_compatible(target, tracker)
     relocated = needs_relocation(manifests, tracker, rank, world_size)  # managed-collision tables, by raw id
     from_image = None
     skip = set(relocated)
     if image is not None:
         with timed(stats, "memory_ms"):
-            from_image = restore_from_image(image, tracker, stage)
+            from_image = restore_from_image(image, tracker, options.stage)
         skip |= set(image_tables(tracker))
         relocated = set()  # the image is of this layout: nothing moved
-    with wider_pool(threads):
-        read, staged = _apply_chain(manifests, storage, tracker, rank, replicated, stats, pool, skip, stage,
-                                    buffers)
-        if not stage:
+    with wider_pool(options.threads):
+        read, staged = _apply_chain(manifests, storage, tracker, rank, options, skip, buffers)
+        if not options.stage:
             staged.commit()
         if from_image is not None:
             staged = StagedWeights(from_image.entries + staged.entries)
@@ -118,31 +130,34 @@ def restore_chain(
         return load if load is not None else RowReader(storage, target.ranks[r].payload, stats)
 
     with timed(stats, "state_ms"):
-        if replicated:
-            _restore_replicated(target, model, tracker, dense_optimizer, reader(0))
+        if options.replicated:
+            _restore_replicated(target, job, reader(0))
         if target.world_size == world_size:  # an import's too (written without the rest of the per-rank state)
             _restore_mc_runtime(target.ranks[rank], reader(rank), tracker, relocated)
         if target.world_size != world_size or not target.per_rank_state:
+            # Named only where the tip's world size is this one: across world sizes, none of it could be.
+            kept = sorted(job.extra_state) if target.world_size == world_size else []
             log.warning(
                 "checkpoint %d was written by %d ranks and is restored onto %d: embedding rows, dense and optimizer "
                 "state are resharded; per-rank state (%s, RNG) is not restored",
-                target.id, target.world_size, world_size, ", ".join(sorted(extra_state)) or "no extra_state",
+                target.id, target.world_size, world_size, ", ".join(kept) or "no extra_state",
             )
             return staged
-        _restore_rank_state(target, target.ranks[rank], reader(rank), extra_state, rng)
+        _restore_rank_state(target, target.ranks[rank], reader(rank), job.extra_state, options.rng)
     return staged
 
 
 def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, rank: int,
-                 replicated: bool, stats: dict[str, float] | None, pool: IOPool | None, relocated: set[str],
-                 stage: bool, buffers: Mapping[Key, torch.Tensor] | None) -> tuple[dict[int, RowReader], StagedWeights]:
+                 options: RestoreOptions, relocated: set[str], buffers: Mapping[Key, torch.Tensor] | None
+                 ) -> tuple[dict[int, RowReader], StagedWeights]:
     """The chain's entries onto this rank's shards (but those of the ``relocated`` tables), newest checkpoint
-    first, each row read, decoded and copied once (into host copies where ``stage``). Returns the readers of the
-    tip's files, by rank (dense and per-rank state are there too), and the staged weights.
+    first, each row read, decoded and copied once (into host copies where ``options.stage``). Returns the readers
+    of the tip's files, by rank (dense and per-rank state are there too), and the staged weights.
 
     Only the reports that can hold this rank's rows are read (:func:`~cnr_torchrec.ckpt.format.placement.reports_for`):
     on the plan that saved a format 7 checkpoint, the rank's own part (and rank 0's, for data_parallel tables)."""
     target = manifests[-1]
+    replicated, stats = options.replicated, options.stats
     boxes = shard_boxes(tracker)
     data_parallel = any(tracker.is_data_parallel(t) for t in tracker.tables())
 
@@ -150,8 +165,8 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
         return reports_for(m, rank, boxes, data_parallel)
 
     with timed(stats, "plan_ms"):
-        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=stage, buffers=buffers,
-                          sources=sources)
+        applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=options.stage,
+                          buffers=buffers, sources=sources)
     tip: dict[int, RowReader] = {}
     try:
         claimed: list[list[tuple[RowReader, Any]]] = []  # an additive chain's work, newest checkpoint first
@@ -159,7 +174,7 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
             if applier.done():
                 break
             with timed(stats, "plan_ms"):
-                work = _plan_checkpoint(m, sources(m), storage, applier, replicated, stats, pool,
+                work = _plan_checkpoint(m, sources(m), storage, applier, options,
                                         tip if m is target else None, prefetch=not applier.additive)
             if not applier.additive:  # each row is written once, by its newest copy: apply as the chain is read
                 _apply_work(applier, work, stats)
@@ -188,17 +203,17 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
 
 
 def _plan_checkpoint(m: Manifest, reports: Sequence[RankReport], storage: Storage, applier: Applier,
-                     replicated: bool, stats: dict[str, float] | None, pool: IOPool | None,
-                     tip: dict[int, RowReader] | None, prefetch: bool) -> list[tuple[RowReader, Any]]:
+                     options: RestoreOptions, tip: dict[int, RowReader] | None,
+                     prefetch: bool) -> list[tuple[RowReader, Any]]:
     """Claims what the entries of checkpoint ``m``'s ``reports`` give this rank. Returns (reader, plan) per entry
     with rows to apply; their reads start now with ``prefetch``. ``tip``: where to keep ``m``'s readers by rank."""
     work = []
     wanted = []
     for report in reports:
-        load = RowReader(storage, report.payload, stats, pool=pool)
+        load = RowReader(storage, report.payload, options.stats, pool=options.pool)
         if tip is not None:
             tip[report.rank] = load
-        todo = [(t, e) for t, e in m.rows_of(report, replicated) if applier.wants(t, e)]
+        todo = [(t, e) for t, e in m.rows_of(report, options.replicated) if applier.wants(t, e)]
         load.fetch_blobs([b.blob for _, e in todo for b in (e.ids, e.whole) if b is not None])
         wanted.append((load, todo))
     for load, todo in wanted:
@@ -258,9 +273,9 @@ def _restore_mc_runtime(mine: RankReport, load: RowReader, tracker: DirtyRowTrac
                 "this checkpoint was edited or crafted", path=mine.file) from None
 
 
-def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
-                        load0: RowReader) -> None:
+def _restore_replicated(target: Manifest, job: JobState, load0: RowReader) -> None:
     """Dense parameters, the dense optimizer and the TBE step counter, from rank 0's file of ``target``."""
+    model, tracker, dense_optimizer = job.model, job.tracker, job.dense_optimizer
     first = target.ranks[0]
     dense = dense_named_state(model, tracker.module_fqns())
     transient = non_persistent_buffers(model)  # absent from a checkpoint imported from a state_dict: left as is
@@ -287,8 +302,9 @@ def _restore_replicated(target: Manifest, model: nn.Module, tracker: DirtyRowTra
             it.fill_(max(r.tbe_iter for r in target.summaries))
 
 
-def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module, dense_optimizer: Any,
-                            stats: dict[str, float] | None = None, load0: RowReader | None = None) -> None:
+def restore_dense_optimizer(target: Manifest, storage: Storage | None, model: nn.Module,
+                            dense_optimizer: DenseOptimizer, stats: dict[str, float] | None = None,
+                            load0: RowReader | None = None) -> None:
     """Only the dense optimizer's state, from rank 0's file of ``target`` (partial recovery needs its layout),
     in the form its class saved it in: by parameter name for torch.optim and TorchRec's keyed optimizers,
     through the optimizer's own ``load_state_dict`` for any other (see dense_optim.py). ``load0``: a reader

@@ -26,24 +26,25 @@ from cnr_torchrec.ckpt.format.commits import load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.restore.chain import restore_chain, restore_dense_optimizer
+from cnr_torchrec.ckpt.job_state import JobState
+from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.threads import decode_threads
 from cnr_torchrec.errors import CheckpointError, CheckpointNotFoundError, ConfigError
-from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["Recovery", "RecoveryInfo", "replicated_tensors", "sync_from_survivor"]
 
 log = logging.getLogger(__name__)
 
 
-def replicated_tensors(model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any) -> list[tuple[str, Any]]:
-    """(name, tensor) of everything DDP keeps identical on every rank, in an order all ranks share.
+def replicated_tensors(job: JobState) -> list[tuple[str, Any]]:
+    """(name, tensor) of everything DDP keeps identical on every rank of ``job``, in an order all ranks share.
 
     (The TBE step counters are replicated too, but each rank holds its own set of TBEs:
     :func:`sync_from_survivor` copies them separately.)
     """
-    out: list[tuple[str, Any]] = sorted(dense_named_state(model, tracker.module_fqns()).items())
+    tracker, dense_optimizer = job.tracker, job.dense_optimizer
+    out: list[tuple[str, Any]] = sorted(dense_named_state(job.model, tracker.module_fqns()).items())
     for table in tracker.tables():
         if tracker.is_data_parallel(table):
             for i, (kernel, shard) in enumerate(tracker.shards(table)):
@@ -62,15 +63,16 @@ def _optimizer_states(optimizer: Any) -> list[dict[str, Any]]:
     return [optimizer.state.get(p, {}) for p in params]
 
 
-def sync_from_survivor(model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any, src: int) -> int:
-    """Broadcasts the replicated state from rank ``src`` to every rank. Returns the bytes sent.
+def sync_from_survivor(job: JobState, src: int) -> int:
+    """Broadcasts the replicated state of ``job`` from rank ``src`` to every rank. Returns the bytes sent.
 
     Raises:
         CheckpointError: the ranks do not hold the same replicated state (names, shapes,
             dtypes), e.g. a failed rank's dense optimizer has no state yet while the
             survivor's has: restore the failed rank from the checkpoint first.
     """
-    tensors = replicated_tensors(model, tracker, dense_optimizer)
+    tensors = replicated_tensors(job)
+    tracker = job.tracker
     signature = json.dumps([(name, list(t.shape), str(t.dtype)) for name, t in tensors]).encode()
     digest = torch.tensor([int.from_bytes(hashlib.sha256(signature).digest()[:7], "little")], dtype=torch.int64)
     everyone = [torch.zeros_like(digest) for _ in range(dist.get_world_size())]
@@ -123,11 +125,9 @@ class Recovery:
     the failed ranks, settle what is in flight, then :meth:`run`.
     """
 
-    def __init__(self, *, restorer: Restorer, storage: Storage, io: IOPool, ranks: Ranks, model: nn.Module,
-                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any]) -> None:
+    def __init__(self, restorer: Restorer, *, storage: Storage, io: IOPool, ranks: Ranks) -> None:
         self._restorer, self._storage, self._io, self._ranks = restorer, storage, io, ranks
-        self.model, self.tracker = model, tracker
-        self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
+        self.job = restorer.job  # the job's state its restores write
 
     def check(self, failed_ranks: Iterable[int]) -> list[int]:
         """The failed ranks, sorted.
@@ -142,7 +142,7 @@ class Recovery:
             raise ConfigError(f"recover(failed_ranks={failed}): give the ranks that failed, each in [0, {world})")
         if len(failed) == world:
             raise ConfigError("recover(): every rank failed, so no live state survives; call restore() instead")
-        opt = self.dense_optimizer
+        opt = self.job.dense_optimizer
         if opt is not None and not (hasattr(opt, "param_groups") and hasattr(opt, "state")):
             raise ConfigError(
                 f"recover(): the dense optimizer (a {type(opt).__name__}) has no param_groups/state, which partial "
@@ -174,9 +174,9 @@ class Recovery:
             failure, cause = Failure.of(e, rank, f"recovering from checkpoint {pick.chain[-1]}"), e
         self._ranks.raise_any(failure, cause)
         assert chain is not None  # loaded above, or raise_any raised on every rank
-        sent = sync_from_survivor(self.model, self.tracker, self.dense_optimizer, src=survivor)
+        sent = sync_from_survivor(self.job, src=survivor)
         if rank in failed:
-            self.tracker.reset(baseline=True)
+            self.job.tracker.reset(baseline=True)
         read = torch.tensor([stats.get("bytes_read", 0)], dtype=torch.int64)
         if self._ranks.distributed:
             dist.all_reduce(read)
@@ -189,12 +189,10 @@ class Recovery:
 
     def _reload(self, chain: list[Manifest], stats: dict[str, float]) -> None:
         """A failed rank's own shards, per-rank state and dense optimizer layout, from ``chain``."""
-        same_world = chain[-1].world_size == self._ranks.world_size
-        restore_chain(
-            chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self._ranks.rank,
-            world_size=self._ranks.world_size, dense_optimizer=None, replicated=False, stats=stats,
-            extra_state=self.extra_state if same_world else {}, pool=self._io,
-            threads=decode_threads(self._restorer.config.restore_threads), rng=self._restorer.config.restore_rng,
-        )
-        if self.dense_optimizer is not None:  # its layout; the survivor's values follow
-            restore_dense_optimizer(chain[-1], self._storage, self.model, self.dense_optimizer, stats)
+        config = self._restorer.config
+        options = RestoreOptions(replicated=False, rng=config.restore_rng, pool=self._io,
+                                 threads=decode_threads(config.restore_threads), stats=stats)
+        restore_chain(chain, self.job, storage=self._storage, rank=self._ranks.rank,
+                      world_size=self._ranks.world_size, options=options)
+        if self.job.dense_optimizer is not None:  # its layout; the survivor's values follow
+            restore_dense_optimizer(chain[-1], self._storage, self.job.model, self.job.dense_optimizer, stats)

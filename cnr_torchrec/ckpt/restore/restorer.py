@@ -21,9 +21,10 @@ from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
+from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.tier import MemoryTier
-from cnr_torchrec.ckpt.restore.chain import restore_chain
+from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
 from cnr_torchrec.ckpt.restore.resolve import Pick, resolve_chain
@@ -36,7 +37,6 @@ from cnr_torchrec.errors import (
     IncompatibleCheckpointError,
     RestoreFailedError,
 )
-from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import flush_caches
 
 __all__ = ["Restorer"]
@@ -45,16 +45,15 @@ log = logging.getLogger(__name__)
 
 
 class Restorer:
-    """Restores for one :class:`~cnr_torchrec.ckpt.Checkpointer`: its storage, I/O threads, ranks and state."""
+    """Restores of ``job`` for one :class:`~cnr_torchrec.ckpt.Checkpointer`: its storage, I/O threads, ranks and
+    memory tier."""
 
-    def __init__(self, config: CheckpointConfig, *, storage: Storage, io: IOPool, ranks: Ranks, model: Any,
-                 tracker: DirtyRowTracker, dense_optimizer: Any, extra_state: dict[str, Any],
+    def __init__(self, config: CheckpointConfig, job: JobState, *, storage: Storage, io: IOPool, ranks: Ranks,
                  memory: MemoryTier | None = None) -> None:
         self.config, self._storage, self._io, self._ranks = config, storage, io, ranks
         self._memory = memory
         self.sources: list[tuple[int, str, str]] = []  # the last restore's (rank, "memory" | "storage", why)
-        self.model, self.tracker = model, tracker
-        self.dense_optimizer, self.extra_state = dense_optimizer, extra_state
+        self.job = job
         self.rank, self.world_size = ranks.rank, ranks.world_size
         self.stats: dict[str, float] = {}  # the last restore's phases on this rank (restore/stats.py)
         self._snapshot: Snapshot | None = None  # what the restore in progress may overwrite (restore_rollback)
@@ -93,7 +92,7 @@ class Restorer:
         if self.config.restore_rollback:
             # fused_uvm_caching: the cache's rows are the newest; written back once, before any weight is read
             # (sized here, copied by the rollback's snapshot), never after.
-            flush_caches(self.tracker.tbes())
+            flush_caches(self.job.tracker.tbes())
         stage = self.config.restore_rollback and self._room_to_stage(buffers)
         bad: dict[int, str] = {}  # checkpoint id -> why it cannot be restored (names the file); same on every rank
         while True:
@@ -150,7 +149,7 @@ class Restorer:
         Where one does not, every rank warns and writes its weights in place (``restore_rollback`` then puts back
         everything but them)."""
         with timed(self.stats, "snapshot_ms"):
-            needed = sum(w.numel() * w.element_size() for key, w in stageable_weights(self.tracker)
+            needed = sum(w.numel() * w.element_size() for key, w in stageable_weights(self.job.tracker)
                          if not fits(buffers.get(key), w))
             _, hosts = host_uses(needed, distributed=self._ranks.distributed)
         short = short_of_memory(hosts)
@@ -173,34 +172,34 @@ class Restorer:
                 with timed(self.stats, "manifests_ms"):
                     chain = [load_manifest(self._storage, i) for i in ids]
             with timed(self.stats, "check_ms"):
-                check_model(chain[-1], model_tables, self.model, self.tracker)
+                check_model(chain[-1], model_tables, self.job.model, self.job.tracker)
             written_by = chain[-1].world_size
-            if written_by != self.world_size and self.extra_state and per_rank_state == "strict":
+            if written_by != self.world_size and self.job.extra_state and per_rank_state == "strict":
                 raise IncompatibleCheckpointError(
                     f"checkpoint {ids[-1]} was written by {written_by} ranks and is restored onto "
-                    f"{self.world_size}: per-rank state {sorted(self.extra_state)} cannot be mapped onto other "
+                    f"{self.world_size}: per-rank state {sorted(self.job.extra_state)} cannot be mapped onto other "
                     "ranks. Restore onto the same world size, or call restore(per_rank_state='drop') to restore "
                     "the model and optimizers and start that state afresh."
                 )
-            if not chain[-1].per_rank_state and self.extra_state and per_rank_state == "strict":
+            extra_state = self.job.extra_state
+            if not chain[-1].per_rank_state and extra_state and per_rank_state == "strict":
                 raise IncompatibleCheckpointError(
                     f"checkpoint {ids[-1]} holds no per-rank state (its index says per_rank_state: false: an import, "
-                    f"or a compaction by another number of ranks), so extra_state {sorted(self.extra_state)} cannot "
+                    f"or a compaction by another number of ranks), so extra_state {sorted(extra_state)} cannot "
                     "be restored from it. Call restore(per_rank_state='drop') to restore the model and optimizers "
                     "and start that state afresh."
                 )
             if self._snapshot is None and self.config.restore_rollback:  # nothing is written before this
                 with timed(self.stats, "snapshot_ms"):
-                    self._snapshot = Snapshot.take(model=self.model, tracker=self.tracker,
-                                                   dense_optimizer=self.dense_optimizer,
-                                                   extra_state=self.extra_state, rng=self.config.restore_rng)
+                    self._snapshot = Snapshot.take(model=self.job.model, tracker=self.job.tracker,
+                                                   dense_optimizer=self.job.dense_optimizer,
+                                                   extra_state=self.job.extra_state, rng=self.config.restore_rng)
             image = self._image_for(chain)
+            options = RestoreOptions(rng=self.config.restore_rng, stage=stage, pool=self._io,
+                                     threads=decode_threads(self.config.restore_threads), stats=self.stats)
             staged = restore_chain(  # every chunk is checked against its xxh3 as it lands
-                chain, storage=self._storage, model=self.model, tracker=self.tracker, rank=self.rank,
-                world_size=self.world_size, dense_optimizer=self.dense_optimizer,
-                extra_state=self.extra_state if written_by == self.world_size else {}, pool=self._io,
-                stats=self.stats, threads=decode_threads(self.config.restore_threads), rng=self.config.restore_rng,
-                stage=stage, buffers=buffers, image=image,
+                chain, self.job, storage=self._storage, rank=self.rank, world_size=self.world_size,
+                options=options, buffers=buffers, image=image,
             )
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
@@ -242,9 +241,9 @@ class Restorer:
     def _model_tables(self) -> dict[str, list[int]]:
         """The whole model's table shapes (collective): a rank knows only the tables it holds shards of, and
         every rank must refuse another model's checkpoint before it changes anything."""
-        model_tables: dict[str, list[int]] = {t: [] for t in self.tracker.tables()}
+        model_tables: dict[str, list[int]] = {t: [] for t in self.job.tracker.tables()}
         for part in self._ranks.exchange({t: list(shape) for t in model_tables
-                                          if (shape := self.tracker.table_shape(t)) is not None}):
+                                          if (shape := self.job.tracker.table_shape(t)) is not None}):
             model_tables.update(part)
         return model_tables
 
@@ -258,8 +257,8 @@ class Restorer:
         self, step: int | None, bad: dict[int, str], quiet: bool = False
     ) -> tuple[Pick, list[Manifest] | None]:
         """This rank's pick for a restore (see :func:`cnr_torchrec.ckpt.restore.resolve.resolve_chain`)."""
-        boxes = shard_boxes(self.tracker)
-        data_parallel = any(self.tracker.is_data_parallel(t) for t in self.tracker.tables())
+        boxes = shard_boxes(self.job.tracker)
+        data_parallel = any(self.job.tracker.is_data_parallel(t) for t in self.job.tracker.tables())
         return resolve_chain(self._storage, step, bad, fail=self.config.on_corrupt == "fail", quiet=quiet,
                              stats=self.stats, reads=lambda m: reports_for(m, self.rank, boxes, data_parallel))
 

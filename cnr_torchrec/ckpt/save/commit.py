@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt import fault_injection
-from cnr_torchrec.ckpt.commit_round import CommitRound, Outcome, Report
+from cnr_torchrec.ckpt.commit_round import Outcome, Peers, Report
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format import writing
 from cnr_torchrec.ckpt.format.chunks import IOPool
@@ -30,6 +30,8 @@ from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields
+from cnr_torchrec.ckpt.job_state import JobState
+from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
@@ -93,29 +95,27 @@ class Committer:
 
     Args:
         config: the Checkpointer's config (root, storage options, chunking, timeouts, policy).
-        rank, world_size: this process in the job.
-        store: the c10d store the reports and outcomes go through (None on one process).
+        job: the job's state: its tracker gives every table of the model (a manifest must give each one's
+            shape) and the shards this rank holds (:func:`~cnr_torchrec.ckpt.layout.shard_boxes`, which each
+            index records).
+        peers: the ranks each save's commit round runs among (this one, how many, the c10d store, the timeout).
         io: the threads that write chunks.
         staging: where staged buffers go back once written.
-        tables: every table of the model; a manifest must give each one's shape.
         on_commit: rank 0 calls it with each committed body and its storage (retention).
         reconstruction: what the committed chain restores on this rank (residual coding, or the memory tier).
         memory: this rank's memory image, sealed for each checkpoint once the reconstruction has taken it.
-        boxes: the shards this rank holds (:func:`~cnr_torchrec.ckpt.format.parts.shard_boxes`), which each
-            index records.
     """
 
-    def __init__(self, config: CheckpointConfig, *, rank: int, world_size: int, store: Any,
-                 io: IOPool,
-                 staging: StagingBuffers, tables: list[str],
-                 on_commit: Callable[[Manifest, Storage], None],
-                 reconstruction: Reconstruction | None = None, memory: MemoryTier | None = None,
-                 boxes: list[Any] | None = None) -> None:
-        self.config, self.rank, self.world_size = config, rank, world_size
-        self._boxes = boxes
+    def __init__(self, config: CheckpointConfig, job: JobState, *, peers: Peers, io: IOPool, staging: StagingBuffers,
+                 on_commit: Callable[[Manifest, Storage], None], reconstruction: Reconstruction | None = None,
+                 memory: MemoryTier | None = None) -> None:
+        self.config, self.rank, self.world_size = config, peers.rank, peers.world_size
+        self._peers = peers
+        self._boxes = shard_boxes(job.tracker)  # the plan's layout: fixed while the job runs
+        tables = list(job.tracker.tables())
         self.reconstruction = reconstruction
         self.memory = memory
-        self._store, self._io, self._staging = store, io, staging
+        self._io, self._staging = io, staging
         self._tables, self._on_commit = tables, on_commit
         self._state_dtype = getattr(torch, config.quantization.state_dtype)
         self._storage: Storage | None = None  # the save thread's own (Storage is not thread-safe)
@@ -157,7 +157,7 @@ class Committer:
                 self._staging.give_back(staged.buffers)  # written (or given up): the next save may reuse them
         if staged is None:
             part = report
-        round_ = CommitRound(self._store, str(d.ckpt_id), self.rank, self.world_size, self.config.save_timeout_s)
+        round_ = self._peers.round(str(d.ckpt_id))
         out = round_.run(Report.of_part(part), lambda reports: self._commit(d, reports, storage, fields))
         if out.ok and out.manifest is not None:  # rank 0, which committed
             assert storage is not None  # a save that committed wrote through it

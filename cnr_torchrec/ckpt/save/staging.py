@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from cnr_torchrec.ckpt.config import BudgetConfig
 from cnr_torchrec.ckpt.format.dense_optim import state_to_save
 from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state
+from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
 from cnr_torchrec.errors import ConfigError
@@ -62,7 +62,7 @@ class Staged:
     shards: list[StagedShard] = field(default_factory=list)
     replicated_tables: dict[str, torch.Tensor] = field(default_factory=dict)
     dense: dict[str, torch.Tensor] = field(default_factory=dict)
-    dense_optimizer: Any = None
+    dense_optimizer: dict[str, Any] | None = None  # its saved form (format/dense_optim.py), rank 0's
     extra: dict[str, Any] = field(default_factory=dict)
     rng: Any = None
     mc_runtime: dict[str, Any] = field(default_factory=dict)
@@ -154,17 +154,14 @@ def _tbe_views(tbe: Any, views: dict[int, tuple[Any, Any]]) -> tuple[Any, Any]:
 
 def stage(
     decision: Decision,
+    job: JobState,
     *,
-    model: nn.Module,
-    tracker: DirtyRowTracker,
     rank: int,
     world_size: int,
-    dense_optimizer: Any,
-    extra_state: dict[str, Any],
     budget: BudgetConfig | None = None,
     buffers: StagingBuffers | None = None,
 ) -> Staged:
-    """Copies everything ``decision`` saves into host memory. Blocks training.
+    """Copies everything ``decision`` saves of ``job`` into host memory. Blocks training.
 
     With ``budget.max_rows_fraction`` set, a delta writes at most
     ``ceil(max_rows_fraction * rows)`` rows of each shard: the dirty rows with the highest
@@ -178,6 +175,7 @@ def stage(
             delta alone, a row left out would fall back to its baseline value).
     """
     t0 = time.perf_counter()
+    tracker = job.tracker
     out = Staged(decision, rank, world_size)
     limited = _budget_applies(decision, budget)
     column_counts = gather_column_counts(tracker, budget.priority, world_size) if budget is not None and limited else {}
@@ -192,7 +190,7 @@ def stage(
         elif rank == 0:
             (kernel, shard), *_ = tracker.shards(table)
             out.replicated_tables[table] = _host_copy(kernel.tbe.split_embedding_weights()[shard.local_index])
-    _stage_rank_state(out, model, tracker, dense_optimizer, extra_state)
+    _stage_rank_state(out, job)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()  # the pinned copies above were asynchronous
     out.stall_ms = (time.perf_counter() - t0) * 1e3
@@ -282,10 +280,10 @@ class _TableStager:
         self.out.shards.append(staged)
 
 
-def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
-                      extra_state: dict[str, Any]) -> None:
+def _stage_rank_state(out: Staged, job: JobState) -> None:
     """What is not a sharded table: the TBE step, the dense part and its optimizer (rank 0's: DDP
     keeps them alike), this rank's ``extra_state``, RNG and managed-collision eviction windows."""
+    model, tracker, dense_optimizer = job.model, job.tracker, job.dense_optimizer
     iters = [int(it.item()) for tbe in tracker.tbes()
              if isinstance(it := getattr(tbe, "iter", None), torch.Tensor) and it.numel() == 1]
     out.tbe_iter = max(iters, default=0)
@@ -293,7 +291,7 @@ def _stage_rank_state(out: Staged, model: nn.Module, tracker: DirtyRowTracker, d
         out.dense = {n: _host_copy(t) for n, t in dense_named_state(model, tracker.module_fqns()).items()}
         if dense_optimizer is not None:
             out.dense_optimizer = _clone_tree(state_to_save(model, dense_optimizer))
-    out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in extra_state.items()}
+    out.extra = {name: _clone_tree(obj.state_dict()) for name, obj in job.extra_state.items()}
     out.rng = _clone_tree(rng_state())
     out.mc_runtime = {table: mc.runtime() for table, mc in tracker.mc_tables().items()}
 
