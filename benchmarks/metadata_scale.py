@@ -56,7 +56,14 @@ from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, rank_
 from cnr_torchrec.ckpt.format.parts import write_part  # noqa: E402
 from cnr_torchrec.ckpt.format.schema import check_manifest  # noqa: E402
 from cnr_torchrec.ckpt.format.storage import Storage  # noqa: E402
-from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body, rank_report  # noqa: E402
+from cnr_torchrec.ckpt.format.writing import (  # noqa: E402
+    ChainLinks,
+    JobFields,
+    StateBlobs,
+    WriteCounts,
+    manifest_body,
+    rank_report,
+)
 
 CHUNK_BYTES = 64 << 20
 
@@ -152,8 +159,8 @@ def synth_report(rank: int, ckpt_id: int, shards: list[tuple[str, tuple[int, int
                "blobs": index}
     residual = sum(1 for es in tables.values() for e in es if e.get("residual"))
     whole = sum(e["whole"]["count"] for es in tables.values() for e in es if "whole" in e)
-    return rank_report(rank, payload, tables=tables, table_shapes={t: shapes[t] for t in tables},
-                       rows_written=stored, tbe_iter=7, residual_entries=residual, whole_rows=whole, rng=rng)
+    return rank_report(rank, payload, tables=tables, table_shapes={t: shapes[t] for t in tables}, tbe_iter=7,
+                       counts=WriteCounts(stored, residual, whole), state=StateBlobs(rng=rng))
 
 
 # ---------------------------------------------------------------------- measurements

@@ -30,11 +30,13 @@ def test_an_entry_carries_ids_modes_and_residual_only_where_given():
 
 def test_a_report_leaves_out_zero_counts_and_an_empty_mc_runtime():
     payload = {"file": "f", "nbytes": 0, "chunk_bytes": 1, "chunks": [], "blobs": {}}
-    bare = writing.rank_report(1, payload, tables={}, table_shapes={"t": (4, 2)}, rows_written=0, tbe_iter=3)
+    bare = writing.rank_report(1, payload, tables={}, table_shapes={"t": (4, 2)}, tbe_iter=3,
+                               counts=writing.WriteCounts(0))
     assert {"residual_entries", "whole_rows", "mc_runtime"}.isdisjoint(bare)
     assert bare["table_shapes"] == {"t": [4, 2]} and bare["ok"] is True and bare["file"] == "f"
-    full = writing.rank_report(1, payload, tables={}, table_shapes={}, rows_written=5, tbe_iter=3,
-                               residual_entries=2, whole_rows=4, mc_runtime={"t": {"x": 1}})
+    full = writing.rank_report(1, payload, tables={}, table_shapes={}, tbe_iter=3,
+                               counts=writing.WriteCounts(5, residual_entries=2, whole_rows=4),
+                               state=writing.StateBlobs(mc_runtime={"t": {"x": 1}}))
     assert (full["residual_entries"], full["whole_rows"], full["mc_runtime"]) == (2, 4, {"t": {"x": 1}})
     assert writing.failed_report(2, "why") == {"rank": 2, "ok": False, "error": "why"}
 
@@ -78,7 +80,7 @@ def test_a_part_says_the_codec_once_and_reads_back_as_its_report():
     tables = {"t": [writing.table_entry((0, 8), (0, 4), "full", writing.row_keys(
         {**codec, "dim": 4, "num_rows": 8}, {"payload": f"e{i}/w"}, [], (f"e{i}/crc", 2))) for i in range(3)]}
     report = writing.rank_report(0, {"file": "f", "nbytes": 0, "blobs": {}}, tables=tables,
-                                 table_shapes={"t": [8, 4]}, rows_written=24, tbe_iter=1)
+                                 table_shapes={"t": [8, 4]}, tbe_iter=1, counts=writing.WriteCounts(24))
     raw = json.loads(part_bytes(7, report))
     assert raw["meta"] == codec
     assert all(set(e["weights"]["meta"]) == {"dim", "num_rows"} for e in raw["tables"]["t"])

@@ -301,9 +301,9 @@ def _table(ckpt_id):
 
 
 def _merged(storage, chain, regions, rank=0):
-    from cnr_torchrec.ckpt.compact.merge import merge_rank
+    from cnr_torchrec.ckpt.compact.merge import CompactedFile, merge_rank
 
-    return merge_rank(storage, chain, regions, new_id=9, rank=rank, rank_state=None, dense_state=None)
+    return merge_rank(storage, chain, regions, CompactedFile(9, rank))
 
 
 def _decoded(storage, report):

@@ -28,11 +28,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from cnr_torchrec.ckpt.compact.merge import compacted_report
+from cnr_torchrec.ckpt.compact.merge import CompactedFile, compacted_report
 from cnr_torchrec.ckpt.format.blocks import Region, ShardKey, shard_key
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
-from cnr_torchrec.ckpt.format.commits import rank_file
-from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
+from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_regions
@@ -60,27 +58,22 @@ def fold_rank(
     storage: Storage,
     chain: list[Manifest],
     regions: list[Region],
+    out: CompactedFile,
     *,
-    new_id: int,
-    rank: int,
-    rank_state: RankReport | None,
-    dense_state: RankReport | None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    pool: IOPool | None = None,
     codec: dict[str, Any] = FOLDED_CODEC,
     keep: Callable[[Key, EncodedRows], None] | None = None,
 ) -> dict[str, Any]:
-    """Writes this rank's file of ``chain`` folded into checkpoint ``new_id``: each region's rows, summed as a
-    restore sums them, encoded by ``codec`` (:data:`FOLDED_CODEC` or :data:`LOSSLESS_CODEC`). Arguments and
-    returned report: as :func:`~cnr_torchrec.ckpt.compact.merge.merge_rank`'s; ``keep`` is handed each
-    region's encoded rows.
+    """Writes this rank's file ``out`` of ``chain`` folded into checkpoint ``out.new_id``: each region's rows,
+    summed as a restore sums them, encoded by ``codec`` (:data:`FOLDED_CODEC` or :data:`LOSSLESS_CODEC`).
+    Arguments and returned report: as :func:`~cnr_torchrec.ckpt.compact.merge.merge_rank`'s; ``keep`` is handed
+    each region's encoded rows.
 
     Raises:
         CorruptCheckpointError: a file of the chain fails its checks (names it), or the chain leaves part
             of a region unwritten.
     """
     t0 = time.perf_counter()
-    blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
+    blobs = out.writer(storage)
     tables: dict[str, list[dict[str, Any]]] = {}
     rows_written = 0
     encoder = get_codec(codec["method"], codec["bits"], **codec["params"])
@@ -98,4 +91,4 @@ def fold_rank(
         tables.setdefault(region.table, []).append(entry)
         rows_written += region.rows[1] - region.rows[0]
         del data, states, encoded  # one region's sums at a time
-    return compacted_report(storage, chain, rank, tables, rows_written, rank_state, dense_state, blobs, t0)
+    return compacted_report(storage, chain, out, tables, rows_written, blobs, t0)

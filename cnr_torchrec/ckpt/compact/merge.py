@@ -40,11 +40,12 @@ from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, 
 from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.format.writing import rank_report, table_entry
+from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, rank_report, table_entry
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec, rebuild
 
-__all__ = ["compacted_report", "copy_blob", "copy_blob_tree", "copy_state", "merge_rank", "none_rows"]
+__all__ = ["CompactedFile", "compacted_report", "copy_blob", "copy_blob_tree", "copy_state", "merge_rank",
+           "none_rows"]
 
 
 def none_rows(weights: torch.Tensor) -> EncodedRows:
@@ -279,47 +280,63 @@ def copy_blob_tree(tree: Any, load: PayloadReader, out: BlobWriter) -> Any:
     return tree
 
 
+@dataclass(frozen=True)
+class CompactedFile:
+    """The file a compaction writes on one rank: where, how, and what it copies from the tip beside its tables.
+
+    Attributes:
+        new_id: the compacted checkpoint's id.
+        rank: the rank whose file it is, which names it.
+        rank_state: a tip rank report whose ``extra``, ``rng`` and ``mc_runtime`` the file copies (None:
+            ``extra={}``, ``rng=None``).
+        dense_state: a tip rank report whose ``dense`` and ``dense_optimizer`` the file copies (rank 0's file
+            copies the tip's rank 0 report; None: ``dense={}``, ``dense_optimizer=None``).
+        chunk_bytes: the size of its chunks.
+        pool: the threads that write them (None: the calling thread).
+    """
+
+    new_id: int
+    rank: int
+    rank_state: RankReport | None = None
+    dense_state: RankReport | None = None
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    pool: IOPool | None = None
+
+    def writer(self, storage: Storage) -> PayloadWriter:
+        """The payload writer of this file under ``storage``."""
+        return PayloadWriter(storage, rank_file(self.new_id, self.rank), self.chunk_bytes, self.pool)
+
+
 def copy_state(storage: Storage, rank_state: RankReport | None, dense_state: RankReport | None,
-                blobs: BlobWriter) -> dict[str, Any]:
-    """The report keys a merge copies from the tip: dense and dense_optimizer, extra, rng and mc_runtime."""
-    out: dict[str, Any] = {"dense": {}, "dense_optimizer": None, "extra": {}, "rng": None, "mc_runtime": {}}
+               blobs: BlobWriter) -> StateBlobs:
+    """The report's state a merge copies from the tip: dense and dense_optimizer, extra, rng and mc_runtime
+    (``replicated_tables`` empty: the merged checkpoint holds entries only)."""
+    dense: dict[str, str] = {}
+    dense_optimizer = rng = None
+    extra: dict[str, Any] = {}
+    mc_runtime: dict[str, Any] = {}
     if dense_state is not None:
         load = PayloadReader(storage, dense_state.payload, whole=False)
-        out["dense"] = {n: copy_blob(b, load, blobs) for n, b in dense_state.dense.items()}
-        out["dense_optimizer"] = copy_blob_tree(dense_state.dense_optimizer, load, blobs)
+        dense = {n: copy_blob(b, load, blobs) for n, b in dense_state.dense.items()}
+        dense_optimizer = copy_blob_tree(dense_state.dense_optimizer, load, blobs)
     if rank_state is not None:
         load = PayloadReader(storage, rank_state.payload, whole=False)
-        out["extra"] = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.extra.items()}
-        out["rng"] = copy_blob_tree(rank_state.rng, load, blobs)
-        out["mc_runtime"] = {t: copy_blob_tree(v, load, blobs) for t, v in rank_state.mc_runtime.items()}
-    return out
+        extra = {n: copy_blob_tree(t, load, blobs) for n, t in rank_state.extra.items()}
+        rng = copy_blob_tree(rank_state.rng, load, blobs)
+        mc_runtime = {t: copy_blob_tree(v, load, blobs) for t, v in rank_state.mc_runtime.items()}
+    return StateBlobs(dense=dense, dense_optimizer=dense_optimizer, extra=extra, rng=rng, mc_runtime=mc_runtime)
 
 
-def merge_rank(
-    storage: Storage,
-    chain: list[Manifest],
-    regions: list[Region],
-    *,
-    new_id: int,
-    rank: int,
-    rank_state: RankReport | None,
-    dense_state: RankReport | None,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    pool: IOPool | None = None,
-) -> dict[str, Any]:
-    """Writes this rank's file of ``chain`` merged into checkpoint ``new_id``, keeping every row's stored bytes.
+def merge_rank(storage: Storage, chain: list[Manifest], regions: list[Region], out: CompactedFile) -> dict[str, Any]:
+    """Writes this rank's file ``out`` of ``chain`` merged into checkpoint ``out.new_id``, keeping every row's
+    stored bytes.
 
     Args:
         storage: the checkpoint root.
         chain: the chain's manifests, baseline first.
         regions: the blocks this rank writes; over all ranks they must partition every table's
             (row, first column) space (see the module docstring).
-        new_id: the merged checkpoint's id.
-        rank: this rank, which names the file.
-        rank_state: a tip rank report whose ``extra`` and ``rng`` this rank copies (None: ``extra={}``,
-            ``rng=None``).
-        dense_state: a tip rank report whose ``dense`` and ``dense_optimizer`` this rank copies (rank 0
-            passes the tip's rank 0 report; None: ``dense={}``, ``dense_optimizer=None``).
+        out: the file, and the tip's reports whose state it copies.
 
     Returns:
         The rank's report, with the keys of :func:`~cnr_torchrec.ckpt.save.writer.write_rank`'s
@@ -330,20 +347,19 @@ def merge_rank(
         CompactionError: a row cannot be merged without re-encoding it; nothing is written.
     """
     t0 = time.perf_counter()
-    blobs = PayloadWriter(storage, rank_file(new_id, rank), chunk_bytes, pool)
+    blobs = out.writer(storage)
     tables, rows_written = _merge_tables(_stored_entries(chain, storage), regions, blobs)
-    return compacted_report(storage, chain, rank, tables, rows_written, rank_state, dense_state, blobs, t0)
+    return compacted_report(storage, chain, out, tables, rows_written, blobs, t0)
 
 
-def compacted_report(storage: Storage, chain: list[Manifest], rank: int, tables: dict[str, list[dict[str, Any]]],
-                     rows_written: int, rank_state: RankReport | None, dense_state: RankReport | None,
-                     blobs: PayloadWriter, t0: float) -> dict[str, Any]:
+def compacted_report(storage: Storage, chain: list[Manifest], out: CompactedFile,
+                     tables: dict[str, list[dict[str, Any]]], rows_written: int, blobs: PayloadWriter,
+                     t0: float) -> dict[str, Any]:
     """A compacted rank file's report, once its ``tables`` are written: the tip's state copied (see
     :func:`copy_state`), the payload finished."""
-    copied = copy_state(storage, rank_state, dense_state, blobs)
+    copied = copy_state(storage, out.rank_state, out.dense_state, blobs)
     return rank_report(
-        rank, blobs.finish(), tables=tables, table_shapes=chain[-1].tables, rows_written=rows_written,
-        tbe_iter=max(r.tbe_iter for r in chain[-1].ranks), dense=copied["dense"],
-        dense_optimizer=copied["dense_optimizer"], extra=copied["extra"], rng=copied["rng"],
-        mc_runtime=copied["mc_runtime"], write_ms=(time.perf_counter() - t0) * 1e3,
+        out.rank, blobs.finish(), tables=tables, table_shapes=chain[-1].tables,
+        tbe_iter=max(r.tbe_iter for r in chain[-1].ranks),
+        counts=WriteCounts(rows_written, write_ms=(time.perf_counter() - t0) * 1e3), state=copied,
     )

@@ -15,7 +15,7 @@ from typing import Any
 
 from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
-from cnr_torchrec.ckpt.compact.merge import copy_blob, copy_blob_tree, merge_rank
+from cnr_torchrec.ckpt.compact.merge import CompactedFile, copy_blob, copy_blob_tree, merge_rank
 from cnr_torchrec.ckpt.format.blocks import regions_of_layout
 from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter
 from cnr_torchrec.ckpt.format.commits import (
@@ -35,7 +35,7 @@ from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
 from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
-from cnr_torchrec.ckpt.format.writing import codec_description, rank_report, table_entry
+from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, codec_description, rank_report, table_entry
 from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CorruptCheckpointError
@@ -123,13 +123,12 @@ def _merge_ranks(storage: Storage, chain: list[Manifest], new_id: int, written: 
     regions = regions_of_layout(tip)
     reports = []
     for report in tip.ranks:
-        dense_state = tip.ranks[0] if report.rank == 0 else None
+        out = CompactedFile(new_id, report.rank, rank_state=report,
+                            dense_state=tip.ranks[0] if report.rank == 0 else None)
         if is_residual(chain):
-            reports.append(fold_rank(storage, chain, regions[report.rank], codec=LOSSLESS_CODEC, new_id=new_id,
-                                     rank=report.rank, rank_state=report, dense_state=dense_state))
+            reports.append(fold_rank(storage, chain, regions[report.rank], out, codec=LOSSLESS_CODEC))
         else:
-            reports.append(merge_rank(storage, chain, regions[report.rank], new_id=new_id, rank=report.rank,
-                                      rank_state=report, dense_state=dense_state))
+            reports.append(merge_rank(storage, chain, regions[report.rank], out))
         written += _files(reports[-1])
         if progress is not None:
             progress(len(report.entries()))
@@ -190,7 +189,6 @@ def _write_compacted_rank(
     rng = copy_blob_tree(report.rng, load, blobs)
     mc_runtime = {t: copy_blob_tree(tree, load, blobs) for t, tree in report.mc_runtime.items()}
     return rank_report(
-        report.rank, blobs.finish(), tables=out_tables, table_shapes=report.table_shapes, rows_written=rows_written,
-        tbe_iter=report.tbe_iter, replicated_tables=replicated, dense=dense, dense_optimizer=dense_opt, extra=extra,
-        rng=rng, mc_runtime=mc_runtime,
+        report.rank, blobs.finish(), tables=out_tables, table_shapes=report.table_shapes, tbe_iter=report.tbe_iter,
+        counts=WriteCounts(rows_written), state=StateBlobs(replicated, dense, dense_opt, extra, rng, mc_runtime),
     )

@@ -22,6 +22,8 @@ from typing import Any
 __all__ = [
     "ChainLinks",
     "JobFields",
+    "StateBlobs",
+    "WriteCounts",
     "codec_description",
     "failed_report",
     "manifest_body",
@@ -136,37 +138,69 @@ def table_entry(rows: Sequence[int], cols: Sequence[int], encoding: str, rows_st
     return out
 
 
-def rank_report(rank: int, payload: Mapping[str, Any], *, tables: Mapping[str, list[JSON]],
-                table_shapes: Mapping[str, Sequence[int]], rows_written: int, tbe_iter: int,
-                replicated_tables: Mapping[str, str] | None = None, dense: Mapping[str, str] | None = None,
-                dense_optimizer: Any = None, extra: Mapping[str, Any] | None = None, rng: Any = None,
-                mc_runtime: Mapping[str, Any] | None = None, residual_entries: int = 0, whole_rows: int = 0,
-                stall_ms: float = 0.0, write_ms: float = 0.0) -> JSON:
-    """A rank's report of a checkpoint it wrote: its payload (``PayloadWriter.finish()``), entries by table, the
-    blobs of what it holds beside the tables (flattened state trees), and what it wrote.
+@dataclass(frozen=True)
+class StateBlobs:
+    """What a rank report holds beside its tables: the blobs of the state a rank stores whole, as names and
+    flattened state trees (:mod:`~cnr_torchrec.ckpt.format.payload`).
 
-    ``residual_entries`` and ``whole_rows`` count again what the entries' flags and bitmaps say (the schema
-    cross-checks them, so that a manifest that drops one is refused); both are left out when zero, and so is an
-    empty ``mc_runtime``.
+    Attributes:
+        replicated_tables: each data_parallel table's blob, by table (rank 0's).
+        dense: each dense parameter's blob, by name (rank 0's).
+        dense_optimizer: the dense optimizer's saved form, flattened (rank 0's); None: none saved.
+        extra: each ``extra_state`` object's state, flattened, by name.
+        rng: the RNG states, flattened; None: not saved.
+        mc_runtime: each managed-collision table's eviction window, flattened (left out of the report when empty).
     """
+
+    replicated_tables: Mapping[str, str] = field(default_factory=dict)
+    dense: Mapping[str, str] = field(default_factory=dict)
+    dense_optimizer: Any = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    rng: Any = None
+    mc_runtime: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WriteCounts:
+    """What a rank wrote of a checkpoint, and how long it took.
+
+    Attributes:
+        rows_written: the rows its entries store.
+        residual_entries, whole_rows: count again what the entries' flags and bitmaps say (the schema
+            cross-checks them, so that a manifest that drops one is refused); left out of the report when zero.
+        stall_ms, write_ms: the save's stall of training, and the write's time on this rank.
+    """
+
+    rows_written: int
+    residual_entries: int = 0
+    whole_rows: int = 0
+    stall_ms: float = 0.0
+    write_ms: float = 0.0
+
+
+def rank_report(rank: int, payload: Mapping[str, Any], *, tables: Mapping[str, list[JSON]],
+                table_shapes: Mapping[str, Sequence[int]], tbe_iter: int, counts: WriteCounts,
+                state: StateBlobs = StateBlobs()) -> JSON:
+    """A rank's report of a checkpoint it wrote: its payload (``PayloadWriter.finish()``), entries by table, the
+    TBE step, the blobs of what it holds beside the tables (``state``), and what it wrote (``counts``)."""
     return {
         "rank": rank,
         "ok": True,
         **payload,
         "tables": {t: list(entries) for t, entries in tables.items()},
-        "replicated_tables": dict(replicated_tables or {}),
-        "dense": dict(dense or {}),
-        "dense_optimizer": dense_optimizer,
-        "extra": dict(extra or {}),
-        "rng": rng,
-        **({"mc_runtime": dict(mc_runtime)} if mc_runtime else {}),
+        "replicated_tables": dict(state.replicated_tables),
+        "dense": dict(state.dense),
+        "dense_optimizer": state.dense_optimizer,
+        "extra": dict(state.extra),
+        "rng": state.rng,
+        **({"mc_runtime": dict(state.mc_runtime)} if state.mc_runtime else {}),
         "tbe_iter": tbe_iter,
         "table_shapes": {t: list(s) for t, s in table_shapes.items()},
-        "rows_written": rows_written,
-        **({"residual_entries": residual_entries} if residual_entries else {}),
-        **({"whole_rows": whole_rows} if whole_rows else {}),
-        "stall_ms": round(stall_ms, 3),
-        "write_ms": round(write_ms, 3),
+        "rows_written": counts.rows_written,
+        **({"residual_entries": counts.residual_entries} if counts.residual_entries else {}),
+        **({"whole_rows": counts.whole_rows} if counts.whole_rows else {}),
+        "stall_ms": round(counts.stall_ms, 3),
+        "write_ms": round(counts.write_ms, 3),
     }
 
 

@@ -20,7 +20,7 @@ from cnr_torchrec.ckpt.format.payload import flatten_state
 from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.state import encode_ids, encode_modes
 from cnr_torchrec.ckpt.format.storage import Storage
-from cnr_torchrec.ckpt.format.writing import rank_report, table_entry
+from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, rank_report, table_entry
 from cnr_torchrec.ckpt.save.coding import code_residual, encode_in_blocks
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.residual import Reconstruction
@@ -118,8 +118,8 @@ def write_rank(
                   for t, v in staged.mc_runtime.items()}
 
     return rank_report(
-        staged.rank, blobs.finish(), tables=tables, table_shapes=staged.table_shapes, rows_written=rows_written,
-        tbe_iter=staged.tbe_iter, replicated_tables=replicated, dense=dense, dense_optimizer=dense_opt, extra=extra,
-        rng=rng, mc_runtime=mc_runtime, residual_entries=residual_entries, whole_rows=whole_rows,
-        stall_ms=staged.stall_ms, write_ms=(time.perf_counter() - t0) * 1e3,
+        staged.rank, blobs.finish(), tables=tables, table_shapes=staged.table_shapes, tbe_iter=staged.tbe_iter,
+        counts=WriteCounts(rows_written, residual_entries, whole_rows, staged.stall_ms,
+                           (time.perf_counter() - t0) * 1e3),
+        state=StateBlobs(replicated, dense, dense_opt, extra, rng, mc_runtime),
     )
