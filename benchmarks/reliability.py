@@ -302,10 +302,10 @@ def spy_restored() -> dict[str, int]:
     seen: dict[str, Any] = {"ids": [], "ok": []}
     real = restorer_mod.restore_chain
 
-    def spy(manifests, **kw):
+    def spy(manifests, *args, **kw):
         seen["ids"].append(manifests[-1].id)
         seen["ok"].append(False)
-        staged = real(manifests, **kw)  # the staged shards, which the restorer commits once every rank agrees
+        staged = real(manifests, *args, **kw)  # the staged shards, which the restorer commits once every rank agrees
         seen["ok"][-1] = True
         return staged
 
