@@ -255,8 +255,8 @@ def install_ref_hook(side: str, rank: int, dmp, opt) -> None:
     real = ckpt_mod.stage
     os.makedirs(os.path.join(side, "refs"), exist_ok=True)
 
-    def staging(decision, **kw):
-        out = real(decision, **kw)
+    def staging(decision, *args, **kw):
+        out = real(decision, *args, **kw)
         path = ref_path(side, decision.ckpt_id, rank)
         torch.save(local_state(dmp, opt), path + ".tmp")
         os.replace(path + ".tmp", path)
