@@ -52,10 +52,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, rank_file, seal  # noqa: E402
 from cnr_torchrec.ckpt.format.parts import write_part  # noqa: E402
 from cnr_torchrec.ckpt.format.schema import check_manifest  # noqa: E402
-from cnr_torchrec.ckpt.format.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body, rank_report  # noqa: E402
 
 CHUNK_BYTES = 64 << 20

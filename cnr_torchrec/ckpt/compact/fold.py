@@ -30,11 +30,11 @@ from typing import Any
 
 from cnr_torchrec.ckpt.compact.merge import compacted_report
 from cnr_torchrec.ckpt.format.blocks import Region, ShardKey, shard_key
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.rows import write_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.rows import write_rows
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.ckpt.format.writing import codec_description, table_entry
 from cnr_torchrec.ckpt.save.coding import encode_in_blocks
