@@ -217,8 +217,8 @@ def run_policy(label, policy, quant, specs, args, rank, world, root, device):
 
 
 def committed_ids_of(root: str) -> list[int]:
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -230,8 +230,8 @@ def committed_ids_of(root: str) -> list[int]:
 def row_modes(root: str, ckpt_id: int) -> tuple[float, int]:
     """Of checkpoint ``ckpt_id``: the share of the rows it wrote that it stores whole (every row of a plain entry,
     the rows a residual entry's row-mode bitmap marks), and the bytes of those bitmaps."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -248,8 +248,8 @@ def row_modes(root: str, ckpt_id: int) -> tuple[float, int]:
 
 def bytes_breakdown(root: str) -> dict[str, int]:
     """What the latest checkpoint under ``root`` is made of, in bytes, from its manifest's blob index."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, manifest_path
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:

@@ -66,8 +66,8 @@ def step(dmp, ids: torch.Tensor) -> None:
 
 def table_bytes(root: str, table: str) -> list[dict[str, int]]:
     """Per checkpoint under ``root``, oldest first: the table's stored bytes, rows and MC-state bytes."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     out = []

@@ -52,10 +52,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, rank_file, seal  # noqa: E402
 from cnr_torchrec.ckpt.format.parts import write_part  # noqa: E402
 from cnr_torchrec.ckpt.format.schema import check_manifest  # noqa: E402
-from cnr_torchrec.ckpt.format.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.format.writing import (  # noqa: E402
     ChainLinks,
     JobFields,
@@ -78,6 +78,7 @@ def template_entry(work: str) -> tuple[dict[str, Any], dict[str, dict[str, Any]]
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     from _format_checks import combined_body
     from _toy import build_dmp, train
+
     from examples.toy import TableSpec
 
     if not dist.is_initialized():

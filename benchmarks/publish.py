@@ -49,7 +49,7 @@ from scale import DIM, REF_ROWS, TABLES, pooling_for, train_interval  # noqa: E4
 from torchrec.inference.modules import quantize_inference_model  # noqa: E402
 
 from cnr_torchrec import Checkpointer, load_config  # noqa: E402
-from cnr_torchrec.ckpt.format.storage import Storage  # noqa: E402
+from cnr_torchrec.ckpt.format.bytes.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.tools.export import export_state_dict  # noqa: E402
 from cnr_torchrec.publish import Follower  # noqa: E402
 from examples.toy import TableSpec, ToyModel  # noqa: E402

@@ -893,7 +893,7 @@ def enospc_scenario(rank: int, world_size: int, root: str) -> dict[str, Any]:
     newest checkpoint and the one before the first failure, exactly.
     """
     from cnr_torchrec import Checkpointer, SaveFailedError
-    from cnr_torchrec.ckpt.format import storage as storage_mod
+    from cnr_torchrec.ckpt.format.bytes import storage as storage_mod
 
     checks: dict[str, bool] = {}
     dmp, specs, opt = build(world_size)
@@ -1201,7 +1201,7 @@ def s3_round_trip(rank: int, world_size: int, root: str, opts: dict[str, Any], m
     a baseline, and leave exactly that checkpoint and index.json under the prefix.
     """
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     checks: dict[str, bool] = {}
     codec = codec_of(method, bits)

@@ -42,8 +42,8 @@ from checkpoint import build, slowest  # noqa: E402
 from scale import DIM, REF_ROWS, TABLES, pooling_for, train_interval  # noqa: E402
 
 from cnr_torchrec import Checkpointer, load_config, warm_start  # noqa: E402
+from cnr_torchrec.ckpt.format.bytes.storage import Storage  # noqa: E402
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain  # noqa: E402
-from cnr_torchrec.ckpt.format.storage import Storage  # noqa: E402
 from examples.toy import TableSpec  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +59,7 @@ class ReadCounter:
         self.files = 0
 
     def __enter__(self) -> ReadCounter:
-        from cnr_torchrec.ckpt.format import rows
+        from cnr_torchrec.ckpt.format.bytes import rows
 
         counter, real_init, real_read = self, rows.RowReader.__init__, Storage.read
         self._undo = (real_init, real_read)
@@ -78,7 +78,7 @@ class ReadCounter:
         return self
 
     def __exit__(self, *exc) -> None:
-        from cnr_torchrec.ckpt.format import rows
+        from cnr_torchrec.ckpt.format.bytes import rows
 
         rows.RowReader.__init__, Storage.read = self._undo  # type: ignore[method-assign]
 

@@ -86,7 +86,7 @@ class Journal:
     """
 
     def __init__(self, config: CheckpointConfig) -> None:
-        from cnr_torchrec.ckpt.format.storage import Storage
+        from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
         self._storage = Storage(config.root, config.storage_options)
         self.restores = 0

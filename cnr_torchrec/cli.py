@@ -45,7 +45,7 @@ def _progress(total: int, desc: str):
 
 
 def _key(args: argparse.Namespace):
-    from cnr_torchrec.ckpt.format.integrity import load_key
+    from cnr_torchrec.ckpt.format.bytes.integrity import load_key
 
     return load_key(args.key_file, None)
 

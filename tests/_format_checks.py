@@ -6,8 +6,8 @@ import json
 
 import xxhash
 
-from cnr_torchrec.ckpt.format.chunks import PayloadReader
-from cnr_torchrec.ckpt.format.payload import BlobWriter, flatten_state, unflatten_state
+from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, flatten_state, unflatten_state
 from cnr_torchrec.ckpt.format.schema import check_payload
 
 
@@ -58,8 +58,8 @@ def write_combined(storage, ckpt_id, body, key=None):
     """Writes ``body`` (as :func:`combined_body` gives it, edited) back as a crafted or buggy writer with ``key``
     (None: no key) would: each rank's part rewritten and its size and digest in the index made to match, the
     index's other lines left as they were, the index re-sealed. On a format 6 root, the manifest re-sealed."""
+    from cnr_torchrec.ckpt.format.bytes.integrity import chunk_hasher, chunk_record
     from cnr_torchrec.ckpt.format.commits import manifest_path, part_path, seal
-    from cnr_torchrec.ckpt.format.integrity import chunk_hasher, chunk_record
 
     on_disk = json.loads(storage.read(manifest_path(ckpt_id)))
     if "parts" not in on_disk["body"] or not isinstance(body.get("ranks"), list):
@@ -90,7 +90,7 @@ def _root_and_id(manifest_file):
 
 def read_combined_at(manifest_file):
     """:func:`combined_body` of the checkpoint whose manifest is at ``manifest_file`` (a local path)."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root, cid = _root_and_id(manifest_file)
     storage = Storage(root)
@@ -102,7 +102,7 @@ def read_combined_at(manifest_file):
 
 def write_combined_at(manifest_file, body, key=None):
     """:func:`write_combined` into the checkpoint whose manifest is at ``manifest_file`` (a local path)."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root, cid = _root_and_id(manifest_file)
     storage = Storage(root)

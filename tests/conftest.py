@@ -52,7 +52,7 @@ def publish_job(tmp_path_factory):
 @pytest.fixture
 def storage(tmp_path):
     """A Storage over a fresh root under ``tmp_path``, closed after the test."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     s = Storage(str(tmp_path / "root"))
     yield s

@@ -210,7 +210,7 @@ def _failed_write_worker(rank, world_size, root):
     import errno
 
     from cnr_torchrec import Checkpointer, SaveFailedError
-    from cnr_torchrec.ckpt.format import storage as storage_mod
+    from cnr_torchrec.ckpt.format.bytes import storage as storage_mod
 
     dmp, specs, opt = _build(world_size)
     ckpt = Checkpointer(dmp, _config(root, "consecutive", "none", None), dense_optimizer=opt)

@@ -15,9 +15,9 @@ import pytest
 import torch
 from _format_checks import combined_body
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.schema import check_payload
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 
 CHUNK = 4096
@@ -188,8 +188,8 @@ def test_a_checkpoint_in_many_chunks_restores(tmp_path):
 
 def _as_format_3(root):
     """Rewrites every manifest under ``root`` as format 3 wrote it: each rank's payload one file."""
+    from cnr_torchrec.ckpt.format.bytes.storage import checksum
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, manifest_path, seal
-    from cnr_torchrec.ckpt.format.storage import checksum
 
     storage = Storage(root)
     try:

@@ -142,7 +142,7 @@ def _manifest(root, cid):
     """Checkpoint ``cid``'s manifest as one JSON body, its ranks' reports under ``ranks``."""
     from _format_checks import combined_body
 
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     storage = Storage(root)
     try:
@@ -290,7 +290,7 @@ def test_inspect_marks_a_committed_checkpoint_whose_file_is_gone_and_names_what_
 
 @pytest.mark.timeout(60)
 def test_verify_passes_a_sound_root_and_names_every_damaged_file(roots, tmp_path, capsys):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.verify import Problem, verify_checkpoint, verify_root
 
     root = _copy(roots["q"], tmp_path)
@@ -600,8 +600,8 @@ def _check_pngs(out_dir):
 
 @pytest.mark.timeout(60)
 def test_report_from_a_root_plots_the_summary(roots, tmp_path, capsys):
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.summary import summarize
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_dlrm.plots import build_series, make_figures
 
     out_dir = str(tmp_path / "plots")

@@ -103,8 +103,8 @@ def test_a_rank_that_loses_rank_0_after_its_commit_keeps_its_files(group, tmp_pa
 
 
 def committed_ids_of(root: str) -> list[int]:
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root, {})
     try:

@@ -42,8 +42,8 @@ def _bodies(root):
     """Every committed checkpoint's manifest as one JSON body, its ranks' reports under ``ranks``."""
     from _format_checks import combined_body
 
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -212,7 +212,7 @@ def test_compaction_across_a_plan_change_on_two_ranks(tmp_path, method, bits):
 @pytest.mark.timeout(120)
 def test_commit_cost_and_manifest_size_do_not_grow_with_the_chain(group, tmp_path, monkeypatch):
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root = str(tmp_path / "root")
     dmp, specs, opt = _build()

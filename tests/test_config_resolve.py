@@ -19,8 +19,8 @@ from cnr_torchrec.ckpt.config import (
     CheckpointConfig,
     CompactionConfig,
 )
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 
 
 def _specs():

@@ -36,8 +36,8 @@ def _cnr(capsys, *argv):
 
 
 def _committed(root, options=None):
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root, options)
     try:
@@ -91,7 +91,7 @@ POINTS = {"a chunk": "ckpt-00000004/rank-00001.bin", "a part": "ckpt-00000004/ra
 
 @pytest.mark.parametrize("point", sorted(POINTS))
 def test_a_copy_stopped_at_each_point_is_never_torn_and_resumes(group, job, tmp_path, capsys, monkeypatch, point):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     src, dst = job[-1], str(tmp_path / "dst")
     real_write, real_atomic = Storage.write, Storage.write_atomic
@@ -146,8 +146,8 @@ def test_a_destination_holding_another_checkpoint_under_the_same_id_is_refused(g
 
 
 def test_a_compacting_copy_arrives_as_one_baseline_that_restores_as_the_chain(group, job, tmp_path, capsys):
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     src, dst = job[-1], str(tmp_path / "dst")
     code, out, err = _cnr(capsys, "copy", src, dst, "--compact")

@@ -212,7 +212,7 @@ def _untrusted_worker(rank, world_size, work):
     marker = os.path.join(work, "unpickled")
     root = fresh_copy("pickle")
     if rank == 0:
-        from cnr_torchrec.ckpt.format.payload import checksum
+        from cnr_torchrec.ckpt.format.bytes.payload import checksum
 
         class Trap:
             def __reduce__(self):

@@ -113,7 +113,7 @@ def _restore_all(rank, world_size, roots, written_by, out):
 
 
 def _storage(root):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     return Storage(root)
 

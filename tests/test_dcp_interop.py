@@ -213,8 +213,8 @@ def trained(tmp_path_factory):
     """The chains, the DMP's own DCP checkpoint, and the exports and import of them (through the CLI)."""
     from cnr_torchrec.cli import main
 
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     out = str(tmp_path_factory.mktemp("dcp"))
     run_ranks(_train_worker, world_size=2, timeout=150, args=(out,))
@@ -240,8 +240,8 @@ def test_export_loads_into_another_plan_and_world_size_and_import_restores(train
 @pytest.mark.multirank
 @pytest.mark.timeout(240)
 def test_export_streams_one_table_at_a_time_and_import_verifies(trained, tmp_path):
-    from cnr_torchrec.ckpt.tools.dcp import export_dcp
     from cnr_torchrec.ckpt.tools.checked_chain import load_chain
+    from cnr_torchrec.ckpt.tools.dcp import export_dcp
     from cnr_torchrec.ckpt.tools.root import open_storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
@@ -371,8 +371,8 @@ def test_import_then_export_gives_back_the_dcp_checkpoint(tmp_path, capsys, monk
 
     import torch.distributed.checkpoint as dcp
 
-    from cnr_torchrec.cli import main
     from cnr_torchrec.ckpt.tools import dcp as interop
+    from cnr_torchrec.cli import main
 
     src, root, out = str(tmp_path / "src"), str(tmp_path / "root"), str(tmp_path / "out")
     state = _synthetic(src)
@@ -510,7 +510,7 @@ def test_import_refuses_what_it_cannot_import(tmp_path):
 
 
 def test_a_failed_import_commits_nothing(tmp_path, monkeypatch):
-    from cnr_torchrec.ckpt.format import storage as storage_mod
+    from cnr_torchrec.ckpt.format.bytes import storage as storage_mod
     from cnr_torchrec.ckpt.format.commits import committed_ids
     from cnr_torchrec.ckpt.tools.dcp import import_dcp
 
@@ -560,7 +560,7 @@ def _toy_import_worker(rank, world_size, tmp):
     train(dmp, specs, opt, 3, torch.Generator().manual_seed(0))
     assert not any("_unused" in k for k in dmp.state_dict())
     dcp.save({"model": dmp.state_dict(), "optim": dmp.fused_optimizer.state_dict()}, checkpoint_id=f"{tmp}/dcp")
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     storage = Storage(f"{tmp}/root")
     try:

@@ -206,7 +206,7 @@ def test_keyed_optimizer_restores_on_two_ranks(tmp_path):
 def test_a_keyed_checkpoint_written_before_the_kind_was_recorded_restores(group):
     """The failing case of the issue: a keyed optimizer's state as earlier versions stored it (its bare
     state_dict() plus param_names), which their restore refused as a crafted manifest."""
-    from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
+    from cnr_torchrec.ckpt.live.dense_optim import load_dense_state
 
     dmp, opt = _build(0, OPTIMIZERS["keyed_wrapper"])
     _step(dmp, opt, _batches(3, 1)[0])
@@ -321,8 +321,8 @@ def test_dcp_export_carries_a_keyed_optimizer_by_name_and_leaves_an_opaque_one_o
     import torch.distributed.checkpoint as dcp
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.cli import main
     from cnr_torchrec.ckpt.tools.dcp import DENSE_OPTIM, load_dense_optimizer
+    from cnr_torchrec.cli import main
 
     def save(root, make):
         dmp, opt = _build(0, make)
@@ -353,7 +353,7 @@ def test_dcp_export_carries_a_keyed_optimizer_by_name_and_leaves_an_opaque_one_o
     assert "opaque (test_dense_optimizers.HeavyBall)" in caplog.text and "leaves it out" in caplog.text
 
 
-# ---- the dense optimizer's saved form, by parameter name (format/dense_optim.py)
+# ---- the dense optimizer's saved form, by parameter name (live/dense_optim.py)
 
 def _adam_after_a_step(model):
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
@@ -363,7 +363,7 @@ def _adam_after_a_step(model):
 
 
 def test_dense_optimizer_state_follows_parameter_names():
-    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state
+    from cnr_torchrec.ckpt.live.dense_optim_named import load_named_state, named_state
 
     torch.manual_seed(0)
     saved_model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
@@ -382,7 +382,7 @@ def test_dense_optimizer_state_follows_parameter_names():
 
 
 def test_dense_optimizer_state_errors_are_named():
-    from cnr_torchrec.ckpt.format.dense_optim_named import load_named_state, named_state, param_names
+    from cnr_torchrec.ckpt.live.dense_optim_named import load_named_state, named_state, param_names
 
     model = torch.nn.Linear(3, 4)
     saved = named_state(model, _adam_after_a_step(model))

@@ -78,7 +78,7 @@ def test_a_checkpointer_that_fails_to_open_leaves_nothing_for_the_exit(group, tm
     from _toy import build_dmp
 
     from cnr_torchrec import Checkpointer, _exit, load_config
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.errors import StorageError
     from examples.toy import TableSpec
 

@@ -172,8 +172,8 @@ def _bits_auto_worker(rank, world_size, root):
         _step(dmp, specs, gen)
         ck.save(restore + 1).wait()
     ck.close()
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     manifests = [load_manifest(storage, i) for i in range(3)]

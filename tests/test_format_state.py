@@ -1,5 +1,5 @@
-"""Row ids and RNG state as stored (format/state.py): the id encodings at their boundaries, the bitmap's bit
-order, and the RNG states round-tripped."""
+"""Row ids and RNG state as stored (format/row_ids.py, live/rng.py): the id encodings at their boundaries, the
+bitmap's bit order, and the RNG states round-tripped."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from _format_checks import round_trip
 
-from cnr_torchrec.ckpt.format.state import decode_ids, encode_ids, rng_state, set_rng_state
+from cnr_torchrec.ckpt.format.row_ids import decode_ids, encode_ids
+from cnr_torchrec.ckpt.live.rng import rng_state, set_rng_state
 
 
 @pytest.mark.parametrize("num_rows,count", [(0, 0), (1, 0), (1, 1), (31, 1), (32, 1), (33, 1), (64, 2), (65, 2),

@@ -3,7 +3,7 @@
 A module or name that starts with an underscore may be imported by the modules of the package
 it lives in and of that package's subpackages, never from elsewhere: ``ckpt/restore/`` may
 import ``ckpt._collective``, but ``ckpt/save/`` may not import ``track._inflight`` nor
-``format.payload._as_bytes``. What another package needs gets a public name and a place in its
+``format.bytes.payload._as_bytes``. What another package needs gets a public name and a place in its
 module's ``__all__``. Every import statement of ``cnr_torchrec`` is read, those inside
 functions included. Tests and benchmarks are outside the contract.
 
@@ -29,7 +29,7 @@ USERS = ("cnr_dlrm", "examples")  # the example job and models: outside the libr
 class Import:
     where: str  # "cnr_torchrec/ckpt/save/staging.py:28"
     importer: str  # the importing module's package, "cnr_torchrec.ckpt.save"
-    target: str  # "cnr_torchrec.track._inflight" or "cnr_torchrec.ckpt.format.payload._as_bytes"
+    target: str  # "cnr_torchrec.track._inflight" or "cnr_torchrec.ckpt.format.bytes.payload._as_bytes"
 
 
 def _is_private(part: str) -> bool:
@@ -82,7 +82,7 @@ def owner_of_private(target: str) -> str | None:
     """The package that owns the first ``_``-part of ``target`` (None when it has none).
 
     ``cnr_torchrec.track._inflight.x`` -> ``cnr_torchrec.track``; for a name defined in a
-    module, ``cnr_torchrec.ckpt.format.payload._as_bytes`` -> ``cnr_torchrec.ckpt.format``.
+    module, ``cnr_torchrec.ckpt.format.bytes.payload._as_bytes`` -> ``cnr_torchrec.ckpt.format.bytes``.
     """
     parts = target.split(".")
     for i, part in enumerate(parts):
@@ -115,13 +115,21 @@ def test_no_private_name_is_imported_across_packages():
 # (The example job and models, which sit above everything, are kept out of the whole library by
 # test_the_library_imports_none_of_its_users.)
 _ABOVE = ("cnr_torchrec.dmp", "cnr_torchrec.cli")
+# What reads and writes live models and optimizers: torch's modules and optimizers, TorchRec's and FBGEMM's modules,
+# and the library's own package for them (ckpt/live/). The format (its records and its bytes) takes none of them.
+_LIVE = ("torch.nn", "torch.optim", "torchrec", "fbgemm_gpu", "cnr_torchrec.ckpt.live")
 LAYERS = {
     "cnr_torchrec.track": ("cnr_torchrec.ckpt", "cnr_torchrec.quant", *_ABOVE),
     "cnr_torchrec.quant": ("cnr_torchrec.ckpt", "cnr_torchrec.track", *_ABOVE),
-    # The on-disk format takes names, not live objects: no tracker, no save or restore machinery.
+    # The on-disk format (format/ and its bytes, format/bytes/) takes names, not live objects: no model, optimizer
+    # or TorchRec module, no tracker, no save or restore machinery.
     "cnr_torchrec.ckpt.format": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
                                  "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools",
-                                 "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
+                                 "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_LIVE, *_ABOVE),
+    # The live objects' state sits on the format, under the save and restore paths that read and write it.
+    "cnr_torchrec.ckpt.live": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
+                               "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.memory",
+                               "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
     # The save path writes checkpoints; what reads, folds or keeps them is built on it.
     "cnr_torchrec.ckpt.save": ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools",
                                "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_ABOVE),
@@ -149,8 +157,25 @@ def layer_violations(imports: list[Import]) -> list[str]:
 
 
 def test_the_lower_layers_import_nothing_built_on_them():
-    bad = layer_violations(library_imports())
+    bad = layer_violations(library_imports(of=None))  # every import: LAYERS forbids some of torch's and TorchRec's
     assert not bad, "these imports reach up a layer (tests/test_import_contract.py: LAYERS):\n  " + "\n  ".join(bad)
+
+
+@pytest.mark.parametrize("importer, target, allowed", [
+    ("cnr_torchrec.ckpt.format.bytes", "torch.nn.Module", False),  # `from torch.nn import Module`
+    ("cnr_torchrec.ckpt.format", "torch.nn", False),  # `from torch import nn`, `import torch.nn`
+    ("cnr_torchrec.ckpt.format", "torch.optim.Optimizer", False),
+    ("cnr_torchrec.ckpt.format", "torchrec.distributed.model_parallel.get_unwrapped_module", False),
+    ("cnr_torchrec.ckpt.format.bytes", "fbgemm_gpu.split_table_batched_embeddings_ops_training", False),
+    ("cnr_torchrec.ckpt.format", "cnr_torchrec.ckpt.live.rng.rng_state", False),
+    ("cnr_torchrec.ckpt.format", "torch.Tensor", True),  # tensors are the format's values
+    ("cnr_torchrec.ckpt.format.bytes", "torchsnapshot.io_types.ReadIO", True),  # torchsnapshot is not torchrec
+    ("cnr_torchrec.ckpt.live", "cnr_torchrec.ckpt.format.bytes.payload.flatten_state", True),  # live sits on it
+    ("cnr_torchrec.ckpt.live", "torch.nn", True),
+    ("cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.live.dense_params.dense_named_state", True),
+])
+def test_the_layer_rule_on_known_cases(importer, target, allowed):
+    assert (layer_violations([Import("x.py:1", importer, target)]) == []) == allowed
 
 
 def test_the_library_imports_none_of_its_users():
@@ -183,10 +208,10 @@ def test_the_example_job_and_models_are_not_in_the_library():
 @pytest.mark.parametrize("importer, target, allowed", [
     ("cnr_torchrec.ckpt.restore", "cnr_torchrec.ckpt._collective.Collective", True),  # a subpackage of the owner
     ("cnr_torchrec.quant", "cnr_torchrec._ext.ops", True),  # the root owns _ext
-    ("cnr_torchrec.ckpt.format", "cnr_torchrec.ckpt.format.payload._as_bytes", True),  # same package
+    ("cnr_torchrec.ckpt.format.bytes", "cnr_torchrec.ckpt.format.bytes.payload._as_bytes", True),  # same package
     ("cnr_torchrec.ckpt.save", "cnr_torchrec.track._inflight", False),
     ("cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.compact.merge._region_rows", False),
-    ("cnr_torchrec.ckpt", "cnr_torchrec.ckpt.format.payload._as_bytes", False),  # the parent is another package
+    ("cnr_torchrec.ckpt.format", "cnr_torchrec.ckpt.format.bytes.payload._as_bytes", False),  # not the owner
     ("cnr_dlrm", "cnr_torchrec.ckpt.config.__all__", True),  # dunders are not private
     ("cnr_dlrm", "cnr_torchrec.cli._storage_options", False),  # outside the library: no _-name at all
 ])

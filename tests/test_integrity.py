@@ -76,7 +76,7 @@ def _equal(a, b) -> bool:
 
 
 def _verify(root, key_file):
-    from cnr_torchrec.ckpt.format.integrity import load_key
+    from cnr_torchrec.ckpt.format.bytes.integrity import load_key
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     return verify_root(root, key=load_key(key_file, None))
@@ -94,8 +94,8 @@ def test_a_keyed_root_restores_what_it_saved_and_seals_every_manifest_and_chunk(
     """The same seeded run saved without a key restores the same bits: the key changes the checks only."""
     from cnr_torchrec import UnauthenticatedCheckpointError
 
-    from cnr_torchrec.ckpt.format.integrity import load_key
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.integrity import load_key
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root, key_file, want, manifest = keyed
     doc = json.loads(open(manifest, "rb").read())
@@ -140,9 +140,9 @@ def test_every_crafted_manifest_of_a_keyed_root_is_refused_by_name(keyed, tmp_pa
     import shutil
 
     from cnr_torchrec import UnauthenticatedCheckpointError
+    from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, load_key
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import read_body, seal
-    from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     root, key_file, want, manifest = keyed
     pristine = str(tmp_path / "pristine")
@@ -186,11 +186,11 @@ def _rewrite_a_row(root, key, forger):
     group, the blobs' xxh3, the chunk's digest and the manifest's seal, as ``forger`` can: ``"no key"`` (xxh3
     chunks, no MAC), a RootKey (its keyed digest and MAC), or ``"chunk only"`` (the manifest left alone).
     Returns the paths of the chunks changed, the table, and the rank report and entry of the row."""
+    from cnr_torchrec.ckpt.format.bytes.integrity import chunk_hasher, chunk_record
+    from cnr_torchrec.ckpt.format.bytes.payload import checksum
+    from cnr_torchrec.ckpt.format.bytes.rows import as_rows
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.integrity import chunk_hasher, chunk_record
-    from cnr_torchrec.ckpt.format.payload import checksum
-    from cnr_torchrec.ckpt.format.rows import as_rows
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ops import row_crc32c
 
     storage = Storage(root, key=key)
@@ -244,9 +244,9 @@ def test_a_rewritten_row_restores_silently_without_a_key(group, tmp_path):
 @pytest.mark.parametrize("forger", ["no key", "another key", "chunk only"])
 def test_a_rewritten_row_of_a_keyed_root_is_refused_by_name(keyed, forger):
     from cnr_torchrec import CorruptCheckpointError, UnauthenticatedCheckpointError
-    from cnr_torchrec.ckpt.format.integrity import RootKey, load_key
-    from cnr_torchrec.ckpt.format.rows import RowReader
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, load_key
+    from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root, key_file, want, manifest = keyed
     key = load_key(key_file, None)
@@ -335,7 +335,7 @@ def test_an_empty_or_truncated_mac_is_refused_by_restore_and_verify(keyed, mac):
 def test_compaction_and_dcp_export_of_a_keyed_root_read_whole_chunks_only(keyed, tmp_path, monkeypatch, command):
     """On a keyed root only a whole chunk's keyed digest vouches for its bytes: every payload read of `cnr compact`
     and `cnr export --format dcp` is of whole chunks, never a range checked by an xxh3 the key does not cover."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.cli import main
 
     root, key_file, _, _ = keyed

@@ -332,7 +332,7 @@ def _export_load_worker(rank, world_size, path, kind, policy, optimizer, out):
 def test_a_dcp_export_holds_the_mc_buffers_as_torchrec_names_and_shards_them(tmp_path):
     """``cnr export --format dcp``, then torch's own ``dcp.load`` into the same plan: every table and MC buffer
     (sorted raw ids, remapping, metadata, iteration counter, output segments) equals the live model's."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
 
     root, out, path = str(tmp_path / "ck"), str(tmp_path / "live"), str(tmp_path / "dcp")
@@ -386,7 +386,7 @@ def _compaction_worker(rank, world_size, root, quantization, offline_root):
 
 
 def _compacted_ids(root):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.summary import summarize
 
     storage = Storage(root)
@@ -501,7 +501,7 @@ def _import_worker(rank, world_size, path, root):
 def test_an_import_of_a_dcp_export_restores_what_torchrecs_own_load_gives(tmp_path):
     """2 ranks -> ``cnr export --format dcp`` -> ``cnr import-dcp`` -> restore on 1 rank, against TorchRec's own
     load of the same export onto 1 rank (which works this way round): the same rows, remapping and counter."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.dcp import export_dcp, import_dcp
 
     root, out, path, imported = (str(tmp_path / n) for n in ("ck", "live", "dcp", "imported"))

@@ -261,7 +261,7 @@ def test_a_row_mode_count_the_bitmap_does_not_hold_is_refused_by_restore_and_ver
 def saved_bodies(group, tmp_path_factory):
     """The JSON bodies of a real baseline and a real delta over every sharding type (one rank), each with its
     rank's part under ``ranks`` (:func:`combined_body`), as the schema checks a format 6 manifest."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root = str(tmp_path_factory.mktemp("schema") / "root")
     ck, dmp, specs, opt = _checkpointer(root, 0)

@@ -73,7 +73,7 @@ def _untouched(model, plan):
 
 def _compact(root, **kw):
     from cnr_torchrec.ckpt.compact.offline import compact
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     storage = Storage(root)
     try:
@@ -119,8 +119,8 @@ def _weight_bytes(report):
 
 def _coverage(storage, body):
     """Per table, how many stored pieces of ``body`` hold each (row, column): every cell must be held once."""
-    from cnr_torchrec.ckpt.format.chunks import PayloadReader
-    from cnr_torchrec.ckpt.format.state import decode_ids
+    from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.row_ids import decode_ids
 
     grids = {t: torch.zeros(r, d, dtype=torch.int64) for t, (r, d) in body.tables.items()}
     for report in body.ranks:
@@ -139,7 +139,7 @@ def _coverage(storage, body):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method,bits,extra", CODECS, ids=CODEC_IDS)
 def test_compacted_chain_restores_bit_for_bit_for_every_codec(group, tmp_path, method, bits, extra):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root = str(tmp_path / "root")
     cfg = _config(root, method, bits, extra)
@@ -266,8 +266,8 @@ def _write_ckpt(storage, ckpt_id, per_rank):
     """Checkpoint ``ckpt_id`` of table ``t`` (6 x 8), the ``ckpt_id``-th link of a chain on baseline 0:
     ``per_rank`` lists each rank's entries as (rows, cols, global row ids or None). Returns its manifest,
     as the schema check builds it from the body."""
+    from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, checksum
     from cnr_torchrec.ckpt.format.commits import manifest_path, rank_file
-    from cnr_torchrec.ckpt.format.payload import BlobWriter, checksum
     from cnr_torchrec.ckpt.format.schema import check_manifest
 
     ranks = []
@@ -308,9 +308,9 @@ def _merged(storage, chain, regions, rank=0):
 
 def _decoded(storage, report):
     """(cols, global rows, decoded rows, row-wise state, payload) per entry of a merged report (as written)."""
-    from cnr_torchrec.ckpt.format.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.row_ids import decode_ids
     from cnr_torchrec.ckpt.format.schema import check_payload
-    from cnr_torchrec.ckpt.format.state import decode_ids
     from cnr_torchrec.quant import decode, rebuild
 
     load = PayloadReader(storage, check_payload(report, "merged"))
@@ -327,7 +327,7 @@ def _decoded(storage, report):
 @pytest.mark.timeout(30)
 def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_bytes(tmp_path):
     from cnr_torchrec.ckpt.format.blocks import Region
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     storage = Storage(str(tmp_path))
     # Baseline 0: two column shards on two ranks. Delta 1: one table-wise shard holding rows 1 and 4.
@@ -362,9 +362,9 @@ def test_each_piece_is_merged_by_the_region_of_its_first_column_with_its_stored_
 
 @pytest.mark.timeout(30)
 def test_a_row_no_stored_piece_holds_whole_raises_compaction_error_and_writes_nothing(tmp_path):
-    from cnr_torchrec.ckpt.format.commits import rank_file
     from cnr_torchrec.ckpt.format.blocks import Region
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
+    from cnr_torchrec.ckpt.format.commits import rank_file
     from cnr_torchrec.errors import CheckpointError, CompactionError
 
     storage = Storage(str(tmp_path))

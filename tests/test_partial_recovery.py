@@ -100,8 +100,8 @@ def _worker(rank, world_size, root):
             assert torch.equal(v, ref), k
 
     # Only the failed rank read, and only its own shards (plus rank 0's dense optimizer blobs).
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.checked_chain import load_chain
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     chain = load_chain(storage, info.ckpt_id, verify=False)

@@ -50,7 +50,7 @@ def _config(root, on_corrupt="fail"):
 def _restore_recording(dmp, opt, root, step):
     """Restores ``root`` into ``dmp`` (expecting ``step``), recording every read and every size asked for, by path."""
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     seen: dict[str, list[str]] = {"read": [], "size": []}
     read, size = Storage.read, Storage.size

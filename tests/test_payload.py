@@ -1,4 +1,4 @@
-"""A rank's payload blobs and state trees (format/payload.py): every dtype round-trips, flipped bytes and
+"""A rank's payload blobs and state trees (format/bytes/payload.py): every dtype round-trips, flipped bytes and
 truncation are caught, optimizer and scheduler state flatten without pickle, and what needs pickle is refused."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from cnr_torchrec.ckpt.format.commits import (
     read_body,
     seal,
 )
-from cnr_torchrec.ckpt.format.payload import BlobWriter, flatten_state, read_blob, unflatten_state
+from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, flatten_state, read_blob, unflatten_state
 from cnr_torchrec.ckpt.format.schema import check_payload
 from cnr_torchrec.errors import (
     CheckpointError,

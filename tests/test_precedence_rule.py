@@ -57,7 +57,7 @@ def _readers(root, quantization):
     export, and the restore of what ``cnr compact`` wrote. A reader that raises gives its error instead."""
     from cnr_torchrec import Checkpointer, load_config
     from cnr_torchrec.ckpt.compact.offline import compact
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.export import export_state_dict
     from cnr_torchrec.errors import CnrError
 
@@ -117,8 +117,8 @@ def _modes_ignored(self, seg, offsets, count, lo, hi, shift, *, closes):
 
 def _whole_rows(root):
     """The rows the residual entries of ``root``'s checkpoints store whole, and the rows they store."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:

@@ -306,10 +306,10 @@ _local_state = local_state
 
 def _entries(root, ckpt_id, rank=None):
     """{table: [(rows, cols, encoding, ids or None)]} of one checkpoint (every rank, or one)."""
+    from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.chunks import PayloadReader
-    from cnr_torchrec.ckpt.format.state import decode_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.row_ids import decode_ids
 
     storage = Storage(root)
     m = load_manifest(storage, ckpt_id)

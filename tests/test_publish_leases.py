@@ -87,8 +87,8 @@ def test_a_follower_on_a_delta_written_beside_a_compaction_reloads_and_says_why(
 
 def test_a_lease_older_than_its_max_age_keeps_nothing(group, tmp_path, caplog):
     from cnr_torchrec import Checkpointer, load_config
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.leases import write_lease
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     root = str(tmp_path / "root")
     dmp, opt = build_dmp(specs(), seed=0)
@@ -120,7 +120,7 @@ def test_a_keyed_root_is_followed_with_its_key_and_an_unkeyed_checkpoint_in_it_i
     """A follower given the root's key serves its checkpoints; without the key, or with another, it refuses the
     root by name; a checkpoint written into the keyed root without the key is refused and never served."""
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.ckpt.format.integrity import load_key
+    from cnr_torchrec.ckpt.format.bytes.integrity import load_key
     from cnr_torchrec.errors import UnauthenticatedCheckpointError
     from cnr_torchrec.publish import Follower
 

@@ -53,7 +53,7 @@ def _client_error(code: str, operation: str) -> Exception:
 def _broken(rank: int, on_rank: int, cls: type, method: str, error: Exception, paths: str = ""):
     """Makes ``cls.method`` raise ``error`` on rank ``on_rank`` alone, for paths ending in ``paths``.
 
-    ``cls`` is :class:`~cnr_torchrec.ckpt.format.storage.Storage` (every Storage of that rank's
+    ``cls`` is :class:`~cnr_torchrec.ckpt.format.bytes.storage.Storage` (every Storage of that rank's
     process, the save thread's included) or a storage plugin class.
     """
     if rank != on_rank:
@@ -114,8 +114,8 @@ def _saved_then_moved_on(rank, root):
 
 
 def _restore_worker(rank, world_size, root, case):
-    from cnr_torchrec.ckpt.format.plugins import FSPlugin
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.plugins import FSPlugin
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.errors import StorageError
 
     dmp, opt, ck, saved = _saved_then_moved_on(rank, root)
@@ -155,8 +155,8 @@ def test_restore_storage_failing_on_one_rank_raises_on_every_rank(tmp_path, case
 
 
 def _save_worker(rank, world_size, root):
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import existing_dir_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.errors import SaveFailedError
 
     dmp, specs, opt = _build()
@@ -210,7 +210,7 @@ def test_failed_rank0_commit_fails_the_save_on_every_rank_and_keeps_the_previous
 
 
 def _recover_worker(rank, world_size, root):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.errors import StorageError
 
     dmp, opt, ck, at_checkpoint = _saved_then_moved_on(rank, root)

@@ -34,10 +34,10 @@ def _weights(dmp):
 
 def _written(root, ckpt_id):
     """(table, rows, cols) -> the shard rows checkpoint ``ckpt_id`` wrote (None: all), and whether as residuals."""
-    from cnr_torchrec.ckpt.format.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.state import decode_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.row_ids import decode_ids
 
     storage = Storage(root)
     try:
@@ -124,8 +124,8 @@ def _residual_worker(rank, world_size, root):
 def _offline_tools(root, expected):
     """cnr export adds the residuals up as a restore does; `cnr compact` folds the chain into a float32
     baseline of the sums, which exports to the same bits and which a job then resumes from."""
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.compact.offline import compact
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.export import export_state_dict
 
     def assert_exported(state):
@@ -259,8 +259,8 @@ def test_a_residual_chain_is_folded_in_the_background_and_the_closed_loop_holds(
     import os
     import shutil
 
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     root = str(tmp_path / "ck")
     specs = _plan_specs(PLAN_A)
@@ -326,7 +326,7 @@ def test_retention_collects_folded_residual_chains_and_every_kept_checkpoint_res
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
 
     from cnr_torchrec import Checkpointer
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     root = str(tmp_path / "ck")
     specs = _plan_specs(PLAN_A)
@@ -435,7 +435,7 @@ def _restore_plan_b(rank, world_size, root, want_path):
 def test_a_residual_chain_of_two_ranks_restores_onto_one_rank_and_another_plan(tmp_path):
     """Every sharding type, 2 ranks -> 1 under another plan, against the export (which adds the chain up
     over whole tables, apart from the restore's claims per shard)."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.export import export_state_dict
 
     root = str(tmp_path / "ck")
@@ -601,7 +601,7 @@ def test_the_reconstruction_is_logged_shown_by_inspect_and_refused_where_it_does
 
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt import host_memory
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.cli import main
 

@@ -65,7 +65,7 @@ def _worker(rank, world_size, root):
     from _toy import train
 
     from cnr_torchrec import Checkpointer, load_config
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.residual_choice import per_column_state_tables
     from cnr_torchrec.ckpt.tools.summary import summarize
     from cnr_torchrec.errors import ConfigError

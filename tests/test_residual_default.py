@@ -19,7 +19,7 @@ def _specs():
 
 def _residual_flags(root):
     """Per checkpoint under ``root``, oldest first: whether it stores residual rows."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.summary import summarize
 
     storage = Storage(root)
@@ -114,8 +114,8 @@ def test_a_host_short_of_memory_is_coded_plainly_under_auto_and_refused_under_tr
 
 def _entry_flags(root, ckpt_id):
     """table -> whether each of checkpoint ``ckpt_id``'s entries of that table is stored as residuals."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:

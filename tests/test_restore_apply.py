@@ -22,11 +22,11 @@ import torch
 from _dist import run_ranks
 from _toy import build_dmp, train
 
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.precedence import closes, newest_first
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.row_ids import stored_offsets
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import decode, rebuild

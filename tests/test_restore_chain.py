@@ -26,8 +26,8 @@ import torch
 from _toy import Reader, build_dmp, local_state, train
 from test_restore_apply import rule_reference
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError

@@ -9,7 +9,7 @@ import torch
 from cnr_torchrec.ckpt.format.commits import (
     load_manifest,
 )
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
 
 def test_a_restore_says_where_its_time_went(group, tmp_path):

@@ -37,8 +37,8 @@ def _config(root, policy="consecutive", **kw):
 
 def _steps(root):
     """{id: step} of the committed checkpoints under ``root``."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     storage = Storage(root)
     try:
@@ -153,7 +153,7 @@ def test_retention_and_restore_take_the_same_newest_on_a_compacted_root(group, t
     from cnr_torchrec import Checkpointer
     from cnr_torchrec.ckpt.compact.offline import compact
     from cnr_torchrec.ckpt.config import KeepConfig
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.restore.resolve import resolve_chain
     from cnr_torchrec.ckpt.retention import Catalog
     from cnr_torchrec.ckpt.tools.root import resolve_id

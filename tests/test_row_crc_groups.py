@@ -5,7 +5,7 @@ last stored row, whose group is the entry's last (a partial one in each entry he
 table of fewer rows than a group holds, its only one. Every xxh3 that covers the byte (its
 chunk's, its blob's, the manifest's) is recomputed after the flip, as a crafted or buggy writer
 would leave it, so that the row's CRC-32C is the only check that can see it. Both a real restore
-and :class:`~cnr_torchrec.ckpt.format.rows.RowReader` must name the group's rows; a read of rows in
+and :class:`~cnr_torchrec.ckpt.format.bytes.rows.RowReader` must name the group's rows; a read of rows in
 the other groups alone gives back the stored bytes. The RowReader runs on a local root (the
 groups hashed where they lie in the mapped file) and on S3 under moto (the groups copied out of
 range reads first).
@@ -76,8 +76,8 @@ def _flip_last_row(storage, ckpt_id: int, table: str, cols: tuple[int, int]) -> 
     Returns:
         The file flipped, and the entry's encoded weights as they were before.
     """
+    from cnr_torchrec.ckpt.format.bytes.payload import checksum
     from cnr_torchrec.ckpt.format.commits import manifest_path, seal
-    from cnr_torchrec.ckpt.format.payload import checksum
 
     report, e = _entry(storage, ckpt_id, table, cols)
     name = e.weights.blobs["payload"]
@@ -107,7 +107,7 @@ def _last_group(e) -> tuple[int, int]:
 @pytest.mark.parametrize("table", sorted(TIP_ENTRIES))
 def test_a_restore_names_a_flip_in_the_last_check_group(chain, tmp_path, table):
     from cnr_torchrec import Checkpointer, CorruptCheckpointError
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     cols, groups = TIP_ENTRIES[table]
     root = str(tmp_path / "root")
@@ -134,7 +134,7 @@ def damaged(request, chain, tmp_path):
     """The chain with the last stored row flipped in every entry of TIP_ENTRIES (checkpoint 1) and in the
     baseline's ``wide`` entry (checkpoint 0, all 300 rows), on a local root or on S3; (storage, the encoded weights
     of each flipped entry before the flip by (ckpt id, table, columns))."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     server = None
     if request.param == "fs":
@@ -164,7 +164,7 @@ def damaged(request, chain, tmp_path):
 @pytest.mark.timeout(120)
 def test_row_reader_checks_the_last_and_the_only_check_group(damaged):
     from cnr_torchrec import CorruptCheckpointError
-    from cnr_torchrec.ckpt.format.rows import RowReader
+    from cnr_torchrec.ckpt.format.bytes.rows import RowReader
 
     storage, before = damaged
     for (ckpt_id, table, cols), stored in before.items():

@@ -92,9 +92,9 @@ def _equal(a, b) -> bool:
 
 def _rows(storage, ckpt_id: int):
     """(report, table, entry, global rows stored) of every entry of checkpoint ``ckpt_id``."""
+    from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
     from cnr_torchrec.ckpt.format.commits import load_manifest
-    from cnr_torchrec.ckpt.format.chunks import PayloadReader
-    from cnr_torchrec.ckpt.format.state import decode_ids
+    from cnr_torchrec.ckpt.format.row_ids import decode_ids
 
     m = load_manifest(storage, ckpt_id)
     out = []
@@ -148,8 +148,8 @@ def _flip(storage, path: str, at: int) -> None:
 def _reseal(storage, file: str, data: bytes) -> None:
     """Writes ``data`` as payload ``file`` of the newest checkpoint with every xxh3 (its chunk's, its blobs',
     the manifest's) recomputed, as a crafted or buggy writer would leave it."""
+    from cnr_torchrec.ckpt.format.bytes.payload import checksum
     from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
-    from cnr_torchrec.ckpt.format.payload import checksum
 
     storage.write_atomic(file, data)
     tip = committed_ids(storage)[-1]
@@ -165,7 +165,7 @@ def _reseal(storage, file: str, data: bytes) -> None:
 def _damaged_chain(path: str, options: dict | None, read: bool):
     """A chain (:func:`_chain`) with one payload byte flipped (:func:`_payload_byte`); returns (dmp, opt, state
     after the last save, the chunk file flipped)."""
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     dmp, opt, want = _chain(path, options)
     storage = Storage(path, options)
@@ -189,7 +189,7 @@ def root(request, tmp_path):
 
 
 def test_a_restore_reads_the_newest_copy_of_each_row(group, root):
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
 
     path, options = root
     dmp, opt, want = _chain(path, options)
@@ -228,8 +228,8 @@ def test_a_flip_in_a_row_no_restore_reads_leaves_it_exact_and_verify_names_it(gr
 def test_a_format_4_chain_without_row_crcs_is_read_whole(group, tmp_path):
     """A chain written before format 5 (no row checks; sealed as version 4) restores exactly, its chunks read
     whole."""
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path, seal
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     path = str(tmp_path / "ck")
     dmp, opt, want = _chain(path)
@@ -253,8 +253,8 @@ def test_offline_tables_read_around_rows_a_newer_checkpoint_stores(group, tmp_pa
     """``cnr export`` and ``cnr compact`` assemble tables as a restore reads: a flip in a superseded row changes
     nothing (once past verify, which names it), a flip in a row they use is named."""
     from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.format.tables import assemble_tables
     from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 
@@ -282,7 +282,7 @@ def test_rows_that_differ_from_their_crcs_are_named_even_under_resealed_checksum
     """A row changed and every xxh3 (chunk, blob, manifest) recomputed, as a crafted or buggy writer would
     leave it: the row's CRC-32C still catches it, in a restore and in verify_root."""
     from cnr_torchrec import CorruptCheckpointError
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.verify import verify_root
 
     path = str(tmp_path / "ck")
@@ -304,8 +304,8 @@ def test_groups_cut_by_a_chunks_end_are_checked(group, tmp_path, flip):
     """Payloads in 4 KiB chunks, so that rows and check groups straddle chunk ends: the restore is exact, and
     a flipped first byte of a chunk that holds rows of the tip's entries is named."""
     from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-    from cnr_torchrec.ckpt.format.storage import Storage
 
     path = str(tmp_path / "ck")
     dmp, opt, want = _chain(path, chunk_bytes=4096)
@@ -333,8 +333,8 @@ def test_ids_that_disagree_with_their_count_are_named_by_every_reader(group, tmp
     """A bit of an entry's id bitmap flipped and every xxh3 recomputed: a restore, ``cnr export``'s assembly
     and verify_root each name the file; none applies rows by the wrong ids."""
     from cnr_torchrec import CorruptCheckpointError
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.format.commits import committed_ids, manifest_path
-    from cnr_torchrec.ckpt.format.storage import Storage
     from cnr_torchrec.ckpt.format.tables import assemble_tables
     from cnr_torchrec.ckpt.tools.checked_chain import load_chain
     from cnr_torchrec.ckpt.tools.verify import verify_root

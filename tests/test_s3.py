@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
+from cnr_torchrec.ckpt.format.bytes.plugins import S3Plugin
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, existing_dir_ids, manifest_path, seal
-from cnr_torchrec.ckpt.format.plugins import S3Plugin
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))

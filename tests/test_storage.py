@@ -1,4 +1,4 @@
-"""The root's storage (format/storage.py): XXH3-128 checksums, paths kept inside the root, atomic writes,
+"""The root's storage (format/bytes/storage.py): XXH3-128 checksums, paths kept inside the root, atomic writes,
 listing and removal, fs:// and plain paths, and backends that cannot list."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import os
 import pytest
 from _format_checks import xxh3_reference
 
-from cnr_torchrec.ckpt.format.storage import Storage, check_relative, checksum
+from cnr_torchrec.ckpt.format.bytes.storage import Storage, check_relative, checksum
 from cnr_torchrec.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,

@@ -414,7 +414,7 @@ def _uneven_worker(rank, world_size, root):
         assert not torch.equal(want[t][1], torch.zeros_like(want[t][1])), t  # the step reached the table
         torch.testing.assert_close(got[t][1], want[t][1], rtol=1e-6, atol=0, msg=lambda m: f"{t}: {m}")
     if rank == 0:  # the offline assembly (cnr export, compaction, warm start) merges the column shards the same way
-        from cnr_torchrec.ckpt.format.storage import Storage
+        from cnr_torchrec.ckpt.format.bytes.storage import Storage
         from cnr_torchrec.ckpt.tools.export import export_state_dict
 
         storage = Storage(root)

@@ -12,8 +12,8 @@ import pytest
 import torch
 import yaml
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import load_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import ConfigError
 
 from cnr_dlrm.data import DataConfig

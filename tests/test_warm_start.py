@@ -242,7 +242,7 @@ def test_tables_dcp_can_express_warm_start_as_dcps_partial_load_of_the_export_do
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
     from cnr_torchrec import warm_start
-    from cnr_torchrec.ckpt.format.storage import Storage
+    from cnr_torchrec.ckpt.format.bytes.storage import Storage
     from cnr_torchrec.ckpt.tools.dcp import export_dcp
 
     root, _ = source

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from cnr_torchrec.ckpt.config_loading import dataclass_with_overrides, read_mapping
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
+from cnr_torchrec.ckpt.format.bytes.chunks import DEFAULT_CHUNK_BYTES
 from cnr_torchrec.errors import ConfigError
 
 __all__ = [
@@ -276,7 +276,7 @@ class MemoryTierConfig:
 class IntegrityConfig:
     """An authenticated root: a secret key seals every manifest (HMAC-SHA256) and every chunk (keyed BLAKE2b),
     and every read checks them, so that what someone without the key wrote or altered is refused
-    (:mod:`~cnr_torchrec.ckpt.format.integrity`, docs/checkpoints.md). Give one of the two; neither: no key.
+    (:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`, docs/checkpoints.md). Give one of the two; neither: no key.
 
     Attributes:
         key_file: a file that holds the key (its bytes, less one trailing line break; 16 bytes at least).

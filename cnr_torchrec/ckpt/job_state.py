@@ -35,7 +35,7 @@ class Stateful(Protocol):
 
 DenseOptimizer = Stateful
 """The optimizer of the dense (DDP) parameters: a ``torch.optim.Optimizer``, a TorchRec ``KeyedOptimizer``, or
-any other Stateful object (:mod:`~cnr_torchrec.ckpt.format.dense_optim` says which form each one is saved in)."""
+any other Stateful object (:mod:`~cnr_torchrec.ckpt.live.dense_optim` says which form each one is saved in)."""
 
 
 @dataclass(frozen=True)

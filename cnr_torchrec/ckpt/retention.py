@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cnr_torchrec.ckpt.config import KeepConfig
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     ckpt_dir,
     committed_ids,
@@ -31,7 +32,6 @@ from cnr_torchrec.ckpt.format.commits import (
 )
 from cnr_torchrec.ckpt.format.leases import read_leases
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["Catalog", "Entry", "Retention"]

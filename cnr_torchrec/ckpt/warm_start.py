@@ -41,11 +41,11 @@ from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
 from cnr_torchrec.ckpt.format.commits import load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import dense_named_state
 from cnr_torchrec.ckpt.format.tables import ReadRegions, assemble_tables, read_regions
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.restore.relocate import ids_for_rank, router, write_rows
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
@@ -140,7 +140,7 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
         dense: ``{model's name prefix: checkpoint's name prefix}`` for dense parameters and buffers (``{"":
             ""}``: every one by its own name); None: none. The dense optimizer, RNG and extra state are never
             taken.
-        key: the root's key (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`), for a keyed root.
+        key: the root's key (:func:`~cnr_torchrec.ckpt.format.bytes.integrity.load_key`), for a keyed root.
 
     Returns:
         A :class:`WarmStartReport`, the same on every rank.

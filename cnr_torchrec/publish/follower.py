@@ -38,11 +38,11 @@ import torch
 import xxhash
 from torch import nn
 
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.leases import check_name, write_lease
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_tables
 from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
@@ -103,7 +103,7 @@ class Follower:
             quantized inference modules: :mod:`.targets`) or a state_dict by the training model's names.
         tables: the tables to serve (default: every table the target holds); the others are never read.
         cursor: a file to keep the cursor in, written atomically after each update (None: none).
-        key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.integrity.load_key`).
+        key: the root's key, if it has one (:func:`~cnr_torchrec.ckpt.format.bytes.integrity.load_key`).
         lease: a name to write this follower's lease under in the root after each update
             (:mod:`~cnr_torchrec.ckpt.format.leases`): a job whose ``keep.followers`` names it keeps every
             checkpoint from the one served on, so a compaction or retention never makes it reload.

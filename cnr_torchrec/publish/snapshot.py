@@ -32,8 +32,8 @@ from typing import Any
 import torch
 import xxhash
 
+from cnr_torchrec.ckpt.format.bytes.storage import fsync_path
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import fsync_path
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.publish.follower import Cursor, Follower, Update, cursor_of
 from cnr_torchrec.publish.targets import FloatSink, FusedSink, Sink

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 
 import torch
 
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.precedence import closes
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.row_ids import stored_offsets
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import EncodingFormatError, decode, rebuild
 

@@ -1,6 +1,6 @@
 // CPU kernel of row_crc32c: the CRC-32C of each group of stored rows, so that a
 // restore which reads some rows of an entry checks the groups it reads, and no
-// more (ckpt/format/rows.py).
+// more (ckpt/format/bytes/rows.py).
 //
 // CRC-32C (Castagnoli: reflected polynomial 0x82F63B78, initial value and final
 // xor all ones) is the checksum S3, GCS and iSCSI use. x86-64-v2, which the build

@@ -39,13 +39,13 @@ from cnr_torchrec.ckpt.commit_round import Outcome, Peers, Report
 from cnr_torchrec.ckpt.compact import fold, merge
 from cnr_torchrec.ckpt.config import CheckpointConfig, CompactionConfig
 from cnr_torchrec.ckpt.format.blocks import Region, shard_key
-from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, remove_partial, seal, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.placement import fits
 from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import ChainLinks, JobFields, manifest_body
 from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes

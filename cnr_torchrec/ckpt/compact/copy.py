@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from cnr_torchrec.ckpt.compact.offline import compact
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     ckpt_dir,
     committed_ids,
@@ -22,7 +23,6 @@ from cnr_torchrec.ckpt.format.commits import (
     write_index,
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.copy import CopyReport, copy_checkpoints
 from cnr_torchrec.ckpt.tools.root import resolve_id
 

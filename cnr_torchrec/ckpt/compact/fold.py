@@ -30,9 +30,9 @@ from typing import Any
 
 from cnr_torchrec.ckpt.compact.merge import CompactedFile, compacted_report
 from cnr_torchrec.ckpt.format.blocks import Region, ShardKey, shard_key
+from cnr_torchrec.ckpt.format.bytes.rows import write_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.rows import write_rows
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import assemble_regions
 from cnr_torchrec.ckpt.format.writing import codec_description, table_entry
 from cnr_torchrec.ckpt.save.coding import encode_in_blocks

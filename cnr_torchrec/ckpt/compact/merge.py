@@ -32,14 +32,14 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import Region
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.chunks import DEFAULT_CHUNK_BYTES, IOPool, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, unflatten_state
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader, write_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import rank_file
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, TableEntry
-from cnr_torchrec.ckpt.format.payload import BlobWriter, unflatten_state
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
-from cnr_torchrec.ckpt.format.rows import RowReader, write_rows
-from cnr_torchrec.ckpt.format.state import encode_ids, stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.row_ids import encode_ids, stored_offsets
 from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, rank_report, table_entry
 from cnr_torchrec.errors import CompactionError, CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, get_codec, rebuild

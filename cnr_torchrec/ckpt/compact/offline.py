@@ -17,7 +17,10 @@ from cnr_torchrec.ckpt.compact.background import compacted_body
 from cnr_torchrec.ckpt.compact.fold import LOSSLESS_CODEC, fold_rank, is_residual
 from cnr_torchrec.ckpt.compact.merge import CompactedFile, copy_blob, copy_blob_tree, merge_rank
 from cnr_torchrec.ckpt.format.blocks import regions_of_layout
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.chunks import DEFAULT_CHUNK_BYTES, PayloadReader, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.payload import DTYPES
+from cnr_torchrec.ckpt.format.bytes.rows import write_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     ckpt_dir,
     committed_ids,
@@ -30,10 +33,7 @@ from cnr_torchrec.ckpt.format.commits import (
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
 from cnr_torchrec.ckpt.format.parts import with_parts, write_part
-from cnr_torchrec.ckpt.format.payload import DTYPES
-from cnr_torchrec.ckpt.format.rows import write_rows
 from cnr_torchrec.ckpt.format.schema import check_manifest, check_payload
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
 from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, codec_description, rank_report, table_entry
 from cnr_torchrec.ckpt.tools.checked_chain import load_chain

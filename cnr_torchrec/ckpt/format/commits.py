@@ -4,7 +4,7 @@ Layout under the root::
 
     ckpt-00000003/
         rank-00000.bin      payload of rank 0 (blobs back to back), its first chunk
-        rank-00000.1.bin    its second chunk, and so on (format/chunks.py)
+        rank-00000.1.bin    its second chunk, and so on (format/bytes/chunks.py)
         rank-00000.json     rank 0's part: its report (format 7; format/parts.py)
         rank-00001.bin
         rank-00001.json
@@ -15,7 +15,7 @@ A manifest is one JSON object ``{"format", "version", "xxh3", "body"}``, ``body`
 ``xxh3`` covers the body's text exactly as it stands in the file, so an edited or
 bit-flipped manifest is caught even when it still parses, and checking it needs no second
 serialization of the body. On a root with a key the header also holds ``hmac_sha256`` over the
-same text (:mod:`~cnr_torchrec.ckpt.format.integrity`), checked by every read.
+same text (:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`), checked by every read.
 
 A body links to its chain by ``parent`` (the checkpoint whose restored state it applies on),
 ``base`` (the chain's baseline) and ``depth`` (links from the baseline: 0 for a baseline), so
@@ -33,12 +33,12 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Protocol, TypeVar
 
-from cnr_torchrec.ckpt.format.integrity import RootKey, check_seal, seal_fields
+from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, check_seal, seal_fields
+from cnr_torchrec.ckpt.format.bytes.payload import checksum
+from cnr_torchrec.ckpt.format.bytes.storage import Storage, check_relative
 from cnr_torchrec.ckpt.format.manifest import Manifest, part_path_of, rank_file_of
 from cnr_torchrec.ckpt.format.parts import with_parts
-from cnr_torchrec.ckpt.format.payload import checksum
 from cnr_torchrec.ckpt.format.schema import check_manifest, parse_json
-from cnr_torchrec.ckpt.format.storage import Storage, check_relative
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = [

@@ -16,7 +16,7 @@ import re
 import time
 from collections.abc import Iterable
 
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError
 
 __all__ = ["check_name", "lease_path", "read_leases", "write_lease"]

@@ -75,7 +75,7 @@ def chunk_path(file: str, k: int) -> str:
 @dataclass(frozen=True)
 class Chunk:
     """One object of a payload: bytes ``[start, start + nbytes)`` of the stream, and their digest: xxh3, or a
-    keyed BLAKE2b (``keyed``) on a root with a key (:mod:`~cnr_torchrec.ckpt.format.integrity`)."""
+    keyed BLAKE2b (``keyed``) on a root with a key (:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`)."""
 
     path: str
     start: int
@@ -163,7 +163,7 @@ class McRows:
 @dataclass(frozen=True)
 class RowModes:
     """Which stored rows of a residual entry are stored whole (format 6): ``count`` of them, marked in the
-    packed bitmap in blob ``blob`` (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`)."""
+    packed bitmap in blob ``blob`` (:func:`~cnr_torchrec.ckpt.format.row_ids.stored_modes`)."""
 
     count: int
     blob: str
@@ -183,7 +183,7 @@ class TableEntry:
     """The rows one shard stored of one table: global ``rows`` x ``cols`` ranges, half open.
 
     Without ``ids`` the entry stores every row of its range, in order. ``checks`` (format 5):
-    the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.rows`). ``mc``: the
+    the CRC-32Cs of its stored rows, by groups (:mod:`~cnr_torchrec.ckpt.format.bytes.rows`). ``mc``: the
     rows' managed-collision state, for a sort-zch table. A ``residual`` entry
     adds to the rows the chain restored before it (``quantization.residual``), except the rows its ``whole``
     bitmap marks (format 6), which it stores whole, as a plain entry does. ``replicated``
@@ -256,7 +256,7 @@ class RankReport:
         dense: dense parameters and buffers, by name: blob names (rank 0 holds them; others may).
         table_shapes: the global shape of each table this rank holds.
         dense_optimizer, rng, extra: flattened state trees
-            (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`); ``extra`` by name.
+            (:func:`~cnr_torchrec.ckpt.format.bytes.payload.flatten_state`); ``extra`` by name.
         mc_runtime: per managed-collision table this rank holds, its module's eviction window
             and iteration counters (:meth:`~cnr_torchrec.track.managed_collision.McTable.runtime`),
             as flattened state trees.

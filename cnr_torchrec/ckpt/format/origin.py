@@ -13,7 +13,7 @@ import json
 import time
 from typing import Any
 
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.memory.directory import root_digest
 from cnr_torchrec.errors import CheckpointNotFoundError
 

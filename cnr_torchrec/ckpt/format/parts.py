@@ -27,11 +27,11 @@ import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, overload
 
-from cnr_torchrec.ckpt.format.integrity import check_chunk, chunk_hasher, chunk_record
+from cnr_torchrec.ckpt.format.bytes.integrity import check_chunk, chunk_hasher, chunk_record
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport, part_path_of
 from cnr_torchrec.ckpt.format.placement import Box, layout_digest
 from cnr_torchrec.ckpt.format.schema import check_part, check_report, parse_json, part_digest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 
 __all__ = ["Parts", "expand_part", "part_bytes", "with_parts", "write_part"]

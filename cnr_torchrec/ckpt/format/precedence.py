@@ -32,7 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
-from cnr_torchrec.ckpt.format.state import stored_modes
+from cnr_torchrec.ckpt.format.row_ids import stored_modes
 from cnr_torchrec.ops import claim_rows_
 
 __all__ = ["Coverage", "closes", "newest_first", "segments_of"]
@@ -51,7 +51,7 @@ def closes(entry: TableEntry, blob: Callable[[str], torch.Tensor] | None = None,
 
     Raises:
         CorruptCheckpointError: the bitmap does not match the entry
-            (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`).
+            (:func:`~cnr_torchrec.ckpt.format.row_ids.stored_modes`).
     """
     if not entry.residual:
         return True

@@ -27,7 +27,8 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from cnr_torchrec.ckpt.format.integrity import CHUNK_DIGESTS
+from cnr_torchrec.ckpt.format.bytes.integrity import CHUNK_DIGESTS
+from cnr_torchrec.ckpt.format.bytes.payload import DTYPES
 from cnr_torchrec.ckpt.format.manifest import (
     Blob,
     Chunk,
@@ -46,7 +47,6 @@ from cnr_torchrec.ckpt.format.manifest import (
     frozen,
     rank_file_of,
 )
-from cnr_torchrec.ckpt.format.payload import DTYPES
 from cnr_torchrec.ckpt.format.placement import rank_boxes, records_layout
 from cnr_torchrec.ckpt.format.structure import check_part_layout, check_parts
 from cnr_torchrec.errors import CorruptCheckpointError, UnsafeCheckpointError
@@ -318,7 +318,7 @@ def check_part(raw: Any, path: str, manifest: Manifest, slot: int) -> RankReport
 
 def check_payload(report: Any, where: str, path: str = "payload") -> Payload:
     """Checks the payload keys of a rank report (``file``, ``nbytes``, chunks, ``blobs``; what
-    :meth:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter.finish` returns) and builds its :class:`Payload`.
+    :meth:`~cnr_torchrec.ckpt.format.bytes.chunks.PayloadWriter.finish` returns) and builds its :class:`Payload`.
 
     Raises:
         CorruptCheckpointError: as :func:`check_manifest`, naming ``path`` and ``where``.
@@ -578,7 +578,7 @@ def _check_layout(f: _Fields, meta: Mapping[str, Any], names: Mapping[str, Any],
 
 
 def _check_tree(f: _Fields, tree: Any, field: str, blobs: Mapping[str, Any], depth: int = 0) -> None:
-    """A flattened state tree (:func:`~cnr_torchrec.ckpt.format.payload.flatten_state`): plain JSON values,
+    """A flattened state tree (:func:`~cnr_torchrec.ckpt.format.bytes.payload.flatten_state`): plain JSON values,
     lists, string-keyed objects, and the tagged forms ``$tensor`` (a blob of the report), ``$float``
     (inf or nan), ``$tuple`` (a list) and ``$items`` (``[key, tree]`` pairs), nested at most ``MAX_DEPTH``."""
     if tree is None or isinstance(tree, (bool, int, float, str)):

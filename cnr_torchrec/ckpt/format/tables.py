@@ -25,12 +25,12 @@ import numpy as np
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Manifest, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, newest_first, segments_of
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.row_ids import stored_offsets
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode, rebuild
 
@@ -109,7 +109,7 @@ def assemble_tables(
 
     As a restore does, the chain is read newest checkpoint first, and of each entry only the
     rows that no newer checkpoint stored for its columns (their byte ranges, checked against
-    their CRCs; :class:`~cnr_torchrec.ckpt.format.rows.RowReader`). A residual entry
+    their CRCs; :class:`~cnr_torchrec.ckpt.format.bytes.rows.RowReader`). A residual entry
     (``quantization.residual``) adds to the rows of the older entries instead of replacing them,
     oldest copy first as a restore adds them, so that the sums are a restore's to the bit.
 

@@ -8,8 +8,8 @@ name and every conditional key a writer puts in a manifest. The save (``save/wri
 means three places: the types, the schema and this writer.
 
 A payload's own keys (its file, chunks and blob index) come from
-:meth:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter.finish`, and a flattened state tree's from
-:mod:`~cnr_torchrec.ckpt.format.payload`: they are passed through as they are.
+:meth:`~cnr_torchrec.ckpt.format.bytes.chunks.PayloadWriter.finish`, and a flattened state tree's from
+:mod:`~cnr_torchrec.ckpt.format.bytes.payload`: they are passed through as they are.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def table_entry(rows: Sequence[int], cols: Sequence[int], encoding: str, rows_st
 @dataclass(frozen=True)
 class StateBlobs:
     """What a rank report holds beside its tables: the blobs of the state a rank stores whole, as names and
-    flattened state trees (:mod:`~cnr_torchrec.ckpt.format.payload`).
+    flattened state trees (:mod:`~cnr_torchrec.ckpt.format.bytes.payload`).
 
     Attributes:
         replicated_tables: each data_parallel table's blob, by table (rank 0's).

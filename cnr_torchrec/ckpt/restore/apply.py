@@ -10,7 +10,7 @@ row is read, decoded and written once (added, in a residual chain, once per copy
 
 Each entry is applied in two steps: :meth:`Applier.plan` reads its row ids and claims the
 rows this rank still needs, which names the stored rows to read (``EntryPlan.sel``); once a
-reader has fetched those rows (:class:`~cnr_torchrec.ckpt.format.rows.RowReader`, only their
+reader has fetched those rows (:class:`~cnr_torchrec.ckpt.format.bytes.rows.RowReader`, only their
 byte ranges), :meth:`Applier.apply` decodes them into place.
 
 Row-wise optimizer state (one value per row of a column shard) is mapped by column
@@ -38,7 +38,7 @@ from cnr_torchrec.ckpt.format.blocks import shard_key
 from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
-from cnr_torchrec.ckpt.format.state import stored_offsets
+from cnr_torchrec.ckpt.format.row_ids import stored_offsets
 from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, host_copy
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_

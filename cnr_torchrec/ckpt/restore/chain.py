@@ -3,7 +3,7 @@
 The chain is applied newest checkpoint first (:class:`~cnr_torchrec.ckpt.restore.apply.Applier`).
 For each checkpoint, every entry's row ids are read and the rows this rank still needs are
 claimed; then the reads of exactly those rows start, all at once
-(:class:`~cnr_torchrec.ckpt.format.rows.RowReader`), and the entries are decoded as their rows
+(:class:`~cnr_torchrec.ckpt.format.bytes.rows.RowReader`), and the entries are decoded as their rows
 land. The walk stops early once every row is restored. A residual chain's claims are made the same
 way, newest first, and applied oldest first, since its rows are sums taken in that order
 (:mod:`~cnr_torchrec.ckpt.format.precedence`). Then what every rank holds alike (dense parameters,
@@ -23,17 +23,18 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnr_torchrec.ckpt.format.chunks import IOPool
-from cnr_torchrec.ckpt.format.dense_optim import load_dense_state
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.payload import unflatten_state
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.payload import unflatten_state
 from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.format.precedence import newest_first
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers, set_rng_state
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.job_state import DenseOptimizer, JobState
 from cnr_torchrec.ckpt.layout import shard_boxes
+from cnr_torchrec.ckpt.live.dense_optim import load_dense_state
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state, non_persistent_buffers
+from cnr_torchrec.ckpt.live.rng import set_rng_state
 from cnr_torchrec.ckpt.memory.image import ShardViews
 from cnr_torchrec.ckpt.memory.tier import image_tables
 from cnr_torchrec.ckpt.restore.apply import Applier

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from torch import nn
 
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.state import dense_named_state, non_persistent_buffers
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state, non_persistent_buffers
 from cnr_torchrec.errors import IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker
 

@@ -21,12 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
-from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.state import dense_named_state
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.job_state import JobState
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state
 from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain, restore_dense_optimizer
 from cnr_torchrec.ckpt.restore.restorer import Restorer
 from cnr_torchrec.ckpt.restore.threads import decode_threads

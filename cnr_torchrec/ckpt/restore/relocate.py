@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
+from cnr_torchrec.ckpt.format.bytes.payload import unflatten_state
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.payload import unflatten_state
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import TableData, assemble_tables
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.track import DirtyRowTracker

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     check_files_inside,
     ckpt_id_of,
@@ -21,7 +22,6 @@ from cnr_torchrec.ckpt.format.commits import (
     walk_chain,
 )
 from cnr_torchrec.ckpt.format.manifest import Manifest, RankReport
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.restore.stats import timed
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 

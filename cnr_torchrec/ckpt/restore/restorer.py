@@ -15,11 +15,11 @@ import torch
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.config import CheckpointConfig
-from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import ckpt_id_of, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.placement import reports_for
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
 from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes

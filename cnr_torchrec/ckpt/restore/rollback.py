@@ -25,8 +25,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnr_torchrec.ckpt.format.dense_optim import load_dense_state, state_to_save
-from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state, set_rng_state
+from cnr_torchrec.ckpt.live.dense_optim import load_dense_state, state_to_save
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state
+from cnr_torchrec.ckpt.live.rng import rng_state, set_rng_state
 from cnr_torchrec.ckpt.restore.host_copies import can_stage
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches

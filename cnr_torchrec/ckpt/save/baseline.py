@@ -8,7 +8,8 @@ from typing import Any, cast
 
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import DEFAULT_CHUNK_BYTES
+from cnr_torchrec.ckpt.format.bytes.chunks import DEFAULT_CHUNK_BYTES
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     committed_ids,
     existing_dir_ids,
@@ -20,7 +21,6 @@ from cnr_torchrec.ckpt.format.commits import (
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.save.commit import manifest_body
 from cnr_torchrec.ckpt.save.planner import Decision

@@ -15,7 +15,7 @@ codec's grid keeps small (:meth:`~cnr_torchrec.quant.Codec.row_error`: the large
 for a grid over [min, max], the sum of squared errors for the least-squares fits of ``adaptive``
 and ``kmeans``; a tie keeps the residual), as a video codec picks intra or inter coding per block.
 Either way no row restores worse, by that measure, than plain coding would restore it. The restore
-reads which rows are whole from the entry's bitmap (:func:`~cnr_torchrec.ckpt.format.state.stored_modes`).
+reads which rows are whole from the entry's bitmap (:func:`~cnr_torchrec.ckpt.format.row_ids.stored_modes`).
 
 A codec may widen its parameters for some rows (float32 scales for a row beyond float16's range);
 an entry has one set, so when blocks or modes disagree every block is coded again with the wider.

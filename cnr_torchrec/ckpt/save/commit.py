@@ -23,12 +23,12 @@ from cnr_torchrec.ckpt import fault_injection
 from cnr_torchrec.ckpt.commit_round import Outcome, Peers, Report
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format import writing
-from cnr_torchrec.ckpt.format.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import manifest_path, remove_partial, seal
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.parts import with_parts, write_part
 from cnr_torchrec.ckpt.format.schema import check_manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import JobFields
 from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes

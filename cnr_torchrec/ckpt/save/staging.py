@@ -19,9 +19,10 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt.config import BudgetConfig
-from cnr_torchrec.ckpt.format.dense_optim import state_to_save
-from cnr_torchrec.ckpt.format.state import dense_named_state, rng_state
 from cnr_torchrec.ckpt.job_state import JobState
+from cnr_torchrec.ckpt.live.dense_optim import state_to_save
+from cnr_torchrec.ckpt.live.dense_params import dense_named_state
+from cnr_torchrec.ckpt.live.rng import rng_state
 from cnr_torchrec.ckpt.save.planner import Decision
 from cnr_torchrec.ckpt.save.priority import choose_rows, gather_column_counts
 from cnr_torchrec.errors import ConfigError

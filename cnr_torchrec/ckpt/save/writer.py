@@ -1,7 +1,7 @@
 """The background half of a save: encodes the staged rows and streams the rank's payload out in chunks.
 
 Each shard is coded in row blocks (:mod:`~cnr_torchrec.ckpt.save.coding`: whole, or in a residual
-chain each row whole or as a residual). Blobs go to a :class:`~cnr_torchrec.ckpt.format.chunks.PayloadWriter`,
+chain each row whole or as a residual). Blobs go to a :class:`~cnr_torchrec.ckpt.format.bytes.chunks.PayloadWriter`,
 which writes full chunks on the I/O threads while the next shard is encoded. The
 function returns the rank's report, which rank 0 folds into the manifest.
 """
@@ -14,12 +14,12 @@ from typing import Any
 import torch
 
 from cnr_torchrec.ckpt.format.blocks import shard_key
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool, PayloadWriter
+from cnr_torchrec.ckpt.format.bytes.payload import flatten_state
+from cnr_torchrec.ckpt.format.bytes.rows import write_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import rank_file
-from cnr_torchrec.ckpt.format.payload import flatten_state
-from cnr_torchrec.ckpt.format.rows import write_rows
-from cnr_torchrec.ckpt.format.state import encode_ids, encode_modes
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.format.row_ids import encode_ids, encode_modes
 from cnr_torchrec.ckpt.format.writing import StateBlobs, WriteCounts, rank_report, table_entry
 from cnr_torchrec.ckpt.save.coding import code_residual, encode_in_blocks
 from cnr_torchrec.ckpt.save.planner import Decision

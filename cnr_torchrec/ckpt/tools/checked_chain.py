@@ -10,9 +10,9 @@ next free checkpoint id, which the job would take too.
 
 from __future__ import annotations
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import load_manifest, manifest_path, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.verify import verify_checkpoint
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError
 

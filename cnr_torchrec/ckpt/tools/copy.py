@@ -21,6 +21,8 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from cnr_torchrec.ckpt.format.bytes.integrity import check_chunk
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     committed_ids,
     load_manifest,
@@ -29,10 +31,8 @@ from cnr_torchrec.ckpt.format.commits import (
     walk_chain,
     write_index,
 )
-from cnr_torchrec.ckpt.format.integrity import check_chunk
 from cnr_torchrec.ckpt.format.manifest import Chunk, Manifest
 from cnr_torchrec.ckpt.format.schema import part_digest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.tools.root import resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, UnsafeCheckpointError
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from cnr_torchrec.ckpt.format.bytes.rows import RowReader
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import manifest_path
-from cnr_torchrec.ckpt.format.rows import RowReader
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress, assemble_tables
 from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.root import resolve_id

@@ -11,9 +11,9 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+from cnr_torchrec.ckpt.format.bytes.integrity import RootKey
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import Commit, committed_ids, load_manifest, newest_state_first
-from cnr_torchrec.ckpt.format.integrity import RootKey
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, ConfigError
 
 __all__ = ["not_found_hint", "open_storage", "parse_storage_options", "resolve_id"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     chain_ids,
     ckpt_dir,
@@ -17,10 +18,9 @@ from cnr_torchrec.ckpt.format.commits import (
     load_manifest,
     manifest_path,
 )
-from cnr_torchrec.ckpt.format.dense_optim import describe
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.origin import read_origin
-from cnr_torchrec.ckpt.format.storage import Storage
+from cnr_torchrec.ckpt.live.dense_optim import describe
 from cnr_torchrec.ckpt.restore.resolve import resolve_chain
 from cnr_torchrec.errors import CheckpointNotFoundError, CorruptCheckpointError, UnsafeCheckpointError
 
@@ -40,7 +40,7 @@ def full_snapshot_nbytes(m: Manifest, *, with_state: bool = True) -> int:
 
 def dense_optimizer_info(m: Manifest) -> dict[str, str | None] | None:
     """What dense optimizer state ``m`` holds: None (none), or ``{"kind", "class"}`` (see
-    :class:`~cnr_torchrec.ckpt.format.dense_optim.SavedDenseOptimizer`; ``class`` None where it was not
+    :class:`~cnr_torchrec.ckpt.live.dense_optim.SavedDenseOptimizer`; ``class`` None where it was not
     recorded, and ``kind`` ``"malformed"`` for a tree of no known form, which ``cnr verify`` reports)."""
     try:
         return describe(m.ranks[0].dense_optimizer)

@@ -10,7 +10,7 @@ every table, the replicated tables and per-rank state the index says), and is by
 of its body (so even a flipped whitespace byte is caught). What the schema cannot see is
 checked here, from the bytes: every rank file lies in its checkpoint's directory, and each
 chunk exists with the size and digest the manifest gives (xxh3; on a root with a key, the
-manifest's HMAC-SHA256 and the chunk's keyed BLAKE2b, :mod:`~cnr_torchrec.ckpt.format.integrity`);
+manifest's HMAC-SHA256 and the chunk's keyed BLAKE2b, :mod:`~cnr_torchrec.ckpt.format.bytes.integrity`);
 every blob matches its own xxh3 and overlaps no other; every entry's row ids decode to the
 count it claims and its encoded rows are consistent; a delta's chain members exist, verify,
 link up and have its tables; and the dense optimizer's state is of a form this version
@@ -29,6 +29,10 @@ from dataclasses import dataclass
 
 import torch
 
+from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, check_chunk
+from cnr_torchrec.ckpt.format.bytes.payload import DTYPES, checksum
+from cnr_torchrec.ckpt.format.bytes.rows import as_rows
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import (
     INDEX,
     check_files_inside,
@@ -38,15 +42,11 @@ from cnr_torchrec.ckpt.format.commits import (
     seal,
     walk_chain,
 )
-from cnr_torchrec.ckpt.format.dense_optim import describe
-from cnr_torchrec.ckpt.format.integrity import RootKey, check_chunk
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, Payload, RankReport, TableEntry
-from cnr_torchrec.ckpt.format.payload import DTYPES, checksum
-from cnr_torchrec.ckpt.format.rows import as_rows
+from cnr_torchrec.ckpt.format.row_ids import stored_modes, stored_offsets
 from cnr_torchrec.ckpt.format.schema import parse_json
-from cnr_torchrec.ckpt.format.state import stored_modes, stored_offsets
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.structure import check_parts
+from cnr_torchrec.ckpt.live.dense_optim import describe
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointNotFoundError, CnrError, CorruptCheckpointError, UnsafeCheckpointError
 from cnr_torchrec.ops import row_crc32c

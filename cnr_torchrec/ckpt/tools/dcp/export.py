@@ -23,12 +23,12 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from cnr_torchrec.ckpt.format.blocks import regions_of_layout
-from cnr_torchrec.ckpt.format.chunks import PayloadReader
-from cnr_torchrec.ckpt.format.dense_optim import SavedDenseOptimizer
+from cnr_torchrec.ckpt.format.bytes.chunks import PayloadReader
+from cnr_torchrec.ckpt.format.bytes.payload import unflatten_state
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.payload import unflatten_state
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress, TableData, assemble_tables
+from cnr_torchrec.ckpt.live.dense_optim import SavedDenseOptimizer
 from cnr_torchrec.ckpt.tools.checked_chain import load_chain
 from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, OPTIM, TRAIN_STATE, check_model_keys
 from cnr_torchrec.ckpt.tools.dcp.load import _dcp_call

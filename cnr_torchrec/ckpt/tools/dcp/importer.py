@@ -9,12 +9,12 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest
-from cnr_torchrec.ckpt.format.dense_optim import TORCH_OPTIM, SavedDenseOptimizer
-from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.format.manifest import Manifest
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.tables import Progress
+from cnr_torchrec.ckpt.live.dense_optim import TORCH_OPTIM, SavedDenseOptimizer
+from cnr_torchrec.ckpt.live.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.save.baseline import write_baseline
 from cnr_torchrec.ckpt.save.staging import StagedShard
 from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, LEGACY_MODEL, OPTIM, STEP_PATHS, _column_shards

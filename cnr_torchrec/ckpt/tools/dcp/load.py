@@ -23,13 +23,13 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from cnr_torchrec.ckpt.format.dense_optim import (
+from cnr_torchrec.ckpt.live.dense_optim import (
     TORCH_OPTIM,
     SavedDenseOptimizer,
     load_dense_state,
     state_to_save,
 )
-from cnr_torchrec.ckpt.format.dense_optim_named import from_fqn
+from cnr_torchrec.ckpt.live.dense_optim_named import from_fqn
 from cnr_torchrec.ckpt.tools.dcp.dmp_keys import DENSE_OPTIM, LEGACY_MODEL, OPTIM, _column_shards
 from cnr_torchrec.errors import (
     CheckpointNotFoundError,

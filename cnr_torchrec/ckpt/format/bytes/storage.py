@@ -7,9 +7,9 @@ listing, sizes and prefix deletion, which garbage collection and the cleanup of 
 saves need. Those exist for the local filesystem and for S3; other backends fall back to
 index.json for listing and leave files of failed saves behind. Here too are the integrity
 helpers the format shares: :func:`checksum` (xxh3) and :func:`check_relative` (a path stays
-under the root); a chunk's check, keyed or not, is in :mod:`~cnr_torchrec.ckpt.format.integrity`.
+under the root); a chunk's check, keyed or not, is in :mod:`~cnr_torchrec.ckpt.format.bytes.integrity`.
 
-Local files and S3 go through our own plugins (:mod:`cnr_torchrec.ckpt.format.plugins`);
+Local files and S3 go through our own plugins (:mod:`cnr_torchrec.ckpt.format.bytes.plugins`);
 S3's options are listed there.
 """
 
@@ -28,11 +28,11 @@ import xxhash
 from torchsnapshot.io_types import ReadIO, WriteIO
 
 from cnr_torchrec.ckpt import fault_injection
-from cnr_torchrec.ckpt.format.plugins import S3Plugin, is_missing, make_plugin
+from cnr_torchrec.ckpt.format.bytes.plugins import S3Plugin, is_missing, make_plugin
 from cnr_torchrec.errors import CheckpointNotFoundError, UnsafeCheckpointError
 
 if TYPE_CHECKING:
-    from cnr_torchrec.ckpt.format.integrity import RootKey
+    from cnr_torchrec.ckpt.format.bytes.integrity import RootKey
 
 __all__ = ["Storage", "check_relative", "checksum", "fsync_path"]
 
@@ -72,7 +72,7 @@ def check_relative(path: str) -> str:
 class Storage:
     """Reads and writes files under ``root`` (a path or a storage URI). One event loop per instance.
 
-    ``key``: the root's key (:mod:`~cnr_torchrec.ckpt.format.integrity`), which every manifest and chunk
+    ``key``: the root's key (:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`), which every manifest and chunk
     written through this storage is sealed with and every one read is checked against; None for a root
     without one. Not thread-safe: give each thread its own instance.
     """

@@ -1,6 +1,6 @@
 """torchsnapshot storage plugins of our own: a local one that reads without a copy, and S3.
 
-:class:`~cnr_torchrec.ckpt.format.storage.Storage` reaches every backend through a
+:class:`~cnr_torchrec.ckpt.format.bytes.storage.Storage` reaches every backend through a
 torchsnapshot plugin, picked by :func:`make_plugin` from the root's URI. For the local
 filesystem and S3 the stock plugins fall short, so they are subclassed here:
 
@@ -94,7 +94,7 @@ class S3Plugin(S3StoragePlugin):
       ``connect_timeout``, ``read_timeout``: go into a botocore ``Config``;
     * ``profile``: the AWS profile of the session.
 
-    Not thread-safe, like :class:`~cnr_torchrec.ckpt.format.storage.Storage`: one instance per event loop.
+    Not thread-safe, like :class:`~cnr_torchrec.ckpt.format.bytes.storage.Storage`: one instance per event loop.
     """
 
     def __init__(self, root: str, storage_options: dict[str, Any] | None = None) -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.format.dense_optim_named import RESTORE_FIX, check_shapes
+from cnr_torchrec.ckpt.live.dense_optim_named import RESTORE_FIX, check_shapes
 from cnr_torchrec.errors import CnrError, CorruptCheckpointError, IncompatibleCheckpointError
 
 __all__ = ["keyed_groups", "load_keyed"]

@@ -25,8 +25,8 @@ How the ranges are fetched depends on the storage:
   the entry is planned. ``bytes_read`` counts the bytes of those GETs.
 
 An entry of format 4 or older has no checks: its blobs are read whole, through their chunks
-(:class:`~cnr_torchrec.ckpt.format.chunks.PayloadReader`), as before. So is every entry on a root
-with a key (:mod:`~cnr_torchrec.ckpt.format.integrity`): a CRC-32C can be forged by whoever can
+(:class:`~cnr_torchrec.ckpt.format.bytes.chunks.PayloadReader`), as before. So is every entry on a root
+with a key (:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`): a CRC-32C can be forged by whoever can
 write the file, and only a whole chunk's keyed digest vouches for its bytes.
 """
 
@@ -41,10 +41,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from cnr_torchrec.ckpt.format.chunks import IOPool, PayloadReader, covering, landed, read_range
+from cnr_torchrec.ckpt.format.bytes.chunks import IOPool, PayloadReader, covering, landed, read_range
+from cnr_torchrec.ckpt.format.bytes.payload import DTYPES, BlobWriter, read_blob
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Blob, Chunk, Payload, TableEntry
-from cnr_torchrec.ckpt.format.payload import DTYPES, BlobWriter, read_blob
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.ckpt.format.writing import row_keys
 from cnr_torchrec.errors import CorruptCheckpointError
 from cnr_torchrec.ops import row_crc32c

@@ -31,9 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from cnr_torchrec.ckpt.format.dense_optim_keyed import keyed_groups, load_keyed
-from cnr_torchrec.ckpt.format.dense_optim_named import RESTORE_FIX, by_fqn, load_named_state, named_state
-from cnr_torchrec.ckpt.format.payload import DTYPES, flatten_state
+from cnr_torchrec.ckpt.format.bytes.payload import DTYPES, flatten_state
+from cnr_torchrec.ckpt.live.dense_optim_keyed import keyed_groups, load_keyed
+from cnr_torchrec.ckpt.live.dense_optim_named import RESTORE_FIX, by_fqn, load_named_state, named_state
 from cnr_torchrec.errors import (
     CheckpointError,
     CnrError,

@@ -1,7 +1,7 @@
 """A rank's payload as chunks: objects of at most ``chunk_bytes``, streamed out and read back in parallel.
 
 The payload is one logical byte stream: blobs back to back, each at a 64-byte aligned
-offset (:class:`~cnr_torchrec.ckpt.format.payload.BlobWriter`). It is cut at every
+offset (:class:`~cnr_torchrec.ckpt.format.bytes.payload.BlobWriter`). It is cut at every
 multiple of ``chunk_bytes`` into chunk objects, so no object outgrows the stride (S3
 refuses a single PUT above 5 GB), and a blob may span several chunks. The rank report
 describes them::
@@ -12,7 +12,7 @@ describes them::
     "chunks": [{"nbytes": 67108864, "xxh3": "..."}, {"nbytes": 67108864, ...}, {"nbytes": 15782272, ...}]
 
 On a root with a key a chunk is listed with ``blake2b``, a keyed digest, in place of ``xxh3``
-(:mod:`~cnr_torchrec.ckpt.format.integrity`). A report without ``chunks`` (format 3 and older) is
+(:mod:`~cnr_torchrec.ckpt.format.bytes.integrity`). A report without ``chunks`` (format 3 and older) is
 one chunk: ``file``, ``nbytes``, ``xxh3``.
 
 Writing (:class:`PayloadWriter`) pipelines encoding with I/O: the caller adds blobs, and
@@ -34,10 +34,10 @@ from typing import Any
 
 import torch
 
-from cnr_torchrec.ckpt.format.integrity import RootKey, check_chunk, chunk_hasher, chunk_record
+from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, check_chunk, chunk_hasher, chunk_record
+from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, read_blob
+from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.manifest import Chunk, Payload, chunk_path
-from cnr_torchrec.ckpt.format.payload import BlobWriter, read_blob
-from cnr_torchrec.ckpt.format.storage import Storage
 from cnr_torchrec.errors import CorruptCheckpointError
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "IOPool", "PayloadReader", "PayloadWriter", "covering", "landed", "read_range"]

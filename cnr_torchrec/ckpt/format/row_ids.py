@@ -1,4 +1,4 @@
-"""Records both sides of the format agree on: packed row ids and row modes, RNG state, the names of the dense state.
+"""An entry's stored rows as the format packs them: which rows it holds (row ids) and which of them whole (row modes).
 
 The save side writes them and the restore side and the offline tools read them back,
 so they live here rather than with either side.
@@ -6,19 +6,16 @@ so they live here rather than with either side.
 
 from __future__ import annotations
 
-import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from cnr_torchrec import ops
 from cnr_torchrec.errors import CorruptCheckpointError
 
-__all__ = ["decode_ids", "dense_named_state", "encode_ids", "encode_modes", "non_persistent_buffers", "rng_state",
-           "set_rng_state", "stored_modes", "stored_offsets"]
+__all__ = ["decode_ids", "encode_ids", "encode_modes", "stored_modes", "stored_offsets"]
 
 
 def encode_ids(ids: torch.Tensor, num_rows: int) -> tuple[str, torch.Tensor]:
@@ -103,63 +100,3 @@ def stored_modes(entry: Any, blob: Callable[[str], torch.Tensor], where: str = "
             f"stored rows, where the entry says {modes.count} rows are stored whole; run `cnr verify` on the "
             "checkpoint", path=path)
     return whole
-
-
-def dense_named_state(model: nn.Module, sharded_modules: Iterable[str]) -> dict[str, torch.Tensor]:
-    """Parameters and buffers outside the sharded embedding modules (replicated by DDP), by name.
-
-    Args:
-        model: the (DMP-wrapped) model.
-        sharded_modules: the names of its sharded embedding modules (``DirtyRowTracker.module_fqns()``).
-    """
-    sharded = set(sharded_modules)
-    out: dict[str, torch.Tensor] = {}
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        clean = name.removeprefix("module.").replace("._orig_mod", "")
-        if any(clean == m or clean.startswith(m + ".") for m in sharded):
-            continue
-        out[clean] = t
-    return out
-
-
-def non_persistent_buffers(model: nn.Module) -> set[str]:
-    """Names (as :func:`dense_named_state` gives them) of the buffers registered with ``persistent=False``.
-
-    A checkpoint written by the Checkpointer holds them; one imported from a ``state_dict`` (DCP) does
-    not, and a restore then leaves them as they are.
-    """
-    from torchrec.distributed.model_parallel import get_unwrapped_module
-
-    out = set()
-    for prefix, module in get_unwrapped_module(model).named_modules():  # names as the DMP gives them
-        for b in getattr(module, "_non_persistent_buffers_set", ()):
-            name = f"{prefix}.{b}" if prefix else b
-            out.add(name.removeprefix("module.").replace("._orig_mod", ""))
-    return out
-
-
-def rng_state() -> dict[str, Any]:
-    """This process's RNG states (torch, CUDA, Python, NumPy) as tensors and JSON-able values."""
-    version, mt, gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
-    assert not isinstance(np_keys, str)  # the legacy state: its keys are an array
-    state = {
-        "torch": torch.get_rng_state(),
-        "python": {"version": version, "state": torch.tensor(mt, dtype=torch.int64), "gauss": gauss},
-        "numpy": {"name": np_name, "keys": torch.from_numpy(np_keys.astype(np.int64)), "pos": int(np_pos),
-                  "has_gauss": int(np_has_gauss), "gauss": float(np_gauss)},
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(v) for v in py["state"].tolist()), py["gauss"]))
-    nps = state["numpy"]
-    keys = nps["keys"].numpy().astype(np.uint32)
-    np.random.set_state((nps["name"], keys, nps["pos"], nps["has_gauss"], nps["gauss"]))
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(list(state["cuda"]))

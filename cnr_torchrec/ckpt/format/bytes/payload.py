@@ -14,8 +14,8 @@ from typing import Any, Protocol
 
 import torch
 
+from cnr_torchrec.ckpt.format.bytes.storage import checksum
 from cnr_torchrec.ckpt.format.manifest import Blob
-from cnr_torchrec.ckpt.format.storage import checksum
 from cnr_torchrec.errors import CheckpointError, CorruptCheckpointError, UnsafeCheckpointError
 
 __all__ = ["DTYPES", "BlobSink", "BlobWriter", "read_blob", "flatten_state", "unflatten_state", "checksum"]
