@@ -125,7 +125,8 @@ LAYERS = {
     # or TorchRec module, no tracker, no save or restore machinery.
     "cnr_torchrec.ckpt.format": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
                                  "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools",
-                                 "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", *_LIVE, *_ABOVE),
+                                 "cnr_torchrec.ckpt.retention", "cnr_torchrec.ckpt.checkpointer", "cnr_torchrec.ckpt.memory",
+                                 *_LIVE, *_ABOVE),
     # The live objects' state sits on the format, under the save and restore paths that read and write it.
     "cnr_torchrec.ckpt.live": ("cnr_torchrec.track", "cnr_torchrec.ckpt.save", "cnr_torchrec.ckpt.restore",
                                "cnr_torchrec.ckpt.compact", "cnr_torchrec.ckpt.tools", "cnr_torchrec.ckpt.memory",

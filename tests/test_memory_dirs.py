@@ -123,7 +123,7 @@ def test_two_jobs_with_the_default_memory_tier_restart_each_from_its_own_images(
 
 
 def test_a_job_removes_gone_and_aged_images_of_other_roots_and_nothing_else(group, tmp_path):
-    from cnr_torchrec.ckpt.memory.directory import root_digest
+    from cnr_torchrec.ckpt.format.bytes.roots import root_digest
 
     shm = str(tmp_path / "shm")
     os.makedirs(shm)

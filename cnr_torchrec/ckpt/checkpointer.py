@@ -24,13 +24,13 @@ from cnr_torchrec.ckpt.config_resolve import resolve
 from cnr_torchrec.ckpt.failure_rates import IntervalPlan, IntervalTimer, bits_for_job, plan_interval
 from cnr_torchrec.ckpt.format.bytes.chunks import IOPool
 from cnr_torchrec.ckpt.format.bytes.integrity import RootKey, load_key
+from cnr_torchrec.ckpt.format.bytes.roots import normal_root
 from cnr_torchrec.ckpt.format.commits import chain_ids, committed_ids, existing_dir_ids, load_manifest
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.origin import write_origin
 from cnr_torchrec.ckpt.format.writing import JobFields, codec_description
 from cnr_torchrec.ckpt.job_state import DenseOptimizer, JobState, Stateful
 from cnr_torchrec.ckpt.live.dense_optim import check_dense_optimizer
-from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.memory.tier import MemoryTier, payload_identity
 from cnr_torchrec.ckpt.restore.partial import Recovery, RecoveryInfo
 from cnr_torchrec.ckpt.restore.restorer import Restorer

@@ -41,12 +41,12 @@ from torch import nn
 
 from cnr_torchrec.ckpt._collective import Failure, Ranks
 from cnr_torchrec.ckpt.format.blocks import Region
+from cnr_torchrec.ckpt.format.bytes.roots import normal_root
 from cnr_torchrec.ckpt.format.bytes.rows import RowReader
 from cnr_torchrec.ckpt.format.commits import load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.tables import ReadRegions, assemble_tables, read_regions
 from cnr_torchrec.ckpt.live.dense_params import dense_named_state
-from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.restore.relocate import ids_for_rank, router, write_rows
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import ConfigError, IncompatibleCheckpointError

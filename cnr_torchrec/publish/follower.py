@@ -38,13 +38,13 @@ import torch
 import xxhash
 from torch import nn
 
+from cnr_torchrec.ckpt.format.bytes.roots import normal_root
 from cnr_torchrec.ckpt.format.bytes.rows import RowReader
 from cnr_torchrec.ckpt.format.bytes.storage import Storage
 from cnr_torchrec.ckpt.format.commits import committed_ids, load_manifest, walk_chain
 from cnr_torchrec.ckpt.format.leases import check_name, write_lease
 from cnr_torchrec.ckpt.format.manifest import Manifest
 from cnr_torchrec.ckpt.format.tables import assemble_tables
-from cnr_torchrec.ckpt.memory.directory import normal_root
 from cnr_torchrec.ckpt.tools.root import open_storage, resolve_id
 from cnr_torchrec.errors import CheckpointError, CnrError, ConfigError, IncompatibleCheckpointError
 from cnr_torchrec.publish.targets import Dense, McSink, Sink, Tables, dense_of, sinks_of

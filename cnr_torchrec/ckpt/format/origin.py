@@ -13,8 +13,8 @@ import json
 import time
 from typing import Any
 
+from cnr_torchrec.ckpt.format.bytes.roots import root_digest
 from cnr_torchrec.ckpt.format.bytes.storage import Storage
-from cnr_torchrec.ckpt.memory.directory import root_digest
 from cnr_torchrec.errors import CheckpointNotFoundError
 
 __all__ = ["ORIGIN", "read_origin", "write_origin"]

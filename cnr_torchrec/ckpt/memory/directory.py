@@ -32,36 +32,17 @@ import re
 import stat
 import time
 
+from cnr_torchrec.ckpt.format.bytes.roots import local_path, normal_root, root_digest
 from cnr_torchrec.ckpt.memory.image import ImageRefused
 from cnr_torchrec.errors import ConfigError
 
-__all__ = ["ImageDir", "image_stem", "normal_root", "open_root_dir", "release_root_dir", "remove", "root_digest",
-           "root_dir", "scan", "select", "tidy", "why_stale"]
+__all__ = ["ImageDir", "image_stem", "open_root_dir", "release_root_dir", "remove", "root_dir", "scan", "select",
+           "tidy", "why_stale"]
 
 _DIR = re.compile(r"^cnr-([0-9a-f]{16})$")
 _FILE = re.compile(r"^r(\d{5})\.(img|seal|seal\.\d+\.tmp)$")
 _LEGACY = re.compile(r"^cnr-([0-9a-f]{16})-r(\d{5})\.(img|seal|seal\.\d+\.tmp)$")
 _MARKER = "root"
-
-
-def _local(root: str) -> str | None:
-    """The directory of a local root (a path, or ``fs://`` one); None for a remote one."""
-    if "://" not in root:
-        return root
-    protocol, path = root.split("://", 1)
-    return path if protocol in ("", "fs") else None
-
-
-def normal_root(root: str) -> str:
-    """``root`` as a job on this host names it: a local root as an absolute path (``fs://`` dropped), so that
-    ``ckpt``, ``./ckpt/`` and ``fs:///abs/ckpt`` are one root; a remote one as given, less trailing slashes."""
-    local = _local(root)
-    return os.path.abspath(local) if local else root.rstrip("/")
-
-
-def root_digest(root: str) -> str:
-    """The 16 hex digits an image's directory and seal give its root by (of :func:`normal_root`)."""
-    return hashlib.blake2b(normal_root(root).encode(), digest_size=8).hexdigest()
 
 
 def root_dir(path: str, root: str) -> str:
@@ -252,7 +233,7 @@ def _scan_dir(d: str, digest: str, st: os.stat_result) -> ImageDir:
 def why_stale(entry: ImageDir, max_age_s: float, now: float | None = None) -> str:
     """Why ``entry`` may go although no job of its root removed it (its root is gone, or it is older than
     ``max_age_s``), in words; empty when it stays."""
-    local = _local(entry.root) if entry.root is not None else None
+    local = local_path(entry.root) if entry.root is not None else None
     if local and entry.sealed and not os.path.lexists(local):
         return f"its root {entry.root} is gone"
     age = (time.time() if now is None else now) - entry.newest

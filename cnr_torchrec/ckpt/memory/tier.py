@@ -35,10 +35,11 @@ import torch
 
 from cnr_torchrec.ckpt.config import CheckpointConfig
 from cnr_torchrec.ckpt.format.blocks import ShardKey, shard_key
+from cnr_torchrec.ckpt.format.bytes.roots import root_digest
 from cnr_torchrec.ckpt.format.manifest import Manifest, Payload
 from cnr_torchrec.ckpt.host_memory import host_uses, shard_states, short_of_memory
 from cnr_torchrec.ckpt.memory import directory
-from cnr_torchrec.ckpt.memory.directory import image_stem, root_digest
+from cnr_torchrec.ckpt.memory.directory import image_stem
 from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, ShardLayout, ShardViews
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
