@@ -328,9 +328,9 @@ def _stage(storage: Any, chain: list[Manifest], tracker: Any, pairs: Mapping[str
                                  list(live[shard.local_index]) if live else [], local, src - lo,
                                  Region(old, (lo, hi), (c0, c1)), (0, c1 - c0), shard.cols[0] == 0))
     uses = Counter(w.region for w in writes)
-    for w in writes:
+    for w in writes:  # (host float32 weights: a table on a GPU or of another dtype is staged on the host, as before)
         w.direct = (uses[w.region] == 1 and w.region.table not in tip.replicated and w.weights.dtype == torch.float32
-                    and _in_order(w))
+                    and w.weights.device.type == "cpu" and _in_order(w))
     read = read_regions(storage, chain, {w.region for w in writes}, into={w.region for w in writes if w.direct}) \
         if writes else None
     counts, kept = {t: 0 for t in pairs}, set()
