@@ -332,11 +332,7 @@ def _read_claim(claim: _EntryClaim, later: bool = False) -> _ReadClaim:
     table, entry, file = claim.table, claim.entry, claim.file
     parts = claim.load.check(entry, claim.pick) if later else claim.load.rows(entry, claim.pick)
     keys = sorted(entry.coded.blobs)
-    try:
-        encoded = rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": claim.pick.numel()})
-    except EncodingFormatError as e:
-        raise CorruptCheckpointError(f"{file}: encoded rows of table '{table}' are inconsistent: {e}",
-                                     path=file) from None
+    encoded = _rebuild(claim, parts)
     c0, c1 = entry.cols
     if encoded.dim != c1 - c0:
         raise CorruptCheckpointError(
@@ -370,8 +366,17 @@ def _copy_out(read: _ReadClaim, weights: torch.Tensor, sums: bool) -> tuple[_Rea
              and bool((claim.maps[0].index_select(0, claim.pick) == torch.arange(n_rows)).all()))
     into = {claim.entry.coded.blobs["payload"]: weights.view(torch.uint8)} if whole and keys == ["payload"] else None
     parts = claim.load.rows(claim.entry, claim.pick, into)
-    encoded = rebuild(dict(zip(keys, parts)), {**claim.entry.coded.meta, "num_rows": claim.pick.numel()})
-    return _ReadClaim(claim, encoded, parts[len(keys):]), into is not None
+    return _ReadClaim(claim, _rebuild(claim, parts), parts[len(keys):]), into is not None
+
+
+def _rebuild(claim: _EntryClaim, parts: list[torch.Tensor]) -> EncodedRows:
+    """A claim's rows as their codec stores them, checked against its layout."""
+    entry, keys = claim.entry, sorted(claim.entry.coded.blobs)
+    try:
+        return rebuild(dict(zip(keys, parts)), {**entry.coded.meta, "num_rows": claim.pick.numel()})
+    except EncodingFormatError as e:
+        raise CorruptCheckpointError(f"{claim.file}: encoded rows of table '{claim.table}' are inconsistent: {e}",
+                                     path=claim.file) from None
 
 
 def _apply_entry(data: TableData, read: _ReadClaim, alone: bool, sums: bool) -> TableData:

@@ -220,10 +220,7 @@ class RowReader:
         if not (self._mapped and self._by_groups(entry)):
             parts = self._checked[id(entry)] = self._read_rows(entry, sel)
             return parts
-        fetch = self._pending.pop(id(entry), None)
-        if fetch is None:
-            self.prefetch(entry, sel)
-            fetch = self._pending.pop(id(entry))
+        fetch = self._fetch(entry, sel)
         got = self._crc_in_place(entry, fetch)
         self._check_groups(entry, fetch, got)
         self._checked[id(entry)] = fetch
@@ -233,10 +230,7 @@ class RowReader:
     def _read_rows(self, entry: TableEntry, sel: torch.Tensor) -> list[torch.Tensor]:
         if not self._by_groups(entry):  # whole blobs, each checked against its xxh3 (or its chunk's digest)
             return [self(name).index_select(0, sel) for name in entry.row_blobs]
-        fetch = self._pending.pop(id(entry), None)
-        if fetch is None:
-            self.prefetch(entry, sel)
-            fetch = self._pending.pop(id(entry))
+        fetch = self._fetch(entry, sel)
         size = entry.row_checks.rows
         if self._mapped:  # hash the groups where they lie, copy out the asked-for rows only
             got = self._crc_in_place(entry, fetch)
@@ -250,6 +244,14 @@ class RowReader:
                 keep = torch.from_numpy(np.searchsorted(full, fetch.sel))
                 parts = [p.index_select(0, keep) for p in parts]
         return [self._typed(name, p) for name, p in zip(entry.row_blobs, parts)]
+
+    def _fetch(self, entry: TableEntry, sel: torch.Tensor) -> _Fetch:
+        """The reads of rows ``sel`` of ``entry``: those :meth:`prefetch` started, or started now."""
+        fetch = self._pending.pop(id(entry), None)
+        if fetch is None:
+            self.prefetch(entry, sel)
+            fetch = self._pending.pop(id(entry))
+        return fetch
 
     def _check_groups(self, entry: TableEntry, fetch: _Fetch, got: torch.Tensor) -> None:
         want = self._gather(entry.row_checks.blob, fetch, fetch.groups).view(torch.int32).reshape(-1)
