@@ -4,8 +4,10 @@
 # parameters that DistributedModelParallel also takes carry its very annotation objects, since
 # TorchRec's signature check (torchrec.schema.utils.is_signature_compatible) compares annotations
 # with `!=`, and neither a string nor `list[...]` equals its `List[...]` (tests/test_dropin.py).
+import contextlib
+import logging
 import os
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,10 +17,13 @@ from torchrec.distributed.model_tracker.types import ModelTrackerConfigs
 from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
 
 from cnr_torchrec import _exit, _stack
+from cnr_torchrec.deferred_init import DeferredInit
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["CheckNRunDMP"]
+
+log = logging.getLogger(__name__)
 
 _SHARE_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 
@@ -101,6 +106,16 @@ class CheckNRunDMP(DistributedModelParallel):
         sync_free: keep host syncs out of the training step: lookup problems are
             raised at the next tracker query or save instead of in the forward.
             None (default): on for TBEs on CUDA, off on CPU.
+        will_restore: the job restores next, so the fused tables' initial values are not drawn as the
+            model is built (:mod:`cnr_torchrec.deferred_init`): True, or a checkpoint root (a path, a URL
+            or a :class:`~cnr_torchrec.ckpt.CheckpointConfig`), which defers only when it holds a committed
+            checkpoint on every rank's view. The values are drawn, bit for bit as an eager build draws them,
+            if anything needs them before a restore overwrites them. False (default): drawn as TorchRec
+            draws them.
+
+    Attributes:
+        deferred_init: the :class:`~cnr_torchrec.deferred_init.DeferredInit` of a model built with
+            ``will_restore``, None otherwise.
 
     Raises:
         ConfigError: a gloo group under torchrun that no restart could start again (its keys in
@@ -129,21 +144,27 @@ class CheckNRunDMP(DistributedModelParallel):
         baseline_view: bool = False,
         fuse_bounds_check: bool = True,
         sync_free: bool | None = None,
+        will_restore: object = False,
     ) -> None:
         _refuse_unrestartable_gloo_group()  # before any collective: a restart of this job would hang
         _stack.refuse_mixed_build(cuda_model=device is not None and torch.device(device).type == "cuda")
         _exit.register()  # the job's collective threads settle before the interpreter finalizes (_exit.py)
-        super().__init__(
-            module,
-            env=env,
-            device=device,
-            plan=plan,
-            sharders=sharders,
-            init_data_parallel=init_data_parallel,
-            init_parameters=init_parameters,
-            data_parallel_wrapper=data_parallel_wrapper,
-            model_tracker_configs=model_tracker_configs,
-        )
+        deferred = DeferredInit()
+        with deferred.recording() if _defers(will_restore) else contextlib.nullcontext():
+            super().__init__(
+                module,
+                env=env,
+                device=device,
+                plan=plan,
+                sharders=sharders,
+                init_data_parallel=init_data_parallel,
+                init_parameters=init_parameters,
+                data_parallel_wrapper=data_parallel_wrapper,
+                model_tracker_configs=model_tracker_configs,
+            )
+        self.deferred_init: Optional[DeferredInit] = deferred if deferred.pending else None
+        if self.deferred_init is not None:
+            self._first_use = self.register_forward_pre_hook(lambda _module, _args: self.materialize_init())
         self.dirty_tracker = DirtyRowTracker(
             self,
             count_updates=count_updates,
@@ -151,3 +172,58 @@ class CheckNRunDMP(DistributedModelParallel):
             fuse_bounds_check=fuse_bounds_check,
             sync_free=sync_free,
         )
+
+    def materialize_init(self) -> None:
+        """Draws the tables' initial values that ``will_restore`` deferred, if a restore has not overwritten them
+        (a no-op otherwise). The Checkpointer, ``state_dict()`` and the first forward call it; call it before
+        reading the weights some other way."""
+        deferred = self.deferred_init
+        if deferred is None:
+            return
+        deferred.materialize()
+        self.deferred_init = None
+        self._first_use.remove()
+
+    def state_dict(
+        self,
+        destination: Optional[Dict[str, Any]] = None,
+        prefix: str = "",
+        keep_vars: bool = False,
+    ) -> Dict[str, Any]:
+        """As DistributedModelParallel's, after the deferred initial values are drawn (what it returns may be
+        read: a DCP save)."""
+        self.materialize_init()
+        return super().state_dict(destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+
+def _defers(will_restore: object) -> bool:
+    """Whether ``CheckNRunDMP(will_restore=...)`` defers: True, or a root that holds a committed checkpoint as
+    every rank of the default group sees it (a collective then)."""
+    if isinstance(will_restore, bool):
+        return will_restore
+    from cnr_torchrec.ckpt.config import CheckpointConfig
+    from cnr_torchrec.ckpt.format.commits import committed_ids
+    from cnr_torchrec.ckpt.tools.root import open_storage
+
+    if isinstance(will_restore, CheckpointConfig):
+        root, options = will_restore.root, will_restore.storage_options
+    elif isinstance(will_restore, (str, os.PathLike)):
+        root, options = os.fspath(will_restore), None
+    else:
+        raise ConfigError(f"CheckNRunDMP: will_restore={will_restore!r} is not a bool, a checkpoint root (a path or "
+                          "a URL) or a CheckpointConfig")
+    try:
+        storage = open_storage(root, options)
+        try:
+            found = bool(committed_ids(storage))
+        finally:
+            storage.close()
+    except Exception as e:  # noqa: BLE001 - a root that cannot be read now will not restore: draw eagerly
+        log.info("will_restore: %s cannot be listed (%s: %s): the tables are initialised as they are built",
+                 root, type(e).__name__, e)
+        found = False
+    if dist.is_available() and dist.is_initialized():
+        agreed = torch.tensor([int(found)])
+        dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+        found = bool(agreed.item())
+    return found

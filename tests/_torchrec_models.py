@@ -92,9 +92,9 @@ def tables_of(model: str) -> dict[str, Table]:
     return {t.name: t for t in MODELS[model]}
 
 
-def make_model(model: str, sparse_device: str = "meta") -> torch.nn.Module:
+def make_model(model: str, sparse_device: str = "meta", mixed_device: str = "cpu") -> torch.nn.Module:
     """The unsharded TorchRec test model (embedding tables on meta, which sharding materialises, unless
-    ``sparse_device`` says otherwise)."""
+    ``sparse_device`` says otherwise; ``"mixed"``'s on ``mixed_device``)."""
     from torchrec.distributed.test_utils.test_model import TestMixedEmbeddingSparseArch, TestSparseNN
 
     tables = MODELS[model]
@@ -108,7 +108,7 @@ def make_model(model: str, sparse_device: str = "meta") -> torch.nn.Module:
         )
     return TestMixedEmbeddingSparseArch(
         tables=[t.config() for t in tables], num_float_features=NUM_FLOAT, dense_device=torch.device("cpu"),
-        device=torch.device("cpu"),
+        device=torch.device(mixed_device),
     )
 
 
@@ -175,19 +175,21 @@ def build_plan(module: torch.nn.Module, model: str, plan: str, world_size: int, 
     return ShardingPlan(out)
 
 
-def build_dmp(model: str, plan: str, *, seed: int = 0, dense_lr: float = 0.01):
-    """``make_model(model)`` sharded by ``plan`` in a CheckNRunDMP over the default group, and an Adam
-    optimizer over what the fused table optimizers do not update (dense layers, data_parallel tables)."""
+def build_dmp(model: str, plan: str, *, seed: int = 0, dense_lr: float = 0.01, will_restore: object = False,
+              mixed_device: str = "cpu"):
+    """``make_model(model, mixed_device=mixed_device)`` sharded by ``plan`` in a CheckNRunDMP over the default
+    group, and an Adam optimizer over what the fused table optimizers do not update (dense layers,
+    data_parallel tables). ``will_restore``: as CheckNRunDMP takes it."""
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     from cnr_torchrec import CheckNRunDMP
 
     torch.manual_seed(seed)
-    module = make_model(model)
+    module = make_model(model, mixed_device=mixed_device)
     dmp = CheckNRunDMP(
         module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-        plan=build_plan(module, model, plan, dist.get_world_size()), sharders=sharders(),
+        plan=build_plan(module, model, plan, dist.get_world_size()), sharders=sharders(), will_restore=will_restore,
     )
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
     return dmp, torch.optim.Adam(dense, lr=dense_lr)

@@ -322,6 +322,7 @@ class Checkpointer:
         """
         t0 = time.perf_counter()
         self._check_open("save")
+        self.job.materialize_init()  # a save before any restore saves the model's initial values (will_restore)
         origin = getattr(self.model, "_cnr_warm_start", None)
         if origin is not None and normal_root(self.config.root) == origin.root:
             raise ConfigError(f"this model was warm-started from {origin.root}; save it into a root of its own, not "
@@ -528,6 +529,7 @@ class Checkpointer:
         """
         self._check_open("recover")
         failed = self._recovery.check(failed_ranks)
+        self.job.materialize_init()  # a replaced rank takes only its shards' rows: the rest keep initial values
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows

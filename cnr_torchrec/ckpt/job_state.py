@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 from torch import nn
 
+from cnr_torchrec.deferred_init import DeferredInit
 from cnr_torchrec.track import DirtyRowTracker
 
 __all__ = ["DenseOptimizer", "JobState", "Stateful"]
@@ -54,3 +55,16 @@ class JobState:
     tracker: DirtyRowTracker
     dense_optimizer: DenseOptimizer | None = None
     extra_state: Mapping[str, Stateful] = field(default_factory=dict)
+
+    @property
+    def deferred_init(self) -> DeferredInit | None:
+        """The tables' initial values the model has not drawn yet (``CheckNRunDMP(will_restore=...)``), while some
+        are pending; else None."""
+        deferred = getattr(self.model, "deferred_init", None)
+        return deferred if isinstance(deferred, DeferredInit) and deferred.pending else None
+
+    def materialize_init(self) -> None:
+        """Draws the initial values the model deferred (a no-op when none are pending)."""
+        materialize = getattr(self.model, "materialize_init", None)
+        if materialize is not None:
+            materialize()

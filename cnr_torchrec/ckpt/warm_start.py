@@ -157,6 +157,9 @@ def warm_start(model: nn.Module, root: str, *, tables: Mapping[str, str] | Seque
     if tracker is None:
         raise ConfigError(f"warm_start takes a CheckNRunDMP; got a {type(model).__name__}")
     shapes, mc_of = _shapes(ranks, tracker)
+    materialize = getattr(model, "materialize_init", None)
+    if materialize is not None:  # the tables a warm start leaves fresh keep the model's own initial values
+        materialize()
     storage = open_storage(root, storage_options, key)
     failure, cause = None, None
     try:

@@ -27,6 +27,7 @@ from cnr_torchrec.ckpt.memory.tier import MemoryTier
 from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
+from cnr_torchrec.ckpt.restore.relocate import needs_relocation
 from cnr_torchrec.ckpt.restore.resolve import Pick, resolve_chain
 from cnr_torchrec.ckpt.restore.rollback import Snapshot
 from cnr_torchrec.ckpt.restore.stats import timed
@@ -82,6 +83,8 @@ class Restorer:
                     self._snapshot.put_back()
                 log.warning("restore failed: the model, its optimizers and its state are put back as they were "
                             "before restore()")
+            # Tables built without their initial values (will_restore) get them now, as if built eagerly.
+            self.job.materialize_init()
             raise
         finally:
             self._snapshot = None  # its host copy is freed here
@@ -116,6 +119,10 @@ class Restorer:
         assert chain is not None  # an attempt every rank succeeded in loaded its manifests
         with timed(self.stats, "commit_ms"):
             staged.commit()  # every rank succeeded: the staged shards go into the model
+        deferred = self.job.deferred_init
+        if deferred is not None:  # every row of its tables was restored: their initial values are never drawn
+            deferred.overwritten()
+            self.job.materialize_init()
         self._hear_sources(chain[-1].id)
         return chain, bad, staged.by_key()
 
@@ -189,11 +196,15 @@ class Restorer:
                     "be restored from it. Call restore(per_rank_state='drop') to restore the model and optimizers "
                     "and start that state afresh."
                 )
+            if self.job.deferred_init is not None and needs_relocation(chain, self.job.tracker, self.rank,
+                                                                       self.world_size):
+                self.job.materialize_init()  # relocated slots the checkpoint does not name keep their values
             if self._snapshot is None and self.config.restore_rollback:  # nothing is written before this
                 with timed(self.stats, "snapshot_ms"):
                     self._snapshot = Snapshot.take(model=self.job.model, tracker=self.job.tracker,
                                                    dense_optimizer=self.job.dense_optimizer,
-                                                   extra_state=self.job.extra_state, rng=self.config.restore_rng)
+                                                   extra_state=self.job.extra_state, rng=self.config.restore_rng,
+                                                   deferred=self.job.deferred_init)
             image = self._image_for(chain)
             options = RestoreOptions(rng=self.config.restore_rng, stage=stage, pool=self._io,
                                      threads=decode_threads(self.config.restore_threads), stats=self.stats)

@@ -29,6 +29,7 @@ from cnr_torchrec.ckpt.live.dense_optim import load_dense_state, state_to_save
 from cnr_torchrec.ckpt.live.dense_params import dense_named_state
 from cnr_torchrec.ckpt.live.rng import rng_state, set_rng_state
 from cnr_torchrec.ckpt.restore.host_copies import can_stage
+from cnr_torchrec.deferred_init import DeferredInit
 from cnr_torchrec.track import DirtyRowTracker
 from cnr_torchrec.track.tbe_cache import invalidate_caches
 from cnr_torchrec.track.torchrec_types import TorchRecModule
@@ -55,7 +56,7 @@ class Snapshot:
 
     @classmethod
     def take(cls, *, model: nn.Module, tracker: DirtyRowTracker, dense_optimizer: Any,
-             extra_state: Mapping[str, Any], rng: bool) -> Snapshot:
+             extra_state: Mapping[str, Any], rng: bool, deferred: DeferredInit | None = None) -> Snapshot:
         """Copies what a restore onto ``model`` may change.
 
         Args:
@@ -64,12 +65,15 @@ class Snapshot:
             dense_optimizer: its ``state_dict()`` is deep-copied (None: nothing to copy).
             extra_state: each object's ``state_dict()`` is deep-copied.
             rng: also copy the global RNG states (the restore sets them).
+            deferred: the model's tables whose initial values are not drawn yet (``will_restore``): their
+                weights are not copied, since a failed restore draws those values instead.
         """
         snap = cls(tbes=list(tracker.tbes()))
         # The caller wrote every cache back first (Restorer.run): the rows copied here are the newest.
         for tbe in snap.tbes:
             # Weights a staged restore writes into host copies never change before its commit: no copy needed.
-            views = [w for w in tbe.split_embedding_weights() if not can_stage(w)]
+            unset = deferred is not None and deferred.defers(tbe)
+            views = [] if unset else [w for w in tbe.split_embedding_weights() if not can_stage(w)]
             if hasattr(tbe, "split_optimizer_states"):
                 views += [s for states in tbe.split_optimizer_states() for s in states]
             it = getattr(tbe, "iter", None)
