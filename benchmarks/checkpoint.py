@@ -99,10 +99,12 @@ POLICY_TARGETS = {"consecutive_fp32": {"restore_ratio_vs_dcp": ("<=", 1.5)},
                   "default": {"bytes_ratio_vs_torchsnapshot": (">=", 25.0)}}
 
 
-def build(specs, world: int, device: torch.device = torch.device("cpu"), times: dict | None = None):
+def build(specs, world: int, device: torch.device = torch.device("cpu"), times: dict | None = None,
+          will_restore: object = False):
     """The reference model sharded over ``world`` ranks and its dense optimizer; ``times`` (if given) gets the
     seconds of its parts: the unsharded module (``module_s``), the sharding plan (``plan_s``) and the sharded
-    model (``shard_s``: TorchRec's DMP, which allocates and fills this rank's shards)."""
+    model (``shard_s``: TorchRec's DMP, which allocates and fills this rank's shards). ``will_restore``: as
+    CheckNRunDMP takes it (the tables' initial values are drawn only if a restore does not overwrite them)."""
     t0 = time.perf_counter()
     torch.manual_seed(0)
     model = ToyModel(specs)
@@ -111,7 +113,7 @@ def build(specs, world: int, device: torch.device = torch.device("cpu"), times: 
     plan = build_plan(model, sharders, world, device_type=device.type)
     t2 = time.perf_counter()
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    dmp = CheckNRunDMP(model, env=env, device=device, plan=plan, sharders=sharders)
+    dmp = CheckNRunDMP(model, env=env, device=device, plan=plan, sharders=sharders, will_restore=will_restore)
     opt = torch.optim.SGD([p for n, p in dmp.named_parameters() if "dense" in n], lr=0.01)
     if times is not None:
         times.update(module_s=t1 - t0, plan_s=t2 - t1, shard_s=time.perf_counter() - t2)

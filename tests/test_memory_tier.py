@@ -58,11 +58,12 @@ def _job(root, shm, saves=4, **kw):
     return local_state(dmp)
 
 
-def _restart(root, shm, seed, **kw):
-    """A fresh process's restore: (its state, where each rank took its shards, its stats)."""
+def _restart(root, shm, seed, will_restore=False, **kw):
+    """A fresh process's restore: (its state, where each rank took its shards, its stats). ``will_restore``: as
+    CheckNRunDMP takes it (the tables' initial values not drawn, and the image copied in one pass)."""
     from cnr_torchrec import Checkpointer
 
-    dmp, opt = build_dmp(_specs(), seed=seed)
+    dmp, opt = build_dmp(_specs(), seed=seed, will_restore=will_restore)
     ck = Checkpointer(dmp, _config(root, shm, **kw), dense_optimizer=opt)
     ck.restore()
     out = local_state(dmp), ck.last_restore_sources, ck.last_restore_stats
@@ -189,8 +190,12 @@ CRAFTED = {
 }
 
 
+@pytest.mark.parametrize("will_restore", [False, True], ids=["checked_first", "one_pass"])
 @pytest.mark.parametrize("craft", sorted(CRAFTED))
-def test_a_crafted_image_is_refused_by_name_and_the_rank_reads_storage(group, tmp_path, monkeypatch, craft):
+def test_a_crafted_image_is_refused_by_name_and_the_rank_reads_storage(group, tmp_path, monkeypatch, craft,
+                                                                       will_restore):
+    """Checked before its rows are taken, or as they are copied into a model whose weights were never
+    initialised (``will_restore``): either way the rank reads storage, and restores what storage holds."""
     from cnr_torchrec.ckpt.memory.tier import image_stem
 
     root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
@@ -200,9 +205,30 @@ def test_a_crafted_image_is_refused_by_name_and_the_rank_reads_storage(group, tm
     stem = image_stem(shm, root, 0)
     edit, why = CRAFTED[craft]
     edit(stem + ".img", stem + ".seal", monkeypatch)
-    got, sources, stats = _restart(root, shm, seed=7)
+    got, sources, stats = _restart(root, shm, seed=7, will_restore=will_restore)
     assert sources[0][1] == "storage" and why in sources[0][2], sources
     assert stats["from_memory"] == 0.0
+    _assert_same(got, want)
+
+
+def test_a_restart_built_with_will_restore_copies_its_image_in_one_pass(group, tmp_path, monkeypatch):
+    """A model built with ``will_restore`` has no initial values to roll back to: its image is copied into the
+    weights as it is checksummed, never checksummed on its own first, and the restart holds what a restore from
+    storage gives."""
+    from cnr_torchrec.ckpt.memory.image import ImageFile
+
+    root, shm = str(tmp_path / "root"), str(tmp_path / "shm")
+    os.makedirs(shm)
+    _job(root, shm)
+    want = _storage_restore(root, shm)
+
+    def no_separate_pass(self):
+        raise AssertionError("the image was checksummed in a pass of its own")
+
+    monkeypatch.setattr(ImageFile, "checksum", no_separate_pass)
+    got, sources, stats = _restart(root, shm, seed=7, will_restore=True)
+    assert [s for _, s, _ in sources] == ["memory"], sources
+    assert stats["from_memory"] == 1.0
     _assert_same(got, want)
 
 

@@ -24,7 +24,7 @@ import json
 import mmap
 import os
 import stat
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ __all__ = ["ALIGN", "ImageFile", "ImageRefused", "Layout", "Seal", "ShardLayout"
 
 ALIGN = 64
 _FORMAT = 1
+_PIECE = 1 << 20  # what copy_checked hashes and copies at a time: it stays in the cache between the two
 
 
 class ImageRefused(Exception):
@@ -252,6 +253,35 @@ class ImageFile:
     def checksum(self) -> str:
         assert self._map is not None, "open the image first"
         return xxhash.xxh3_128_hexdigest(memoryview(self._map))
+
+    def copy_checked(self, into: Mapping[ShardKey, Sequence[torch.Tensor | None]]) -> str:
+        """Copies regions of the image into tensors as it checksums it, in one pass: each piece is hashed and then
+        copied while it is in the cache. Returns the checksum of the image's bytes (what :meth:`checksum` gives).
+
+        Args:
+            into: per shard, a tensor per region (:meth:`ShardLayout.parts` order: the weights, each state, the
+                by-row state) to copy it into, contiguous and of the region's size in bytes; None (or a shorter
+                list): that region is only hashed.
+        """
+        assert self._map is not None and self.layout is not None and self._bytes is not None, "open the image first"
+        digest, raw, at = xxhash.xxh3_128(), memoryview(self._map), 0
+        for shard, regions in zip(self.layout.shards, self.layout.offsets()):
+            targets = list(into.get(shard.key, ()))
+            for i, (start, dtype, shape) in enumerate(regions):
+                digest.update(raw[at:start])  # the padding before the region
+                n = shape[0] * shape[1] * torch.empty((), dtype=dtype).element_size()
+                target = targets[i] if i < len(targets) else None
+                flat = None if target is None else target.view(-1).view(torch.uint8)
+                if flat is not None and flat.numel() != n:
+                    raise ValueError(f"shard {shard.key} region {i}: {flat.numel()} bytes to copy into, {n} held")
+                for lo in range(0, n, _PIECE):
+                    hi = min(n, lo + _PIECE)
+                    digest.update(raw[start + lo:start + hi])
+                    if flat is not None:
+                        flat[lo:hi].copy_(self._bytes[start + lo:start + hi])
+                at = start + n
+        digest.update(raw[at:])
+        return digest.hexdigest()
 
     def unseal(self) -> None:
         """Removes the seal: from now on no restore takes the image, until :meth:`seal`."""

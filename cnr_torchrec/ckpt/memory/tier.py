@@ -44,7 +44,7 @@ from cnr_torchrec.ckpt.memory.image import ImageFile, ImageRefused, Layout, Shar
 from cnr_torchrec.errors import ConfigError
 from cnr_torchrec.track import DirtyRowTracker
 
-__all__ = ["MemoryTier", "image_stem", "image_tables", "payload_identity", "root_digest"]
+__all__ = ["Candidate", "MemoryTier", "image_stem", "image_tables", "payload_identity", "root_digest"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +92,40 @@ class ImageUpdate:
         (:func:`payload_identity`); ``live_states``: copy the model's optimizer and by-row states in first (after
         a restore, which wrote them into the model)."""
         self.sealed, self.live_states = (tip, tuple(chain), payload), live_states
+
+
+class Candidate:
+    """An image sealed for the agreed checkpoint, and the check of its bytes against the seal's checksum, made
+    once: before the rows are taken (:meth:`check`), or as they are copied out (:meth:`copy_checked`). A check
+    that fails unseals the image.
+
+    Attributes:
+        views: the image's regions by shard.
+        checked: whether its bytes matched the checksum already.
+        why: why the check failed ("" while it has not).
+    """
+
+    def __init__(self, views: dict[ShardKey, ShardViews], file: ImageFile, checksum: str) -> None:
+        self.views, self._file, self._checksum = views, file, checksum
+        self.checked = False
+        self.why = ""
+
+    def check(self) -> bool:
+        """Checksums the image (a pass over its bytes). False: they do not match (the image is unsealed)."""
+        return self._outcome(self._file.checksum())
+
+    def copy_checked(self, into: Mapping[ShardKey, Sequence[torch.Tensor | None]]) -> bool:
+        """Copies regions into tensors as the image is checksummed (:meth:`ImageFile.copy_checked`). False: the
+        bytes do not match (the image is unsealed), and the tensors hold what they were copied, which the caller
+        must not keep."""
+        return self._outcome(self._file.copy_checked(into))
+
+    def _outcome(self, digest: str) -> bool:
+        self.checked = digest == self._checksum
+        if not self.checked:
+            self.why = f"{self._file.data_path} does not match its seal's checksum"
+            self._file.unseal()
+        return self.checked
 
 
 class MemoryTier:
@@ -287,18 +321,22 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ restore
 
-    def candidate(self, chain: Sequence[Manifest]) -> tuple[dict[ShardKey, ShardViews] | None, str]:
-        """This rank's image views if the image is sealed for exactly ``chain`` (the agreed checkpoint, baseline
-        first) on this layout and world size, and its bytes match the seal's checksum; else None. With why.
+    def candidate(self, chain: Sequence[Manifest], *, check: bool = True) -> tuple[Candidate | None, str]:
+        """This rank's image if it is sealed for exactly ``chain`` (the agreed checkpoint, baseline first) on this
+        layout and world size, and (with ``check``) its bytes match the seal's checksum; else None. With why.
 
-        An image not taken is unsealed before this returns: the restore that follows may write into its rows
-        (:meth:`weight_views`, given as its staging buffers), and seals it once done (:meth:`update`)."""
-        image, why = self._check_seal(chain)
+        Without ``check`` the bytes are checked as they are copied out (:meth:`Candidate.copy_checked`), or
+        by :meth:`Candidate.check` before anything is taken from them.
+
+        An image not taken is unsealed before this returns (or when its bytes fail the check): the restore that
+        follows may write into its rows (:meth:`weight_views`, given as its staging buffers), and seals it once
+        done (:meth:`update`)."""
+        image, why = self._check_seal(chain, check)
         if image is None and self.active:
             self._file.unseal()
         return image, why
 
-    def _check_seal(self, chain: Sequence[Manifest]) -> tuple[dict[ShardKey, ShardViews] | None, str]:
+    def _check_seal(self, chain: Sequence[Manifest], check: bool) -> tuple[Candidate | None, str]:
         if not self.active:
             return None, self.why_off
         if self._refused:
@@ -317,11 +355,13 @@ class MemoryTier:
                 return None, (f"the image is sealed for checkpoint {seal.ckpt_id}, chain {list(seal.chain)}; its "
                               f"{', '.join(wrong)} differ from the agreed checkpoint's")
             self._ensure_open_existing()
-            if self._file.checksum() != seal.checksum:
-                return None, f"{self._file.data_path} does not match its seal's checksum"
+            image = Candidate({s.key: self._file.views(s.key) for s in self._layout.shards}, self._file,
+                              seal.checksum)
+            if check and not image.check():
+                return None, image.why
         except (ImageRefused, OSError) as e:
             return None, str(e)
-        return {s.key: self._file.views(s.key) for s in self._layout.shards}, "sealed for the agreed checkpoint"
+        return image, "sealed for the agreed checkpoint"
 
     def _ensure_open_existing(self) -> None:
         if not self._file.is_open:

@@ -35,8 +35,7 @@ from cnr_torchrec.ckpt.layout import shard_boxes
 from cnr_torchrec.ckpt.live.dense_optim import load_dense_state
 from cnr_torchrec.ckpt.live.dense_params import dense_named_state, non_persistent_buffers
 from cnr_torchrec.ckpt.live.rng import set_rng_state
-from cnr_torchrec.ckpt.memory.image import ShardViews
-from cnr_torchrec.ckpt.memory.tier import image_tables
+from cnr_torchrec.ckpt.memory.tier import Candidate, image_tables
 from cnr_torchrec.ckpt.restore.apply import Applier
 from cnr_torchrec.ckpt.restore.compat import check_compatible
 from cnr_torchrec.ckpt.restore.from_memory import restore_from_image
@@ -88,7 +87,7 @@ def restore_chain(
     world_size: int,
     options: RestoreOptions = RestoreOptions(),
     buffers: Mapping[Key, torch.Tensor] | None = None,
-    image: Mapping[Key, ShardViews] | None = None,
+    image: Candidate | None = None,
 ) -> StagedWeights:
     """Applies ``manifests`` (baseline first) to this rank's part of ``job``: its shards, and (as ``options``
     say) the replicated state and the per-rank state, ``extra_state`` and RNG, where ``world_size`` ranks wrote
@@ -100,7 +99,8 @@ def restore_chain(
             restore may overwrite); a shard without one of its shape gets a new copy.
         image: this rank's memory-tier image, sealed for ``manifests`` on this layout
             (:meth:`~cnr_torchrec.ckpt.memory.tier.MemoryTier.candidate`): the shards come from it, and
-            storage gives the rest (data_parallel tables, dense and per-rank state).
+            storage gives the rest (data_parallel tables, dense and per-rank state); if its bytes fail their
+            check (``image.checked`` is then False), storage gives the shards too.
 
     Returns:
         The staged weights: committed already unless ``options.stage``.
@@ -113,15 +113,18 @@ def restore_chain(
     skip = set(relocated)
     if image is not None:
         with timed(stats, "memory_ms"):
-            from_image = restore_from_image(image, tracker, options.stage)
-        skip |= set(image_tables(tracker))
-        relocated = set()  # the image is of this layout: nothing moved
+            from_image = restore_from_image(image, tracker, options.stage, job.deferred_init)
+        if from_image is None:  # its bytes failed the seal's checksum: storage gives the shards too
+            log.warning("rank %d: %s; the shards are restored from storage", rank, image.why)
+        else:
+            skip |= set(image_tables(tracker))
+            relocated = set()  # the image is of this layout: nothing moved
     with wider_pool(options.threads):
         read, staged = _apply_chain(manifests, storage, tracker, rank, options, skip, buffers)
         if not options.stage:
             staged.commit()
         if from_image is not None:
-            staged = StagedWeights(from_image.entries + staged.entries)
+            staged = StagedWeights(from_image.entries + staged.entries, from_image.restored + staged.restored)
         if relocated:
             with timed(stats, "relocate_ms"):
                 relocate_tables(relocated, manifests, storage, tracker, rank, world_size)

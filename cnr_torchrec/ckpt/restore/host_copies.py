@@ -56,10 +56,14 @@ class StagedWeights:
 
     Attributes:
         entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
+        restored: (shard key, rows equal to its live weights already): shards restored in place from rows the
+            caller keeps (a memory image), which :meth:`by_key` gives too.
     """
 
-    def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]]) -> None:
+    def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]],
+                 restored: list[tuple[Key, torch.Tensor]] | None = None) -> None:
         self.entries = entries
+        self.restored = restored or []
 
     def commit(self) -> None:
         """Copies every restored shard into the live weights."""
@@ -69,4 +73,4 @@ class StagedWeights:
 
     def by_key(self) -> dict[Key, torch.Tensor]:
         """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
-        return {key: rows for key, _, rows in self.entries}
+        return {**dict(self.restored), **{key: rows for key, _, rows in self.entries}}

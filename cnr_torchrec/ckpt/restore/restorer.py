@@ -23,7 +23,7 @@ from cnr_torchrec.ckpt.format.placement import reports_for
 from cnr_torchrec.ckpt.host_memory import host_uses, short_of_memory
 from cnr_torchrec.ckpt.job_state import JobState
 from cnr_torchrec.ckpt.layout import shard_boxes
-from cnr_torchrec.ckpt.memory.tier import MemoryTier
+from cnr_torchrec.ckpt.memory.tier import Candidate, MemoryTier
 from cnr_torchrec.ckpt.restore.chain import RestoreOptions, restore_chain
 from cnr_torchrec.ckpt.restore.compat import check_model
 from cnr_torchrec.ckpt.restore.host_copies import Key, fits, stageable_weights
@@ -212,19 +212,23 @@ class Restorer:
                 chain, self.job, storage=self._storage, rank=self.rank, world_size=self.world_size,
                 options=options, buffers=buffers, image=image,
             )
+            if image is not None and not image.checked:  # its bytes failed their check as they were copied
+                self._source = ("storage", image.why)
         except Exception as e:  # another rank must hear of it, or it waits in the exchange after this
             # A CheckpointNotFoundError here is a file that vanished since the pick: corrupt, like a bad one.
             return Failure.of(e, self.rank, f"restoring checkpoint {ids[-1]}"), e, chain, None
         return None, None, chain, staged
 
-    def _image_for(self, chain: list[Manifest]) -> Mapping[Key, Any] | None:
+    def _image_for(self, chain: list[Manifest]) -> Candidate | None:
         """This rank's memory image if it is sealed for ``chain`` on this layout (:meth:`MemoryTier.candidate`,
-        which unseals an image it does not give: the staged restore may write into its rows), else None."""
+        which unseals an image it does not give: the staged restore may write into its rows), else None. Its
+        bytes are checked here, unless the model's weights still wait for their initial values: then they are
+        checked as they are copied in (:mod:`.from_memory`)."""
         if self._memory is None:
             self._source = ("storage", "no memory tier (quantization.residual off, or memory_tier: off)")
             return None
         with timed(self.stats, "memory_check_ms"):
-            image, why = self._memory.candidate(chain)
+            image, why = self._memory.candidate(chain, check=self.job.deferred_init is None)
         self._source = ("memory" if image is not None else "storage", why)
         return image
 
