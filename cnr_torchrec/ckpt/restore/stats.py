@@ -43,9 +43,9 @@ from contextlib import contextmanager
 
 __all__ = ["COUNTS", "PHASES", "timed"]
 
-PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "check_rows_ms", "apply_ms", "read_wait_ms",
-          "relocate_ms", "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms", "memory_check_ms",
-          "memory_ms")
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "check_rows_ms", "apply_ms",
+          "read_wait_ms", "relocate_ms", "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms",
+          "memory_check_ms", "memory_ms")
 COUNTS = ("bytes_read", "reads", "minimal_bytes", "from_memory", "memory_ranks", "staged_copy_bytes", "snapshot_bytes")
 
 
