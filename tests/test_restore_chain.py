@@ -123,23 +123,65 @@ def test_a_chain_gives_back_the_rows_dense_and_per_rank_state_and_the_rng_only_w
     assert torch.equal(torch.get_rng_state(), rng)  # the saving job's, where it stood at the last save
 
 
-def test_a_staged_restore_leaves_the_weights_alone_until_its_commit(plain):
+def _restore_staged(root: str, dmp, opt, reader, buffers=None, stats=None):
+    """A staged restore (``stage``, as ``restore_rollback`` does), its storage left open for the commit.
+    Returns the staged weights and the storage to close."""
+    storage = Storage(root)
+    job = JobState(dmp, dmp.dirty_tracker, opt, {"reader": reader})
+    staged = restore_chain(_chain(storage), job, storage=storage, rank=0, world_size=1, buffers=buffers,
+                           options=RestoreOptions(stage=True, stats=stats))
+    return staged, storage
+
+
+def _is_table_state(key) -> bool:
+    """A shard's weights or its fused optimizer state (what ``local_state`` names ``(table, shard, ...)``)."""
+    return isinstance(key, tuple) and key[0] not in ("adam", "iter")
+
+
+def test_a_staged_plain_chain_writes_no_table_before_its_commit_and_makes_no_host_copy(plain):
     root, want, _ = plain
     dmp, opt, reader = _fresh()
     before = _everything(dmp, opt, reader)
-    staged = _restore(root, dmp, opt, reader, stage=True)
+    stats: dict[str, float] = {}
+    staged, storage = _restore_staged(root, dmp, opt, reader, stats=stats)
+    try:
+        now = _everything(dmp, opt, reader)
+        tables = {k for k in want if _is_table_state(k)}
+        # Every byte was read and checked, and no shard's weights or optimizer state were written yet.
+        assert [k for k in tables if not torch.equal(now[k], before[k])] == []
+        assert stats["check_rows_ms"] >= 0 and stats["bytes_read"] > 0
+        assert stats["staged_copy_bytes"] == 0  # no host copy of a shard: the rows are decoded in place
+        assert staged.by_key() == {}
+        # The rest (dense parameters, Adam's state, the TBE counters, per-rank state) is written at once.
+        assert [k for k in want if k not in tables and not torch.equal(now[k], want[k])] == []
+        staged.commit()
+    finally:
+        storage.close()
+    assert _differ(_everything(dmp, opt, reader), want) == []
+
+
+def test_a_staged_plain_chain_stages_into_the_buffers_it_is_given(plain):
+    # A residual job's reconstruction (given as buffers) restoring a plain chain: its shards are staged into
+    # those rows, which hold the restored weights after the commit; the others are decoded in place.
+    root, want, _ = plain
+    dmp, opt, reader = _fresh()
     tracker = dmp.dirty_tracker
-    weights = {k for k in want if isinstance(k, tuple) and k[-1] == "w"}
-    now = _everything(dmp, opt, reader)
-    assert [k for k in weights if not torch.equal(now[k], before[k])] == []
-    # Every float32 host shard is staged, holding the saved rows.
     keys = {(t, s.rows, s.cols): (t, i, "w") for t in tracker.tables() for i, (_, s) in enumerate(tracker.shards(t))}
+    given = dict(list(keys.items())[:2])
+    buffers = {k: torch.full_like(want[name], float("nan")) for k, name in given.items()}
+    before = _everything(dmp, opt, reader)
+    stats: dict[str, float] = {}
+    staged, storage = _restore_staged(root, dmp, opt, reader, buffers=buffers, stats=stats)
+    try:
+        assert [k for k in want if _is_table_state(k) and not torch.equal(_everything(dmp, opt, reader)[k],
+                                                                          before[k])] == []
+        assert stats["staged_copy_bytes"] == 0  # the buffers are no new memory
+        staged.commit()
+    finally:
+        storage.close()
     by_key = staged.by_key()
-    assert set(by_key) == set(keys)
-    assert [k for k, rows in by_key.items() if not torch.equal(rows, want[keys[k]])] == []
-    # The rest (optimizer states, dense, per-rank state) is written at once.
-    assert [k for k in want if k not in weights and not torch.equal(now[k], want[k])] == []
-    staged.commit()
+    assert set(by_key) == set(given)
+    assert all(by_key[k] is buffers[k] and torch.equal(by_key[k], want[given[k]]) for k in given)
     assert _differ(_everything(dmp, opt, reader), want) == []
 
 

@@ -39,7 +39,7 @@ from cnr_torchrec.ckpt.format.commits import manifest_path
 from cnr_torchrec.ckpt.format.manifest import Blob, Manifest, RankReport, TableEntry
 from cnr_torchrec.ckpt.format.precedence import Coverage, closes, segments_of
 from cnr_torchrec.ckpt.format.row_ids import stored_offsets
-from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, host_copy
+from cnr_torchrec.ckpt.restore.host_copies import Key, StagedWeights, can_stage, fits, host_copy
 from cnr_torchrec.errors import CorruptCheckpointError, IncompatibleCheckpointError
 from cnr_torchrec.ops import claim_rows_, scatter_rows_
 from cnr_torchrec.quant import EncodedRows, EncodingFormatError, codec_for, decode, rebuild
@@ -70,7 +70,8 @@ class _Target:
     """
 
     def __init__(self, kernel: Any, shard: Any, breaks: list[int], additive: bool = False,
-                 mc: McTable | None = None, stage: bool = False, buffer: torch.Tensor | None = None) -> None:
+                 mc: McTable | None = None, stage: bool = False, buffer: torch.Tensor | None = None,
+                 fresh: bool = True) -> None:
         self.kernel, self.shard = kernel, shard
         self.key = shard_key(shard.table, shard.rows, shard.cols)
         self.coverage = Coverage(shard.num_rows, segments_of(tuple(shard.cols), breaks))  # which copy wins
@@ -87,10 +88,14 @@ class _Target:
         # puts them there once every rank has succeeded). The copy is ``buffer`` where it fits (the residual
         # reconstruction's rows, given up for the restore: memory the process holds already) or new. An additive
         # chain starts from zero; another leaves the copy as it is, and the rows no entry restored are taken
-        # from the live weights at the end.
-        self.live = weights if stage and can_stage(weights) else None
+        # from the live weights at the end. Without ``fresh``, only a shard with a buffer is staged: the others
+        # are written in place, after every byte was checked (:attr:`Applier.checks_first`).
+        self.live = weights if stage and can_stage(weights) and (fresh or fits(buffer, weights)) else None
         self.additive = additive
         self.weights = weights if self.live is None else host_copy(weights, buffer)
+        # New host memory this target holds for the restore (the rows of a staged copy that is no buffer).
+        self.copy_bytes = (weights.numel() * weights.element_size()
+                           if self.live is not None and self.weights is not buffer else 0)
         if additive:
             with torch.no_grad():
                 self.weights.zero_()
@@ -179,13 +184,19 @@ class Applier:
         # A chain with residual entries (quantization.residual) adds up: a row is its newest whole entry
         # plus every newer residual, so the weights start from zero and every entry adds to them.
         self.additive = additive
+        # A staged plain chain writes each row once, from its newest copy: it can read and check every byte
+        # first (:meth:`check`), and then decode into the live weights in place, with no host copy.
+        self.checks_first = stage and not additive
         buffers = buffers or {}
         self.targets = {
             table: [_Target(k, s, sorted(cuts), self.additive, tracker.mc_table(table), stage,
-                            buffers.get(shard_key(table, s.rows, s.cols)))
+                            buffers.get(shard_key(table, s.rows, s.cols)), fresh=not self.checks_first)
                     for k, s in tracker.shards(table)]
             for table, cuts in breaks.items() if table not in exclude
         }
+        if stats is not None:
+            stats["staged_copy_bytes"] = stats.get("staged_copy_bytes", 0) + sum(
+                t.copy_bytes for ts in self.targets.values() for t in ts)
         # Row-wise state of the checkpoint being applied, to merge: id(target) -> (target, [(state, rows, values,
         # column weight)]).
         self._rowwise: dict[int, tuple[_Target, list[tuple[int, torch.Tensor, torch.Tensor, float]]]] = {}
@@ -281,6 +292,48 @@ class Applier:
                 f"table '{table}' is a managed-collision table in the "
                 f"{'model' if target.mc is not None else 'checkpoint'} only; restore it onto the same kind of module")
         return _Claim(target, segs, maps, with_states, state_map, weight, mc_map)
+
+    def check(self, plan: EntryPlan, rows: list[torch.Tensor], file: str) -> None:
+        """Checks that :meth:`apply` can write ``rows`` as ``plan`` claims them: the codec's layout, and the
+        shapes of the weights, optimizer states and managed-collision state (what a file's bytes could get
+        wrong beyond their CRCs, which the reader checks). ``rows``: what :meth:`RowReader.check` gives (on
+        the meta device where the bytes are checked where they lie and not copied yet).
+
+        Raises:
+            CorruptCheckpointError: the rows do not fit the entry's columns (names ``file``).
+        """
+        entry, n = plan.entry, plan.sel.numel()
+        width = entry.cols[1] - entry.cols[0]
+        where = f"{file}: table '{plan.table}', the entry for rows [{entry.rows[0]}, {entry.rows[1]})"
+        got = [tuple(t.shape) for t in rows]
+        want: list[tuple[int, ...]] = [(n, width)]  # a replicated table's rows are stored as they are
+        if entry.replicated is None:
+            keys = sorted(entry.coded.blobs)
+            try:
+                encoded = rebuild(dict(zip(keys, rows)), {**entry.coded.meta, "num_rows": n})
+            except EncodingFormatError as e:
+                raise CorruptCheckpointError(f"{where}: its encoded rows are inconsistent: {e}", path=file) from None
+            got = [(n, encoded.dim)] + got[len(keys):]
+            want += [(n,) if s.rowwise else (n, width) for s in entry.states]
+        if entry.mc is not None:
+            want.append((n, len(entry.mc.fields)))
+        if len(got) != len(want) or not all(g == w or g == (*w, 1) for g, w in zip(got, want)):
+            raise CorruptCheckpointError(
+                f"{where}: its stored rows are {got} (weights, optimizer states, managed-collision state) where "
+                f"its {width} columns need {want}; the file was edited or crafted: restore another checkpoint "
+                "with restore(step=...)", path=file)
+
+    def close_checkpoint(self, plans: Sequence[EntryPlan]) -> None:
+        """Ends the claims of one checkpoint whose rows are checked now and applied later (:attr:`checks_first`):
+        marks the row-wise states its ``plans`` merge from several column shards (:meth:`finish_checkpoint`
+        marks them as it merges them, when each checkpoint is applied as it is read), so that no older
+        checkpoint claims them, and updates which shards are done."""
+        for plan in plans:
+            for claim in plan.claims:
+                if claim.state_map is not None and claim.weight != 1.0 and plan.entry.states:
+                    rows = claim.state_map.index_select(0, _nonzero(claim.state_map >= 0))
+                    claim.target.state_filled[rows] = True
+        self.refresh()
 
     def apply(self, plan: EntryPlan, rows: list[torch.Tensor]) -> None:
         """Writes the rows ``plan`` claimed; ``rows``: the stored rows ``plan.sel`` of each of the entry's

@@ -16,7 +16,7 @@ by raw id instead (:mod:`~cnr_torchrec.ckpt.restore.relocate`).
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +61,10 @@ class RestoreOptions:
             parameters, the dense optimizer and the TBE step counter. Partial recovery
             leaves them out and takes them from a surviving rank instead.
         rng: also set the global RNG states to this rank's saved ones (config ``restore_rng``).
-        stage: restore the shards whose weights can be staged (:func:`~.apply.can_stage`) into host copies,
-            and leave their live weights as they are until the caller commits them (every rank succeeded).
+        stage: leave the live weights that can be staged (:func:`~.apply.can_stage`) as they are until the
+            caller commits (every rank succeeded): a residual chain adds up into host copies of them; a plain
+            chain reads and checks every byte first, and decodes in place at the commit (optimizer states and
+            managed-collision state with it; the rollback's snapshot holds those).
         pool: threads that read the chunks; every file a checkpoint needs is read at once,
             and its entries are decoded as their chunks land.
         threads: the intra-op threads the rows are checked and decoded on (:mod:`.threads`).
@@ -124,7 +126,8 @@ def restore_chain(
         if not options.stage:
             staged.commit()
         if from_image is not None:
-            staged = StagedWeights(from_image.entries + staged.entries, from_image.restored + staged.restored)
+            staged = StagedWeights(from_image.entries + staged.entries, from_image.restored + staged.restored,
+                                   staged.pending)
         if relocated:
             with timed(stats, "relocate_ms"):
                 relocate_tables(relocated, manifests, storage, tracker, rank, world_size)
@@ -172,6 +175,9 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
         applier = Applier(tracker, manifests, replicated, stats, exclude=relocated, stage=options.stage,
                           buffers=buffers, sources=sources)
     tip: dict[int, RowReader] = {}
+    tables = [t for t in tracker.tables() if t not in relocated and (replicated or not tracker.is_data_parallel(t))]
+    if applier.checks_first:
+        return tip, _check_chain(manifests, storage, tracker, applier, options, sources, tip, tables)
     try:
         claimed: list[list[tuple[RowReader, Any]]] = []  # an additive chain's work, newest checkpoint first
         for m in newest_first(manifests):
@@ -196,14 +202,56 @@ def _apply_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowT
             _apply_work(applier, work, stats)
         # Every row this rank restores from the chain has had a whole copy (the walk stops early only once the
         # tables it found entries of are done: a table none of the parts it read holds is caught here too).
-        applier.check_complete(tracker, manifests[0], [t for t in tracker.tables() if t not in relocated
-                                                       and (replicated or not tracker.is_data_parallel(t))])
+        applier.check_complete(tracker, manifests[0], tables)
         staged = applier.finish()
     finally:
         # fused_uvm_caching: the restored rows went to the weights behind the cache, whose lines
         # are stale now (even after a failure part way, when the rows are a mix).
         invalidate_caches(tracker.tbes())
     return tip, staged
+
+
+def _check_chain(manifests: list[Manifest], storage: Storage, tracker: DirtyRowTracker, applier: Applier,
+                 options: RestoreOptions, sources: Callable[[Manifest], Sequence[RankReport]],
+                 tip: dict[int, RowReader], tables: Sequence[str]) -> StagedWeights:
+    """A staged plain chain (:attr:`~.apply.Applier.checks_first`): claims every checkpoint's rows newest first,
+    and reads and checks every byte it will apply (CRCs, the codec's layout, the shapes), writing nothing.
+    Returns the writes, for the commit once every rank has got this far: the checked rows decoded into the
+    live weights in place (a host copy of a shard only where the caller gave a buffer).
+
+    On a local root the rows are checked where they lie in the mapped files, and copied out at the commit
+    (the files of a committed checkpoint are never rewritten); elsewhere the checked bytes are kept until then,
+    as stored (encoded: a quarter or less of their float32 rows).
+
+    Raises:
+        CorruptCheckpointError: a file fails its checks, or the chain holds no copy of some row (then nothing
+            was written).
+    """
+    target, stats = manifests[-1], options.stats
+    claimed: list[list[tuple[RowReader, Any]]] = []  # every checkpoint's work, newest first
+    for m in newest_first(manifests):
+        if applier.done():
+            break
+        with timed(stats, "plan_ms"):
+            work = _plan_checkpoint(m, sources(m), storage, applier, options, tip if m is target else None,
+                                    prefetch=True)
+        with timed(stats, "check_rows_ms"):
+            for load, plan in work:
+                applier.check(plan, load.check(plan.entry, plan.sel), load.payload.file)
+        applier.close_checkpoint([plan for _, plan in work])
+        claimed.append(work)
+    applier.check_complete(tracker, manifests[0], tables)
+
+    def decode_in_place() -> StagedWeights:
+        try:
+            with wider_pool(options.threads):
+                for work in claimed:
+                    _apply_work(applier, work, stats)
+                return applier.finish()
+        finally:
+            invalidate_caches(tracker.tbes())  # fused_uvm_caching: the cache's lines are stale now
+
+    return StagedWeights([], pending=decode_in_place)
 
 
 def _plan_checkpoint(m: Manifest, reports: Sequence[RankReport], storage: Storage, applier: Applier,

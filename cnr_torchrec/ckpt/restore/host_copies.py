@@ -1,16 +1,18 @@
 """The host copies a restore writes float32 host shards into, which reach the model only at its commit.
 
-A restore that must be able to fail without a trace (``restore_rollback``) restores each float32 host
-shard into a copy, and copies it into the live weights once every rank has succeeded
-(:meth:`StagedWeights.commit`). The copy is new memory, or the rows a residual job keeps anyway (its
-reconstruction, which the restore borrows and which becomes the restored rows again): the caller
-passes those as buffers by shard key. Other shards (on a GPU, of another dtype) are written in place,
-and the rollback's snapshot copies them beforehand instead (:mod:`.rollback`).
+A restore that must be able to fail without a trace (``restore_rollback``) writes no float32 host shard
+before every rank has succeeded (:meth:`StagedWeights.commit`). A residual chain adds its copies up into a
+host copy of each shard, which it copies into the live weights then: the rows a residual job keeps anyway
+(its reconstruction, which the restore borrows and which becomes the restored rows again; the caller
+passes those as buffers by shard key), else new memory. A plain chain reads and checks every byte it will
+apply first, and decodes into the live weights only at the commit (a shard with a buffer is still staged
+into it, which costs nothing and gives the reconstruction its rows). Other shards (on a GPU, of another
+dtype) are written in place, and the rollback's snapshot copies them beforehand instead (:mod:`.rollback`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -52,25 +54,36 @@ def stageable_weights(tracker: DirtyRowTracker) -> Iterator[tuple[Key, torch.Ten
 
 
 class StagedWeights:
-    """Shard weights a restore wrote into host copies: nothing reaches the model until :meth:`commit`.
+    """Shard weights a restore wrote into host copies, or read and checked and has yet to write: nothing reaches
+    the model until :meth:`commit`.
 
     Attributes:
         entries: (shard key ``(table, rows, cols)``, the live weights, the restored copy).
         restored: (shard key, rows equal to its live weights already): shards restored in place from rows the
             caller keeps (a memory image), which :meth:`by_key` gives too.
+        pending: the writes a plain chain's restore left for the commit (rows read and checked already, decoded
+            into the live weights in place: :func:`~cnr_torchrec.ckpt.restore.chain.restore_chain`); it
+            returns the shards it staged into host copies besides (those with a buffer), to copy in as
+            ``entries``. None: nothing left to write but ``entries``.
     """
 
     def __init__(self, entries: list[tuple[Key, torch.Tensor, torch.Tensor]],
-                 restored: list[tuple[Key, torch.Tensor]] | None = None) -> None:
+                 restored: list[tuple[Key, torch.Tensor]] | None = None,
+                 pending: Callable[[], StagedWeights] | None = None) -> None:
         self.entries = entries
         self.restored = restored or []
+        self.pending = pending
 
     def commit(self) -> None:
-        """Copies every restored shard into the live weights."""
+        """Writes what is pending, then copies every restored shard into the live weights. Once only."""
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self.entries = self.entries + pending().entries
         with torch.no_grad():
             for _, live, rows in self.entries:
                 live.copy_(rows)
 
     def by_key(self) -> dict[Key, torch.Tensor]:
-        """The restored float32 rows of each staged shard, by key (what a residual reconstruction starts from)."""
+        """The restored float32 rows of each shard staged into a host copy or restored from rows the caller keeps,
+        by key (what a residual reconstruction starts from); complete once committed."""
         return {**dict(self.restored), **{key: rows for key, _, rows in self.entries}}

@@ -118,13 +118,37 @@ class Restorer:
             self._after_failed_attempt(failed, own, ids, bad)  # a staged attempt's rows never reached the model
         assert chain is not None  # an attempt every rank succeeded in loaded its manifests
         with timed(self.stats, "commit_ms"):
-            staged.commit()  # every rank succeeded: the staged shards go into the model
+            self._commit(staged, ids[-1])  # every rank succeeded: the staged or checked rows go into the model
         deferred = self.job.deferred_init
         if deferred is not None:  # every row of its tables was restored: their initial values are never drawn
             deferred.overwritten()
             self.job.materialize_init()
         self._hear_sources(chain[-1].id)
         return chain, bad, staged.by_key()
+
+    def _commit(self, staged: Any, ckpt_id: int) -> None:
+        """Writes the rows every rank has read and checked (collective): a plain chain's are decoded into the
+        weights in place now, a residual chain's copied from its host copies. Nothing the files hold can fail
+        here any more (the attempt checked it); should something else (memory), every rank hears of it.
+
+        Raises:
+            RestoreFailedError: some rank could not write its rows (on every rank).
+        """
+        own: Exception | None = None
+        try:
+            staged.commit()
+        except Exception as e:  # noqa: BLE001 - every rank must hear of it, and raise alike
+            own = e
+        failed = self._ranks.failures(None if own is None else Failure.of(own, self.rank, "writing the rows"))
+        if failed:
+            f = failed[0]
+            raise RestoreFailedError(
+                f"rank {f.rank} could not write the rows of checkpoint {ckpt_id} it had read and checked "
+                f"({f.cause}: {f.message}); its embedding weights are partly overwritten (the other ranks' hold "
+                "the checkpoint's), and every optimizer, dense and per-rank state is put back. Free memory and "
+                "restore again before training") from own
+        if self._snapshot is not None:
+            self.stats["snapshot_bytes"] = float(self._snapshot.nbytes)
 
     def _hear_sources(self, ckpt_id: int) -> None:
         """Every rank hears where each rank's shards came from (collective), and rank 0 logs it."""

@@ -7,9 +7,10 @@ holds. A :class:`Snapshot` is taken before the first attempt and put back if no 
 succeeds, so that a failed :meth:`~cnr_torchrec.ckpt.Checkpointer.restore` leaves every table,
 optimizer state, dense parameter, eviction window and stateful object exactly as it found them.
 
-Float32 host weights are not copied: the restore writes them into host copies of its own and
-commits them only once every rank has succeeded (:class:`~cnr_torchrec.ckpt.restore.apply.StagedWeights`;
-with residual coding that copy becomes the reconstruction, so it costs nothing extra). The
+Float32 host weights are not copied: the restore writes none of them before every rank has succeeded
+(:class:`~cnr_torchrec.ckpt.restore.host_copies.StagedWeights`): a plain chain reads and checks every row
+first and decodes in place then; a residual chain adds up into host copies of its own and copies them in
+then (with residual coding that copy becomes the reconstruction, so it costs nothing extra). The
 rest (fused optimizer states, weights on a GPU or of another dtype) costs one host copy for
 the length of the restore (``restore_rollback: false`` in the config does without both).
 """

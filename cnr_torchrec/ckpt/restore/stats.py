@@ -9,11 +9,14 @@
 * ``plan_ms``: working out which stored rows of which checkpoints this rank's shards need (reading
   the entries' row ids and claiming rows), and starting their reads;
 * ``apply_ms``: gathering those rows, checking their CRCs, decoding and writing them into the
-  shards, of which ``read_wait_ms``: waiting for reads still in flight;
+  shards, of which ``read_wait_ms``: waiting for reads still in flight; a staged plain chain
+  (``restore_rollback``) reads and checks every row first, before any write (``check_rows_ms``:
+  the CRCs, the codec's layout and the shapes; read waits count there), and decodes them in place
+  at its commit (``apply_ms`` is then part of ``commit_ms``);
 * ``relocate_ms``: managed-collision tables whose slots moved, restored by raw id (only when there are);
 * ``state_ms``: dense parameters, the dense optimizer, the TBE step, per-rank state;
-* ``agree_ms``: the ranks' exchange of their outcome, then ``commit_ms``: the staged shards copied
-  into the model (``restore_rollback``);
+* ``agree_ms``: the ranks' exchange of their outcome, then ``commit_ms``: the checked rows decoded, or
+  the staged shards copied, into the model (``restore_rollback``), and the ranks' exchange of that outcome;
 * ``reconstruction_ms``: with residual coding, the float32 copy of what was restored that the next
   deltas code against (after the ranks agreed); with the memory tier, the image sealed for the restored
   checkpoint too (unless the shards came from it);
@@ -27,7 +30,9 @@ how many ranks' did (:attr:`~cnr_torchrec.ckpt.Checkpointer.last_restore_sources
 bytes copied out of it, and one read per file mapped); ``minimal_bytes`` is what
 had to be: the stored bytes (encoded row, optimizer state and CRC, prorated by columns) of the
 rows the restore applied, each from the newest checkpoint that holds it. Their ratio is how far
-the reads are from the physical limit.
+the reads are from the physical limit. ``staged_copy_bytes`` is the new host memory the restore took for
+copies of shards (a residual chain's, without a reconstruction to stage into: 0 for a plain chain), and
+``snapshot_bytes`` the rollback's host copy of what the restore may overwrite (optimizer states, dense).
 """
 
 from __future__ import annotations
@@ -38,9 +43,10 @@ from contextlib import contextmanager
 
 __all__ = ["COUNTS", "PHASES", "timed"]
 
-PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "apply_ms", "read_wait_ms", "relocate_ms",
-          "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms", "memory_check_ms", "memory_ms")
-COUNTS = ("bytes_read", "reads", "minimal_bytes", "from_memory", "memory_ranks")
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "check_rows_ms", "apply_ms",
+          "read_wait_ms", "relocate_ms", "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms",
+          "memory_check_ms", "memory_ms")
+COUNTS = ("bytes_read", "reads", "minimal_bytes", "from_memory", "memory_ranks", "staged_copy_bytes", "snapshot_bytes")
 
 
 @contextmanager
