@@ -1,13 +1,15 @@
 """``cnr copy``: committed checkpoints from one root to another (any storage: a directory, ``s3://``), never torn.
 
-Each checkpoint is copied as its bytes, after they pass the checks a restore makes as it reads them: the
+Each checkpoint is copied as its bytes, which must pass the checks a restore makes as it reads them: the
 manifest's seal (its HMAC on a keyed root), each part's digest and structure, each payload chunk's size and
-digest (xxh3, or the keyed BLAKE2b). Its payload chunks go first, then its parts, each fsynced as a save makes
-them, then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves
-the destination restorable at the checkpoints whose manifests it wrote, and nothing half-written looks
-committed. ``index.json`` is written
-once the checkpoints are. A copy run again skips each checkpoint already committed there with the same
-manifest, and each file already there whole (its size and digest checked), so an interrupted copy resumes.
+digest (xxh3, or the keyed BLAKE2b). Between two local roots the kernel copies a chunk and the check is made on
+the bytes that landed in the destination (:func:`_copy_chunk`); elsewhere on the source's bytes as they are
+read, before they are written. Its payload chunks go first, then its parts, each fsynced as a save makes them,
+then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves the
+destination restorable at the checkpoints whose manifests it wrote, and nothing half-written looks committed.
+``index.json`` is written once the checkpoints are. A copy run again skips each checkpoint already committed
+there with the same manifest, and each file already there whole (its size and digest checked), so an
+interrupted copy resumes.
 
 Checkpoints are copied oldest first, so every delta's parents are committed before it. A destination that
 holds another checkpoint under an id being copied is refused.
