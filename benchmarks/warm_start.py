@@ -3,6 +3,8 @@ load of the same tables, and what `cnr copy` costs beside a plain recursive copy
 
 Run on 2 ranks:  OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node 2 benchmarks/warm_start.py [--json PATH]
 Quick run:       ... benchmarks/warm_start.py --sizes 0.05
+Copy only:       ... benchmarks/warm_start.py --sizes 1,10 --only copy   (the chain is trained and saved as in a
+                 full run, then only ``cnr copy`` and its peers are timed; the warm-start figures are skipped)
 
 The model is benchmarks/scale.py's (8 tables x 32 dim, half row_wise and half table_wise, 205 MB of float tables
 per size multiple), trained on 10% of each table's rows between saves and saved with the default config: a
@@ -183,9 +185,10 @@ def run_size(size: float, args, rank: int, world: int) -> dict | None:
         for k in range(args.deltas + 1):
             train_interval(dmp, opt, specs, args.dirty, k, pooling, args, rank, world)
             ck.save(k + 1).wait()
-    chain = measure_root(root, ref, config, args, rank)
+    copy_only = args.only == "copy"
+    chain = {} if copy_only else measure_root(root, ref, config, args, rank)
     folded = f"{root}-folded"
-    if rank == 0:
+    if rank == 0 and not copy_only:
         shutil.rmtree(folded, ignore_errors=True)
         from cnr_torchrec.cli import main as cnr
 
@@ -196,7 +199,7 @@ def run_size(size: float, args, rank: int, world: int) -> dict | None:
         storage.close()
         os.remove(os.path.join(folded, "index.json"))
     dist.barrier()
-    single = measure_root(folded, ref, dataclasses.replace(config, root=folded), args, rank)
+    single = {} if copy_only else measure_root(folded, ref, dataclasses.replace(config, root=folded), args, rank)
     copy = measure_copy(root, args) if rank == 0 else {}
     if rank == 0:
         for d in (root, folded):
@@ -210,6 +213,8 @@ def summary(cell: dict) -> str:
     lines = []
     for name, what in (("chain", "the default chain (a baseline and deltas)"), ("single", "one folded baseline")):
         c = cell[name]
+        if not c:  # --only copy
+            continue
         lines.append(f"x{cell['size']:g} ({cell['mb']:.0f} MB), {what}: warm start of half the tables "
                      f"{c['warm_ms']:.0f} ms = {c['warm_ms'] / c['restore_ms']:.2f}x a full restore "
                      f"({c['restore_ms']:.0f} ms), {c['warm_ms'] / c['dcp_ms']:.2f}x DCP's partial load of the same "
@@ -235,6 +240,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--out-dir", default="/tmp/cnr_bench_warm")
     p.add_argument("--json", default=None)
+    p.add_argument("--only", choices=["copy"], default=None,
+                   help="time only cnr copy and its peers (the chain is still trained and saved; no warm start)")
     args = p.parse_args()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)

@@ -4,7 +4,10 @@ The source is the publishing tests' 2-rank root (``_publish_job``: a residual ch
 and a delta 4 on it). The reference is ``Checkpointer.restore()`` of the source: a restore from the copy must
 give the same tables and dense layers, bit for bit. A copy stopped at each named point (a payload chunk, a part,
 the manifest, the index) leaves a destination that ``cnr verify`` passes and that restores as the source's
-newest checkpoint it committed; run again, it skips what is there and ends as a whole copy.
+newest checkpoint it committed; run again, it skips what is there and ends as a whole copy. So does a ``cnr copy``
+process SIGKILLed half-way through a file (the ``write.mid`` fault point). Between two local roots the kernel
+copies each chunk, and what is checked is what landed: a destination that changes a chunk's bytes is refused and
+the bad copy deleted; where the kernel cannot copy (another filesystem), the bytes are read and written instead.
 """
 
 from __future__ import annotations
@@ -164,3 +167,75 @@ def test_a_compacting_copy_arrives_as_one_baseline_that_restores_as_the_chain(gr
     assert code == 0 and "already there: 3-4" in out and _committed(dst) == [only]
     code, _, err = _cnr(capsys, "copy", src, str(tmp_path / "other"), "--compact", "--all")
     assert code == 2 and "without --all" in err
+
+
+def _writes(root, cid):
+    """The files ``cnr copy`` writes for checkpoint ``cid`` of ``root`` before its manifest: its chunks and parts."""
+    return len([f for f in os.listdir(os.path.join(root, f"ckpt-{cid:08d}")) if f != "manifest.json"])
+
+
+@pytest.mark.parametrize("which", ["the first file", "a chunk of the second checkpoint",
+                                   "the last file of the second checkpoint"])
+def test_a_copy_killed_half_way_through_a_file_is_never_torn_and_resumes(group, job, tmp_path, capsys, which):
+    import subprocess
+
+    src, dst = job[-1], str(tmp_path / "dst")
+    first = _writes(src, 3)
+    nth = {"the first file": 1, "a chunk of the second checkpoint": first + 1,
+           "the last file of the second checkpoint": first + _writes(src, 4)}[which]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "CNR_FAULT": f"write.mid:nth={nth}", "PYTHONPATH": repo}
+    env.pop("RANK", None)
+    killed = subprocess.run([sys.executable, "-m", "cnr_torchrec.cli", "copy", src, dst], env=env, timeout=120,
+                            capture_output=True, text=True)
+    assert killed.returncode == -9, killed.stderr  # SIGKILLed half-way through the file, as a lost machine is
+    committed = _committed(dst)
+    assert committed == ([] if nth == 1 else [3])
+    if committed:
+        assert _cnr(capsys, "verify", dst)[0] == 0
+        _assert_same_restore(dst, job[3])
+    code, out, err = _cnr(capsys, "copy", src, dst)
+    assert code == 0, err
+    assert _committed(dst) == [3, 4]
+    _assert_same_restore(dst, src)
+    assert _cnr(capsys, "verify", dst)[0] == 0
+
+
+def test_a_copy_that_lands_changed_is_deleted_named_and_not_committed(group, job, tmp_path, capsys, monkeypatch):
+    src, dst = job[-1], str(tmp_path / "dst")
+    target = os.path.join(dst, "ckpt-00000004", "rank-00000.bin")
+    real = os.copy_file_range
+
+    def flipping(fd_in, fd_out, count, offset_src=None, offset_dst=None):
+        n = real(fd_in, fd_out, count, offset_src, offset_dst)
+        if os.readlink(f"/proc/self/fd/{fd_out}") == target and offset_dst == 0 and n:
+            with open(target, "r+b") as f:  # a destination that changes what it was given
+                byte = f.read(1)
+                f.seek(0)
+                f.write(bytes([byte[0] ^ 0x01]))
+        return n
+
+    monkeypatch.setattr(os, "copy_file_range", flipping)
+    code, _, err = _cnr(capsys, "copy", src, dst)
+    assert code == 1, err
+    assert "copy of ckpt-00000004/rank-00000.bin" in err and "does not match its digest" in err
+    assert not os.path.exists(target)
+    assert _committed(dst) == [3]
+
+
+def test_where_the_kernel_cannot_copy_between_the_roots_the_bytes_are_read_and_written(group, job, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import errno
+
+    src, dst = job[-1], str(tmp_path / "dst")
+    refused = []
+
+    def other_filesystem(fd_in, fd_out, count, offset_src=None, offset_dst=None):
+        refused.append(fd_out)
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "copy_file_range", other_filesystem)
+    code, _, err = _cnr(capsys, "copy", src, dst)
+    assert code == 0, err
+    assert refused and _committed(dst) == [3, 4]
+    _assert_same_restore(dst, src)

@@ -353,3 +353,15 @@ def test_compaction_and_dcp_export_of_a_keyed_root_read_whole_chunks_only(keyed,
     payload = [(p, r) for p, r in reads if p.endswith(".bin")]
     assert payload and all(r is None for _, r in payload), [x for x in payload if x[1] is not None][:3]
     assert {p for p, _ in payload} >= {"ckpt-00000001/rank-00000.bin"}  # the tip's chunk was read, whole
+
+
+def test_cnr_copy_of_a_keyed_root_checks_each_chunk_under_the_key_and_restores_the_same(keyed, tmp_path, capsys):
+    from cnr_torchrec.cli import main
+
+    root, key_file, want, _ = keyed
+    dst = str(tmp_path / "copy")
+    assert main(["copy", root, dst]) == 2  # without the key: refused, nothing vouched for
+    assert "sealed with a key" in capsys.readouterr().err
+    assert main(["copy", root, dst, "--key-file", key_file]) == 0, capsys.readouterr().err
+    assert _verify(dst, key_file) == []
+    assert _equal(_restored(dst, key_file), want)

@@ -1,13 +1,15 @@
 """``cnr copy``: committed checkpoints from one root to another (any storage: a directory, ``s3://``), never torn.
 
-Each checkpoint is copied as its bytes, after they pass the checks a restore makes as it reads them: the
+Each checkpoint is copied as its bytes, which must pass the checks a restore makes as it reads them: the
 manifest's seal (its HMAC on a keyed root), each part's digest and structure, each payload chunk's size and
-digest (xxh3, or the keyed BLAKE2b). Its payload chunks go first, then its parts, each fsynced as a save makes
-them, then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves
-the destination restorable at the checkpoints whose manifests it wrote, and nothing half-written looks
-committed. ``index.json`` is written
-once the checkpoints are. A copy run again skips each checkpoint already committed there with the same
-manifest, and each file already there whole (its size and digest checked), so an interrupted copy resumes.
+digest (xxh3, or the keyed BLAKE2b). Between two local roots the kernel copies a chunk and the check is made on
+the bytes that landed in the destination (:func:`_copy_chunk`); elsewhere on the source's bytes as they are
+read, before they are written. Its payload chunks go first, then its parts, each fsynced as a save makes them,
+then its manifest: the commit marker, written atomically, last. So a copy stopped at any point leaves the
+destination restorable at the checkpoints whose manifests it wrote, and nothing half-written looks committed.
+``index.json`` is written once the checkpoints are. A copy run again skips each checkpoint already committed
+there with the same manifest, and each file already there whole (its size and digest checked), so an
+interrupted copy resumes.
 
 Checkpoints are copied oldest first, so every delta's parents are committed before it. A destination that
 holds another checkpoint under an id being copied is refused.
@@ -99,14 +101,13 @@ def _copy_one(src: Storage, dst: Storage, cid: int, report: CopyReport, progress
     chunks = _chunks(manifest)
     parts = [part_path(cid, r) for r in range(len(manifest.summaries))] if manifest.version >= 7 else []
     for chunk in chunks:
-        mapped = src.read_mapped(chunk.path)  # a local file's pages, checked and written with no copy of its own
-        check_chunk(src.key, chunk.path, mapped, chunk.nbytes, chunk.digest, chunk.keyed)
-        _put(dst, chunk.path, mapped, report, progress, written, syncs, chunk)
+        _copy_chunk(src, dst, chunk, report, progress, written, syncs)
     for r, path in enumerate(parts):
         data = src.read(path)
         digest, keyed = part_digest(manifest.body["parts"][r])
         check_chunk(src.key, path, data, manifest.body["parts"][r]["nbytes"], digest, keyed)
-        _put(dst, path, data, report, progress, written, syncs)
+        if not _present(dst, path, len(data), lambda there: bytes(there) == bytes(data), report):
+            _written(dst, path, memoryview(data), len(data), report, progress, written, syncs)
     for synced in written:  # every file durable before the manifest that commits it, as a save makes its files
         synced.result()
     for directory in sorted({posixpath.dirname(p) for p in [c.path for c in chunks] + parts} - {""}):
@@ -125,20 +126,71 @@ def _chunks(manifest: Manifest) -> list[Chunk]:
         raise CorruptCheckpointError(f"checkpoint {manifest.id}: {e}") from None
 
 
-def _put(dst: Storage, path: str, data: Buffer, report: CopyReport, progress: Callable[[int], None] | None,
-         written: list[Future[None]], syncs: ThreadPoolExecutor, chunk: Chunk | None = None) -> None:
-    """Writes ``data`` to ``path`` and has ``syncs`` flush it (its future added to ``written``), unless the
-    destination holds it whole already (an interrupted copy's): a chunk checked against its digest, a part
-    compared byte for byte."""
-    if _size(dst, path) in (len(data), None) and _whole(dst, path, data, chunk):
-        report.files_present += 1
+def _copy_chunk(src: Storage, dst: Storage, chunk: Chunk, report: CopyReport,
+                progress: Callable[[int], None] | None, written: list[Future[None]], syncs: ThreadPoolExecutor) -> None:
+    """Copies one payload chunk, checked, unless ``dst`` holds it whole already (an interrupted copy's).
+
+    Between two local roots the kernel copies it (:meth:`Storage.write` of a
+    :class:`~cnr_torchrec.ckpt.format.bytes.storage.LocalFile`), and what is checked is the copy: the bytes that
+    landed in ``dst``, as its page cache holds them, against the chunk's size and digest. That vouches for the
+    source and for the copy at once, whatever the source's file did meanwhile. Elsewhere the source's bytes are
+    checked as they are read, then written.
+    """
+    source = src.local_file(chunk.path) if dst.local_dir is not None else None
+    if source is None:
+        data = src.read_mapped(chunk.path)  # a local file's pages, checked and written with no copy of its own
+        check_chunk(src.key, chunk.path, data, chunk.nbytes, chunk.digest, chunk.keyed)
+        if not _present(dst, chunk.path, len(data), lambda there: _matches(src, chunk, there), report):
+            _written(dst, chunk.path, memoryview(data), len(data), report, progress, written, syncs)
         return
-    dst.write(path, memoryview(data))
+    if _present(dst, chunk.path, source.nbytes, lambda there: _matches(src, chunk, there), report):
+        return
+    dst.write(chunk.path, source)
+    landed = dst.read_mapped(chunk.path)
+    if not _matches(src, chunk, landed):
+        dst.delete(chunk.path)  # nothing unchecked stays behind
+        check_chunk(src.key, chunk.path, src.read_mapped(chunk.path), chunk.nbytes, chunk.digest, chunk.keyed)
+        raise CorruptCheckpointError(
+            f"the copy of {chunk.path} at {dst.root} does not match its digest, though {src.root}'s does: the "
+            "destination lost or changed bytes as they were written. Check its disk, then run cnr copy again",
+            path=chunk.path)
+    _written(dst, chunk.path, None, source.nbytes, report, progress, written, syncs)
+
+
+def _written(dst: Storage, path: str, data: memoryview | None, nbytes: int, report: CopyReport,
+             progress: Callable[[int], None] | None, written: list[Future[None]], syncs: ThreadPoolExecutor) -> None:
+    """Writes ``data`` to ``path`` (None: it is there already) and has ``syncs`` flush it, its future added to
+    ``written``."""
+    if data is not None:
+        dst.write(path, data)
     written.append(syncs.submit(dst.fsync_file, path))
     report.files += 1
-    report.nbytes += len(data)
+    report.nbytes += nbytes
     if progress is not None:
-        progress(len(data))
+        progress(nbytes)
+
+
+def _present(dst: Storage, path: str, nbytes: int, whole: Callable[[Buffer], bool], report: CopyReport) -> bool:
+    """Whether ``dst`` holds ``path`` of ``nbytes`` bytes already and ``whole`` passes on its bytes (counted in
+    ``report``): an interrupted copy's file, which is then not written again."""
+    if _size(dst, path) not in (nbytes, None):
+        return False
+    try:
+        there = dst.read_mapped(path)
+    except CheckpointNotFoundError:
+        return False
+    if not whole(there):
+        return False
+    report.files_present += 1
+    return True
+
+
+def _matches(src: Storage, chunk: Chunk, data: Buffer) -> bool:
+    try:
+        check_chunk(src.key, chunk.path, data, chunk.nbytes, chunk.digest, chunk.keyed)
+    except (CorruptCheckpointError, UnsafeCheckpointError):
+        return False  # not whole: written again
+    return True
 
 
 def _size(dst: Storage, path: str) -> int | None:
@@ -147,17 +199,3 @@ def _size(dst: Storage, path: str) -> int | None:
         return dst.size(path)
     except CheckpointNotFoundError:
         return -1
-
-
-def _whole(dst: Storage, path: str, data: Buffer, chunk: Chunk | None) -> bool:
-    try:
-        there = dst.read(path)
-    except CheckpointNotFoundError:
-        return False
-    if chunk is None:
-        return bytes(there) == bytes(data)
-    try:
-        check_chunk(dst.key, path, there, chunk.nbytes, chunk.digest, chunk.keyed)
-    except (CorruptCheckpointError, UnsafeCheckpointError):
-        return False  # there, but not whole: written again
-    return True

@@ -16,12 +16,15 @@ S3's options are listed there.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import errno
 import io
 import mmap
 import os
 import posixpath
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import xxhash
@@ -34,7 +37,12 @@ from cnr_torchrec.errors import CheckpointNotFoundError, UnsafeCheckpointError
 if TYPE_CHECKING:
     from cnr_torchrec.ckpt.format.bytes.integrity import RootKey
 
-__all__ = ["Storage", "check_relative", "checksum", "fsync_path"]
+__all__ = ["LocalFile", "Storage", "check_relative", "checksum", "fsync_path"]
+
+# A file copied in the kernel goes in pieces of this size, each handed to writeback as soon as it lands, so that
+# the disk writes the start of a large file while its end is still being copied (its fsync then waits for
+# little more than the last piece).
+COPY_PIECE = 16 << 20
 
 
 def checksum(data: bytes | bytearray | memoryview) -> str:
@@ -69,6 +77,79 @@ def check_relative(path: str) -> str:
     return norm
 
 
+@dataclass(frozen=True)
+class LocalFile:
+    """A whole file of a local root (:meth:`Storage.local_file`), for :meth:`Storage.write` to copy in the kernel
+    where the destination is local too, with no pass through this process's memory. ``nbytes``: its size when it
+    was looked up."""
+
+    path: str
+    nbytes: int
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux, or a libc without it: writeback then starts on fsync
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_SYNC_FILE_RANGE = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2  # <fcntl.h>: start writeback of the range's dirty pages, do not wait for it
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Asks the kernel to start writing ``[offset, offset + nbytes)`` of ``fd`` to disk, without waiting.
+
+    Only a head start: it makes nothing durable (no metadata, no device cache flush), so the file's fsync is
+    still what a commit waits for."""
+    if _SYNC_FILE_RANGE is not None:
+        _SYNC_FILE_RANGE(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+# copy_file_range's answers for "not between these two files": other filesystems (on some kernels), a
+# filesystem or a kernel that lacks it; the bytes are then read and written instead.
+_NO_KERNEL_COPY = {errno.EXDEV, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL, errno.EPERM}
+
+
+def _kernel_copy(source: str, final: str, nbytes: int, torn: bool) -> bool:
+    """Copies ``nbytes`` of the file ``source`` to a new file ``final`` with copy_file_range, piece by piece,
+    each piece's writeback started as it lands. False, with nothing written, where the kernel cannot copy
+    between them. ``torn``: stop at the ``write.mid`` fault point once half is there.
+
+    A source that turns out shorter than ``nbytes`` gives a shorter file; the caller's size check names it."""
+    if not hasattr(os, "copy_file_range"):
+        return False
+    with open(source, "rb") as fin, open(final, "wb") as fout:
+        src, dst = fin.fileno(), fout.fileno()
+        done = 0
+        while done < nbytes:
+            want = min(COPY_PIECE, nbytes - done)
+            if torn and done < nbytes // 2:
+                want = min(want, nbytes // 2 - done)
+            try:
+                n = os.copy_file_range(src, dst, want, done, done)
+            except OSError as e:
+                if done == 0 and e.errno in _NO_KERNEL_COPY:
+                    return False
+                raise
+            if n == 0:  # the source ends early
+                break
+            _start_writeback(dst, done, n)
+            done += n
+            if torn and done == nbytes // 2:
+                fault_injection.hit("write.mid")
+    return True
+
+
+def _map_file(path: str) -> bytearray | mmap.mmap:
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if os.fstat(f.fileno()).st_size else bytearray()
+
+
 class Storage:
     """Reads and writes files under ``root`` (a path or a storage URI). One event loop per instance.
 
@@ -93,13 +174,23 @@ class Storage:
 
     # ------------------------------------------------------------------ files
 
-    def write(self, path: str, data: bytes | memoryview | Sequence[memoryview]) -> None:
-        """Writes a file from a buffer or from parts in order (a chunk straight from its blobs' memory).
+    def write(self, path: str, data: bytes | memoryview | Sequence[memoryview] | LocalFile) -> None:
+        """Writes a file from a buffer, from parts in order (a chunk straight from its blobs' memory), or from a
+        local file (``cnr copy``).
 
         A local file is written part by part with no join; other backends get one buffer (a
-        PUT needs one body), joined when there are several parts.
+        PUT needs one body), joined when there are several parts. A :class:`LocalFile` written to a local
+        root is copied by the kernel (copy_file_range, which also starts each piece's writeback); elsewhere,
+        or where the kernel cannot copy between the two, it is mapped and written as a buffer.
         """
         rel = check_relative(path)
+        if isinstance(data, LocalFile):
+            if self.local_dir is not None:
+                final = os.path.join(self.local_dir, rel)
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                if _kernel_copy(data.path, final, data.nbytes, fault_injection.armed("write.mid") and data.nbytes > 1):
+                    return
+            data = memoryview(_map_file(data.path))
         parts = [memoryview(p) for p in data] if isinstance(data, (list, tuple)) else [memoryview(data)]  # type: ignore[arg-type]  # typeshed: a Sequence of memoryviews is not a Buffer, but it is the list branch
         if fault_injection.armed("write.mid") and sum(p.nbytes for p in parts) > 1:
             # A torn write for kill tests: the first half lands, then the process may die here.
@@ -148,12 +239,25 @@ class Storage:
             return data if isinstance(data, bytearray) else bytearray(data)
         rel = check_relative(path)
         try:
-            f = open(os.path.join(self.local_dir, rel), "rb")
+            return _map_file(os.path.join(self.local_dir, rel))
         except FileNotFoundError:
             raise self._missing(rel) from None
-        with f:
-            size = os.fstat(f.fileno()).st_size
-            return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else bytearray()
+
+    def local_file(self, path: str) -> LocalFile | None:
+        """``path`` as a :class:`LocalFile` for another storage's :meth:`write`, or None where this root is not
+        local.
+
+        Raises:
+            CheckpointNotFoundError: the file does not exist.
+        """
+        if self.local_dir is None:
+            return None
+        rel = check_relative(path)
+        full = os.path.join(self.local_dir, rel)
+        try:
+            return LocalFile(full, os.path.getsize(full))
+        except FileNotFoundError:
+            raise self._missing(rel) from None
 
     def exists(self, path: str) -> bool:
         rel = check_relative(path)
