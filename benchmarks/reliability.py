@@ -110,8 +110,8 @@ _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec", "cnr_torchre
 # ---------------------------------------------------------------------- the model
 
 
-def build(world_size: int, seed: int = 0):
-    """The tiny model on this process group: (dmp, specs, dense Adam)."""
+def build(world_size: int, seed: int = 0, will_restore: object = False):
+    """The tiny model on this process group: (dmp, specs, dense Adam). ``will_restore``: as CheckNRunDMP takes it."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.types import ShardingEnv
 
@@ -124,7 +124,7 @@ def build(world_size: int, seed: int = 0):
     model = ToyModel(specs)
     sharders = sharders_for(EmbOptimType.EXACT_ROWWISE_ADAGRAD, lr=0.05)
     dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"),
-                       plan=build_plan(model, sharders, world_size), sharders=sharders)
+                       plan=build_plan(model, sharders, world_size), sharders=sharders, will_restore=will_restore)
     dense = [p for n, p in dmp.named_parameters() if n.startswith("dense")]
     return dmp, specs, torch.optim.Adam(dense, lr=0.01)
 
@@ -525,14 +525,16 @@ def _phase_worker(rank: int, world_size: int, p: dict[str, Any]) -> dict[str, An
     from cnr_torchrec.ckpt import fault_injection as faults
 
     side, pdir = p["side"], p["phase_dir"]
-    dmp, specs, opt = build(world_size, seed=p["seed"])
+    config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"],
+                         memory_tier={"path": p["shm"]})
+    # A restarted incarnation builds as a restarted job does: its tables' initial values wait for the restore
+    # (which, from a memory image, then copies the image in as it checks it).
+    dmp, specs, opt = build(world_size, seed=p["seed"], will_restore=config)
     seen = spy_restored()
     install_ref_hook(side, rank, dmp, opt)
     residual = p["policy"] == "residual"
     if residual:
         install_residual_ref_hook(side, rank, dmp)
-    config = make_config(p["root"], p["policy"], p["method"], p["bits"], storage_options=p["opts"],
-                         memory_tier={"path": p["shm"]})
     ckpt = Checkpointer(dmp, config, dense_optimizer=opt)
     gen = torch.Generator().manual_seed(p["seed"] * 7 + rank)
     commits = os.path.join(side, f"commits-r{rank}.log")

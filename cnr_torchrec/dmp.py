@@ -176,7 +176,7 @@ class CheckNRunDMP(DistributedModelParallel):
     def materialize_init(self) -> None:
         """Draws the tables' initial values that ``will_restore`` deferred, if a restore has not overwritten them
         (a no-op otherwise). The Checkpointer, ``state_dict()`` and the first forward call it; call it before
-        reading the weights some other way."""
+        reading or writing the weights some other way (values written before it are drawn over)."""
         deferred = self.deferred_init
         if deferred is None:
             return

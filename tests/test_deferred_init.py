@@ -16,6 +16,7 @@ builds it (each kernel's ``init_parameters``, then each collection's ``reset_par
   equal to the eager model as built: initialised, never zeros;
 - the first forward, ``state_dict()`` and a save draw the values first: the same loss and the same
   checkpoint as the eager model's;
+- the tables a warm start leaves fresh hold the eager build's initial values;
 - ``will_restore=<root>`` defers only when the root holds a committed checkpoint.
 """
 
@@ -215,6 +216,24 @@ def _first_use_worker(rank: int, world_size: int, root: str) -> None:
 
 def test_a_forward_a_state_dict_or_a_save_draws_the_initial_values_first(tmp_path):
     run_ranks(_first_use_worker, 2, args=(str(tmp_path),))
+
+
+def _warm_start_worker(rank: int, world_size: int, root: str) -> None:
+    from cnr_torchrec import warm_start
+
+    _train_and_save(root, rank, PLAIN)
+    (eager, eager_opt), (deferred, deferred_opt) = _built_pair("sparse_nn", seed=8)
+    for dmp in (eager, deferred):
+        report = warm_start(dmp, root, tables=["abc", "scored"])
+        assert sorted(report.tables) == ["abc", "scored"], report
+    assert deferred.deferred_init is None
+    # The tables a warm start leaves fresh hold TorchRec's initial values, bit for bit as an eager build draws them.
+    M.assert_same(M.local_state(deferred, deferred_opt), M.local_state(eager, eager_opt),
+                  f"rank {rank}: a warm start of two tables into a deferred model")
+
+
+def test_the_tables_a_warm_start_leaves_fresh_hold_torchrecs_initial_values(tmp_path):
+    run_ranks(_warm_start_worker, 2, args=(str(tmp_path / "root"),))
 
 
 def _root_worker(rank: int, world_size: int, root: str) -> None:
