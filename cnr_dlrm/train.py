@@ -351,8 +351,9 @@ def _build_job(cfg: JobConfig, device: torch.device, rank: int, world: int) -> _
     model = build_model(cfg.model, stream.table_rows, stream.keys, device)
     sharder = make_sharder(tc.embedding_optimizer, tc.embedding_lr)
     plan = build_plan(model, sharder, world, cfg.model.row_wise_min_rows, device.type)
+    # will_restore: a restarted job's tables wait for its restore instead of being filled with initial values first.
     dmp = CheckNRunDMP(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device, plan=plan,
-                       sharders=[sharder])
+                       sharders=[sharder], will_restore=cfg.checkpoint)
     dense = dense_parameters(dmp, dmp.dirty_tracker.module_fqns())
     dense_opt = _dense_optimizer(tc, [p for _, p in dense])
     dataset = ClickDataset(stream, rank, cfg.data.batch_size, tc.steps, split="train")
