@@ -239,7 +239,8 @@ def build_mc_model(kind: str, world_size: int, *, policy: str = "lfu", optimizer
                    zch_rows: tuple[int, int] = (48, 32), dim: int = 8, eviction_interval: int = 2,
                    input_hash_size: int = 4000, seed: int = 0, weighted: bool = False,
                    shared_feature: bool = False, dmp_cls: type = DistributedModelParallel,
-                   device: torch.device = torch.device("cpu")) -> MCModel:
+                   device: torch.device = torch.device("cpu"), copy_initial: bool = True,
+                   **dmp_kwargs: object) -> MCModel:
     """An ``MCSparseModel`` sharded row_wise over the default group by ``dmp_cls`` (CheckNRunDMP has
     DistributedModelParallel's signature), with ``optimizer`` (a key of ``OPTIMIZERS``) fused into the
     tables and ``policy`` (one of ``POLICIES``) evicting every ``eviction_interval`` steps.
@@ -248,7 +249,8 @@ def build_mc_model(kind: str, world_size: int, *, policy: str = "lfu", optimizer
     copied into the shards, so every world size starts from the same weights (the MC buffers start
     empty everywhere). ``world_size`` must equal the default group's size. ``weighted`` (EBC only) makes
     the EBC take per-id weights (feed it ``mc_batches(..., weighted=True)``); ``shared_feature``: see
-    ``mc_tables``.
+    ``mc_tables``. ``copy_initial=False`` leaves the shards as TorchRec fills them; ``dmp_kwargs`` go to
+    ``dmp_cls``.
     """
     from torchrec.distributed.types import ShardingEnv
     from torchrec.optim.optimizers import in_backward_optimizer_filter
@@ -262,8 +264,9 @@ def build_mc_model(kind: str, world_size: int, *, policy: str = "lfu", optimizer
     mc_fqn = "mc_ebc" if kind == "ebc" else "mc_ec"
     sharders = _sharders(kind, optimizer)
     dmp = dmp_cls(module, env=ShardingEnv.from_process_group(dist.group.WORLD), device=device,
-                  plan=_plan(module, mc_fqn, sharders[0], world_size, device.type), sharders=sharders)
-    copy_initial_weights(dmp, initial)
+                  plan=_plan(module, mc_fqn, sharders[0], world_size, device.type), sharders=sharders, **dmp_kwargs)
+    if copy_initial:
+        copy_initial_weights(dmp, initial)
     dense = [p for _, p in in_backward_optimizer_filter(dmp.named_parameters()) if p.requires_grad]
     return MCModel(dmp=dmp, kind=kind, mc_fqn=mc_fqn, tables=tables, dense_optimizer=torch.optim.SGD(dense, lr=LR),
                    policy=policy, optimizer=optimizer, eviction_interval=eviction_interval,

@@ -16,7 +16,8 @@ builds it (each kernel's ``init_parameters``, then each collection's ``reset_par
   equal to the eager model as built: initialised, never zeros;
 - the first forward, ``state_dict()`` and a save draw the values first: the same loss and the same
   checkpoint as the eager model's;
-- the tables a warm start leaves fresh hold the eager build's initial values;
+- the tables a warm start leaves fresh hold the eager build's initial values, and so do the slots of TorchRec's
+  managed-collision EBC that a restore onto another world size relocates no raw id into;
 - ``will_restore=<root>`` defers only when the root holds a committed checkpoint.
 """
 
@@ -234,6 +235,46 @@ def _warm_start_worker(rank: int, world_size: int, root: str) -> None:
 
 def test_the_tables_a_warm_start_leaves_fresh_hold_torchrecs_initial_values(tmp_path):
     run_ranks(_warm_start_worker, 2, args=(str(tmp_path / "root"),))
+
+
+def _mc_save_worker(rank: int, world_size: int, root: str) -> None:
+    import _mc_models as MC
+
+    from cnr_torchrec import CheckNRunDMP, Checkpointer
+
+    model = MC.build_mc_model("ebc", world_size, dmp_cls=CheckNRunDMP, copy_initial=False)
+    with Checkpointer(model.dmp, _config(root, PLAIN), dense_optimizer=model.dense_optimizer) as ck:
+        for step, batch in enumerate(MC.mc_batches(6, world_size, rank, seed=3, features=model.features), 1):
+            MC.train_step(model, batch)
+            if step % 3 == 0:
+                ck.save(step).wait()
+
+
+def _mc_relocated_worker(rank: int, world_size: int, root: str) -> None:
+    import _mc_models as MC
+
+    from cnr_torchrec import CheckNRunDMP, Checkpointer
+
+    states = []
+    for will_restore in (False, True):
+        model = MC.build_mc_model("ebc", world_size, dmp_cls=CheckNRunDMP, copy_initial=False, seed=9,
+                                  will_restore=will_restore)
+        assert (model.dmp.deferred_init is not None) == will_restore
+        with Checkpointer(model.dmp, _config(root, PLAIN), dense_optimizer=model.dense_optimizer) as ck:
+            ck.restore(per_rank_state="drop")
+        tracker = model.dmp.dirty_tracker
+        states.append({(t, i): k.tbe.split_embedding_weights()[s.local_index].detach().clone()
+                       for t in tracker.tables() for i, (k, s) in enumerate(tracker.shards(t))})
+        assert model.dmp.deferred_init is None
+    M.assert_same(states[1], states[0], f"rank {rank}: managed-collision slots relocated onto 2 ranks")
+
+
+def test_a_managed_collision_restore_that_relocates_slots_leaves_the_empty_ones_initialised(tmp_path):
+    """Saved by 1 rank, restored onto 2: the slots move by raw id, and the slots no raw id fills keep the model's
+    initial values, the deferred model's equal to the eager one's."""
+    root = str(tmp_path / "root")
+    run_ranks(_mc_save_worker, 1, args=(root,))
+    run_ranks(_mc_relocated_worker, 2, args=(root,))
 
 
 def _root_worker(rank: int, world_size: int, root: str) -> None:
