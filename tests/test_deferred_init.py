@@ -25,12 +25,11 @@ from __future__ import annotations
 
 import os
 
+import _torchrec_models as M
 import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
-
-import _torchrec_models as M
 
 pytestmark = pytest.mark.multirank
 
