@@ -15,7 +15,8 @@ Why this is safe:
   overwritten are never read.
 - Everything else that reads the weights replays the calls first: a restore that fails or finds nothing to
   restore, one that relocates managed-collision slots (its empty slots keep their values), a save, a warm
-  start, a partial recovery, ``state_dict()`` and the first forward. They see TorchRec's values bit for bit
+  start, ``state_dict()`` and the first forward. (A partial recovery reloads a replaced rank's shards and
+  broadcasts its data_parallel tables from a survivor, so it overwrites every row too.) They see TorchRec's values bit for bit
   as an eager build gives them: TorchRec's own methods run, in the eager build's order, from the generator
   state the eager build started them from. That state is exact when nothing else draws from the generator
   between the recorded calls (it is checked: a call whose recorded state does not follow from the one before

@@ -109,7 +109,7 @@ class CheckNRunDMP(DistributedModelParallel):
         will_restore: the job restores next, so the fused tables' initial values are not drawn as the
             model is built (:mod:`cnr_torchrec.deferred_init`): True, or a checkpoint root (a path, a URL
             or a :class:`~cnr_torchrec.ckpt.CheckpointConfig`), which defers only when it holds a committed
-            checkpoint on every rank's view. The values are drawn, bit for bit as an eager build draws them,
+            checkpoint on every rank's view (a collective of the default group, like DMP's construction). The values are drawn, bit for bit as an eager build draws them,
             if anything needs them before a restore overwrites them. False (default): drawn as TorchRec
             draws them.
 
@@ -176,7 +176,8 @@ class CheckNRunDMP(DistributedModelParallel):
     def materialize_init(self) -> None:
         """Draws the tables' initial values that ``will_restore`` deferred, if a restore has not overwritten them
         (a no-op otherwise). The Checkpointer, ``state_dict()`` and the first forward call it; call it before
-        reading or writing the weights some other way (values written before it are drawn over)."""
+        reading or writing the weights some other way (values written before it are drawn over). Collective
+        where the model has data_parallel tables (TorchRec broadcasts rank 0's): every rank calls it at once."""
         deferred = self.deferred_init
         if deferred is None:
             return

@@ -529,11 +529,14 @@ class Checkpointer:
         """
         self._check_open("recover")
         failed = self._recovery.check(failed_ranks)
-        self.job.materialize_init()  # a replaced rank takes only its shards' rows: the rest keep initial values
         if self._inflight is not None:
             self._settle(self._inflight)
         self._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
         info, chain = self._recovery.run(failed, step)
+        deferred = self.job.deferred_init
+        if deferred is not None:  # a replaced rank built with will_restore: its shards were reloaded, the
+            deferred.overwritten()  # data_parallel tables broadcast from a survivor; no initial value is read
+            self.job.materialize_init()
         self._continue_chain(chain)
         self._count_restore(chain[-1])
         rec = self._committer.reconstruction
