@@ -16,11 +16,12 @@ Why this is safe:
 - Everything else that reads the weights replays the calls first: a restore that fails or finds nothing to
   restore, one that relocates managed-collision slots (its empty slots keep their values), a save, a warm
   start, ``state_dict()`` and the first forward. (A partial recovery reloads a replaced rank's shards and
-  broadcasts its data_parallel tables from a survivor, so it overwrites every row too.) They see TorchRec's values bit for bit
-  as an eager build gives them: TorchRec's own methods run, in the eager build's order, from the generator
-  state the eager build started them from. That state is exact when nothing else draws from the generator
-  between the recorded calls (it is checked: a call whose recorded state does not follow from the one before
-  it is replayed from its own state, :attr:`DeferredInit.exact` turns False and a warning says so).
+  broadcasts its data_parallel tables from a survivor, so it overwrites every row too.) They see TorchRec's
+  values bit for bit as an eager build gives them: TorchRec's own methods run, in the eager build's order,
+  from the generator state the eager build started them from. That state is exact when nothing else draws from
+  the generator between the recorded calls (it is checked: a call whose recorded state does not follow from
+  the one before it is replayed from its own state, :attr:`DeferredInit.exact` turns False and a warning says
+  so).
 - A collection built from a module that holds its tables' values (not on meta) loads them over the initial
   values as it is built: the calls recorded so far run just before, as they would in an eager build.
 - Modules left on meta (a dense part built there) are reset by DMP after the tables, drawing where an

@@ -109,9 +109,9 @@ class CheckNRunDMP(DistributedModelParallel):
         will_restore: the job restores next, so the fused tables' initial values are not drawn as the
             model is built (:mod:`cnr_torchrec.deferred_init`): True, or a checkpoint root (a path, a URL
             or a :class:`~cnr_torchrec.ckpt.CheckpointConfig`), which defers only when it holds a committed
-            checkpoint on every rank's view (a collective of the default group, like DMP's construction). The values are drawn, bit for bit as an eager build draws them,
-            if anything needs them before a restore overwrites them. False (default): drawn as TorchRec
-            draws them.
+            checkpoint on every rank's view (a collective of the default group, like DMP's construction).
+            The values are drawn, bit for bit as an eager build draws them, if anything needs them before
+            a restore overwrites them. False (default): drawn as TorchRec draws them.
 
     Attributes:
         deferred_init: the :class:`~cnr_torchrec.deferred_init.DeferredInit` of a model built with
