@@ -72,11 +72,13 @@ test: lint $(EMU) $(TEST_DEPS) nvcc-check
 # The named suite on another tested stack, in its own venv (.venv-1.9 for STACK=1.9): tracking on every
 # sharding type and kernel, exact restores of TorchRec's models, managed-collision tables, the pipelines,
 # the dense optimizers, a job's exit, and what reads TorchRec's and FBGEMM's modules from outside a restore (the
-# follower's quantized TBEs and managed-collision modules, warm start); docs/testing.md says why these files.
+# follower's quantized TBEs and managed-collision modules, warm start, will_restore's recording of TorchRec's
+# initialisation); docs/testing.md says why these files.
 STACK_SUITE := tests/test_stack.py tests/test_tracking_ops.py tests/test_tracker_multirank.py \
   tests/test_torchrec_models.py tests/test_managed_collision.py tests/test_pipelines.py \
   tests/test_dense_optimizers.py tests/test_tbe_cache.py tests/test_dropin.py tests/test_quickstart.py \
-  tests/test_exit.py tests/test_publish.py tests/test_publish_mc.py tests/test_warm_start.py
+  tests/test_exit.py tests/test_publish.py tests/test_publish_mc.py tests/test_warm_start.py \
+  tests/test_deferred_init.py
 # The extension is built in place, so the other stack builds in a copy of the tree (.stack-1.9/, refreshed
 # from the working tree each time: an unchanged source keeps its build there).
 test-stack:
