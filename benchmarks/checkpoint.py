@@ -302,7 +302,7 @@ def median_breakdown(breakdowns: list) -> dict[str, float]:
 
 def breakdown_line(b: dict[str, float]) -> str:
     return (f"resolve {b['resolve_ms']:.0f} (manifests {b['manifests_ms']:.0f}), check {b['check_ms']:.0f}, "
-            f"rollback copy {b['snapshot_ms']:.0f}, plan "
+            f"rollback copy {b['snapshot_ms']:.0f}, host copies {b['stage_ms']:.0f}, plan "
             f"{b['plan_ms']:.0f}, apply {b['apply_ms']:.0f} (waiting for reads {b['read_wait_ms']:.0f}), dense and "
             f"per-rank state {b['state_ms']:.0f}, agree {b['agree_ms']:.0f}, residual reconstruction "
             f"{b['reconstruction_ms']:.0f} ms; read {b['bytes_read'] / 1e6:.1f} MB "

@@ -6,6 +6,9 @@
 * ``check_ms``: comparing the chain's tip with the model;
 * ``snapshot_ms``: the host copy of what the restore may overwrite (``restore_rollback``), and
   ``rollback_ms``: putting it back, after a restore that failed;
+* ``stage_ms``: setting up the shards' restore, host copies included: a residual chain adds up into
+  host copies of the shards, zeroed first (new memory, ``staged_copy_bytes`` of it, unless the caller
+  gave buffers), which costs with the shard bytes and the machine's page faults;
 * ``plan_ms``: working out which stored rows of which checkpoints this rank's shards need (reading
   the entries' row ids and claiming rows), and starting their reads;
 * ``apply_ms``: gathering those rows, checking their CRCs, decoding and writing them into the
@@ -43,9 +46,9 @@ from contextlib import contextmanager
 
 __all__ = ["COUNTS", "PHASES", "timed"]
 
-PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "plan_ms", "check_rows_ms", "apply_ms",
-          "read_wait_ms", "relocate_ms", "state_ms", "agree_ms", "commit_ms", "rollback_ms", "reconstruction_ms",
-          "memory_check_ms", "memory_ms")
+PHASES = ("resolve_ms", "manifests_ms", "check_ms", "snapshot_ms", "stage_ms", "plan_ms", "check_rows_ms",
+          "apply_ms", "read_wait_ms", "relocate_ms", "state_ms", "agree_ms", "commit_ms", "rollback_ms",
+          "reconstruction_ms", "memory_check_ms", "memory_ms")
 COUNTS = ("bytes_read", "reads", "minimal_bytes", "from_memory", "memory_ranks", "staged_copy_bytes", "snapshot_bytes")
 
 
