@@ -127,7 +127,6 @@ class DeferredInit:
     def __init__(self) -> None:
         self._pending: list[_Pending] = []
         self._last: dict[torch.device, torch.Tensor] = {}  # the newest recorded state, per generator
-        self._tbes: set[int] = set()  # the FBGEMM TBEs of the recorded kernels
         self.exact = True
 
     # ------------------------------------------------------------------ recording
@@ -221,9 +220,6 @@ class DeferredInit:
                         "eager build gives them, if they are ever initialised", generator, type(module).__name__)
         self._last[generator] = state
         self._pending.append(_Pending(module, method, generator, None if follows else state))
-        tbe = getattr(module, "emb_module", None)
-        if isinstance(tbe, nn.Module):
-            self._tbes.add(id(tbe))
 
     # ------------------------------------------------------------------ queries
 
@@ -234,7 +230,7 @@ class DeferredInit:
 
     def defers(self, tbe: nn.Module) -> bool:
         """Whether FBGEMM TBE ``tbe``'s weights still wait for their initial values."""
-        return bool(self._pending) and id(tbe) in self._tbes
+        return any(getattr(p.module, "emb_module", None) is tbe for p in self._pending)
 
     # ------------------------------------------------------------------ ends
 
@@ -247,7 +243,7 @@ class DeferredInit:
         """Runs the recorded calls. ``keep_stream``: leave the generators where the calls end (the model is still
         being built, and an eager build's stream is there now), else put them back as they were."""
         pending, self._pending = self._pending, []
-        self._tbes, self._last = set(), {}
+        self._last = {}
         if not pending:
             return
         saved = {g: _generator_state(g) for g in {p.generator for p in pending}}
@@ -265,4 +261,3 @@ class DeferredInit:
     def overwritten(self) -> None:
         """A restore wrote every row of every recorded table: nothing is left to draw."""
         self._pending = []
-        self._tbes = set()

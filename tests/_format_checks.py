@@ -11,6 +11,17 @@ from cnr_torchrec.ckpt.format.bytes.payload import BlobWriter, flatten_state, un
 from cnr_torchrec.ckpt.format.schema import check_payload
 
 
+def flip_bytes(path: str, every: int = 512, first: int | None = None) -> None:
+    """Damages the file at ``path`` in place: flips every bit of one byte in every ``every``, from byte ``first``
+    (half of ``every`` unless given), so that each CRC group or chunk it spans fails its check."""
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        for at in range(every // 2 if first is None else first, len(data), every):
+            data[at] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+
+
 def xxh3_reference(data: bytes) -> str:
     """XXH3-128 from xxhash's own binding of the reference C library, as hex."""
     return xxhash.xxh3_128_hexdigest(bytes(data))

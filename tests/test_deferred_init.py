@@ -30,6 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _dist import run_ranks
+from _format_checks import flip_bytes
 
 pytestmark = pytest.mark.multirank
 
@@ -152,12 +153,7 @@ def _damage_rank1_files(root: str) -> None:
         for d in sorted(os.listdir(root)):
             name = os.path.join(root, d, "rank-00001.bin")
             if d.startswith("ckpt-") and os.path.exists(name):
-                with open(name, "r+b") as f:
-                    data = bytearray(f.read())
-                    for at in range(256, len(data), 512):
-                        data[at] ^= 0xFF
-                    f.seek(0)
-                    f.write(data)
+                flip_bytes(name)
     dist.barrier()
 
 

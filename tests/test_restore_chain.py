@@ -23,6 +23,7 @@ import shutil
 
 import pytest
 import torch
+from _format_checks import flip_bytes
 from _toy import Reader, build_dmp, local_state, train
 from test_restore_apply import rule_reference
 
@@ -187,13 +188,7 @@ def test_a_staged_plain_chain_stages_into_the_buffers_it_is_given(plain):
 
 def _damage_rows(root: str, ckpt: int) -> None:
     """Flips a byte in every 256 of checkpoint ``ckpt``'s rank file: its rows fail their CRCs."""
-    path = os.path.join(root, f"ckpt-{ckpt:08d}", "rank-00000.bin")
-    with open(path, "r+b") as f:
-        data = bytearray(f.read())
-        for at in range(128, len(data), 256):
-            data[at] ^= 0xFF
-        f.seek(0)
-        f.write(data)
+    flip_bytes(os.path.join(root, f"ckpt-{ckpt:08d}", "rank-00000.bin"), every=256)
 
 
 @pytest.mark.parametrize("stage", [True, False], ids=["staged", "in_place"])

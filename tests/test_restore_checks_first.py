@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import os
 
+import _torchrec_models as M
 import pytest
-import torch
 import torch.distributed as dist
 from _dist import run_ranks
-
-import _torchrec_models as M
+from _format_checks import flip_bytes
 
 PLAIN = {"method": "none", "residual": False}  # float32 rows: the restore is the saving model's state
 CODED = {"method": "adaptive", "bits": 4, "residual": False}  # 4-bit rows, every delta a whole copy of its rows
@@ -101,13 +100,7 @@ def test_a_checked_first_restore_gives_the_in_place_restores_bits_on_every_plan(
 def _damage_chunk(root: str, ckpt: int, rank_file: str) -> None:
     """Flips one byte in every 512 of one rank file of checkpoint ``ckpt`` (rank 0 edits, all wait)."""
     if dist.get_rank() == 0:
-        path = os.path.join(root, f"ckpt-{ckpt:08d}", rank_file)
-        with open(path, "r+b") as f:
-            data = bytearray(f.read())
-            for at in range(256, len(data), 512):
-                data[at] ^= 0xFF
-            f.seek(0)
-            f.write(data)
+        flip_bytes(os.path.join(root, f"ckpt-{ckpt:08d}", rank_file))
     dist.barrier()
 
 

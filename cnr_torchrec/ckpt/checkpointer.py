@@ -533,10 +533,8 @@ class Checkpointer:
             self._settle(self._inflight)
         self._compactor.drop("a partial recovery")  # the failed ranks' trackers restart: a fold would miss their rows
         info, chain = self._recovery.run(failed, step)
-        deferred = self.job.deferred_init
-        if deferred is not None:  # a replaced rank built with will_restore: its shards were reloaded, the
-            deferred.overwritten()  # data_parallel tables broadcast from a survivor; no initial value is read
-            self.job.materialize_init()
+        # A replaced rank built with will_restore: its shards were reloaded, its data_parallel tables broadcast.
+        self.job.init_overwritten()
         self._continue_chain(chain)
         self._count_restore(chain[-1])
         rec = self._committer.reconstruction

@@ -63,6 +63,13 @@ class JobState:
         deferred = getattr(self.model, "deferred_init", None)
         return deferred if isinstance(deferred, DeferredInit) and deferred.pending else None
 
+    def init_overwritten(self) -> None:
+        """A restore wrote every row of the model's tables: the initial values it deferred are never drawn."""
+        deferred = self.deferred_init
+        if deferred is not None:
+            deferred.overwritten()
+            self.materialize_init()  # draws nothing now; the model lets go of its record
+
     def materialize_init(self) -> None:
         """Draws the initial values the model deferred (a no-op when none are pending)."""
         materialize = getattr(self.model, "materialize_init", None)

@@ -119,10 +119,7 @@ class Restorer:
         assert chain is not None  # an attempt every rank succeeded in loaded its manifests
         with timed(self.stats, "commit_ms"):
             self._commit(staged, ids[-1])  # every rank succeeded: the staged or checked rows go into the model
-        deferred = self.job.deferred_init
-        if deferred is not None:  # every row of its tables was restored: their initial values are never drawn
-            deferred.overwritten()
-            self.job.materialize_init()
+        self.job.init_overwritten()  # every row of the tables was restored (will_restore's values never drawn)
         self._hear_sources(chain[-1].id)
         return chain, bad, staged.by_key()
 
